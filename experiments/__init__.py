@@ -1,0 +1,34 @@
+"""Experiments by name: each is a function returning an `ExperimentConfig`; sweeps return a dict.
+
+  make train EXP=<name> ARGS="field.path=value ..."
+"""
+
+from collections.abc import Callable
+
+from experiments import aime, tiny
+from vapo_jax.config import ConfigError, ExperimentConfig
+
+EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
+    "tiny": tiny.tiny,
+    "aime": aime.vapo,
+    "aime_ppo": aime.ppo,
+    "aime_grpo": aime.grpo,
+    "aime_dapo": aime.dapo,
+}
+
+SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
+    "aime_baselines": aime.baselines,
+    "aime_ablations": aime.ablations,
+}
+
+
+def get_experiment(name: str) -> ExperimentConfig:
+  """The experiment registered as `name`, or the member `name` of a registered sweep."""
+  if name in EXPERIMENTS:
+    return EXPERIMENTS[name]()
+  for sweep in SWEEPS.values():
+    members = sweep()
+    if name in members:
+      return members[name]
+  known = sorted(EXPERIMENTS) + sorted(n for s in SWEEPS.values() for n in s())
+  raise ConfigError(f"unknown experiment {name!r}; known: {', '.join(known)}")

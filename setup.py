@@ -1,0 +1,24 @@
+"""vapo_jax: VAPO (Value-based Augmented PPO) for LLM reasoning RL, in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="vapo_jax",
+    version="0.1.0",
+    description="VAPO and its baselines (PPO, GRPO, DAPO) for long chain-of-thought RL in JAX/Flax",
+    packages=setuptools.find_packages(include=["vapo_jax", "vapo_jax.*", "experiments"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.6.0,<0.13",
+        "flax>=0.11.0,<0.13",
+        "optax>=0.2.4,<0.3",
+        "orbax-checkpoint>=0.11.0,<0.13",
+        "transformers>=4.51,<6",
+        "numpy>=1.26,<3",
+        # Hugging Face checkpoints are safetensors files; read and written without torch.
+        "safetensors>=0.4.3,<0.9",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+    },
+)

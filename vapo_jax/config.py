@@ -1,0 +1,274 @@
+"""Configuration dataclasses: every setting of a run, declared once.
+
+All configs are frozen, keyword-only dataclasses. Invalid values are rejected at construction
+with a message naming the field and its valid range; derived values are properties. Each VAPO
+technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace`:
+
+  1. value pretraining        `value_pretrain_steps` (0 disables)
+  2. decoupled GAE            `decoupled_gae` (critic targets use `lam_critic`, else λ_actor)
+  3. length-adaptive GAE      `length_adaptive_alpha` (None: fixed `lam_actor`)
+  4. clip-higher              `eps_high` (= `eps_low` is symmetric PPO)
+  5. token-level loss         `loss_agg` ("token-mean")
+  6. positive-example LM loss `positive_nll_coef` (0 disables)
+  7. group sampling           `RolloutConfig.samples_per_prompt` (1 disables)
+"""
+
+import dataclasses
+from typing import Literal
+
+from vapo_jax.losses import KLEstimator, LossAggregation
+
+frozen = dataclasses.dataclass(frozen=True, kw_only=True)
+
+
+class ConfigError(ValueError):
+  """An invalid configuration value."""
+
+
+def _require(ok: bool, owner: object, field: str, message: str, value: object) -> None:
+  if not ok:
+    raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}")
+
+
+def _in_range(owner, field: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> None:
+  value = getattr(owner, field)
+  above = value > lo if lo_open else value >= lo
+  below = value < hi if hi_open else value <= hi
+  interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+  _require(above and below, owner, field, f"must be in {interval}", value)
+
+
+def _positive_int(owner, field: str, *, allow_zero: bool = False) -> None:
+  value = getattr(owner, field)
+  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+  _require(ok, owner, field, "must be an integer " + (">= 0" if allow_zero else ">= 1"), value)
+
+
+@frozen
+class AlgoConfig:
+  """The RL algorithm: advantage estimation, losses and update schedule. Defaults are VAPO's."""
+
+  estimator: Literal["gae", "group"] = "gae"  # "gae": critic + GAE (PPO, VAPO); "group": GRPO/DAPO.
+  gamma: float = 1.0  # Discount γ per response token.
+  lam_actor: float = 0.95  # Actor λ when `length_adaptive_alpha` is None.
+  lam_critic: float = 1.0  # Critic λ for value targets when `decoupled_gae` (VAPO: 1.0).
+  decoupled_gae: bool = True  # Technique 2: critic targets with λ_critic; False uses λ_actor.
+  length_adaptive_alpha: float | None = 0.05  # Technique 3: λ_actor = 1 − 1/(α·l); None: fixed.
+  value_pretrain_steps: int = 50  # Technique 1: critic-only steps on λ=1 returns before RL.
+  eps_low: float = 0.2  # Lower PPO clip: ratio ≥ 1 − eps_low.
+  eps_high: float = 0.28  # Technique 4 (clip-higher): ratio ≤ 1 + eps_high.
+  dual_clip: float | None = None  # Dual-clip constant c > 1 for negative advantages; None: off.
+  loss_agg: LossAggregation = "token-mean"  # Technique 5: policy-loss aggregation.
+  positive_nll_coef: float = 0.1  # Technique 6: μ, weight of the NLL on correct responses.
+  whiten_advantages: bool = True  # Batch-wide whitening of GAE advantages over valid tokens.
+  group_std_normalize: bool = True  # "group" estimator: divide by the group std (False: Dr. GRPO).
+  value_clip: float | None = None  # Clip range of the value loss around old values; None: off.
+  dynamic_sampling: bool = False  # DAPO: keep only groups with accuracy strictly in (0, 1).
+  dynamic_sampling_max_rounds: int = 10  # Cap on extra sampling rounds to fill the batch.
+  overlong_buffer_tokens: int = 0  # DAPO soft overlong penalty buffer below the max length; 0: off.
+  overlong_penalty_factor: float = 1.0  # Penalty at the max length (linear over the buffer).
+  kl_coef: float = 0.0  # Weight of KL(π ‖ π_ref) in the actor loss; 0: no reference policy.
+  kl_estimator: KLEstimator = "k3"  # Per-token KL estimator.
+  entropy_coef: float = 0.0  # Entropy bonus weight.
+  ppo_epochs: int = 1  # Passes over each rollout batch.
+  mini_batch_responses: int = 512  # Responses per optimizer update.
+  micro_batch_responses: int | None = None  # Gradient-accumulation chunk; None: whole mini-batch.
+
+  def __post_init__(self):
+    _in_range(self, "gamma", 0.0, 1.0)
+    _in_range(self, "lam_actor", 0.0, 1.0)
+    _in_range(self, "lam_critic", 0.0, 1.0)
+    if self.length_adaptive_alpha is not None:
+      _require(self.length_adaptive_alpha > 0, self, "length_adaptive_alpha", "must be > 0 or None",
+               self.length_adaptive_alpha)
+    _positive_int(self, "value_pretrain_steps", allow_zero=True)
+    _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
+    _in_range(self, "eps_high", 0.0, 10.0)
+    if self.dual_clip is not None:
+      _require(self.dual_clip > 1, self, "dual_clip", "must be > 1 or None", self.dual_clip)
+    _in_range(self, "positive_nll_coef", 0.0, 100.0)
+    if self.value_clip is not None:
+      _require(self.value_clip > 0, self, "value_clip", "must be > 0 or None", self.value_clip)
+    _positive_int(self, "dynamic_sampling_max_rounds", allow_zero=True)
+    _positive_int(self, "overlong_buffer_tokens", allow_zero=True)
+    _in_range(self, "overlong_penalty_factor", 0.0, 100.0)
+    _in_range(self, "kl_coef", 0.0, 100.0)
+    _in_range(self, "entropy_coef", 0.0, 100.0)
+    _positive_int(self, "ppo_epochs")
+    _positive_int(self, "mini_batch_responses")
+    if self.micro_batch_responses is not None:
+      _positive_int(self, "micro_batch_responses")
+      _require(self.mini_batch_responses % self.micro_batch_responses == 0, self,
+               "micro_batch_responses", f"must divide mini_batch_responses={self.mini_batch_responses}",
+               self.micro_batch_responses)
+    if self.estimator == "group":
+      _require(self.value_pretrain_steps == 0, self, "value_pretrain_steps",
+               "must be 0 with estimator='group' (there is no critic to pretrain)",
+               self.value_pretrain_steps)
+
+  @property
+  def uses_critic(self) -> bool:
+    return self.estimator == "gae"
+
+
+@frozen
+class OptimizerConfig:
+  """AdamW with linear warm-up then a constant learning rate, for actor and critic."""
+
+  actor_lr: float = 1e-6  # Peak actor learning rate.
+  critic_lr: float = 2e-6  # Peak critic learning rate.
+  warmup_steps: int = 10  # Linear warm-up, in optimizer updates, then constant.
+  weight_decay: float = 0.01  # Decoupled weight decay.
+  b1: float = 0.9  # Adam β1.
+  b2: float = 0.999  # Adam β2.
+  eps: float = 1e-8  # Adam ε.
+  max_grad_norm: float | None = 1.0  # Global-norm gradient clipping; None: off.
+
+  def __post_init__(self):
+    _in_range(self, "actor_lr", 0.0, 1.0, lo_open=True)
+    _in_range(self, "critic_lr", 0.0, 1.0, lo_open=True)
+    _positive_int(self, "warmup_steps", allow_zero=True)
+    _in_range(self, "weight_decay", 0.0, 1.0)
+    _in_range(self, "b1", 0.0, 1.0, hi_open=True)
+    _in_range(self, "b2", 0.0, 1.0, hi_open=True)
+    _in_range(self, "eps", 0.0, 1.0, lo_open=True)
+    if self.max_grad_norm is not None:
+      _require(self.max_grad_norm > 0, self, "max_grad_norm", "must be > 0 or None", self.max_grad_norm)
+
+
+@frozen
+class RolloutConfig:
+  """Sampling of training responses (technique 7: group sampling)."""
+
+  prompts_per_step: int = 512  # P: prompts drawn per RL step.
+  samples_per_prompt: int = 16  # G: responses sampled per prompt (1: no group sampling).
+  max_prompt_tokens: int = 2048  # Longer prompts are rejected when the data is loaded.
+  max_response_tokens: int = 20480  # Generation stops here (finish reason "length").
+  temperature: float = 1.0  # Sampling temperature (0: greedy).
+  top_p: float = 1.0  # Nucleus sampling mass (1: off).
+  top_k: int = 0  # Top-k sampling (0: off).
+
+  def __post_init__(self):
+    _positive_int(self, "prompts_per_step")
+    _positive_int(self, "samples_per_prompt")
+    _positive_int(self, "max_prompt_tokens")
+    _positive_int(self, "max_response_tokens")
+    _in_range(self, "temperature", 0.0, 100.0)
+    _in_range(self, "top_p", 0.0, 1.0, lo_open=True)
+    _positive_int(self, "top_k", allow_zero=True)
+
+  @property
+  def responses_per_step(self) -> int:
+    return self.prompts_per_step * self.samples_per_prompt
+
+
+@frozen
+class RewardConfig:
+  """Verifier reward, given on the last response token."""
+
+  correct: float = 1.0  # Reward when the verifier judges the answer equivalent.
+  incorrect: float = -1.0  # Reward otherwise (including no answer and verifier time-outs).
+
+  def __post_init__(self):
+    _require(self.correct > self.incorrect, self, "correct", f"must exceed incorrect={self.incorrect}",
+             self.correct)
+
+
+@frozen
+class DataConfig:
+  """Training prompts."""
+
+  train_path: str | None = None  # jsonl / json / parquet file of (prompt, answer) rows.
+  seed: int = 0  # Shuffling seed.
+  skip_bad_rows: bool = False  # Warn and skip malformed rows instead of failing.
+
+  def __post_init__(self):
+    _positive_int(self, "seed", allow_zero=True)
+
+
+@frozen
+class EvalConfig:
+  """Held-out evaluation (the paper: AIME 2024 avg@32 at temperature 1.0, top-p 0.7)."""
+
+  path: str | None = None  # Evaluation problems; None: no evaluation.
+  samples_per_problem: int = 32  # k of avg@k.
+  temperature: float = 1.0  # Sampling temperature.
+  top_p: float = 0.7  # Nucleus sampling mass.
+  every_steps: int = 50  # Evaluate every this many RL steps (0: only at the end).
+
+  def __post_init__(self):
+    _positive_int(self, "samples_per_problem")
+    _in_range(self, "temperature", 0.0, 100.0)
+    _in_range(self, "top_p", 0.0, 1.0, lo_open=True)
+    _positive_int(self, "every_steps", allow_zero=True)
+
+
+@frozen
+class ModelConfig:
+  """Policy and critic networks."""
+
+  checkpoint: str | None = None  # Hugging Face checkpoint directory of the initial policy.
+  critic_checkpoint: str | None = None  # Critic's own checkpoint; None: copy the policy backbone.
+  preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
+  dtype: Literal["float32", "bfloat16"] = "bfloat16"  # Compute dtype.
+  param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameter storage dtype.
+  remat: bool = True  # Rematerialise each layer's activations in the backward pass.
+
+
+@frozen
+class MeshConfig:
+  """Device mesh (data, fsdp, tensor) and the sharding preset mapping logical axes onto it."""
+
+  preset: Literal["dp", "fsdp", "fsdp_tp"] = "fsdp"  # Logical-axis → mesh-axis rules.
+  data: int = -1  # Data-parallel size; -1 fills the devices left over.
+  fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
+  tensor: int = 1  # Tensor-parallel size.
+
+  def __post_init__(self):
+    for name in ("data", "fsdp", "tensor"):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and (value >= 1 or value == -1), self, name,
+               "must be a positive integer or -1 (fill)", value)
+    _require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
+             "allows at most one axis of -1", (self.data, self.fsdp, self.tensor))
+
+
+@frozen
+class ExperimentConfig:
+  """A whole run."""
+
+  name: str  # Run name (the run directory's default name).
+  seed: int = 0  # Seed of every PRNG stream of the run.
+  rl_steps: int = 1000  # RL steps (each: one rollout batch and its PPO updates).
+  run_dir: str = "runs"  # Parent directory of the run directory.
+  model: ModelConfig = ModelConfig()
+  algo: AlgoConfig = AlgoConfig()
+  optim: OptimizerConfig = OptimizerConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  reward: RewardConfig = RewardConfig()
+  data: DataConfig = DataConfig()
+  eval: EvalConfig = EvalConfig()
+  mesh: MeshConfig = MeshConfig()
+
+  def __post_init__(self):
+    _require(bool(self.name), self, "name", "must be non-empty", self.name)
+    _positive_int(self, "seed", allow_zero=True)
+    _positive_int(self, "rl_steps", allow_zero=True)
+    responses = self.rollout.responses_per_step
+    _require(responses % self.algo.mini_batch_responses == 0, self, "algo.mini_batch_responses",
+             f"must divide the responses per step ({self.rollout.prompts_per_step} prompts × "
+             f"{self.rollout.samples_per_prompt} samples = {responses})", self.algo.mini_batch_responses)
+    if self.algo.estimator == "group":
+      _require(self.rollout.samples_per_prompt > 1, self, "rollout.samples_per_prompt",
+               "must be > 1 with algo.estimator='group' (advantages are relative to the group)",
+               self.rollout.samples_per_prompt)
+    if self.algo.overlong_buffer_tokens:
+      _require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
+               "algo.overlong_buffer_tokens",
+               f"must be below rollout.max_response_tokens={self.rollout.max_response_tokens}",
+               self.algo.overlong_buffer_tokens)
+
+  @property
+  def updates_per_step(self) -> int:
+    """Optimizer updates per RL step (the paper: 8192 / 512 = 16)."""
+    return self.algo.ppo_epochs * self.rollout.responses_per_step // self.algo.mini_batch_responses

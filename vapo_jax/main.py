@@ -1,0 +1,85 @@
+"""`make train` entry point: resolve an experiment, write its config, run it.
+
+  python -m vapo_jax.main --exp tiny [field.path=value ...]
+  python -m vapo_jax.main --exp aime --help      (every field with its current value)
+
+The trainer is not built yet (issue: "The trainer"). Until it is, this runs the VAPO advantage and
+loss math on a synthetic rollout batch shaped by the experiment's config, and says so.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from vapo_jax import overrides
+from vapo_jax.config import ConfigError, ExperimentConfig
+
+
+def _usage(config: ExperimentConfig) -> str:
+  lines = ["usage: python -m vapo_jax.main [--exp NAME] [field.path=value ...]", "", "fields:"]
+  for path, (_, value) in overrides.field_paths(config).items():
+    lines.append(f"  {path} = {value!r}")
+  return "\n".join(lines)
+
+
+def resolve(argv: list[str]) -> tuple[ExperimentConfig, bool]:
+  """Parses `--exp NAME`, `--help` and overrides into a validated config."""
+  import experiments  # The registry lives beside the package, at the repository's top level.
+
+  name, rest, want_help = "tiny", [], False
+  args = iter(argv)
+  for arg in args:
+    if arg in ("-h", "--help"):
+      want_help = True
+    elif arg == "--exp":
+      name = next(args, "")
+    elif arg.startswith("--exp="):
+      name = arg.split("=", 1)[1]
+    else:
+      rest.append(arg)
+  config = experiments.get_experiment(name or "tiny")
+  return overrides.apply_overrides(config, rest), want_help
+
+
+def write_resolved_config(config: ExperimentConfig) -> str:
+  """Writes `<run_dir>/<name>/config.json` and returns the run directory."""
+  run_dir = os.path.join(config.run_dir, config.name)
+  os.makedirs(run_dir, exist_ok=True)
+  path = os.path.join(run_dir, "config.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump(dataclasses.asdict(config), f, indent=2)
+  os.replace(path + ".tmp", path)
+  return run_dir
+
+
+def main(argv: list[str]) -> int:
+  try:
+    config, want_help = resolve(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if want_help:
+    print(_usage(config))
+    return 0
+  run_dir = write_resolved_config(config)
+  print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
+  from vapo_jax import synthetic  # Imports JAX; kept off the `--help` path.
+
+  start = time.perf_counter()
+  metrics = synthetic.run_math_on_synthetic_batch(config)
+  print("NOTE: the trainer does not exist yet; these numbers come from the VAPO advantage and loss")
+  print("      functions applied to a synthetic rollout batch (random lengths, verifier outcomes,")
+  print("      values and log-probs), not from a model.")
+  width = max(map(len, metrics))
+  for key, value in metrics.items():
+    print(f"  {key:<{width}}  {value: .6g}")
+  with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 0, "source": "synthetic", **metrics}) + "\n")
+  print(f"done in {time.perf_counter() - start:.1f}s; metrics appended to {run_dir}/metrics.jsonl")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

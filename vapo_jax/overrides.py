@@ -1,0 +1,90 @@
+"""Command-line overrides of any config field: `algo.eps_high=0.3 rollout.top_p=0.9`.
+
+Field paths and value types come from the dataclasses themselves, so nothing is declared twice.
+Unknown fields and values that do not parse as the field's type are errors naming the field.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+from vapo_jax.config import ConfigError
+
+_NONE = ("none", "null")
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+def _parse(text: str, annotation: Any, path: str) -> Any:
+  origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    if type(None) in args and text.lower() in _NONE:
+      return None
+    errors = []
+    for option in (a for a in args if a is not type(None)):
+      try:
+        return _parse(text, option, path)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError("; ".join(errors))
+  if origin is Literal:
+    if text not in args:
+      raise ConfigError(f"{path} must be one of {list(args)}, got {text!r}")
+    return text
+  if origin is tuple:
+    parts = [p for p in text.split(",") if p.strip()]
+    return tuple(_parse(p.strip(), args[0], path) for p in parts)
+  if annotation is bool:
+    if text.lower() in _TRUE:
+      return True
+    if text.lower() in _FALSE:
+      return False
+    raise ConfigError(f"{path} must be true or false, got {text!r}")
+  if annotation in (int, float):
+    try:
+      return annotation(text)
+    except ValueError:
+      raise ConfigError(f"{path} must be {annotation.__name__}, got {text!r}") from None
+  if annotation is str:
+    return text
+  raise ConfigError(f"{path} has type {annotation}, which cannot be set from the command line")
+
+
+def field_paths(config: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+  """Every settable leaf `path -> (type, current value)`, in declaration order."""
+  hints = typing.get_type_hints(type(config))
+  paths = {}
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if dataclasses.is_dataclass(value):
+      paths |= field_paths(value, f"{prefix}{field.name}.")
+    else:
+      paths[prefix + field.name] = (hints[field.name], value)
+  return paths
+
+
+def _set(config: Any, path: list[str], value: Any) -> Any:
+  head, *rest = path
+  if rest:
+    return dataclasses.replace(config, **{head: _set(getattr(config, head), rest, value)})
+  return dataclasses.replace(config, **{head: value})
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> Any:
+  """Returns `config` with each `path=value` (a leading `--` is allowed) applied in order."""
+  known = field_paths(config)
+  for item in overrides:
+    key, sep, text = item.removeprefix("--").partition("=")
+    key = key.replace("-", "_")
+    if not sep:
+      raise ConfigError(f"override {item!r} is not of the form field.path=value")
+    if key not in known:
+      close = difflib.get_close_matches(key, known, n=3)
+      hint = f" (did you mean {', '.join(close)}?)" if close else ""
+      raise ConfigError(f"unknown config field {key!r}{hint}; `--help` lists every field")
+    value = _parse(text, known[key][0], key)
+    config = _set(config, key.split("."), value)
+    known = field_paths(config)
+  return config
