@@ -1,0 +1,39 @@
+# vapo_jax: every target installs what it needs into .venv first (once; a stamp file records it).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp-install
+EXP ?= tiny
+ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-slow bench clean
+
+help:  ## List the targets.
+	@echo "vapo_jax make targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "Variables: EXP=<experiment> (default tiny), ARGS=\"field.path=value ...\" (config overrides)"
+
+$(STAMP): setup.py
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
+
+train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
+	$(PY) -m vapo_jax.main --exp $(EXP) $(ARGS)
+
+test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded).
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)  ## Run only the tests marked slow.
+	$(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]  # 5: no test is marked slow yet
+
+bench: $(STAMP)  ## Print the benchmark tables (GAE against its baselines).
+	$(PY) -m benchmarks.gae_bench
+
+clean:  ## Remove .venv, caches and runs/.
+	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info

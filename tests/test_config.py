@@ -1,0 +1,145 @@
+"""Config validation, overrides, the experiment registry and the `make train` entry point."""
+
+import dataclasses
+import json
+
+import pytest
+
+import experiments
+from experiments import aime
+from vapo_jax import main, overrides
+from vapo_jax.config import (AlgoConfig, ConfigError, EvalConfig, ExperimentConfig, MeshConfig,
+                             OptimizerConfig, RewardConfig, RolloutConfig)
+
+
+@pytest.mark.parametrize("factory,field,value,message", [
+    (AlgoConfig, "eps_low", 1.5, r"AlgoConfig.eps_low must be in \[0.0, 1.0\)"),
+    (AlgoConfig, "gamma", -0.1, r"AlgoConfig.gamma must be in \[0.0, 1.0\]"),
+    (AlgoConfig, "lam_critic", 1.2, r"AlgoConfig.lam_critic must be in"),
+    (AlgoConfig, "length_adaptive_alpha", 0.0, r"AlgoConfig.length_adaptive_alpha must be > 0"),
+    (AlgoConfig, "dual_clip", 0.5, r"AlgoConfig.dual_clip must be > 1"),
+    (AlgoConfig, "ppo_epochs", 0, r"AlgoConfig.ppo_epochs must be an integer >= 1"),
+    (AlgoConfig, "value_pretrain_steps", -1, r"AlgoConfig.value_pretrain_steps must be an integer >= 0"),
+    (AlgoConfig, "micro_batch_responses", 7, r"AlgoConfig.micro_batch_responses must divide"),
+    (OptimizerConfig, "actor_lr", 0.0, r"OptimizerConfig.actor_lr must be in \(0.0, 1.0\]"),
+    (RolloutConfig, "top_p", 0.0, r"RolloutConfig.top_p must be in \(0.0, 1.0\]"),
+    (RolloutConfig, "samples_per_prompt", 0, r"RolloutConfig.samples_per_prompt must be an integer"),
+    (RewardConfig, "correct", -2.0, r"RewardConfig.correct must exceed incorrect"),
+    (EvalConfig, "samples_per_problem", 0, r"EvalConfig.samples_per_problem"),
+    (MeshConfig, "tensor", 0, r"MeshConfig.tensor must be a positive integer or -1"),
+])
+def test_bad_values_fail_at_construction(factory, field, value, message):
+  with pytest.raises(ConfigError, match=message):
+    factory(**{field: value})
+
+
+def test_configs_are_frozen_and_keyword_only():
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    AlgoConfig().eps_low = 0.1  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    AlgoConfig(0.2)  # type: ignore[misc]
+
+
+def test_cross_field_checks():
+  with pytest.raises(ConfigError, match="value_pretrain_steps must be 0 with estimator='group'"):
+    AlgoConfig(estimator="group")
+  with pytest.raises(ConfigError, match="algo.mini_batch_responses must divide the responses per step"):
+    ExperimentConfig(name="x", rollout=RolloutConfig(prompts_per_step=3, samples_per_prompt=5))
+  with pytest.raises(ConfigError, match="rollout.samples_per_prompt must be > 1"):
+    ExperimentConfig(name="x", algo=AlgoConfig(estimator="group", value_pretrain_steps=0),
+                     rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=1))
+
+
+def test_paper_setting():
+  config = aime.vapo()
+  a = config.algo
+  assert (a.eps_low, a.eps_high, a.positive_nll_coef, a.length_adaptive_alpha) == (0.2, 0.28, 0.1, 0.05)
+  assert (a.lam_critic, a.gamma, a.value_pretrain_steps, a.loss_agg, a.kl_coef) == (1.0, 1.0, 50, "token-mean", 0.0)
+  assert (config.optim.actor_lr, config.optim.critic_lr) == (1e-6, 2e-6)
+  assert config.rollout.responses_per_step == 8192 and config.updates_per_step == 16
+  assert (config.eval.samples_per_problem, config.eval.top_p, config.eval.temperature) == (32, 0.7, 1.0)
+  assert config.rollout.max_response_tokens == 20480
+
+
+def test_each_ablation_changes_exactly_one_technique():
+  base = dataclasses.asdict(aime.vapo())
+  flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
+  base_flat = flat(base)
+  expected = {
+      "no_value_pretraining": {"algo.value_pretrain_steps"},
+      "no_decoupled_gae": {"algo.decoupled_gae"},
+      "no_length_adaptive_gae": {"algo.length_adaptive_alpha"},
+      "no_clip_higher": {"algo.eps_high"},
+      "no_token_level_loss": {"algo.loss_agg"},
+      "no_positive_nll": {"algo.positive_nll_coef"},
+      "no_group_sampling": {"rollout.prompts_per_step", "rollout.samples_per_prompt"},
+  }
+  sweep = aime.ablations()
+  assert len(sweep) == 7
+  for key, fields in expected.items():
+    config = sweep[f"aime_vapo_{key}"]
+    changed = {k for k, v in flat(dataclasses.asdict(config)).items() if v != base_flat[k]} - {"name"}
+    assert changed == fields, key
+    assert config.rollout.responses_per_step == 8192
+
+
+def test_baselines():
+  ppo, grpo, dapo = aime.ppo(), aime.grpo(), aime.dapo()
+  assert (ppo.algo.lam_actor, ppo.algo.lam_critic, ppo.algo.length_adaptive_alpha) == (0.95, 0.95, None)
+  assert (ppo.algo.eps_high, ppo.algo.loss_agg, ppo.algo.value_pretrain_steps) == (0.2, "seq-mean-token-mean", 0)
+  assert (ppo.rollout.prompts_per_step, ppo.rollout.samples_per_prompt) == (8192, 1)
+  assert grpo.algo.estimator == "group" and not grpo.algo.uses_critic
+  assert dapo.algo.dynamic_sampling and dapo.algo.overlong_buffer_tokens == 4096
+  assert (dapo.algo.eps_high, dapo.algo.loss_agg) == (0.28, "token-mean")
+
+
+def test_registry():
+  for name in list(experiments.EXPERIMENTS) + ["aime_vapo_no_clip_higher", "aime_grpo"]:
+    assert isinstance(experiments.get_experiment(name), ExperimentConfig)
+  with pytest.raises(ConfigError, match="unknown experiment 'nope'"):
+    experiments.get_experiment("nope")
+
+
+def test_overrides():
+  config = overrides.apply_overrides(aime.vapo(), [
+      "algo.eps_high=0.3", "--algo.dual-clip=3", "algo.length_adaptive_alpha=none",
+      "model.checkpoint=/ckpt", "algo.decoupled_gae=false", "rollout.top_k=20"])
+  assert config.algo.eps_high == 0.3 and config.algo.dual_clip == 3.0
+  assert config.algo.length_adaptive_alpha is None and not config.algo.decoupled_gae
+  assert config.model.checkpoint == "/ckpt" and config.rollout.top_k == 20
+  assert len(overrides.field_paths(config)) > 50
+
+
+@pytest.mark.parametrize("item,message", [
+    ("algo.eps_hi=0.3", r"unknown config field 'algo.eps_hi' \(did you mean algo.eps_high"),
+    ("nonsense=1", r"unknown config field 'nonsense'"),
+    ("algo.eps_low=2", r"AlgoConfig.eps_low must be in"),
+    ("algo.ppo_epochs=1.5", r"algo.ppo_epochs must be int"),
+    ("mesh.preset=zz", r"mesh.preset must be one of"),
+    ("algo.decoupled_gae=maybe", r"algo.decoupled_gae must be true or false"),
+    ("algo.eps_low", r"not of the form field.path=value"),
+])
+def test_bad_overrides(item, message):
+  with pytest.raises(ConfigError, match=message):
+    overrides.apply_overrides(aime.vapo(), [item])
+
+
+def test_main_writes_config_and_metrics(tmp_path, capsys):
+  assert main.main(["--exp", "tiny", f"run_dir={tmp_path}", "seed=3"]) == 0
+  out = capsys.readouterr().out
+  assert "trainer does not exist yet" in out and "actor/pg_loss" in out
+  resolved = json.loads((tmp_path / "tiny_vapo" / "config.json").read_text())
+  assert resolved["seed"] == 3 and resolved["algo"]["eps_high"] == 0.28
+  record = json.loads((tmp_path / "tiny_vapo" / "metrics.jsonl").read_text().splitlines()[-1])
+  assert all(isinstance(v, (int, float, str)) for v in record.values()) and "critic/value_loss" in record
+
+
+def test_main_rejects_unknown_field(capsys):
+  assert main.main(["--exp", "tiny", "algo.nope=1"]) == 2
+  assert "unknown config field 'algo.nope'" in capsys.readouterr().err
+
+
+def test_main_help_lists_fields(capsys):
+  assert main.main(["--exp", "aime", "--help"]) == 0
+  assert "algo.eps_high = 0.28" in capsys.readouterr().out
