@@ -15,8 +15,7 @@ setuptools.setup(
         "orbax-checkpoint>=0.11.0,<0.13",
         "transformers>=4.51,<6",
         "numpy>=1.26,<3",
-        # Hugging Face checkpoints are safetensors files; read and written without torch.
-        "safetensors>=0.4.3,<0.9",
+        "ml_dtypes>=0.4,<1",  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],

@@ -1,0 +1,129 @@
+"""Logical axis names → mesh axes: the parallelism presets, the mesh, and sharded creation.
+
+Every parameter carries `logical_axes` metadata (names such as "embed", "mlp", "heads") and the
+model constrains its main activations with logical names ("batch", "seq", "embed", ...). A preset
+is a small table mapping each logical name to mesh axes of a `Mesh` with axes
+(data, fsdp, tensor); changing parallelism means choosing another preset, never editing the model.
+"""
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # Batches are split over every data-like axis.
+
+# Logical name -> mesh axis (or axes, or None for replicated), per preset.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Pure data parallelism: parameters replicated, batch split over every device.
+    "dp": {"batch": BATCH},
+    # FSDP (ZeRO-3): parameters split along their model-width axis over fsdp.
+    "fsdp": {"batch": BATCH, "embed": "fsdp"},
+    # FSDP + tensor parallelism (Megatron-style heads / MLP split, vocab split).
+    "fsdp_tp": {"batch": BATCH, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+                "mlp": "tensor", "vocab": "tensor", "act_heads": "tensor", "act_kv_heads": "tensor",
+                "act_mlp": "tensor", "act_vocab": "tensor"},
+}
+
+_CONTEXT: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvars.ContextVar(
+    "vapo_jax_sharding", default=None)
+
+
+def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh; one size may be -1 to take the devices left over."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices cannot be split into a mesh with sizes {sizes}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
+                     f"but {len(devices)} are available")
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
+                   mesh_shape: Mapping[str, int] | None = None,
+                   shape: Sequence[int] | None = None) -> PartitionSpec:
+  """Maps logical axis names to a PartitionSpec; with `shape`, a dimension that the mesh axes do
+  not divide is replicated (with a warning) rather than failing at compile time."""
+  spec, used = [], set()
+  for i, name in enumerate(logical_axes):
+    axes = rules.get(name) if name else None
+    axes_tuple = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes_tuple = tuple(a for a in axes_tuple if a not in used)
+    if mesh_shape is not None and shape is not None and axes_tuple:
+      size = math.prod(mesh_shape[a] for a in axes_tuple)
+      if shape[i] % size:
+        warnings.warn(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
+                      f"{axes_tuple} (size {size}); replicating it")
+        axes_tuple = ()
+    used.update(axes_tuple)
+    spec.append(None if not axes_tuple else axes_tuple[0] if len(axes_tuple) == 1 else axes_tuple)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return PartitionSpec(*spec)
+
+
+def state_partition_specs(state: nnx.State, rules: dict[str, Any], mesh: Mesh | None = None) -> nnx.State:
+  """PartitionSpec of every variable in `state`, from its `logical_axes` metadata."""
+  def spec(variable):
+    axes = variable.get_metadata().get("logical_axes")
+    if axes is None:
+      return PartitionSpec()
+    return partition_spec(axes, rules, None if mesh is None else mesh.shape, variable.get_value().shape)
+  return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: dict[str, Any]):
+  """Within this context, `constrain` places activations on `mesh` by `rules`."""
+  token = _CONTEXT.set((mesh, rules))
+  try:
+    yield
+  finally:
+    _CONTEXT.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint on an activation by logical names; a no-op outside `use_rules`."""
+  context = _CONTEXT.get()
+  if context is None:
+    return x
+  mesh, rules = context
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, partition_spec(logical_axes, rules, mesh.shape, x.shape)))
+
+
+def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[str, Any]) -> nnx.Module:
+  """Builds `factory()` with every parameter created directly in its sharding.
+
+  The module is traced abstractly first (no memory), its shardings are derived from the
+  parameters' logical axes, and initialisation runs under `jit` with those output shardings, so
+  no device ever holds a full copy of a sharded parameter.
+  """
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(factory))
+  specs = state_partition_specs(abstract_state, rules, mesh)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+  state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> nnx.Module:
+  """Places an existing module's parameters by their logical axes (a copy, for tests and loading)."""
+  graphdef, state = nnx.split(module)
+  specs = state_partition_specs(state, rules, mesh)
+  state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
+  return nnx.merge(graphdef, state)

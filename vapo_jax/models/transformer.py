@@ -1,0 +1,245 @@
+"""Decoder-only transformer (Qwen2 / Qwen2.5 / Llama) in Flax NNX: causal LM and value model.
+
+Weights are named by role as in Hugging Face (`q_proj`, `gate_proj`, ...) so the checkpoint
+mapping is a table. Kernels are stored in einsum-friendly shapes, e.g. q_proj `[D, N, H]`.
+
+Layers are a Python list looped over, not `nnx.scan`-stacked: each layer's parameters then map
+one-to-one onto the checkpoint's per-layer tensors, the KV cache is a plain tuple per layer, and
+rematerialisation is applied per layer with `nnx.remat`. The cost is compile time growing with
+depth (about a minute for 64 layers), paid once per run.
+
+Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
+prompts) and `attention_mask` `[B, T]` (true on real tokens). With a `KVCache`, the new tokens'
+keys and values are written at slots [cache.length, cache.length + T) and queries attend to every
+valid earlier slot: prefill is a call with the prompt, decoding a call with one token.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vapo_jax.models.config import TransformerConfig
+from vapo_jax.models.sharding import constrain
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class KVCache(NamedTuple):
+  """Per-layer keys and values `[B, S, K, H]`, slot validity `[B, S]`, and slots used so far."""
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
+  length: jax.Array  # int32 scalar: slots [0, length) are written.
+
+  @classmethod
+  def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> "KVCache":
+    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    kv = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return cls(kv, kv, jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
+
+  @staticmethod
+  def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
+    """Memory of a cache of this size, before allocating it."""
+    per_layer = 2 * batch * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return cfg.num_layers * per_layer + batch * slots
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+  """Position ids for a left-padded batch: 0 at each row's first real token."""
+  return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _param(rngs: nnx.Rngs, shape, axes, cfg_dtype, scale=0.02, init="normal"):
+  if init == "normal":
+    value = scale * jax.random.normal(rngs.params(), shape, _DTYPES[cfg_dtype])
+  elif init == "zeros":
+    value = jnp.zeros(shape, _DTYPES[cfg_dtype])
+  else:
+    value = jnp.ones(shape, _DTYPES[cfg_dtype])
+  return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, *, param_dtype: str, rngs: nnx.Rngs):
+    self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotary embedding, half-split convention: x·cos + rotate_half(x)·sin, `x` `[B, T, *, H]`."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, rngs: nnx.Rngs):
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype)
+    self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
+    self.o_proj = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), param_dtype)
+    if cfg.qkv_bias:
+      self.q_bias = _param(rngs, (n, h), ("heads", "head_dim"), param_dtype, init="zeros")
+      self.k_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+      self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, init="zeros")
+    self.qkv_bias = cfg.qkv_bias
+    self.groups = n // k
+
+  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
+    """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]`; layer_cache (keys, values, length) or None."""
+    dtype = x.dtype
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dtype))
+    if self.qkv_bias:
+      q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+    q = constrain(_rotate(q, cos, sin), ("batch", "seq", "act_heads", None))
+    k = _rotate(k, cos, sin)
+    if layer_cache is None:
+      keys, values = k, v
+    else:
+      cached_k, cached_v, length = layer_cache
+      keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), (0, length, 0, 0))
+      values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), (0, length, 0, 0))
+    b, t, n, h = q.shape
+    q = q.reshape(b, t, n // self.groups, self.groups, h)  # [B, T, K, G, H] (G: heads per kv head)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys.astype(dtype)).astype(jnp.float32)
+    scores = scores * (h ** -0.5)
+    key_slots = jnp.arange(keys.shape[1])
+    visible = (key_slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values.astype(dtype)).reshape(b, t, n, h)
+    out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
+    return out, (keys, values)
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, rngs: nnx.Rngs):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+    self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), param_dtype)
+    self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), param_dtype)
+    if cfg.mlp_bias:
+      self.gate_bias = _param(rngs, (f,), ("mlp",), param_dtype, init="zeros")
+      self.up_bias = _param(rngs, (f,), ("mlp",), param_dtype, init="zeros")
+      self.down_bias = _param(rngs, (d,), ("embed",), param_dtype, init="zeros")
+    self.mlp_bias = cfg.mlp_bias
+
+  def __call__(self, x):
+    dtype = x.dtype
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dtype))
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dtype))
+    if self.mlp_bias:
+      gate, up = gate + self.gate_bias[...].astype(dtype), up + self.up_bias[...].astype(dtype)
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    out = jnp.einsum("BTF,FD->BTD", hidden, self.down_proj[...].astype(dtype))
+    return out + self.down_bias[...].astype(dtype) if self.mlp_bias else out
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = Attention(cfg, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
+    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots, layer_cache)
+    x = x + attended
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return constrain(x, ("batch", "seq", "embed")), new_cache
+
+
+def _layer_call(layer, x, cos, sin, key_mask, query_slots, layer_cache):
+  return layer(x, cos, sin, key_mask, query_slots, layer_cache)
+
+
+class Backbone(nnx.Module):
+  """Embedding, decoder layers and final norm: `[B, T]` ids to `[B, T, D]` hidden states."""
+
+  def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
+               remat: bool = False, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
+    self.layers = nnx.List([DecoderLayer(cfg, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.dtype = _DTYPES[dtype]
+    self.remat = remat
+
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+    x = constrain(self.embed_tokens[...].astype(self.dtype)[tokens], ("batch", "seq", "embed"))
+    inv_freq = jnp.asarray(self.cfg.inv_frequencies())  # A trace-time constant, not a parameter.
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    cos, sin = jnp.cos(angles).astype(self.dtype), jnp.sin(angles).astype(self.dtype)
+    attention_mask = attention_mask.astype(bool)
+    steps = tokens.shape[1]
+    if cache is None:
+      key_mask, query_slots = attention_mask, jnp.arange(steps)
+    else:
+      key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.length))
+      query_slots = cache.length + jnp.arange(steps)
+    call = nnx.remat(_layer_call) if self.remat else _layer_call
+    new_keys, new_values = [], []
+    for i, layer in enumerate(self.layers):
+      layer_cache = None if cache is None else (cache.keys[i], cache.values[i], cache.length)
+      x, (k, v) = call(layer, x, cos, sin, key_mask, query_slots, layer_cache)
+      new_keys.append(k)
+      new_values.append(v)
+    x = self.norm(x)
+    if cache is None:
+      return x, None
+    return x, KVCache(tuple(new_keys), tuple(new_values), key_mask, cache.length + steps)
+
+
+class CausalLM(nnx.Module):
+  """The policy: backbone and output projection to `[B, T, V]` logits (float32)."""
+
+  def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
+               remat: bool = False, rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+    self.tied = cfg.tie_word_embeddings
+
+  @property
+  def cfg(self) -> TransformerConfig:
+    return self.model.cfg
+
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+    hidden, cache = self.model(tokens, positions, attention_mask, cache)
+    if self.tied:
+      kernel = self.model.embed_tokens[...].astype(hidden.dtype)
+      logits = jnp.einsum("BTD,VD->BTV", hidden, kernel)
+    else:
+      logits = jnp.einsum("BTD,DV->BTV", hidden, self.lm_head[...].astype(hidden.dtype))
+    return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab")), cache
+
+
+class ValueModel(nnx.Module):
+  """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""
+
+  def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
+               remat: bool = False, rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+    self.value_head = _param(rngs, (cfg.hidden_size, 1), ("embed", None), param_dtype, init="zeros")
+
+  @property
+  def cfg(self) -> TransformerConfig:
+    return self.model.cfg
+
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+    hidden, cache = self.model(tokens, positions, attention_mask, cache)
+    values = jnp.einsum("BTD,DO->BTO", hidden, self.value_head[...].astype(hidden.dtype))[..., 0]
+    return values.astype(jnp.float32), cache
