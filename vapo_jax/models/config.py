@@ -108,6 +108,8 @@ class TransformerConfig:
 
   @classmethod
   def from_pretrained(cls, directory: str) -> "TransformerConfig":
+    if not os.path.isdir(directory):
+      raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
       raise FileNotFoundError(f"no config.json in checkpoint directory {directory!r}")

@@ -125,5 +125,7 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> nnx.M
   """Places an existing module's parameters by their logical axes (a copy, for tests and loading)."""
   graphdef, state = nnx.split(module)
   specs = state_partition_specs(state, rules, mesh)
-  state = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, specs)
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, s))),
+                       state, specs, is_leaf=is_variable)
   return nnx.merge(graphdef, state)

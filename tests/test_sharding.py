@@ -1,0 +1,95 @@
+"""Sharding presets on 8 CPU devices: golden PartitionSpecs and sharded == single-device logits.
+
+Regenerate the golden files after a deliberate change with `UPDATE_GOLDEN=1 make test`.
+"""
+
+import dataclasses
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from vapo_jax.models import sharding
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+# Distinct sizes that every preset below divides (vocab 262 = 2·131).
+CFG = dataclasses.replace(preset("tiny"), vocab_size=262, num_layers=2)
+MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data=2, fsdp=2, tensor=2)}
+
+
+def scaled_model(cls=CausalLM):
+  """A model whose parameters are large enough that a dropped term changes the output visibly."""
+  model = cls(CFG, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  state = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), state)
+  return nnx.merge(graphdef, state)
+
+
+def batch():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, CFG.vocab_size, (8, 11))
+  mask = np.ones_like(tokens)
+  mask[::2, :4] = 0  # Left padding on half the rows.
+  return jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_golden_partition_specs(name):
+  mesh = sharding.make_mesh(**MESHES[name])
+  model = sharding.create_sharded(lambda: CausalLM(CFG, rngs=nnx.Rngs(0)), mesh, sharding.PRESETS[name])
+  actual = {".".join(map(str, p)): str(v.get_value().sharding.spec)
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  path = GOLDEN / f"sharding_{name}.json"
+  if os.environ.get("UPDATE_GOLDEN"):
+    path.write_text(json.dumps(actual, indent=1, sort_keys=True) + "\n")
+  assert actual == json.loads(path.read_text())
+
+
+def test_create_sharded_equals_eager_init():
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  sharded = sharding.create_sharded(lambda: CausalLM(CFG, rngs=nnx.Rngs(0)), mesh, sharding.PRESETS["fsdp"])
+  eager = CausalLM(CFG, rngs=nnx.Rngs(0))
+  for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(nnx.state(eager))):
+    np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
+  kernel = sharded.model.layers[0].mlp.gate_proj[...]
+  assert kernel.addressable_shards[0].data.shape == (CFG.hidden_size // 4, CFG.intermediate_size)
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("cls", [CausalLM, ValueModel])
+def test_sharded_forward_equals_single_device(name, cls):
+  model = scaled_model(cls)
+  tokens, positions, mask = batch()
+  forward = lambda m, *a: m(*a)[0]
+  expected = jax.jit(forward)(model, tokens, positions, mask)
+  mesh = sharding.make_mesh(**MESHES[name])
+  rules = sharding.PRESETS[name]
+  sharded_model = sharding.shard_module(model, mesh, rules)
+  data = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
+  with sharding.use_rules(mesh, rules):
+    out = jax.jit(forward)(sharded_model, *(jax.device_put(x, data) for x in (tokens, positions, mask)))
+  assert len(out.sharding.device_set) == 8
+  np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_make_mesh_errors():
+  with pytest.raises(ValueError, match="need 16 devices, but 8 are available"):
+    sharding.make_mesh(data=4, fsdp=4)
+  with pytest.raises(ValueError, match="8 devices cannot be split"):
+    sharding.make_mesh(data=-1, fsdp=3)
+  assert sharding.make_mesh(fsdp=4, data=-1).shape == {"data": 2, "fsdp": 4, "tensor": 1}
+
+
+def test_indivisible_axis_is_replicated_with_a_warning():
+  with pytest.warns(UserWarning, match="'kv_heads' of size 2 is not divisible"):
+    spec = sharding.partition_spec(("embed", "kv_heads", "head_dim"), sharding.PRESETS["fsdp_tp"],
+                                   {"data": 1, "fsdp": 2, "tensor": 4}, (48, 2, 8))
+  assert spec == jax.sharding.PartitionSpec("fsdp")
