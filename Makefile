@@ -7,7 +7,7 @@ EXP ?= tiny
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slow bench clean
+.PHONY: help install train test test-slow bench eval clean
 
 help:  ## List the targets.
 	@echo "vapo_jax make targets:"
@@ -35,6 +35,9 @@ test-slow: $(STAMP)  ## Run only the tests marked slow.
 bench: $(STAMP)  ## Print the benchmarks (GAE against its baselines; Qwen2.5-0.5B forward tokens/s).
 	$(PY) -m benchmarks.gae_bench
 	$(PY) -m benchmarks.model_bench
+
+eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
+	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 clean:  ## Remove .venv, caches and runs/.
 	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info

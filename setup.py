@@ -15,9 +15,13 @@ setuptools.setup(
         "orbax-checkpoint>=0.11.0,<0.13",
         "transformers>=4.51,<6",
         "numpy>=1.26,<3",
-        "ml_dtypes>=0.4,<1",  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
+        "ml_dtypes>=0.4,<1",
+        # Answer equivalence (pins latex2sympy2_extended; agreement figures measured on 0.9.0).
+        "math-verify[antlr4_13_2]>=0.9,<0.10",
+        "pyarrow>=14,<27",  # Parquet datasets (DAPO-Math-17k).  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
     },
 )

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Literal
 
 from vapo_jax.losses import KLEstimator, LossAggregation
+from vapo_jax.rewards.extract import AnswerForm
 
 frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
@@ -168,8 +169,22 @@ class RewardConfig:
 
   correct: float = 1.0  # Reward when the verifier judges the answer equivalent.
   incorrect: float = -1.0  # Reward otherwise (including no answer and verifier time-outs).
+  answer_forms: tuple[AnswerForm, ...] = ("boxed", "answer_line")  # Where the answer is read from.
+  format_penalty: float = 0.0  # Added when the answer is in neither \boxed{} nor an Answer: line.
+  reward_fn: str | None = None  # "pkg.module:function" (response, answer) -> bool | float instead.
+  verifier_workers: int = 0  # Verifier processes (0: one per CPU core).
+  verifier_timeout_s: float = 10.0  # Per-response limit; a time-out or crash scores `incorrect`.
+  verifier_memory_mb: int | None = 4096  # Address-space limit per verifier process.
 
   def __post_init__(self):
+    _require(len(self.answer_forms) > 0, self, "answer_forms", "must name at least one form",
+             self.answer_forms)
+    _in_range(self, "format_penalty", -100.0, 0.0)
+    _positive_int(self, "verifier_workers", allow_zero=True)
+    _in_range(self, "verifier_timeout_s", 0.0, 3600.0, lo_open=True)
+    if self.reward_fn is not None:
+      _require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",
+               self.reward_fn)
     _require(self.correct > self.incorrect, self, "correct", f"must exceed incorrect={self.incorrect}",
              self.correct)
 
@@ -178,7 +193,15 @@ class RewardConfig:
 class DataConfig:
   """Training prompts."""
 
-  train_path: str | None = None  # jsonl / json / parquet file of (prompt, answer) rows.
+  train_path: str | None = None  # jsonl / json / parquet file, or "hf:NAME[:CONFIG]" / a dataset dir.
+  schema: Literal["auto", "verl", "problem_answer", "gsm8k", "question_answer", "svs"] = "auto"  # Row layout.
+  prompt_field: str | None = None  # Dotted path of the problem text (e.g. "prompt.0.content").
+  answer_field: str | None = None  # Dotted path of the reference answer.
+  id_field: str | None = None  # Dotted path of the row id (default: the row number).
+  split: str = "train"  # Hugging Face datasets split.
+  template: Literal["raw", "boxed", "dapo"] = "dapo"  # Instruction wrapped around each problem.
+  chat_template: bool = True  # Wrap the prompt in the tokenizer's chat template.
+  dedup: bool = True  # Drop repeated problems (conflicting answers are reported).
   seed: int = 0  # Shuffling seed.
   skip_bad_rows: bool = False  # Warn and skip malformed rows instead of failing.
 

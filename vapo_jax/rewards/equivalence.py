@@ -68,7 +68,8 @@ def parse_answer(text: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=1024)
-def _parse_free_text(text: str) -> tuple:
+def parse_free_text(text: str) -> tuple:
+  """math-verify's extraction from free text (its last LaTeX or plain expression), parsed."""
   return tuple(math_verify.parse(text, parsing_timeout=None))
 
 
@@ -82,6 +83,7 @@ def is_equivalent(pred: str, gold: str) -> bool:
   An integer gold ("025", "27.0") is compared as an exact integer when `pred` is written as an
   integer too; any other spelling of `pred` ("\\frac{50}{2}") goes to math-verify.
   """
+  pred, gold = unwrap(pred), unwrap(gold)
   gold_int = as_integer(gold)
   if gold_int is not None and (pred_int := as_integer(pred)) is not None:
     return pred_int == gold_int
@@ -96,10 +98,11 @@ def score_response(response: str, gold: str, forms: tuple[AnswerForm, ...] = DEF
   if extraction.answer is None:
     return Verdict(False, None, "none")
   if extraction.form == "math_verify":
-    parsed = _parse_free_text(extraction.answer)
+    parsed = parse_free_text(extraction.answer)
     answer = next((p for p in reversed(parsed) if isinstance(p, str)), None)
     if answer is None:
       return Verdict(False, None, "none")
+    gold = unwrap(gold)
     gold_int = as_integer(gold)
     if gold_int is not None and (pred_int := as_integer(answer)) is not None:
       return Verdict(pred_int == gold_int, answer, "math_verify")

@@ -6,7 +6,7 @@ Forms, in the order a response is searched:
                a box inside a box is unwrapped (`\\boxed{\\boxed{5}}` → `5`).
   answer_line  the text after the last `Answer:` up to the end of its line (the DAPO / VAPO
                prompt's instruction, matched as DAPO's `math_dapo` does; also `Final Answer:`,
-               `**Answer:**`, with `$...$` or a box around the value).
+               `**Answer:**`; a box or the last `$...$` in it is the value).
   last_number  the last number in the text (GSM8K style; thousands separators removed).
   math_verify  math-verify's own free-text extraction (the last LaTeX or plain expression);
                it happens in the verifier (`equivalence.py`), here it only passes the text on.
@@ -30,6 +30,7 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\b\s*")
 _ANSWER_LINE = re.compile(r"(?i)\banswer[^\S\n]*[*_]*[^\S\n]*:[*_]*[^\S\n]*([^\n]*)")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
 _DOLLARS = re.compile(r"^\$+\s*(.*?)\s*\$+$", re.S)
+_MATH = re.compile(r"\$+([^$]+)\$+")  # `$...$` segments: the answer in "Answer: $5$ minutes".
 
 
 class Extraction(NamedTuple):
@@ -122,7 +123,8 @@ def last_answer_line(text: str) -> Extraction:
   for m in reversed(list(_ANSWER_LINE.finditer(text))):
     value = m.group(1)
     boxes = boxed_spans(value)
-    value = unwrap(boxes[-1][0] if boxes else value)
+    maths = _MATH.findall(value)
+    value = unwrap(boxes[-1][0] if boxes else maths[-1] if maths else value)
     if value:
       return Extraction(value, "answer_line", m.end())
   return NO_ANSWER

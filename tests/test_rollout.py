@@ -1,0 +1,188 @@
+"""Rollout engine: greedy = uncached argmax, log-probs, group sampling, padding, stops, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_utils import FIXTURES
+from vapo_jax import rollout
+from vapo_jax.models import checkpoint, sharding
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import positions_from_mask
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def model():
+  return checkpoint.load_causal_lm(str(FIXTURES / "qwen2_untied"))
+
+
+def run(model, prompts, *, key=0, group=1, **sampling):
+  sampling = rollout.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
+  tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
+  fn = rollout.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=0)
+  return fn(model, tokens, mask, jax.random.key(key))
+
+
+@jax.jit
+def _forward(model, tokens, mask):
+  return model(tokens, positions_from_mask(mask), mask)[0][0]
+
+
+def full_logits(model, sequence, length=32):
+  """Uncached logits of one sequence (right-padded to a fixed length: causal, so harmless)."""
+  tokens = np.zeros((1, length), np.int32)
+  tokens[0, :len(sequence)] = sequence
+  mask = np.arange(length)[None] < len(sequence)
+  return np.asarray(_forward(model, tokens, mask))[:len(sequence)]
+
+
+def test_greedy_equals_uncached_argmax(model):
+  out = run(model, PROMPTS, temperature=0.0, max_new_tokens=12)
+  compared = 0
+  for b, prompt in enumerate(PROMPTS):
+    sequence = list(prompt)
+    for t in range(int(out.response_lengths[b])):
+      logits = full_logits(model, sequence)[-1]
+      top2 = np.sort(logits)[-2:]
+      if top2[1] - top2[0] < 1e-4:
+        break  # A near-tie: either token is a correct greedy choice.
+      assert int(out.response_tokens[b, t]) == int(np.argmax(logits)), (b, t)
+      sequence.append(int(np.argmax(logits)))
+      compared += 1
+  assert compared > 30
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 0.8)])
+def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
+  out = run(model, PROMPTS, temperature=temperature, top_k=top_k, top_p=top_p, key=3)
+  for b, prompt in enumerate(PROMPTS):
+    n = int(out.response_lengths[b])
+    response = [int(t) for t in out.response_tokens[b, :n]]
+    logits = full_logits(model, prompt + response)[len(prompt) - 1:len(prompt) - 1 + n]
+    policy = jax.nn.log_softmax(logits, -1)[np.arange(n), response]
+    np.testing.assert_allclose(out.policy_logprobs[b, :n], policy, atol=1e-4)
+    processed = rollout.filter_logits(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = jax.nn.log_softmax(processed, -1)[np.arange(n), response]
+    np.testing.assert_allclose(out.sampler_logprobs[b, :n], sampler, atol=1e-4)
+    assert np.all(np.isfinite(sampler))  # A sampled token is never one the filter removed.
+    assert not np.any(out.policy_logprobs[b, n:]) and not np.any(out.sampler_logprobs[b, n:])
+  if (temperature, top_k, top_p) == (1.0, 0, 1.0):
+    np.testing.assert_allclose(out.sampler_logprobs, out.policy_logprobs, atol=1e-6)
+
+
+def test_filter_logits_reference():
+  logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32)
+  top_k = np.asarray(rollout.filter_logits(jnp.asarray(logits), temperature=1.0, top_k=3, top_p=1.0))
+  assert np.isfinite(top_k).sum() == 3 and set(np.flatnonzero(np.isfinite(top_k[0]))) == {0, 1, 5}
+  probs = np.exp(logits[0] - logits[0].max()) / np.exp(logits[0] - logits[0].max()).sum()
+  order = np.argsort(-probs)
+  keep = order[:np.searchsorted(np.cumsum(probs[order]), 0.8) + 1]  # Smallest set with mass ≥ 0.8.
+  top_p = np.asarray(rollout.filter_logits(jnp.asarray(logits), temperature=1.0, top_k=0, top_p=0.8))
+  assert set(np.flatnonzero(np.isfinite(top_p[0]))) == set(keep.tolist())
+  scaled = rollout.filter_logits(jnp.asarray(logits), temperature=2.0, top_k=0, top_p=1.0)
+  np.testing.assert_allclose(scaled, logits / 2.0)
+
+
+def test_group_sampling_shares_prefill_exactly(model):
+  group = 3
+  shared = run(model, PROMPTS, group=group, key=7)
+  repeated = run(model, [p for p in PROMPTS for _ in range(group)], group=1, key=7)
+  np.testing.assert_array_equal(shared.response_tokens, repeated.response_tokens)
+  np.testing.assert_array_equal(shared.response_lengths, repeated.response_lengths)
+  np.testing.assert_allclose(shared.policy_logprobs, repeated.policy_logprobs, atol=1e-5)
+  # The G samples of one prompt differ from each other.
+  assert len({tuple(np.asarray(r)) for r in shared.response_tokens[:group]}) > 1
+
+
+def test_deterministic_for_a_key(model):
+  a, b, c = run(model, PROMPTS, key=1), run(model, PROMPTS, key=1), run(model, PROMPTS, key=2)
+  np.testing.assert_array_equal(a.response_tokens, b.response_tokens)
+  assert not np.array_equal(a.response_tokens, c.response_tokens)
+
+
+def test_padding_and_batchmates_change_nothing(model):
+  alone = run(model, [PROMPTS[2]], temperature=0.0)
+  together = run(model, PROMPTS, temperature=0.0)
+  np.testing.assert_array_equal(alone.response_tokens[0], together.response_tokens[2])
+  np.testing.assert_allclose(alone.policy_logprobs[0], together.policy_logprobs[2], atol=1e-5)
+  assert together.prompt_tokens.shape[1] == 16 and not together.prompt_mask[2, :15].any()
+
+
+def test_stop_at_first_step_and_length_limit(model):
+  greedy = run(model, PROMPTS, temperature=0.0, stop_token_ids=())
+  assert np.all(greedy.finish_reason == rollout.FINISH_LENGTH) and np.all(greedy.response_lengths == 10)
+  assert np.all(greedy.response_mask)
+  first = int(greedy.response_tokens[1, 0])  # Make prompt 1's first greedy token a stop token.
+  out = run(model, PROMPTS, temperature=0.0, stop_token_ids=(first,))
+  assert int(out.response_lengths[1]) == 1 and int(out.finish_reason[1]) == rollout.FINISH_STOP
+  assert out.response_mask[1].tolist() == [True] + [False] * 9
+  assert int(out.response_tokens[1, 0]) == first and not np.any(out.response_tokens[1, 1:])
+  for b in (0, 2, 3):  # Other rows run on; each stops at its own first stop token or at the limit.
+    row = greedy.response_tokens[b].tolist()
+    expected = row.index(first) + 1 if first in row else 10
+    assert int(out.response_lengths[b]) == expected
+
+
+def test_stops_early_when_all_done(model):
+  out = run(model, [PROMPTS[1]], temperature=0.0, max_new_tokens=50, stop_token_ids=tuple(range(97)))
+  assert int(out.response_lengths[0]) == 1 and out.response_tokens.shape == (1, 50)
+
+
+@pytest.mark.parametrize("preset_name,mesh_shape", [("dp", dict(data=8)), ("fsdp_tp", dict(data=2, fsdp=2, tensor=2))])
+def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
+  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
+  expected = run(model, prompts, key=5, max_new_tokens=8)
+  mesh = sharding.make_mesh(**mesh_shape)
+  rules = sharding.PRESETS[preset_name]
+  with pytest.warns(UserWarning) if preset_name == "fsdp_tp" else _nothing():
+    sharded_model = sharding.shard_module(model, mesh, rules)
+  tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
+  data = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
+  fn = rollout.make_generate(sampling=rollout.Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+                             samples_per_prompt=1, pad_id=0)
+  with sharding.use_rules(mesh, rules), _quiet():
+    out = fn(sharded_model, jax.device_put(tokens, data), jax.device_put(mask, data), jax.random.key(5))
+  assert len(out.response_tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
+  np.testing.assert_allclose(out.policy_logprobs, expected.policy_logprobs, atol=1e-5)
+
+
+def test_cache_memory_is_reported_and_refused():
+  cfg = preset("qwen2.5-32b")
+  needed = rollout.cache_bytes(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+                               dtype=jnp.bfloat16, devices=256)
+  # 2 (k, v) · 64 layers · 32 rows · 21504 slots · 8 kv heads · 128 dims · 2 bytes, plus the slot mask.
+  assert needed == 2 * 64 * 32 * 21504 * 8 * 128 * 2 + 32 * 21504
+  with pytest.raises(MemoryError, match=r"needs 168\.\d\d GiB per device .* lower rollout.prompts_per_step"):
+    rollout.check_cache_fits(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+                             budget_bytes=40 * 2**30, dtype=jnp.bfloat16, devices=256)
+  tiny = preset("tiny")
+  cache = jax.eval_shape(lambda: rollout.KVCache.zeros(tiny, 4, 48, jnp.float32))
+  allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) - 4  # minus the length scalar
+  assert rollout.cache_bytes(tiny, batch=4, prompt_tokens=16, max_new_tokens=32) == allocated
+
+
+class _nothing:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _quiet():
+  import warnings
+  ctx = warnings.catch_warnings()
+  ctx.__enter__()
+  warnings.simplefilter("ignore")
+  class _Exit:
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      ctx.__exit__(*exc)
+      return False
+  return _Exit()

@@ -1,0 +1,398 @@
+"""Problems for training and evaluation: loading, validation, templates and resumable sampling.
+
+  records = load_records("../shared/data/aime24/qwen25math_aime24_test.jsonl")   # [Record]
+  prompt = format_prompt(records[0].prompt, template="dapo", tokenizer=tokenizer)
+  batches = PromptIterator(records, prompts_per_step=P, seed=0, samples_per_prompt=G)
+  batch = next(batches)                  # P·G records, each prompt G times in a row
+  state = batches.state_dict()           # save with the checkpoint; `load_state_dict` resumes
+
+Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`,
+and Hugging Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when
+that package is installed. Each row becomes a `Record(prompt, answer, id, source)`; the fields
+come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field paths
+(`"reward_model.ground_truth"`, `"prompt.0.content"`).
+
+A bad row (malformed line, missing or empty prompt or answer, wrong type) is a `DataError` naming
+the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is skipped and counted
+in one warning. No valid row at all is always an error. Duplicate problems are dropped (the first
+is kept) and those with conflicting answers are reported in a warning.
+"""
+
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+Template = Literal["raw", "boxed", "dapo"]
+TEMPLATES: dict[str, str] = {
+    "raw": "{problem}",
+    # Qwen2.5-Math / SimpleRL's instruction.
+    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    # DAPO's (and VAPO's) prompt, as in DAPO's eval/aime-2024.parquet.
+    "dapo": ("Solve the following math problem step by step. The last line of your response should "
+             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+             "problem.\n\n{problem}\n\nRemember to put your answer on its own line after \"Answer:\"."),
+}
+
+
+class Record(NamedTuple):
+  prompt: str  # The problem text, without a template.
+  answer: str  # The reference answer (integers as written: "025" stays "025").
+  id: str  # The row's id field, or its line / row number.
+  source: str  # The dataset: the row's source field, or "<folder>/<file stem>".
+
+
+class DataError(ValueError):
+  """A data file that cannot be used; the message names the file, row and field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FieldMap:
+  """Where a row's fields are: dotted paths, the first one present is used."""
+
+  prompt: tuple[str, ...]  # Candidates for the problem text.
+  answer: tuple[str, ...]  # Candidates for the reference answer.
+  id: tuple[str, ...] = ("id", "unique_id", "index", "idx")  # Optional; default: row number.
+  source: tuple[str, ...] = ()  # Optional; default: "<folder>/<file stem>".
+  answer_after: str | None = None  # Keep the text after the last occurrence of this marker.
+
+
+SCHEMAS: dict[str, FieldMap] = {
+    # verl parquet (DAPO-Math-17k, DAPO's AIME 2024, SimpleRL): the chat prompt holds the raw
+    # problem (DAPO-17k) or a templated one, whose raw text is in extra_info.
+    "verl": FieldMap(prompt=("extra_info.raw_problem", "extra_info.question", "prompt.0.content"),
+                     answer=("reward_model.ground_truth",), id=("extra_info.index",),
+                     source=("data_source",)),
+    # Qwen2.5-Math AIME 2024 / AMC 2023, MathArena AIME, MATH-500, DAPO-17k jsonl.
+    "problem_answer": FieldMap(prompt=("problem",), answer=("answer",)),
+    # GSM8K: the answer is a worked solution ending in "#### <number>".
+    "gsm8k": FieldMap(prompt=("question",), answer=("answer",), answer_after="####"),
+    "question_answer": FieldMap(prompt=("question",), answer=("answer", "gt_answer")),
+    # SvS's MATH-500 + AIME evaluation file.
+    "svs": FieldMap(prompt=("question",), answer=("ref_answer",), source=("data_source",)),
+}
+_MISSING = object()
+
+
+def detect_schema(row: dict) -> str:
+  """The schema of a row, from its keys."""
+  if "reward_model" in row:
+    return "verl"
+  if "ref_answer" in row:
+    return "svs"
+  if "problem" in row and "answer" in row:
+    return "problem_answer"
+  if "question" in row and ("answer" in row or "gt_answer" in row):
+    return "gsm8k" if "####" in str(row.get("answer", "")) else "question_answer"
+  raise ValueError(f"no known schema has the keys {sorted(row)}")
+
+
+def field_map(row: dict, *, schema: str = "auto", prompt_field: str | None = None,
+              answer_field: str | None = None, id_field: str | None = None) -> FieldMap:
+  """The schema's `FieldMap` with explicit field paths in place of its candidates."""
+  if schema == "auto" and prompt_field and answer_field:
+    base = FieldMap(prompt=(prompt_field,), answer=(answer_field,))
+  elif (base := SCHEMAS.get(detect_schema(row) if schema == "auto" else schema)) is None:
+    raise ValueError(f"unknown schema {schema!r}; known: auto, {', '.join(SCHEMAS)}")
+  explicit = {k: (v,) for k, v in (("prompt", prompt_field), ("answer", answer_field), ("id", id_field)) if v}
+  return dataclasses.replace(base, **explicit)
+
+
+def _get(row: Any, path: str) -> Any:
+  for part in path.split("."):
+    if isinstance(row, dict):
+      row = row.get(part, _MISSING)
+    elif isinstance(row, (list, tuple)) and part.lstrip("-").isdigit() and -len(row) <= int(part) < len(row):
+      row = row[int(part)]
+    else:
+      return _MISSING
+    if row is _MISSING:
+      return _MISSING
+  return row
+
+
+def _first(row: dict, paths: tuple[str, ...]) -> tuple[str, Any]:
+  for path in paths:
+    if (value := _get(row, path)) is not _MISSING and value is not None:
+      return path, value
+  return " or ".join(repr(p) for p in paths), _MISSING
+
+
+def answer_text(value: Any) -> str | None:
+  """A reference answer as a string: ints as written, integer-valued floats (AMC's 27.0) as ints."""
+  if isinstance(value, str):
+    return value.strip()
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, (int, np.integer)):
+    return str(int(value))
+  if isinstance(value, (float, np.floating)) and math.isfinite(value):
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+  return None
+
+
+def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
+  """One row as a Record; raises ValueError("field 'x': problem") on a bad row."""
+  if not isinstance(row, dict):
+    raise ValueError(f"field (row): expected an object, got {type(row).__name__}")
+  name, prompt = _first(row, fields.prompt)
+  if prompt is _MISSING:
+    raise ValueError(f"field {name}: missing")
+  if not isinstance(prompt, str):
+    raise ValueError(f"field {name!r}: expected a string, got {type(prompt).__name__}")
+  if not prompt.strip():
+    raise ValueError(f"field {name!r}: empty prompt")
+  name, raw = _first(row, fields.answer)
+  if raw is _MISSING:
+    raise ValueError(f"field {name}: missing")
+  answer = answer_text(raw)
+  if answer is None:
+    raise ValueError(f"field {name!r}: expected a string or a number, got {type(raw).__name__}")
+  if fields.answer_after is not None:
+    if fields.answer_after not in answer:
+      raise ValueError(f"field {name!r}: no {fields.answer_after!r} marker before the final answer")
+    answer = answer.rsplit(fields.answer_after, 1)[1].strip().replace(",", "")
+  if not answer:
+    raise ValueError(f"field {name!r}: empty answer")
+  id_name, id_value = _first(row, fields.id)
+  if id_value is _MISSING:
+    id_value = number
+  elif isinstance(id_value, bool) or not isinstance(id_value, (str, int, np.integer)):
+    raise ValueError(f"field {id_name!r}: expected a string or an integer id, got {type(id_value).__name__}")
+  _, row_source = _first(row, fields.source)
+  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source))
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield number, json.loads(line.rstrip("\r\n"))
+      except json.JSONDecodeError as e:
+        yield number, ValueError(f"field (line): malformed JSON: {e.msg} at column {e.colno}")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  try:
+    data = json.loads(path.read_text(encoding="utf-8"))
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
+  if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+    lengths = {len(v) for v in data.values()}
+    if len(lengths) != 1:
+      raise DataError(f"{path}: columns of unequal lengths {sorted(lengths)}")
+    data = [dict(zip(data, values)) for values in zip(*data.values())]
+  if not isinstance(data, list):
+    raise DataError(f"{path}: expected a list of objects or an object of columns, got {type(data).__name__}")
+  yield from enumerate(data, 1)
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  import pyarrow.parquet as pq
+
+  yield from enumerate(pq.read_table(path).to_pylist(), 1)
+
+
+def _hf_rows(spec: str, split: str) -> Iterator[tuple[int, Any]]:
+  """Rows of a hub dataset (`hf:NAME[:CONFIG]`) or a local dataset directory, loaded eagerly."""
+  try:
+    import datasets
+  except ImportError:
+    raise DataError(f"{spec}: loading a Hugging Face dataset needs `pip install datasets`") from None
+  try:
+    if spec.startswith("hf:"):
+      name, _, config = spec[3:].partition(":")
+      dataset = datasets.load_dataset(name, config or None, split=split)
+    elif (Path(spec) / "dataset_info.json").exists() or (Path(spec) / "dataset_dict.json").exists():
+      dataset = datasets.load_from_disk(spec)
+      if isinstance(dataset, datasets.DatasetDict):
+        dataset = dataset[split]
+    else:
+      dataset = datasets.load_dataset(spec, split=split)
+  except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
+    raise DataError(f"{spec}: cannot load split {split!r}: {e}") from None
+  return enumerate(dataset, 1)
+
+
+def read_rows(path: str, *, split: str = "train") -> tuple[Iterator[tuple[int, Any]], str]:
+  """`(number, row)` pairs of a file or dataset, and the unit its numbers count ("line", "row")."""
+  p = Path(path)
+  if path.startswith("hf:") or p.is_dir():
+    return _hf_rows(path, split), "row"
+  if not p.is_file():
+    raise DataError(f"{path}: no such file")
+  match p.suffix:
+    case ".jsonl":
+      return _jsonl_rows(p), "line"
+    case ".json":
+      return _json_rows(p), "row"
+    case ".parquet":
+      return _parquet_rows(p), "row"
+  raise DataError(f"{path}: unknown file type {p.suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = None,
+                 answer_field: str | None = None, id_field: str | None = None,
+                 skip_bad_rows: bool = False, dedup: bool = True, split: str = "train",
+                 source: str | None = None) -> list[Record]:
+  """The problems in `path` (see the module docstring)."""
+  rows, unit = read_rows(path, split=split)
+  source = source or (path[3:] if path.startswith("hf:") else f"{Path(path).parent.name}/{Path(path).stem}")
+  records, bad, fields, total = [], [], None, 0
+  for number, row in rows:
+    total += 1
+    try:
+      if isinstance(row, Exception):
+        raise row
+      if fields is None:
+        try:
+          fields = field_map(row, schema=schema, prompt_field=prompt_field, answer_field=answer_field,
+                             id_field=id_field)
+        except ValueError as e:
+          raise DataError(f"{path}: {e}; set the field paths (data.prompt_field, "
+                          "data.answer_field)") from None
+      records.append(_record(row, fields, number, source))
+    except DataError:
+      raise
+    except ValueError as e:
+      message = f"{path}, {unit} {number}, {e}"
+      if not skip_bad_rows:
+        raise DataError(message) from None
+      bad.append(message)
+  if bad:
+    warnings.warn(f"{path}: skipped {len(bad)} bad {unit}s of {total}; first: {bad[0]}", stacklevel=2)
+  if not records:
+    raise DataError(f"{path}: empty dataset ({total} {unit}s, none valid)")
+  if dedup:
+    records, _ = deduplicate(records)
+  return records
+
+
+class Conflict(NamedTuple):
+  prompt: str  # The shared problem text.
+  ids: tuple[str, ...]
+  answers: tuple[str, ...]
+
+
+def _problem_key(prompt: str) -> str:
+  return " ".join(prompt.split())
+
+
+def _answer_key(answer: str) -> str:
+  compact = "".join(answer.split())
+  return str(int(compact)) if compact.lstrip("+-").isdigit() else compact
+
+
+def deduplicate(records: Sequence[Record], *, warn: bool = True) -> tuple[list[Record], list[Conflict]]:
+  """Keeps the first record of each problem text (whitespace-normalised).
+
+  Returns the kept records and the problems seen with different answers, which are warned about.
+  """
+  groups: dict[str, list[Record]] = collections.defaultdict(list)
+  for record in records:
+    groups[_problem_key(record.prompt)].append(record)
+  conflicts = [Conflict(group[0].prompt, tuple(r.id for r in group), tuple(r.answer for r in group))
+               for group in groups.values() if len({_answer_key(r.answer) for r in group}) > 1]
+  if conflicts and warn:
+    examples = "; ".join(f"ids {list(c.ids)} answers {list(c.answers)}" for c in conflicts[:3])
+    warnings.warn(f"{len(conflicts)} problems appear with conflicting answers (the first row of each "
+                  f"is kept): {examples}", stacklevel=2)
+  return [group[0] for group in groups.values()], conflicts
+
+
+def format_prompt(problem: str, *, template: Template = "dapo", tokenizer: Any = None) -> str:
+  """The problem in `template`; with a tokenizer, as a user turn in its chat template."""
+  if template not in TEMPLATES:
+    raise ValueError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
+  text = TEMPLATES[template].replace("{problem}", problem)
+  if tokenizer is None:
+    return text
+  return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+
+
+def permutation(num_records: int, *, seed: int, epoch: int) -> np.ndarray:
+  """The order of epoch `epoch`: a permutation of `range(num_records)` fixed by (seed, epoch)."""
+  return np.random.default_rng([seed, epoch]).permutation(num_records)
+
+
+def shuffled(records: Sequence[Record], *, seed: int, epoch: int = 0) -> list[Record]:
+  return [records[i] for i in permutation(len(records), seed=seed, epoch=epoch)]
+
+
+def repeat_records(records: Sequence[Record], times: int) -> list[Record]:
+  """Each record `times` times in a row (G samples per prompt, contiguous; avg@k)."""
+  return [record for record in records for _ in range(times)]
+
+
+class SamplerState(NamedTuple):
+  epoch: int  # Passes over the data completed.
+  position: int  # Records of the current epoch's permutation already drawn.
+
+
+def next_prompts(records: Sequence[Record], state: SamplerState, *, count: int,
+                 seed: int) -> tuple[list[Record], SamplerState]:
+  """The next `count` records and the state after them; epochs are reshuffled by (seed, epoch)."""
+  batch, (epoch, position) = [], state
+  order = permutation(len(records), seed=seed, epoch=epoch)
+  while len(batch) < count:
+    if position == len(records):
+      epoch, position = epoch + 1, 0
+      order = permutation(len(records), seed=seed, epoch=epoch)
+    take = min(count - len(batch), len(records) - position)
+    batch.extend(records[i] for i in order[position:position + take])
+    position += take
+  return batch, SamplerState(epoch, position)
+
+
+def fingerprint(records: Sequence[Record]) -> str:
+  """A short hash of the records' ids and answers, to check that a resume sees the same data."""
+  digest = hashlib.sha1()
+  for record in records:
+    digest.update(f"{record.id}\x00{record.answer}\x01".encode())
+  return digest.hexdigest()[:16]
+
+
+class PromptIterator:
+  """Endless batches of `prompts_per_step` prompts, each repeated `samples_per_prompt` times."""
+
+  def __init__(self, records: Sequence[Record], *, prompts_per_step: int, seed: int,
+               samples_per_prompt: int = 1):
+    if not records:
+      raise DataError("PromptIterator needs at least one record")
+    self.records, self.seed = list(records), seed
+    self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+    self.state = SamplerState(0, 0)
+    self._fingerprint = fingerprint(self.records)
+
+  def __iter__(self) -> "PromptIterator":
+    return self
+
+  def __next__(self) -> list[Record]:
+    batch, self.state = next_prompts(self.records, self.state, count=self.prompts_per_step, seed=self.seed)
+    return repeat_records(batch, self.samples_per_prompt)
+
+  def state_dict(self) -> dict[str, Any]:
+    """The position, JSON-serialisable, with what identifies the data and the order."""
+    return {"epoch": self.state.epoch, "position": self.state.position, "seed": self.seed,
+            "num_records": len(self.records), "fingerprint": self._fingerprint}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Resumes at a saved position; the data and the seed must be the ones it was saved with."""
+    expected = {"seed": self.seed, "num_records": len(self.records), "fingerprint": self._fingerprint}
+    for key, value in expected.items():
+      if state.get(key) != value:
+        raise DataError(f"cannot resume the prompt iterator: saved {key}={state.get(key)!r}, "
+                        f"but the data now has {key}={value!r}")
+    if not 0 <= state["position"] <= len(self.records):
+      raise DataError(f"cannot resume the prompt iterator: position {state['position']} out of range")
+    self.state = SamplerState(int(state["epoch"]), int(state["position"]))
