@@ -18,7 +18,8 @@ setuptools.setup(
         "ml_dtypes>=0.4,<1",
         # Answer equivalence (pins latex2sympy2_extended; agreement figures measured on 0.9.0).
         "math-verify[antlr4_13_2]>=0.9,<0.10",
-        "pyarrow>=14,<27",  # Parquet datasets (DAPO-Math-17k).  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
+        "pyarrow>=14,<27",  # Parquet datasets (DAPO-Math-17k).
+        "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow.  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
     ],
     extras_require={
         "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],

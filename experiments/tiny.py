@@ -1,23 +1,34 @@
-"""The default experiment: VAPO on a tiny model, sized for a 2-core CPU.
+"""The default experiment: VAPO on a tiny model and a synthetic task, on a 2-core CPU in minutes.
 
   make train            (the same as `make train EXP=tiny`)
 
-It runs exactly the code path of the 32B experiment with small numbers.
+Task: multi-step addition written out step by step ("7+5+9=" → "7+5=12\\n12+9=21\\nAnswer: 21"),
+2 to 7 terms, so response length varies about 4-fold and longer problems are harder. A short
+supervised warm start on 2-4-term demonstrations leaves the policy imperfect (it has rarely seen
+long problems); value pretraining fits the critic; VAPO then trains on all lengths. Expect
+held-out accuracy (avg@4 on 64 problems) clearly higher after RL than before. It runs exactly the
+code path of the 32B experiment, with small numbers.
 """
 
-from vapo_jax.config import (AlgoConfig, ExperimentConfig, MeshConfig, ModelConfig,
-                             OptimizerConfig, RolloutConfig)
+from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
+                             OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
 
 
 def tiny() -> ExperimentConfig:
-  """VAPO with every technique on; tiny model, 8 prompts × 8 samples, 128-token responses."""
+  """VAPO, every technique on; byte-level tiny model, 16 prompts × 8 samples, ≤ 64-token responses."""
   return ExperimentConfig(
       name="tiny_vapo",
-      rl_steps=40,
-      model=ModelConfig(preset="tiny", dtype="float32", remat=False),
-      algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32),
-      optim=OptimizerConfig(actor_lr=3e-4, critic_lr=1e-3, warmup_steps=5),
-      rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=8, max_prompt_tokens=64,
-                            max_response_tokens=128),
+      rl_steps=60,
+      model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
+      algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=64),
+      optim=OptimizerConfig(actor_lr=2e-4, critic_lr=1e-3, warmup_steps=5, weight_decay=0.0),
+      rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
+                            max_response_tokens=64),
+      reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=2),
+      data=DataConfig(train_path="synthetic:arithmetic?terms=2-7&count=4000&seed=0", template="raw",
+                      chat_template=False),
+      eval=EvalConfig(path="synthetic:arithmetic?terms=2-7&count=64&seed=1", samples_per_problem=4,
+                      temperature=1.0, top_p=0.7, every_steps=20),
+      sft=SFTConfig(path="synthetic:arithmetic?terms=2-4&count=2000&seed=2", steps=150, batch_size=32, lr=1e-3),
       mesh=MeshConfig(preset="dp"),
   )

@@ -226,3 +226,19 @@ def test_ppo_property(inputs, mode):
   tokens = np.vectorize(reference_ppo_token)(logp, old, a, 0.2, 0.28)
   np.testing.assert_allclose(loss, reference_aggregate(tokens, mask, mode), atol=1e-4, rtol=1e-4)
   assert all(np.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_with_global_denominator_add_up(mode):
+  logp, old, a, mask = batch(12, b=6, all_masked_row=False)
+  full, _ = losses.ppo_policy_loss(logp, old, a, mask, eps_low=0.2, eps_high=0.28, mode=mode)
+  denominator = mask.sum() if mode == "token-mean" else mask.any(-1).sum()
+  parts = [losses.ppo_policy_loss(logp[i:i + 2], old[i:i + 2], a[i:i + 2], mask[i:i + 2], eps_low=0.2,
+                                  eps_high=0.28, mode=mode, denominator=denominator)[0] for i in (0, 2, 4)]
+  np.testing.assert_allclose(sum(parts), full, rtol=1e-5)
+  positive = np.array([True, False, True, True, False, True])
+  nll, _ = losses.positive_example_nll_loss(logp, mask, positive)
+  count = (mask & positive[:, None]).sum()
+  nll_parts = [losses.positive_example_nll_loss(logp[i:i + 3], mask[i:i + 3], positive[i:i + 3], denominator=count)[0]
+               for i in (0, 3)]
+  np.testing.assert_allclose(sum(nll_parts), nll, rtol=1e-5)

@@ -14,6 +14,22 @@ from vapo_jax import losses, masked
 from vapo_jax.config import AlgoConfig
 
 
+class Denominators(NamedTuple):
+  """Normalisers of a whole mini-batch, so micro-batch losses add up to the mini-batch loss."""
+
+  policy: jax.Array  # Valid tokens (token-mean) or non-empty sequences (sequence modes).
+  positive_tokens: jax.Array  # Valid tokens of positive (correct) responses.
+  value: jax.Array  # Valid tokens (the value loss is a token mean).
+
+  @classmethod
+  def of(cls, algo: AlgoConfig, response_mask: jax.Array, is_positive: jax.Array) -> "Denominators":
+    mask = jnp.asarray(response_mask).astype(bool)
+    tokens = jnp.sum(mask).astype(jnp.float32)
+    sequences = jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
+    positive = jnp.sum(mask & jnp.asarray(is_positive).astype(bool)[:, None]).astype(jnp.float32)
+    return cls(tokens if algo.loss_agg == "token-mean" else sequences, positive, tokens)
+
+
 class Advantages(NamedTuple):
   advantages: jax.Array  # [B, T] actor advantages (whitened if configured).
   returns: jax.Array  # [B, T] critic targets (zeros for the "group" estimator).
@@ -72,26 +88,33 @@ def actor_loss(
     *,
     ref_logprobs: jax.Array | None = None,
     entropy: jax.Array | None = None,
+    denominators: Denominators | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured)."""
+  """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured).
+
+  `denominators` (of the whole mini-batch) make this a micro-batch's share of the mini-batch
+  loss; None normalises by this batch alone.
+  """
+  d = denominators or Denominators(None, None, None)
   policy, metrics = losses.ppo_policy_loss(
       logprobs, old_logprobs, advantages, response_mask, eps_low=algo.eps_low,
-      eps_high=algo.eps_high, dual_clip=algo.dual_clip, mode=algo.loss_agg)
+      eps_high=algo.eps_high, dual_clip=algo.dual_clip, mode=algo.loss_agg, denominator=d.policy)
   metrics = {f"actor/{k}": v for k, v in metrics.items()} | {"actor/pg_loss": policy}
   total = policy
   if algo.positive_nll_coef > 0:
-    nll, nll_metrics = losses.positive_example_nll_loss(logprobs, response_mask, is_positive)
+    nll, nll_metrics = losses.positive_example_nll_loss(logprobs, response_mask, is_positive,
+                                                        denominator=d.positive_tokens)
     total = total + algo.positive_nll_coef * nll
     metrics |= {"actor/nll_loss": nll} | {f"actor/{k}": v for k, v in nll_metrics.items()}
   if algo.kl_coef > 0:
     if ref_logprobs is None:
       raise ValueError("algo.kl_coef > 0 needs ref_logprobs")
     kl = losses.aggregate_loss(losses.kl_penalty(logprobs, ref_logprobs, estimator=algo.kl_estimator),
-                               response_mask, mode=algo.loss_agg)
+                               response_mask, mode=algo.loss_agg, denominator=d.policy)
     total = total + algo.kl_coef * kl
     metrics["actor/ref_kl"] = kl
   if entropy is not None:
-    mean_entropy = losses.aggregate_loss(entropy, response_mask, mode=algo.loss_agg)
+    mean_entropy = losses.aggregate_loss(entropy, response_mask, mode=algo.loss_agg, denominator=d.policy)
     total = total - algo.entropy_coef * mean_entropy
     metrics["actor/entropy"] = mean_entropy
   metrics["actor/loss"] = total

@@ -148,6 +148,8 @@ class RolloutConfig:
   temperature: float = 1.0  # Sampling temperature (0: greedy).
   top_p: float = 1.0  # Nucleus sampling mass (1: off).
   top_k: int = 0  # Top-k sampling (0: off).
+  stop_token_ids: tuple[int, ...] = ()  # Stop tokens besides the tokenizer's EOS.
+  kv_cache_budget_gib: float = 16.0  # Per-device KV-cache budget; a larger rollout is refused.
 
   def __post_init__(self):
     _positive_int(self, "prompts_per_step")
@@ -214,6 +216,7 @@ class EvalConfig:
   """Held-out evaluation (the paper: AIME 2024 avg@32 at temperature 1.0, top-p 0.7)."""
 
   path: str | None = None  # Evaluation problems; None: no evaluation.
+  max_problems: int | None = None  # Evaluate on the first N problems only (None: all).
   samples_per_problem: int = 32  # k of avg@k.
   temperature: float = 1.0  # Sampling temperature.
   top_p: float = 0.7  # Nucleus sampling mass.
@@ -227,6 +230,35 @@ class EvalConfig:
 
 
 @frozen
+class SFTConfig:
+  """Supervised warm start on demonstrations (token-level NLL), before any RL."""
+
+  path: str | None = None  # jsonl of (problem, solution) rows, or "synthetic:arithmetic:MIN-MAX"; None: no SFT.
+  steps: int = 0  # Optimizer updates.
+  batch_size: int = 32  # Demonstrations per update.
+  lr: float = 1e-5  # Peak learning rate (AdamW, same warm-up as RL).
+
+  def __post_init__(self):
+    _positive_int(self, "steps", allow_zero=True)
+    _positive_int(self, "batch_size")
+    _in_range(self, "lr", 0.0, 1.0, lo_open=True)
+
+
+@frozen
+class LogConfig:
+  """What a run reports, and when it warns."""
+
+  collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
+  collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
+  value_pretrain_patience: int = 5  # Stop value pretraining after this many steps without improvement.
+
+  def __post_init__(self):
+    _in_range(self, "collapse_length_frac", 0.0, 1.0)
+    _in_range(self, "collapse_entropy", 0.0, 100.0)
+    _positive_int(self, "value_pretrain_patience")
+
+
+@frozen
 class ModelConfig:
   """Policy and critic networks."""
 
@@ -236,6 +268,9 @@ class ModelConfig:
   dtype: Literal["float32", "bfloat16"] = "bfloat16"  # Compute dtype.
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameter storage dtype.
   remat: bool = True  # Rematerialise each layer's activations in the backward pass.
+  tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
+  random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
+  init_seed: int = 0  # Seed of the random initialisation.
 
 
 @frozen
@@ -271,6 +306,8 @@ class ExperimentConfig:
   reward: RewardConfig = RewardConfig()
   data: DataConfig = DataConfig()
   eval: EvalConfig = EvalConfig()
+  sft: SFTConfig = SFTConfig()
+  log: LogConfig = LogConfig()
   mesh: MeshConfig = MeshConfig()
 
   def __post_init__(self):

@@ -30,6 +30,7 @@ def aggregate_loss(
     *,
     mode: LossAggregation,
     norm_length: int | None = None,
+    denominator: jax.Array | float | None = None,
 ) -> jax.Array:
   """Reduces `[B, T]` per-token losses to a scalar.
 
@@ -41,14 +42,17 @@ def aggregate_loss(
     seq-mean-token-sum-norm: (1/B') Σ_b Σ_t m·ℓ / norm_length  (Dr. GRPO; norm_length defaults to T)
 
   Sequences without a valid token are left out of the sequence means; an all-masked batch
-  gives 0.
+  gives 0. `denominator` replaces Σ m (token-mean) or B' (the sequence modes): with the count of
+  a whole mini-batch, the losses of its micro-batches add up to the mini-batch's loss (gradient
+  accumulation).
   """
   token_losses = jnp.where(response_mask, _f32(token_losses), 0.0)
   lengths = masked.masked_count(response_mask, axis=-1)  # [B]
-  num_sequences = jnp.maximum(jnp.sum(lengths > 0), 1)
+  num_sequences = jnp.maximum(jnp.sum(lengths > 0), 1) if denominator is None else denominator
   match mode:
     case "token-mean":
-      return jnp.sum(token_losses) / jnp.maximum(jnp.sum(lengths), 1.0)
+      tokens = jnp.sum(lengths) if denominator is None else denominator
+      return jnp.sum(token_losses) / jnp.maximum(tokens, 1.0)
     case "seq-mean-token-mean":
       per_sequence = jnp.sum(token_losses, axis=-1) / jnp.maximum(lengths, 1.0)
       return jnp.sum(per_sequence) / num_sequences
@@ -71,6 +75,7 @@ def ppo_policy_loss(
     eps_high: float,
     dual_clip: float | None = None,
     mode: LossAggregation = "token-mean",
+    denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped PPO surrogate with decoupled clip range ("clip-higher", DAPO / VAPO §3.4).
 
@@ -97,7 +102,7 @@ def ppo_policy_loss(
     dual_active = (advantages < 0) & (token_losses > dual)
     token_losses = jnp.where(advantages < 0, jnp.minimum(token_losses, dual), token_losses)
     metrics["dual_clip_frac"] = masked.masked_mean(dual_active, response_mask)
-  loss = aggregate_loss(token_losses, response_mask, mode=mode)
+  loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator)
   metrics |= {
       "clip_frac_low": masked.masked_mean((ratio < 1.0 - eps_low) & (advantages < 0), response_mask),
       "clip_frac_high": masked.masked_mean((ratio > 1.0 + eps_high) & (advantages > 0), response_mask),
@@ -115,6 +120,7 @@ def value_loss(
     *,
     clip_range: float | None = None,
     mode: LossAggregation = "token-mean",
+    denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Squared-error value loss ½·(V − R)², optionally clipped around the rollout's values.
 
@@ -129,25 +135,27 @@ def value_loss(
     clipped_error = (clipped_values - returns) ** 2
     metrics["clip_frac"] = masked.masked_mean(clipped_error > squared_error, response_mask)
     squared_error = jnp.maximum(squared_error, clipped_error)
-  loss = 0.5 * aggregate_loss(squared_error, response_mask, mode=mode)
+  loss = 0.5 * aggregate_loss(squared_error, response_mask, mode=mode, denominator=denominator)
   metrics["explained_variance"] = explained_variance(values, returns, response_mask)
   return loss, metrics
 
 
 def positive_example_nll_loss(
-    logprobs: jax.Array, response_mask: jax.Array, is_positive: jax.Array
+    logprobs: jax.Array, response_mask: jax.Array, is_positive: jax.Array, *,
+    denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Negative log-likelihood on correct responses (VAPO §3.6), averaged over their tokens.
 
     L_NLL = −Σ_{b∈correct} Σ_t m·log π(o_{b,t}) / Σ_{b∈correct} |o_b|
 
   `is_positive` is `[B]` (true where the verifier judged the response equivalent to the
-  reference). Zero, not NaN, when the batch has no positive response. Metrics:
+  reference). Zero, not NaN, when the batch has no positive response. `denominator` replaces the
+  positive-token count (see `aggregate_loss`). Metrics:
   `positive_frac` (fraction of sequences that are positive) and `positive_tokens`.
   """
   is_positive = jnp.asarray(is_positive).astype(bool)
   positive_mask = jnp.asarray(response_mask).astype(bool) & is_positive[:, None]
-  loss = aggregate_loss(-_f32(logprobs), positive_mask, mode="token-mean")
+  loss = aggregate_loss(-_f32(logprobs), positive_mask, mode="token-mean", denominator=denominator)
   metrics = {
       "positive_frac": jnp.mean(_f32(is_positive)),
       "positive_tokens": masked.masked_count(positive_mask),
@@ -190,4 +198,5 @@ def explained_variance(values: jax.Array, returns: jax.Array, response_mask: jax
   returns = _f32(returns)
   residual_var = masked.masked_var(returns - _f32(values), response_mask)
   returns_var = masked.masked_var(returns, response_mask)
-  return jnp.where(returns_var > 0, 1.0 - residual_var / jnp.where(returns_var > 0, returns_var, 1.0), 0.0)
+  ok = returns_var > 1e-8  # Constant returns (every response scored the same): no variance to explain.
+  return jnp.where(ok, 1.0 - residual_var / jnp.where(ok, returns_var, 1.0), 0.0)

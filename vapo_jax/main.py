@@ -3,15 +3,14 @@
   python -m vapo_jax.main --exp tiny [field.path=value ...]
   python -m vapo_jax.main --exp aime --help      (every field with its current value)
 
-The trainer is not built yet (issue: "The trainer"). Until it is, this runs the VAPO advantage and
-loss math on a synthetic rollout batch shaped by the experiment's config, and says so.
+Runs the experiment's stages (supervised warm start, value pretraining, RL) with
+`trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
 """
 
 import dataclasses
 import json
 import os
 import sys
-import time
 
 from vapo_jax import overrides
 from vapo_jax.config import ConfigError, ExperimentConfig
@@ -63,21 +62,19 @@ def main(argv: list[str]) -> int:
   if want_help:
     print(_usage(config))
     return 0
+  from vapo_jax.trainer import Trainer  # Imports JAX; kept off the `--help` path.
+
+  try:
+    trainer = Trainer(config)
+  except (ConfigError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   run_dir = write_resolved_config(config)
   print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
-  from vapo_jax import synthetic  # Imports JAX; kept off the `--help` path.
-
-  start = time.perf_counter()
-  metrics = synthetic.run_math_on_synthetic_batch(config)
-  print("NOTE: the trainer does not exist yet; these numbers come from the VAPO advantage and loss")
-  print("      functions applied to a synthetic rollout batch (random lengths, verifier outcomes,")
-  print("      values and log-probs), not from a model.")
-  width = max(map(len, metrics))
-  for key, value in metrics.items():
-    print(f"  {key:<{width}}  {value: .6g}")
-  with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
-    f.write(json.dumps({"step": 0, "source": "synthetic", **metrics}) + "\n")
-  print(f"done in {time.perf_counter() - start:.1f}s; metrics appended to {run_dir}/metrics.jsonl")
+  summary = trainer.run()
+  print(f"done in {summary['seconds']:.0f}s. held-out accuracy: before RL {summary['accuracy_before_rl']}, "
+        f"after RL {summary['accuracy_after_rl']}")
+  print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, summary.json)")
   return 0
 
 

@@ -154,6 +154,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                  max_position_embeddings=4096),
+    # The default CPU experiment's model: byte vocabulary, about 0.8 M parameters.
+    "small": dict(model_type="qwen2", vocab_size=259, hidden_size=128, intermediate_size=352,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                  max_position_embeddings=4096),
     "qwen2.5-0.5b": _QWEN25 | dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                                    num_hidden_layers=24, num_attention_heads=14,
                                    num_key_value_heads=2, tie_word_embeddings=True,

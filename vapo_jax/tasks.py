@@ -1,0 +1,75 @@
+"""A synthetic reasoning task with verifiable answers, for CPU-sized end-to-end runs.
+
+Multi-step addition written out step by step: the problem "7+5+9=" has the chain of thought
+
+  7+5=12
+  12+9=21
+  Answer: 21
+
+so a problem with k terms needs k − 1 steps and its response length grows several-fold from 2 to
+`max_terms` terms, and longer problems are harder (more steps to get right). Answers are integers,
+scored by the same verifier as real math data (the `Answer:` line).
+"""
+
+import json
+import os
+
+import numpy as np
+
+from vapo_jax.data import Record
+
+
+def solution(terms: list[int]) -> tuple[str, int]:
+  """The step-by-step response for adding `terms`, and the answer."""
+  lines, total = [], terms[0]
+  for term in terms[1:]:
+    lines.append(f"{total}+{term}={total + term}")
+    total += term
+  lines.append(f"Answer: {total}")
+  return "\n".join(lines), total
+
+
+def make_problems(count: int, *, seed: int, min_terms: int = 2, max_terms: int = 7,
+                  max_digit: int = 9) -> list[dict]:
+  """`count` problems as rows with `problem`, `answer`, `solution` and `id` fields."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(count):
+    terms = rng.integers(1, max_digit + 1, int(rng.integers(min_terms, max_terms + 1))).tolist()
+    text, answer = solution(terms)
+    rows.append({"id": f"add-{seed}-{i}", "problem": "+".join(map(str, terms)) + "=",
+                 "answer": str(answer), "solution": text})
+  return rows
+
+
+def to_records(rows: list[dict]) -> list[Record]:
+  return [Record(prompt=r["problem"], answer=r["answer"], id=r["id"], source="arithmetic") for r in rows]
+
+
+def write_jsonl(rows: list[dict], path: str) -> str:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path + ".tmp", "w") as f:
+    for row in rows:
+      f.write(json.dumps(row) + "\n")
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def from_spec(spec: str) -> list[dict]:
+  """Rows for "synthetic:arithmetic?terms=2-7&count=4000&seed=0" (every key optional)."""
+  import urllib.parse
+  scheme, _, rest = spec.partition(":")
+  name, _, query = rest.partition("?")
+  if scheme != "synthetic" or name != "arithmetic":
+    raise ValueError(f"unknown synthetic task {spec!r}; expected synthetic:arithmetic?terms=2-7&count=N&seed=S")
+  options = dict(urllib.parse.parse_qsl(query))
+  unknown = set(options) - {"terms", "count", "seed"}
+  if unknown:
+    raise ValueError(f"{spec!r}: unknown options {sorted(unknown)} (known: terms, count, seed)")
+  low, _, high = options.get("terms", "2-7").partition("-")
+  return make_problems(int(options.get("count", 4000)), seed=int(options.get("seed", 0)),
+                       min_terms=int(low), max_terms=int(high or low))
+
+
+def is_spec(path: str | None) -> bool:
+  return bool(path) and path.startswith("synthetic:")

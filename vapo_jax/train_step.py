@@ -1,0 +1,171 @@
+"""The jitted steps of training: scoring a rollout, and actor / critic / supervised updates.
+
+Models are handled functionally: a graphdef (static) and a parameter `nnx.State` (a pytree) so
+that the whole training state is one pytree of arrays. Every update takes a mini-batch, splits it
+into micro-batches along the batch axis and accumulates gradients with `lax.scan`; losses use the
+whole mini-batch's denominators (`algorithm.Denominators`), so the accumulated gradient equals
+the mini-batch gradient exactly.
+
+Shapes: `B` sequences, `S` = `Tp` + `Tr` positions (left-padded prompt, then the response), `Tr`
+response tokens, `V` vocabulary. Logits at position Tp − 1 + t predict response token t, and the
+critic's output there is V(s_t), the value before response token t.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from vapo_jax import algorithm, losses, masked
+from vapo_jax.config import AlgoConfig, OptimizerConfig
+from vapo_jax.models.transformer import positions_from_mask
+
+
+class TrainBatch(NamedTuple):
+  tokens: jax.Array  # [B, S] prompt then response tokens.
+  attention_mask: jax.Array  # [B, S].
+  response_tokens: jax.Array  # [B, Tr].
+  response_mask: jax.Array  # [B, Tr].
+  old_logprobs: jax.Array  # [B, Tr] policy log-probs at rollout time.
+  advantages: jax.Array  # [B, Tr].
+  returns: jax.Array  # [B, Tr] critic targets.
+  old_values: jax.Array  # [B, Tr].
+  is_positive: jax.Array  # [B] verifier said correct.
+  ref_logprobs: jax.Array  # [B, Tr] reference-policy log-probs (zeros without a KL term).
+
+
+def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
+  """`[B, Tp]` prompt and `[B, Tr]` response into `[B, S]` tokens and attention mask."""
+  return (jnp.concatenate([prompt_tokens, response_tokens], axis=1).astype(jnp.int32),
+          jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool))
+
+
+def response_logits(model, tokens, attention_mask, response_len: int) -> jax.Array:
+  """`[B, Tr, V]` logits predicting each response token."""
+  logits, _ = model(tokens, positions_from_mask(attention_mask), attention_mask)
+  prompt_len = tokens.shape[1] - response_len
+  return logits[:, prompt_len - 1:prompt_len - 1 + response_len]
+
+
+def token_logprobs(logits, response_tokens) -> jax.Array:
+  """log π(o_t) `[B, Tr]` of the given tokens under `[B, Tr, V]` logits (float32)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jnp.take_along_axis(logp, response_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Array:
+  """V(s_t) `[B, Tr]` before each response token."""
+  values, _ = critic(tokens, positions_from_mask(attention_mask), attention_mask)
+  prompt_len = tokens.shape[1] - response_len
+  return values[:, prompt_len - 1:prompt_len - 1 + response_len]
+
+
+def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """AdamW, linear warm-up to `peak_lr` then constant, after global-norm clipping; and the schedule."""
+  if optim.warmup_steps:
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(peak_lr / optim.warmup_steps, peak_lr, optim.warmup_steps - 1),
+         optax.constant_schedule(peak_lr)], [optim.warmup_steps])
+  else:
+    schedule = optax.constant_schedule(peak_lr)
+  adamw = optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+  chain = [optax.clip_by_global_norm(optim.max_grad_norm)] if optim.max_grad_norm else []
+  return optax.chain(*chain, adamw), schedule
+
+
+def _micro(tree, micro: int):
+  """Splits the leading batch axis into `[M, micro, ...]`."""
+  return jax.tree.map(lambda x: x.reshape((x.shape[0] // micro, micro) + x.shape[1:]), tree)
+
+
+def _accumulate(loss_fn, params, batch, micro: int):
+  """Σ over micro-batches of (loss, grads, metrics); metrics averaged over micro-batches."""
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  chunks = _micro(batch, micro)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+
+  def body(grads, chunk):
+    g, (loss, metrics) = grad_fn(params, chunk)
+    return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+
+  grads, (loss, metrics) = jax.lax.scan(body, zeros, chunks)
+  return jnp.sum(loss), grads, jax.tree.map(jnp.mean, metrics)
+
+
+def _apply(tx, schedule, params, opt_state, grads, opt_step):
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, {
+      "grad_norm": optax.global_norm(grads), "lr": schedule(opt_step)}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "response_len"))
+def logprobs_and_entropy(graphdef, params, tokens, attention_mask, response_tokens, *, response_len):
+  model = nnx.merge(graphdef, params)
+  logits = response_logits(model, tokens, attention_mask, response_len)
+  return token_logprobs(logits, response_tokens), losses.entropy_from_logits(logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "response_len"))
+def values(graphdef, params, tokens, attention_mask, *, response_len):
+  return response_values(nnx.merge(graphdef, params), tokens, attention_mask, response_len)
+
+
+def actor_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
+                 micro: int):
+  """One optimizer update of the policy on a mini-batch (not jitted here: see `Steps`)."""
+  denominators = algorithm.Denominators.of(algo, batch.response_mask, batch.is_positive)
+  response_len = batch.response_tokens.shape[1]
+
+  def loss_fn(p, mb: TrainBatch):
+    logits = response_logits(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
+    logprobs = token_logprobs(logits, mb.response_tokens)
+    entropy = losses.entropy_from_logits(logits)
+    loss, metrics = algorithm.actor_loss(
+        algo, logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, mb.is_positive,
+        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None,
+        entropy=entropy if algo.entropy_coef > 0 else None, denominators=denominators)
+    metrics["actor/entropy"] = masked.masked_mean(jax.lax.stop_gradient(entropy), mb.response_mask)
+    return loss, (loss, metrics)
+
+  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro)
+  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
+  metrics["actor/loss"] = loss
+  return params, opt_state, metrics | {f"actor/{k}": v for k, v in extra.items()}
+
+
+def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
+                  micro: int):
+  """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
+  denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
+  response_len = batch.response_tokens.shape[1]
+
+  def loss_fn(p, mb: TrainBatch):
+    v = response_values(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
+    loss, metrics = losses.value_loss(v, mb.old_values, mb.returns, mb.response_mask,
+                                      clip_range=algo.value_clip, denominator=denominator)
+    metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
+    return loss, (loss, metrics)
+
+  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro)
+  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
+  metrics["critic/value_loss"] = loss
+  return params, opt_state, metrics | {f"critic/{k}": v for k, v in extra.items()}
+
+
+def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, micro: int):
+  """One supervised update: token-level NLL of the response tokens (demonstrations)."""
+  denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
+  response_len = batch.response_tokens.shape[1]
+
+  def loss_fn(p, mb: TrainBatch):
+    logits = response_logits(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
+    nll = -token_logprobs(logits, mb.response_tokens)
+    loss = losses.aggregate_loss(nll, mb.response_mask, mode="token-mean", denominator=denominator)
+    return loss, (loss, {})
+
+  loss, grads, _ = _accumulate(loss_fn, params, batch, micro)
+  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
+  return params, opt_state, {"sft/nll": loss} | {f"sft/{k}": v for k, v in extra.items()}
