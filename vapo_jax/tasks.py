@@ -1,13 +1,15 @@
 """A synthetic reasoning task with verifiable answers, for CPU-sized end-to-end runs.
 
-Multi-step addition written out step by step: the problem "7+5+9=" has the chain of thought
+Multi-step addition written out step by step: each line adds the first two numbers of the line
+before it and copies the rest, so the problem "7+5+9+3=" has the chain of thought
 
-  7+5=12
-  12+9=21
-  Answer: 21
+  12+9+3
+  21+3
+  24
+  Answer: 24
 
-so a problem with k terms needs k − 1 steps and its response length grows several-fold from 2 to
-`max_terms` terms, and longer problems are harder (more steps to get right). Answers are integers,
+A problem with k terms needs k − 1 steps; its response length grows several-fold from 2 to
+`max_terms` terms (quadratically), and longer problems are harder (more steps to get right). Answers are integers,
 scored by the same verifier as real math data (the `Answer:` line).
 """
 
@@ -21,12 +23,12 @@ from vapo_jax.data import Record
 
 def solution(terms: list[int]) -> tuple[str, int]:
   """The step-by-step response for adding `terms`, and the answer."""
-  lines, total = [], terms[0]
-  for term in terms[1:]:
-    lines.append(f"{total}+{term}={total + term}")
-    total += term
-  lines.append(f"Answer: {total}")
-  return "\n".join(lines), total
+  lines, rest = [], list(terms)
+  while len(rest) > 1:
+    rest = [rest[0] + rest[1]] + rest[2:]
+    lines.append("+".join(map(str, rest)))
+  lines.append(f"Answer: {rest[0]}")
+  return "\n".join(lines), rest[0]
 
 
 def make_problems(count: int, *, seed: int, min_terms: int = 2, max_terms: int = 7,
