@@ -32,9 +32,10 @@ test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests exclude
 test-slow: $(STAMP)  ## Run only the tests marked slow.
 	$(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]  # 5: no test is marked slow yet
 
-bench: $(STAMP)  ## Print the benchmarks (GAE against its baselines; Qwen2.5-0.5B forward tokens/s).
+bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; decode vs transformers (~15 min).
 	$(PY) -m benchmarks.gae_bench
 	$(PY) -m benchmarks.model_bench
+	$(PY) -m benchmarks.rollout_bench
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
 	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)

@@ -14,6 +14,7 @@ setuptools.setup(
         "optax>=0.2.4,<0.3",
         "orbax-checkpoint>=0.11.0,<0.13",
         "transformers>=4.51,<6",
+        "jinja2>=3.1,<4",  # transformers' chat templates.
         "numpy>=1.26,<3",
         "ml_dtypes>=0.4,<1",
         # Answer equivalence (pins latex2sympy2_extended; agreement figures measured on 0.9.0).

@@ -97,6 +97,17 @@ def filter_logits(logits: jax.Array, *, temperature: float, top_k: int, top_p: f
   return logits
 
 
+def _argmax(x: jax.Array) -> jax.Array:
+  """`jnp.argmax(x, axis=-1)` (first index of the maximum, NaN counting as the maximum) as two
+  plain reductions. XLA:CPU fuses the Gumbel noise into argmax's (value, index) reduction, which then
+  runs slower than drawing the noise: sampling 16 rows of 152k logits took ~50 ms this way against
+  ~100 ms with `jax.random.categorical`, next to a ~0.5 s decode step of the 0.5B model."""
+  best = jnp.max(x, axis=-1, keepdims=True)
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  is_best = (x == best) | jnp.isnan(x)
+  return jnp.min(jnp.where(is_best, index, x.shape[-1]), axis=-1)
+
+
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling):
   """One token per row from `[B, V]` logits with per-row keys `[B]`.
 
@@ -110,7 +121,9 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling):
   else:
     processed = filter_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k,
                               top_p=sampling.top_p)
-    tokens = jax.vmap(jax.random.categorical)(keys, processed)
+    # `jax.random.categorical` per row (same Gumbel noise, same tokens) with a faster argmax.
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, processed.shape[-1:]))(keys)
+    tokens = _argmax(processed + noise)
     sampler = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), tokens[:, None], axis=-1)[:, 0]
   policy = jnp.take_along_axis(policy, tokens[:, None], axis=-1)[:, 0]
   return tokens.astype(jnp.int32), sampler, policy
