@@ -153,6 +153,21 @@ def test_cli(tmp_path, capsys):
   summary = json.loads((tmp_path / "o" / "summary.json").read_text())
   assert summary["overall"]["avg@1"] == 1.0 and summary["overall"]["maj@1"] == 1.0
   assert evaluate.main(args + ["--ckpt", str(tmp_path)]) == 2
-  assert "rollout engine" in capsys.readouterr().err
+  assert "no config.json in checkpoint directory" in capsys.readouterr().err
   assert evaluate.main(args + ["--responses", str(responses), "eval.nope=1"]) == 2
   assert np.isfinite(summary["verify_responses_per_s"])
+
+
+def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
+  from flax import nnx
+  from vapo_jax.models import checkpoint
+  from vapo_jax.models.config import preset
+  from vapo_jax.models.transformer import CausalLM
+  checkpoint.export(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)), str(tmp_path / "ckpt"))
+  args = ["--exp", "tiny", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o"),
+          "eval.max_problems=3", "eval.samples_per_problem=2", "rollout.max_response_tokens=6"]
+  assert evaluate.main(args) == 0
+  lines = (tmp_path / "o" / "responses.jsonl").read_text().splitlines()
+  assert len(lines) == 6 and all(set(json.loads(line)) == {"id", "answer", "source", "response"} for line in lines)
+  summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+  assert summary["overall"]["problems"] == 3 and summary["overall"]["samples"] == 6

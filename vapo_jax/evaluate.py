@@ -1,7 +1,7 @@
 """Evaluation: avg@k, unbiased pass@k and majority vote maj@k, overall and per source.
 
   make eval EXP=aime RESPONSES=responses.jsonl        # score saved responses
-  make eval EXP=aime CKPT=/path/to/checkpoint         # generate k samples (needs the rollout engine)
+  make eval EXP=aime CKPT=/path/to/checkpoint         # generate k samples per problem, then score
   python -m vapo_jax.evaluate --exp aime --responses responses.jsonl [--out DIR] [field=value ...]
 
 A responses file has one sample per line: `{"id": ..., "response": "..."}`, the id being a
@@ -184,6 +184,41 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[data.Record] |
   return summary
 
 
+def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
+  """Samples `eval.samples_per_problem` responses per problem of `eval.path` from a checkpoint with
+  the rollout engine (eval temperature and top-p), and writes them as a responses file."""
+  import jax
+  import jax.numpy as jnp
+  from vapo_jax import rollout, tokenizer as tok_lib, trainer
+  from vapo_jax.models import checkpoint
+
+  e, r = config.eval, config.rollout
+  if not e.path:
+    raise data.DataError("generating evaluation samples needs eval.path (the problems)")
+  model = checkpoint.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
+  rows = trainer.load_problems(e.path, config)[:e.max_problems]
+  sampling = rollout.Sampling(max_new_tokens=r.max_response_tokens,
+                              stop_token_ids=tuple(sorted({tokenizer.eos_token_id, *r.stop_token_ids})),
+                              temperature=e.temperature, top_p=e.top_p)
+  generate = rollout.make_generate(sampling=sampling, samples_per_prompt=e.samples_per_problem,
+                                   pad_id=tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype))
+  key = jax.random.key(config.seed)
+  Path(path).parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w") as f:
+    for start in range(0, len(rows), prompts_per_call):
+      chunk = rows[start:start + prompts_per_call]
+      tokens, mask = rollout.pad_prompts([trainer.encode_prompt(row, tokenizer, config) for row in chunk],
+                                         pad_id=tokenizer.pad_token_id)
+      out = jax.device_get(generate(model, tokens, mask, jax.random.fold_in(key, start)))
+      for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):
+        row = chunk[b // e.samples_per_problem]
+        f.write(json.dumps({"id": str(row["id"]), "answer": row["answer"], "source": row.get("source", ""),
+                            "response": tokenizer.decode(ids[:n])}) + "\n")
+      print(f"generated {min(start + prompts_per_call, len(rows))}/{len(rows)} problems", flush=True)
+  return path
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
   for name, metrics in [("overall", summary["overall"]), *summary["per_source"].items()]:
     print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -209,16 +244,23 @@ def main(argv: list[str]) -> int:
   if want_help or not (own["--ckpt"] or own["--responses"]):
     print(__doc__, file=sys.stdout if want_help else sys.stderr)
     return 0 if want_help else 2
-  if own["--ckpt"] and not own["--responses"]:
-    print("error: generating samples needs the rollout engine, which is not built yet; score saved "
-          "responses with `make eval RESPONSES=file.jsonl`", file=sys.stderr)
-    return 2
   reward_config, data_config = config.reward, config.data
   problems = None
   if config.eval.path:
-    problems = data.load_records(config.eval.path, skip_bad_rows=data_config.skip_bad_rows)
+    from vapo_jax import tasks
+    if tasks.is_spec(config.eval.path):
+      problems = tasks.to_records(tasks.from_spec(config.eval.path))
+    else:
+      problems = data.load_records(config.eval.path, skip_bad_rows=data_config.skip_bad_rows)
   responses = own["--responses"]
-  out_dir = own["--out"] or str(Path(config.run_dir) / config.name / "eval" / Path(responses).stem)
+  out_dir = own["--out"] or str(Path(config.run_dir) / config.name / "eval" /
+                                (Path(responses).stem if responses else Path(own["--ckpt"]).name))
+  if responses is None:
+    try:
+      responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
+    except (data.DataError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   start = time.perf_counter()
   try:
     summary = evaluate_responses(

@@ -46,6 +46,18 @@ def load_problems(path: str, config: ExperimentConfig) -> list[dict]:
   return [{"problem": r.prompt, "answer": r.answer, "id": r.id, "source": r.source} for r in records]
 
 
+def encode_prompt(row: dict, tokenizer, config: ExperimentConfig) -> list[int]:
+  """Token ids of a problem in the configured template (and chat template); too long is an error."""
+  d = config.data
+  chat = d.chat_template and isinstance(tokenizer, tok_lib.HFTokenizer)
+  text = data.format_prompt(row["problem"], template=d.template, tokenizer=tokenizer.tokenizer if chat else None)
+  ids = tokenizer.encode(text)
+  if len(ids) > config.rollout.max_prompt_tokens:
+    raise data.DataError(f"prompt of problem id {row['id']!r} has {len(ids)} tokens, over "
+                         f"rollout.max_prompt_tokens={config.rollout.max_prompt_tokens}")
+  return ids
+
+
 class Trainer:
   """Holds the run's models, optimizers, data and verifier; `run()` executes every stage."""
 
@@ -143,15 +155,7 @@ class Trainer:
 
   # ------------------------------------------------------------------------------ experience
   def encode_prompt(self, row: dict) -> list[int]:
-    d = self.config.data
-    chat = d.chat_template and isinstance(self.tokenizer, tok_lib.HFTokenizer)
-    text = data.format_prompt(row["problem"] if "problem" in row else row["prompt"], template=d.template,
-                              tokenizer=self.tokenizer.tokenizer if chat else None)
-    ids = self.tokenizer.encode(text)
-    if len(ids) > self.config.rollout.max_prompt_tokens:
-      raise data.DataError(f"prompt of problem id {row['id']!r} has {len(ids)} tokens, over "
-                           f"rollout.max_prompt_tokens={self.config.rollout.max_prompt_tokens}")
-    return ids
+    return encode_prompt(row, self.tokenizer, self.config)
 
   def generate(self, rows: list[dict], *, group: int, temperature: float, top_p: float, top_k: int = 0):
     """Samples `group` responses for each row's prompt; numpy `Rollout` with B = len(rows)·group."""
