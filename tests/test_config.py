@@ -138,3 +138,10 @@ def test_main_rejects_unknown_field(capsys):
 def test_main_help_lists_fields(capsys):
   assert main.main(["--exp", "aime", "--help"]) == 0
   assert "algo.eps_high = 0.28" in capsys.readouterr().out
+
+
+def test_overrides_that_must_change_together_validate_together():
+  config = overrides.apply_overrides(aime.vapo(), ["algo.estimator=group", "algo.value_pretrain_steps=0"])
+  assert config.algo.estimator == "group" and config.algo.value_pretrain_steps == 0
+  with pytest.raises(ConfigError, match="value_pretrain_steps must be 0 with estimator='group'"):
+    overrides.apply_overrides(aime.vapo(), ["algo.estimator=group"])

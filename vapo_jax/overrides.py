@@ -65,16 +65,18 @@ def field_paths(config: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
   return paths
 
 
-def _set(config: Any, path: list[str], value: Any) -> Any:
-  head, *rest = path
-  if rest:
-    return dataclasses.replace(config, **{head: _set(getattr(config, head), rest, value)})
-  return dataclasses.replace(config, **{head: value})
+def _replace(config: Any, changes: dict[str, Any]) -> Any:
+  """One `dataclasses.replace` per dataclass, with all of its changes at once (so fields that must
+  change together, like `algo.estimator` and `algo.value_pretrain_steps`, validate together)."""
+  nested = {k: _replace(getattr(config, k), v) for k, v in changes.items() if isinstance(v, dict)}
+  flat = {k: v for k, v in changes.items() if not isinstance(v, dict)}
+  return dataclasses.replace(config, **flat, **nested)
 
 
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
-  """Returns `config` with each `path=value` (a leading `--` is allowed) applied in order."""
+  """Returns `config` with each `path=value` (a leading `--` is allowed) applied; later wins."""
   known = field_paths(config)
+  changes: dict[str, Any] = {}
   for item in overrides:
     key, sep, text = item.removeprefix("--").partition("=")
     key = key.replace("-", "_")
@@ -84,7 +86,9 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
       close = difflib.get_close_matches(key, known, n=3)
       hint = f" (did you mean {', '.join(close)}?)" if close else ""
       raise ConfigError(f"unknown config field {key!r}{hint}; `--help` lists every field")
-    value = _parse(text, known[key][0], key)
-    config = _set(config, key.split("."), value)
-    known = field_paths(config)
-  return config
+    *parents, leaf = key.split(".")
+    node = changes
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[leaf] = _parse(text, known[key][0], key)
+  return _replace(config, changes) if changes else config
