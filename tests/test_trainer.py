@@ -24,7 +24,7 @@ PROMPT_REWARD = "rewards_for_tests:answer_at_least_five"  # Decided by the promp
 def config(tmp_path, *, reward_fn=None, sft_steps=0, eval_path=None, **algo) -> ExperimentConfig:
   return ExperimentConfig(
       name="test", rl_steps=2, run_dir=str(tmp_path), seed=0,
-      model=ModelConfig(preset="tiny", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
+      model=ModelConfig(preset="micro", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
       algo=AlgoConfig(**({"value_pretrain_steps": 1, "mini_batch_responses": 16} | algo)),
       optim=OptimizerConfig(actor_lr=1e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0),
       rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=4, max_prompt_tokens=16, max_response_tokens=16),

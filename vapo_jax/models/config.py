@@ -154,6 +154,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                  max_position_embeddings=4096),
+    # One layer, for the trainer tests (compiles fastest).
+    "micro": dict(model_type="qwen2", vocab_size=259, hidden_size=32, intermediate_size=56,
+                  num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  max_position_embeddings=4096),
     # The default CPU experiment's model: byte vocabulary, about 0.8 M parameters.
     "small": dict(model_type="qwen2", vocab_size=259, hidden_size=128, intermediate_size=352,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
