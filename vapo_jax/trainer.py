@@ -279,11 +279,11 @@ class Trainer:
       prompt_tokens, prompt_mask = rollout.pad_prompts([self.encode_prompt(r) for r in picked],
                                                        pad_id=self.tokenizer.pad_token_id)
       response = np.full((len(picked), length), self.tokenizer.pad_token_id, np.int32)
+      lengths = np.zeros(len(picked), np.int32)
       for b, row in enumerate(picked):
         ids = (self.tokenizer.encode(row["solution"]) + [eos])[:length]
-        response[b, :len(ids)] = ids
-      response_mask = np.arange(length)[None] < np.asarray(
-          [min(len(self.tokenizer.encode(r["solution"])) + 1, length) for r in picked])[:, None]
+        response[b, :len(ids)], lengths[b] = ids, len(ids)
+      response_mask = np.arange(length)[None] < lengths[:, None]
       tokens, attention = train_step.join(prompt_tokens, prompt_mask, response, response_mask)
       zeros = np.zeros(response.shape, np.float32)
       batch = self._shard_batch(train_step.TrainBatch(tokens, attention, response, response_mask, zeros, zeros,
