@@ -387,8 +387,9 @@ class Trainer:
                  "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy")}
       if after:
         self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
-      with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+      if self.writer.enabled:
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+          json.dump(summary, f, indent=2)
       return summary
     finally:
       self.pool.close()
