@@ -210,8 +210,8 @@ def decode_throughput(models: dict, shapes: dict[str, Shape], *, quick: bool, re
 
 def group_sampling(models: dict, big_measured: Measured, *, quick: bool, repeats: int, seconds_left: float):
   """Item 3: the tiny model at two shapes, then the 0.5B shape if the time left allows it."""
-  print(f"\n3. Group sampling, vapo_jax: P prompts × G samples, shared prefill (samples_per_prompt=G) vs "
-        f"P·G independent prompts")
+  print("\n3. Group sampling, vapo_jax: P prompts × G samples, shared prefill (samples_per_prompt=G) vs "
+        "P·G independent prompts")
   print(f"  {'model':<13} {'P×G, prompt→new':>16} {'shared':>11} {'independent':>13} {'ratio':>10}  "
         f"{'tok/s shared vs indep.':>22}  timing")
   for prompt_tokens, new_tokens in ((64, 256), (256, 32)):

@@ -11,7 +11,7 @@ from flax import nnx
 
 from model_utils import FIXTURES, PARITY_MODELS, reference
 from vapo_jax.models import checkpoint, safetensors_io, sharding
-from vapo_jax.models.config import TransformerConfig, preset
+from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 
 

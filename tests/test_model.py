@@ -10,7 +10,7 @@ from flax import nnx
 
 from model_utils import FIXTURES, PARITY_MODELS, SHARED_DATA, reference
 from vapo_jax.models import checkpoint, config as model_config
-from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
+from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
 
 
 @pytest.fixture(scope="module", params=PARITY_MODELS)

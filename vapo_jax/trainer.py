@@ -10,7 +10,6 @@ differs. Orchestration only: the math is in `algorithm` / `advantages` / `losses
 updates in `train_step`, generation in `rollout`, scoring in `rewards`.
 """
 
-import dataclasses
 import functools
 import json
 import os
@@ -185,7 +184,7 @@ class Trainer:
   def sample_batch(self):
     """A scored rollout batch of P prompts × G samples (DAPO: refilled with mixed groups)."""
     c, group = self.config, self.config.rollout.samples_per_prompt
-    kept_out, kept_rows, kept_rewards, spare, rounds = [], [], [], [], 0
+    kept_out, spare, rounds = [], [], 0
     while True:
       rows = [{"problem": r.prompt, "answer": r.answer, "id": r.id} for r in next(self.prompts)]
       out = self.generate(rows, group=group, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
