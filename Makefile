@@ -40,5 +40,9 @@ bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
 	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
+.PHONY: memory
+memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=256) with DEVICE_GIB per chip; exit 1 if over.
+	$(PY) -m vapo_jax.memory_plan --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
+
 clean:  ## Remove .venv, caches and runs/.
 	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info

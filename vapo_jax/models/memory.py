@@ -1,17 +1,28 @@
-"""Per-device memory of a model's parameters, gradients and optimizer state, before allocation.
+"""Per-device memory of a model, before allocation: parameters and optimizer state, and activations.
 
-Traces the module abstractly (`nnx.eval_shape`: no memory), shards each parameter's shape by its
-logical axes under a preset and mesh shape, and adds up the bytes each device will hold.
+`parameter_memory` traces the module abstractly (`nnx.eval_shape`: no memory), shards each
+parameter's shape by its logical axes under a preset and mesh shape, and adds up the bytes each
+device will hold.
+
+`activation_memory` estimates the bytes one forward (and backward) pass of `transformer.py` holds
+per device, from the shapes alone. It follows the code: attention is materialised (float32
+`[B, K, G, T, S]` scores, no flash attention), logits are `[B, T, V]` float32, and `remat` wraps
+each decoder layer. Its coefficients are bytes per element of the tensors XLA keeps, checked
+against XLA:CPU's buffer assignment for a small model (`tests/test_memory_plan.py`); another
+backend fuses differently, so read it as an estimate good to about ±50%.
 """
 
+import dataclasses
 import math
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax.models import sharding
+from vapo_jax.models.config import TransformerConfig
 
 
 class MemoryReport(NamedTuple):
@@ -38,14 +49,98 @@ def parameter_memory(factory: Callable[[], nnx.Module], *, rules: dict, mesh_sha
   count = params = optimizer = 0
   for _, variable in nnx.to_flat_state(state):
     value = variable.get_value()
-    spec = sharding.partition_spec(variable.get_metadata()["logical_axes"], rules, mesh_shape, value.shape)
-    split = math.prod(math.prod(mesh_shape[a] for a in ((ax,) if isinstance(ax, str) else ax))
-                      for ax in spec if ax is not None)
-    numel = math.prod(value.shape)
-    count += numel
-    params += math.ceil(numel / split) * jnp.dtype(value.dtype).itemsize
-    optimizer += math.ceil(numel / split) * optimizer_moments * jnp.dtype(optimizer_dtype).itemsize
+    local = local_shape(value.shape, variable.get_metadata()["logical_axes"], rules, mesh_shape)
+    numel = math.prod(local)
+    count += math.prod(value.shape)
+    params += numel * jnp.dtype(value.dtype).itemsize
+    optimizer += numel * optimizer_moments * jnp.dtype(optimizer_dtype).itemsize
   return MemoryReport(count, params, params, optimizer)
+
+
+def layered_parameter_memory(build: Callable[[TransformerConfig], nnx.Module], cfg: TransformerConfig, *,
+                              rules: dict, mesh_shape: Mapping[str, int]) -> MemoryReport:
+  """`parameter_memory` of `build(cfg)`, traced with one and two layers and extrapolated to L.
+
+  Decoder layers are identical, so L-layer figures are exact: report(L) = report(1) + (L − 1) ·
+  (report(2) − report(1)). A 64-layer model is traced in a fraction of a second this way.
+  """
+  if cfg.num_layers <= 2:
+    return parameter_memory(lambda: build(cfg), rules=rules, mesh_shape=mesh_shape)
+  one, two = (parameter_memory(lambda n=n: build(dataclasses.replace(cfg, num_layers=n)), rules=rules,
+                               mesh_shape=mesh_shape) for n in (1, 2))
+  return MemoryReport(*(a + (cfg.num_layers - 1) * (b - a) for a, b in zip(one, two)))
+
+
+def local_shape(shape: Sequence[int], logical_axes: Sequence[str | None], rules: dict,
+                mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+  """The per-device shape of an array with these logical axes (an indivisible axis is replicated)."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # `partition_spec` warns about replicated axes; here it is a count.
+    spec = sharding.partition_spec(logical_axes, rules, mesh_shape, shape)
+  split = [1] * len(shape)
+  for i, axes in enumerate(spec):
+    if axes is not None:
+      split[i] = math.prod(mesh_shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  return tuple(math.ceil(n / s) for n, s in zip(shape, split))
+
+
+def layer_weight_count(cfg: TransformerConfig) -> int:
+  """Parameters of one decoder layer (what FSDP gathers before computing it)."""
+  d, h = cfg.hidden_size, cfg.head_dim
+  return d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * d * cfg.intermediate_size
+
+
+class ActivationMemory(NamedTuple):
+  """Bytes per device of one pass of the model over a batch (see `activation_memory`)."""
+
+  stored: int  # Kept from the forward pass for the backward: every layer's tensors, or (remat) its input.
+  layer: int  # Working set of the one layer being computed (and, under remat, recomputed) and differentiated.
+  head: int  # Logits, float32 log-softmax and their gradients (policy); the values (critic).
+
+  @property
+  def total(self) -> int:
+    """The peak: the head's buffers are freed before the layers' backward pass needs its own."""
+    return self.stored + max(self.layer, self.head)
+
+
+def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
+                      remat: bool, backward: bool = True, value_head: bool = False, heads: int | None = None,
+                      kv_heads: int | None = None, mlp: int | None = None,
+                      vocab: int | None = None) -> ActivationMemory:
+  """Activation bytes of `rows` sequences of `tokens` positions on one device.
+
+  `scored_tokens` (Tr) positions go through the log-softmax (the response); `dtype_bytes` (e) is the
+  compute dtype's size; `heads`, `kv_heads`, `mlp`, `vocab` are the per-device sizes of those axes
+  (tensor parallelism), the model's own by default. Per sequence, with a = N·T² attention elements:
+
+    kept per layer  8a + T·(3eF + (8 + 2e)D + 2eH(N + K))   float32 masked scores and softmax
+                    output; gate, up, silu·up; two float32 norm inputs and two residual values;
+                    q, k, v and the attention output
+    backward extra  4a + T·(2eF + 8D)                      float32 gradient of the scores (the
+                    softmax output's buffer is reused), MLP and norm gradients
+    policy head     T·V·(e + 4) + 8·Tr·V                   logits in e and float32, float32
+                    log-softmax and its gradient (forward only: log-softmax and entropy softmax)
+    critic head     T·(2eD + 8)
+
+  Without remat every layer's tensors are stored (L × kept) and the layer being differentiated
+  adds its backward extra; with remat each layer stores only its input (L·T·D·e) and the layer
+  being differentiated holds kept + extra. The head's buffers are freed before the layers'
+  backward starts, so the peak is stored + max(layer, head). A forward pass alone
+  (`backward=False`) holds one layer's kept tensors or the head, whichever is larger.
+  """
+  e, d, h = dtype_bytes, cfg.hidden_size, cfg.head_dim
+  n, k = heads or cfg.num_heads, kv_heads or cfg.num_kv_heads
+  f, v = mlp or cfg.intermediate_size, vocab or cfg.vocab_size
+  t, tr = tokens, scored_tokens
+  attention = n * t * t
+  kept = 8 * attention + t * (3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k))
+  extra = 4 * attention + t * (2 * e * f + 8 * d)
+  head = t * (2 * e * d + 8) if value_head else t * v * (e + 4) + 8 * tr * v
+  if not backward:
+    return ActivationMemory(0, rows * kept, rows * head)
+  if remat:
+    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + extra), rows * head)
+  return ActivationMemory(rows * cfg.num_layers * kept, rows * extra, rows * head)
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +156,7 @@ def main(argv: list[str]) -> int:
   print(f"{argv[0]} on mesh {mesh_shape} ({math.prod(mesh_shape.values())} devices), preset {argv[1]}, "
         f"float32 parameters and AdamW moments")
   for name, cls in (("policy", CausalLM), ("critic", ValueModel)):
-    report = parameter_memory(lambda: cls(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=mesh_shape)
+    report = parameter_memory(lambda cls=cls: cls(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=mesh_shape)
     print("  " + report.format(name))
   return 0
 

@@ -1,0 +1,243 @@
+"""The memory plan, checked against what JAX and XLA actually allocate."""
+
+import dataclasses
+import math
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from experiments import get_experiment
+from vapo_jax import memory_plan, rollout, train_step
+from vapo_jax.config import AlgoConfig, ConfigError, ExperimentConfig, MeshConfig, ModelConfig, RolloutConfig
+from vapo_jax.models import memory, sharding
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import CausalLM, ValueModel
+
+GIB = 2**30
+# XLA:CPU's default scheduler orders for concurrency and loses what remat saves (measured: the same
+# temp bytes with and without it); its memory-optimising scheduler keeps the saving, so the comparison
+# uses that. LLVM optimisation is off: the buffers are the same and compiling takes 40% less time.
+XLA_CPU_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED", "xla_backend_optimization_level": 0}
+
+
+def _config(*, model="tiny", dtype="float32", remat=False, prompts=4, samples=2, prompt_tokens=32,
+            response_tokens=64, mini=8, micro=None, mesh_preset="fsdp", kl_coef=0.0, estimator="gae"):
+  return ExperimentConfig(
+      name="plan_test",
+      model=ModelConfig(preset=model, dtype=dtype, remat=remat, random_init=True),
+      algo=AlgoConfig(estimator=estimator, value_pretrain_steps=0, kl_coef=kl_coef, mini_batch_responses=mini,
+                      micro_batch_responses=micro),
+      rollout=RolloutConfig(prompts_per_step=prompts, samples_per_prompt=samples, max_prompt_tokens=prompt_tokens,
+                            max_response_tokens=response_tokens),
+      mesh=MeshConfig(preset=mesh_preset))
+
+
+def _item(plan, phase, key):
+  return next(p for p in plan.phases if p.name == phase).get(key)
+
+
+def _resident(plan, key):
+  return sum(i.bytes for i in plan.resident if i.key == key)
+
+
+def _device0_bytes(tree) -> int:
+  """Bytes device 0 holds of every array in `tree` (its own shards, from the arrays themselves)."""
+  device = jax.devices()[0]
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def _placed_parameters(cls, cfg, mesh, rules):
+  """Real arrays of `cls(cfg)`'s parameter shapes, each placed by its logical axes on `mesh`."""
+  def place(variable):
+    value = variable.get_value()
+    spec = sharding.partition_spec(variable.get_metadata()["logical_axes"], rules, mesh.shape, value.shape)
+    return jax.device_put(np.zeros(value.shape, value.dtype), NamedSharding(mesh, spec))
+  abstract = nnx.state(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # Indivisible axes are replicated, with a warning.
+    return jax.tree.map(place, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@pytest.mark.parametrize("mesh_preset,shape", [("fsdp", {"data": 2, "fsdp": 4, "tensor": 1}),
+                                               ("fsdp_tp", {"data": 1, "fsdp": 2, "tensor": 4})])
+def test_parameter_and_optimizer_bytes_equal_the_real_shards(mesh_preset, shape):
+  config = _config(mesh_preset=mesh_preset, kl_coef=0.1)
+  plan = memory_plan.plan(config, shape)
+  mesh, rules, cfg = sharding.make_mesh(**shape), sharding.PRESETS[mesh_preset], preset("tiny")
+  actor = _placed_parameters(CausalLM, cfg, mesh, rules)
+  critic = _placed_parameters(ValueModel, cfg, mesh, rules)
+  assert _resident(plan, "actor_params") == _device0_bytes(actor)
+  assert _resident(plan, "critic_params") == _device0_bytes(critic)
+  assert _resident(plan, "reference") == _device0_bytes(actor)  # kl_coef > 0 holds a copy.
+  assert _device0_bytes(actor) < 4 * cfg.num_parameters() / 2  # Sharded, not replicated.
+  # optax's own AdamW state, each moment sharded like its parameter.
+  tx, _ = train_step.make_optimizer(config.optim, 1e-3)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  out = optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, critic), critic,
+                              transform_non_params=lambda _: replicated)
+  moments = jax.jit(tx.init, out_shardings=out)(critic)
+  assert _resident(plan, "critic_optimizer") == _device0_bytes(moments) - 2 * 4  # Less optax's two int32 counts.
+
+
+def test_layer_extrapolation_equals_a_full_trace():
+  cfg = dataclasses.replace(preset("tiny"), num_layers=5)
+  for rules, shape in ((sharding.PRESETS["fsdp"], {"data": 1, "fsdp": 8, "tensor": 1}),
+                       (sharding.PRESETS["fsdp_tp"], {"data": 1, "fsdp": 4, "tensor": 2})):
+    full = memory.parameter_memory(lambda: ValueModel(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=shape)
+    layered = memory.layered_parameter_memory(lambda c: ValueModel(c, rngs=nnx.Rngs(0)), cfg, rules=rules,
+                                              mesh_shape=shape)
+    assert layered == full
+
+
+def _xla_actor_update_temp_bytes(config) -> int:
+  """XLA's temporary bytes for one actor update of `config` on one device."""
+  cfg = preset(config.model.preset)
+  m = config.model
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=m.dtype, remat=m.remat, rngs=nnx.Rngs(0))))
+  tx, schedule = train_step.make_optimizer(config.optim, 1e-3)
+  r = config.rollout
+  b, tr = config.algo.mini_batch_responses, r.max_response_tokens
+  s = rollout.prompt_bucket(r.max_prompt_tokens) + tr
+  shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
+  batch = train_step.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=jnp.int32),
+                                shape(b, tr, dtype=bool), shape(b, tr), shape(b, tr), shape(b, tr), shape(b, tr),
+                                shape(b, dtype=bool), shape(b, tr))
+  update = jax.jit(lambda p, o, step, mb: train_step.actor_update(
+      graphdef, tx, schedule, p, o, step, mb, algo=config.algo, micro=config.algo.micro_batch_responses),
+      donate_argnums=(0, 1))
+  lowered = update.lower(params, jax.eval_shape(tx.init, params), shape(dtype=jnp.int32), batch)
+  return lowered.compile(XLA_CPU_OPTIONS).memory_analysis().temp_size_in_bytes
+
+
+def _planned_update_temp_bytes(plan) -> int:
+  """What the plan expects XLA to allocate inside the actor update (all but its arguments)."""
+  return sum(_item(plan, "actor update", k) for k in ("grads", "update", "gathered", "activations"))
+
+
+def test_actor_update_estimate_is_within_50_percent_of_xla():
+  one_device = {"data": 1, "fsdp": 1, "tensor": 1}
+  measured, planned = {}, {}
+  for micro, remat in ((2, False), (8, False), (2, True)):
+    config = _config(dtype="bfloat16", micro=micro, remat=remat)
+    measured[micro, remat] = _xla_actor_update_temp_bytes(config)
+    planned[micro, remat] = _planned_update_temp_bytes(memory_plan.plan(config, one_device))
+    assert 1 / 1.5 < planned[micro, remat] / measured[micro, remat] < 1.5, (micro, remat, planned, measured)
+  # Four times the micro-batch: activations grow about four-fold in both (the fixed part is small).
+  growth = lambda d: (d[8, False] - d[2, False]) / d[2, False]
+  assert 1 / 1.5 < growth(planned) / growth(measured) < 1.5, (planned, measured)
+  # Rematerialisation lowers both, by a similar factor.
+  saving = lambda d: d[2, True] / d[2, False]
+  assert saving(measured) < 0.75 and saving(planned) < 0.75
+  plan = memory_plan.plan(_config(dtype="bfloat16", micro=2, remat=True), one_device)
+  assert _item(plan, "actor update", "activations") < next(
+      i.bytes for i in plan.phases[2].items if i.key == "activations_other")
+
+
+def test_kv_cache_is_rollout_cache_bytes():
+  cfg = preset("tiny")
+  plan = memory_plan.plan(_config(prompts=8, samples=4, mini=32), {"data": 2, "fsdp": 4, "tensor": 1})
+  expected = rollout.cache_bytes(cfg, batch=32, prompt_tokens=32, max_new_tokens=64, dtype=jnp.float32, devices=8)
+  assert _item(plan, "rollout", "kv_cache") == expected
+  # 3 · 2 = 6 sequences do not split over 8 devices: each holds all of them (the batch is replicated).
+  plan = memory_plan.plan(_config(prompts=3, samples=2, mini=6), {"data": 2, "fsdp": 4, "tensor": 1})
+  assert _item(plan, "rollout", "kv_cache") == rollout.cache_bytes(cfg, batch=6, prompt_tokens=32, max_new_tokens=64)
+  assert "6 sequences per device" in plan.format()
+
+
+def test_check_accepts_a_fitting_plan_and_skips_an_unknown_device():
+  plan = memory_plan.plan(_config(), {"data": 8})
+  group = memory_plan.plan(_config(estimator="group"), {"data": 8})  # GRPO: no critic update, critic still held.
+  assert "critic update" not in group.phase_bytes() and _resident(group, "critic_params") > 0
+  memory_plan.check(plan, plan.peak_bytes)
+  memory_plan.check(plan, None)
+  with pytest.raises(ConfigError):
+    memory_plan.check(plan, plan.peak_bytes - 1)
+
+
+def _refusal(plan, budget) -> str:
+  with pytest.raises(ConfigError) as error:
+    memory_plan.check(plan, budget)
+  return str(error.value)
+
+
+def test_check_names_remat_and_the_micro_batch_that_fit():
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  config = _config(model="small", prompts=8, samples=8, response_tokens=992, mini=64, remat=False)
+  plan = memory_plan.plan(config, mesh)
+  with_remat = memory_plan.plan(dataclasses.replace(config, model=dataclasses.replace(config.model, remat=True)), mesh)
+  budget = max(with_remat.phase_bytes()["actor update"], with_remat.phase_bytes()["critic update"],
+               plan.phase_bytes()["rollout"], plan.phase_bytes()["scoring"])
+  message = _refusal(plan, budget)
+  assert "actor update needs" in message and "set model.remat=true (activations" in message
+  micro = int(re.search(r"algo\.micro_batch_responses=(\d+)", message).group(1))
+  assert micro < 64 and 64 % micro == 0
+  # The named micro-batch fits and is the largest that does.
+  smaller = lambda m: dataclasses.replace(config, algo=dataclasses.replace(config.algo, micro_batch_responses=m))
+  assert memory_plan.plan(smaller(micro), mesh).phase_bytes()["actor update"] <= budget
+  larger = min(d for d in range(micro + 1, 65) if 64 % d == 0)
+  assert memory_plan.plan(smaller(larger), mesh).phase_bytes()["actor update"] > budget
+
+
+def test_check_names_the_mesh_when_one_sequence_per_device_is_too_much():
+  config = _config(model="small", prompts=8, samples=8, response_tokens=4064, mini=64, micro=8, remat=True)
+  plan = memory_plan.plan(config, {"data": 1, "fsdp": 8, "tensor": 1})  # 1 sequence per device already
+  budget = plan.phase_bytes()["actor update"] * 3 // 4
+  message = _refusal(plan, budget)
+  assert "algo.micro_batch_responses=" not in message.split("raise mesh.tensor")[0]  # Not enough alone.
+  layout = re.search(r"mesh\.preset=fsdp_tp mesh\.data=1 mesh\.fsdp=(\d+) mesh\.tensor=(\d+) with "
+                     r"algo\.micro_batch_responses=(\d+)", message)
+  assert layout, message
+  fsdp, tensor, micro = map(int, layout.groups())
+  tp = dataclasses.replace(config, mesh=MeshConfig(preset="fsdp_tp"),
+                           algo=dataclasses.replace(config.algo, micro_batch_responses=micro))
+  fitted = memory_plan.plan(tp, {"data": 1, "fsdp": fsdp, "tensor": tensor})
+  assert fsdp * tensor == 8 and fitted.phase_bytes()["actor update"] <= budget
+
+
+def test_check_names_prompts_and_response_length_for_the_kv_cache():
+  config = _config(prompts=64, samples=8, response_tokens=8160, mini=64)
+  plan = memory_plan.plan(config, {"data": 8})
+  rollout_bytes = plan.phase_bytes()["rollout"]
+  message = _refusal(plan, rollout_bytes // 3)
+  prompts = int(re.search(r"lower rollout\.prompts_per_step to (\d+)", message).group(1))
+  assert prompts <= 64 // 3 + 1 and "lower rollout.max_response_tokens to" in message
+
+
+def test_the_aime_plan_on_256_chips():
+  config = get_experiment("aime")
+  plan = memory_plan.plan(config, {"data": 1, "fsdp": 256, "tensor": 1})
+  cfg = preset("qwen2.5-32b")
+  assert math.isclose(_resident(plan, "actor_params"), 4 * cfg.num_parameters() / 256, rel_tol=0.01)
+  assert _item(plan, "rollout", "kv_cache") == rollout.cache_bytes(
+      cfg, batch=8192, prompt_tokens=2048, max_new_tokens=20480, dtype=jnp.bfloat16, devices=256)
+  text = plan.format(95 * GIB)
+  assert "does NOT fit" in text and "activations without remat" in text
+  message = _refusal(plan, 95 * GIB)
+  assert "lower rollout.prompts_per_step to" in message and "score the rollout batch in micro-batches" in message
+  # The layout it names for the actor update does fit that phase.
+  fsdp, tensor, micro = map(int, re.search(r"actor update needs .*? mesh\.fsdp=(\d+) mesh\.tensor=(\d+) with "
+                                           r"algo\.micro_batch_responses=(\d+)", message).groups())
+  tp = dataclasses.replace(config, mesh=MeshConfig(preset="fsdp_tp"),
+                           algo=dataclasses.replace(config.algo, micro_batch_responses=micro))
+  assert memory_plan.plan(tp, {"fsdp": fsdp, "tensor": tensor}).phase_bytes()["actor update"] <= 95 * GIB
+
+
+def test_device_memory_and_the_command_line(capsys):
+  config = _config()
+  assert memory_plan.device_memory_bytes(config) is None  # CPU devices report no limit.
+  sized = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, device_memory_gib=95.0))
+  assert memory_plan.device_memory_bytes(sized) == 95 * GIB
+  assert memory_plan.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "95"]) == 1
+  out = capsys.readouterr().out
+  assert "mesh data=1 fsdp=256 tensor=1" in out and "refused:" in out
+  assert memory_plan.main(["--exp", "tiny", "--mesh", "data=8", "--device-gib", "1"]) == 0
+  assert "fits" in capsys.readouterr().out
+  assert memory_plan.main(["--exp", "tiny", "--mesh", "dp=8"]) == 2
+  assert memory.main(["tiny", "fsdp", "fsdp=8"]) == 0
