@@ -281,14 +281,34 @@ class MeshConfig:
   data: int = -1  # Data-parallel size; -1 fills the devices left over.
   fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
   tensor: int = 1  # Tensor-parallel size.
+  device_memory_gib: float | None = None  # Memory per device for the plan; None: the device's own report.
+  check_memory: bool = True  # Refuse (before compiling) a configuration whose plan exceeds the memory.
 
   def __post_init__(self):
+    if self.device_memory_gib is not None:
+      _in_range(self, "device_memory_gib", 0.0, 1e6, lo_open=True)
     for name in ("data", "fsdp", "tensor"):
       value = getattr(self, name)
       _require(isinstance(value, int) and (value >= 1 or value == -1), self, name,
                "must be a positive integer or -1 (fill)", value)
     _require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
              "allows at most one axis of -1", (self.data, self.fsdp, self.tensor))
+
+
+@frozen
+class CheckpointConfig:
+  """Orbax checkpoints of the whole training state, automatic resume and preemption."""
+
+  every_steps: int = 50  # Save after every this many steps of a stage (and at each stage's end); 0: never.
+  keep: int = 3  # Keep the last this many checkpoints.
+  async_save: bool = True  # Write in the background (arrays are copied to host first).
+  resume: bool = True  # Resume from the newest complete checkpoint of the run directory.
+  allow_config_change: bool = False  # Resume even when the resolved config differs (the fields are listed).
+  export_final: bool = True  # Write the final policy as a Hugging Face directory (`<run>/export`).
+
+  def __post_init__(self):
+    _positive_int(self, "every_steps", allow_zero=True)
+    _positive_int(self, "keep")
 
 
 @frozen
@@ -309,6 +329,7 @@ class ExperimentConfig:
   sft: SFTConfig = SFTConfig()
   log: LogConfig = LogConfig()
   mesh: MeshConfig = MeshConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
 
   def __post_init__(self):
     _require(bool(self.name), self, "name", "must be non-empty", self.name)

@@ -5,6 +5,9 @@
 
 Runs the experiment's stages (supervised warm start, value pretraining, RL) with
 `trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
+Running the same command again resumes from the run directory's newest checkpoint. Exit codes:
+0 done, 2 bad configuration, 75 (`checkpointing.PREEMPTED_EXIT_CODE`) stopped by SIGTERM after
+saving a checkpoint (run again to resume).
 """
 
 import dataclasses
@@ -62,19 +65,29 @@ def main(argv: list[str]) -> int:
   if want_help:
     print(_usage(config))
     return 0
-  from vapo_jax.trainer import Trainer  # Imports JAX; kept off the `--help` path.
+  from vapo_jax import checkpointing, distributed  # Import JAX; kept off the `--help` path.
+  from vapo_jax.trainer import Trainer
 
+  distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
   try:
     trainer = Trainer(config)
   except (ConfigError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  run_dir = write_resolved_config(config)
-  print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
-  summary = trainer.run()
+  run_dir = os.path.join(config.run_dir, config.name)
+  if distributed.is_main_process():
+    write_resolved_config(config)
+    print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
+  try:
+    summary = trainer.run()
+  except checkpointing.Preempted as e:
+    print(f"preempted: {e}. Run the same command again to resume.", file=sys.stderr)
+    return checkpointing.PREEMPTED_EXIT_CODE
+  if not distributed.is_main_process():
+    return 0
   print(f"done in {summary['seconds']:.0f}s. held-out accuracy: before RL {summary['accuracy_before_rl']}, "
         f"after RL {summary['accuracy_after_rl']}")
-  print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, summary.json)")
+  print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)")
   return 0
 
 

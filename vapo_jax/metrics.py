@@ -11,18 +11,30 @@ import numpy as np
 
 
 class MetricsWriter:
-  """Appends one JSON object per record to `<run_dir>/metrics.jsonl` and mirrors it to TensorBoard."""
+  """Appends one JSON object per record to `<run_dir>/metrics.jsonl` and mirrors it to TensorBoard.
 
-  def __init__(self, run_dir: str, *, enabled: bool = True):
+  `keep_bytes` is how much of an existing metrics.jsonl to keep (a resumed run passes the length at
+  its checkpoint, dropping records of steps it will run again; a fresh run passes 0), and
+  `purge_step` makes TensorBoard drop events from that global step on, for the same reason.
+  """
+
+  def __init__(self, run_dir: str, *, enabled: bool = True, keep_bytes: int = 0, purge_step: int | None = None):
     self.enabled = enabled
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._tb = None
     if enabled:
       os.makedirs(run_dir, exist_ok=True)
+      with open(self.path, "a") as f:
+        f.truncate(min(keep_bytes, f.tell()))
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step or None)
 
-  def write(self, step: int, stage: str, metrics: dict[str, float]) -> None:
+  def size(self) -> int:
+    """Bytes written so far to metrics.jsonl (0 when disabled)."""
+    return os.path.getsize(self.path) if self.enabled and os.path.exists(self.path) else 0
+
+  def write(self, step: int, stage: str, metrics: dict[str, float], *, global_step: int | None = None) -> None:
+    """One record; TensorBoard uses `global_step` (monotonic over stages) when given, else `step`."""
     if not self.enabled:
       return
     clean = {k: float(v) for k, v in sorted(metrics.items())}
@@ -30,7 +42,8 @@ class MetricsWriter:
       f.write(json.dumps({"step": step, "stage": stage, **clean}) + "\n")
     for key, value in clean.items():
       if math.isfinite(value):
-        self._tb.add_scalar(f"{stage}/{key}" if stage != "rl" else key, value, step)
+        self._tb.add_scalar(f"{stage}/{key}" if stage != "rl" else key, value,
+                            step if global_step is None else global_step)
     self._tb.flush()
 
   def close(self) -> None:
@@ -61,6 +74,12 @@ class CollapseMonitor:
     self.length_frac, self.min_entropy = length_frac, min_entropy
     self.first_length = None
     self.warned = set()
+
+  def state_dict(self) -> dict:
+    return {"first_length": self.first_length, "warned": sorted(self.warned)}
+
+  def load_state_dict(self, state: dict) -> None:
+    self.first_length, self.warned = state["first_length"], set(state["warned"])
 
   def check(self, step: int, response_len: float, entropy: float) -> list[str]:
     messages = []

@@ -28,6 +28,7 @@ class ByteTokenizer:
 
   pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
   vocab_size = 259
+  directory = None  # No files: nothing to copy beside an exported checkpoint.
 
   def encode(self, text: str) -> list[int]:
     return [b + 3 for b in text.encode("utf-8")]
@@ -39,8 +40,8 @@ class ByteTokenizer:
 class HFTokenizer:
   """A transformers tokenizer behind the same small interface as `ByteTokenizer`."""
 
-  def __init__(self, tokenizer):
-    self.tokenizer = tokenizer
+  def __init__(self, tokenizer, directory: str | None = None):
+    self.tokenizer, self.directory = tokenizer, directory
     self.pad_token_id, self.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     self.bos_token_id = tokenizer.bos_token_id
     self.vocab_size = len(tokenizer)
@@ -54,4 +55,4 @@ class HFTokenizer:
 
 def load(name: str) -> ByteTokenizer | HFTokenizer:
   """"bytes" for `ByteTokenizer`, else a tokenizer directory (a checkpoint's, usually)."""
-  return ByteTokenizer() if name == "bytes" else HFTokenizer(load_tokenizer(name))
+  return ByteTokenizer() if name == "bytes" else HFTokenizer(load_tokenizer(name), directory=name)

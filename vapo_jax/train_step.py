@@ -76,6 +76,17 @@ def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> tuple[optax.Gradie
   return optax.chain(*chain, adamw), schedule
 
 
+def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
+  """The optimizer state laid out like the parameters (moments sharded as their parameter, the
+  step count replicated); a plain `jit(tx.init)` would leave it all on one device."""
+  abstract = jax.eval_shape(tx.init, params)
+  shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = optax.tree_utils.tree_map_params(tx, lambda _, s: s, abstract, shardings,
+                                         transform_non_params=lambda _: replicated)
+  return jax.jit(tx.init, out_shardings=out)(params)
+
+
 def _micro(tree, micro: int):
   """Splits the leading batch axis into `[M, micro, ...]`."""
   return jax.tree.map(lambda x: x.reshape((x.shape[0] // micro, micro) + x.shape[1:]), tree)
@@ -98,7 +109,7 @@ def _accumulate(loss_fn, params, batch, micro: int):
 def _apply(tx, schedule, params, opt_state, grads, opt_step):
   updates, opt_state = tx.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, {
-      "grad_norm": optax.global_norm(grads), "lr": schedule(opt_step)}
+      "grad_norm": optax.tree.norm(grads), "lr": schedule(opt_step)}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "response_len"))

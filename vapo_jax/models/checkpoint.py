@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import re
+import shutil
 from collections.abc import Callable
 
 import jax
@@ -179,48 +180,63 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   return nnx.merge(graphdef, state)
 
 
-def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30,
-           dtype: str | None = None) -> list[str]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
+           tokenizer_dir: str | None = None) -> list[str]:
   """Writes config.json and safetensors (sharded above `max_shard_bytes`) that transformers loads.
 
-  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype.
-  Returns the files written.
+  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype. The
+  tokenizer's files found in `tokenizer_dir` are copied alongside. Tensors are fetched one shard
+  file at a time (a 32B model never sits whole in host memory); with several processes every
+  process takes part in the gathers and process 0 writes. Returns the files written.
   """
-  os.makedirs(directory, exist_ok=True)
+  from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
+
+  main = distributed.is_main_process()
+  if main:
+    os.makedirs(directory, exist_ok=True)
   cfg: TransformerConfig = module.cfg
   hf_config = cfg.to_hf()
-  tensors = []
-  for path, variable in _param_paths(nnx.state(module)).items():
-    array = np.asarray(jax.device_get(variable.get_value()))
-    if dtype is not None:
-      array = array.astype(jnp.dtype(dtype))
-    tensors.append(ours_to_hf(path, array))
-  hf_config["torch_dtype"] = str(tensors[0][1].dtype) if dtype is None else dtype
-  shards, current, size = [], [], 0
-  for name, array in tensors:
-    if current and size + array.nbytes > max_shard_bytes:
+  variables = list(_param_paths(nnx.state(module)).items())
+  out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
+  hf_config["torch_dtype"] = str(out_dtype(variables[0][1]))
+  shards, current, size = [], [], 0  # Planned from shapes alone.
+  for path, variable in variables:
+    nbytes = int(np.prod(variable.get_value().shape)) * out_dtype(variable).itemsize
+    if current and size + nbytes > max_shard_bytes:
       shards.append(current)
       current, size = [], 0
-    current.append((name, array))
-    size += array.nbytes
+    current.append((path, variable))
+    size += nbytes
   shards.append(current)
-  written = []
-  if len(shards) == 1:
-    safetensors_io.write(os.path.join(directory, "model.safetensors"), shards[0])
-    written.append("model.safetensors")
-  else:
-    weight_map = {}
-    for i, shard in enumerate(shards):
-      file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      safetensors_io.write(os.path.join(directory, file), shard)
-      weight_map |= {name: file for name, _ in shard}
-      written.append(file)
-    index = {"metadata": {"total_size": sum(a.nbytes for _, a in tensors)}, "weight_map": weight_map}
+  files = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  weight_map, total = {}, 0
+  for file, shard in zip(files, shards):
+    tensors = []
+    for path, variable in shard:
+      array = distributed.to_host(variable.get_value())
+      tensors.append(ours_to_hf(path, array.astype(out_dtype(variable))))
+    if main:
+      safetensors_io.write(os.path.join(directory, file), tensors)
+    weight_map |= {name: file for name, _ in tensors}
+    total += sum(a.nbytes for _, a in tensors)
+  written = list(files)
+  if main and len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
       json.dump(index, f, indent=2)
     written.append("model.safetensors.index.json")
-  with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(hf_config, f, indent=2)
+  if main:
+    with open(os.path.join(directory, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+      if os.path.isfile(os.path.join(tokenizer_dir, name)):
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(directory, name))
+        written.append(name)
   return written + ["config.json"]
 
 
