@@ -14,7 +14,7 @@ Data paths default to this repository's sibling `shared/data` layout; on a pod p
 
 import dataclasses
 
-from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, ModelConfig,
+from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
                              OptimizerConfig, RolloutConfig)
 
 DAPO_MATH_17K = "../shared/data/dapo_math_17k/dapo_math_17k.parquet"
@@ -32,10 +32,17 @@ def vapo() -> ExperimentConfig:
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,
           loss_agg="token-mean", positive_nll_coef=0.1, kl_coef=0.0, mini_batch_responses=512,
+          micro_batch_responses=64,
       ),
       optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_steps=10),
+      # Generation in rounds of 32 prompts × 16 samples keeps the KV cache at 44 GiB per chip on
+      # 256 chips (`make memory EXP=aime MESH=fsdp=64,tensor=4 DEVICE_GIB=95`).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
-                            max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0),
+                            max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
+                            prompts_per_generation=32, kv_cache_budget_gib=60.0),
+      # FSDP over the remaining devices × 4-way tensor parallelism (splits attention heads: a
+      # 22528-token sequence's attention does not fit one chip otherwise); one sequence per chip.
+      mesh=MeshConfig(preset="fsdp_tp", data=1, fsdp=-1, tensor=4),
       data=DataConfig(train_path=DAPO_MATH_17K),
       eval=EvalConfig(path=AIME_2024, samples_per_problem=32, temperature=1.0, top_p=0.7),
   )
@@ -49,7 +56,8 @@ def ppo() -> ExperimentConfig:
       algo=dataclasses.replace(
           base.algo, lam_actor=0.95, lam_critic=0.95, decoupled_gae=False, length_adaptive_alpha=None,
           value_pretrain_steps=0, eps_high=0.2, loss_agg="seq-mean-token-mean", positive_nll_coef=0.0),
-      rollout=dataclasses.replace(base.rollout, prompts_per_step=8192, samples_per_prompt=1),
+      rollout=dataclasses.replace(base.rollout, prompts_per_step=8192, samples_per_prompt=1,
+                                  prompts_per_generation=512),
   )
 
 

@@ -1,9 +1,19 @@
-"""Test setup: 8 virtual CPU devices, set before JAX is first imported."""
+"""Test setup: 8 virtual CPU devices, set before JAX is first imported, and one XLA compilation
+cache for the session (this process and the runs its tests start): tests that build the same
+programs (the trainer tests' models, samplers and updates) compile each of them once."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="vapo_jax_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402  (must come after the environment is set)
 import pytest  # noqa: E402

@@ -150,9 +150,14 @@ class RolloutConfig:
   top_k: int = 0  # Top-k sampling (0: off).
   stop_token_ids: tuple[int, ...] = ()  # Stop tokens besides the tokenizer's EOS.
   kv_cache_budget_gib: float = 16.0  # Per-device KV-cache budget; a larger rollout is refused.
+  prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
 
   def __post_init__(self):
     _positive_int(self, "prompts_per_step")
+    if self.prompts_per_generation is not None:
+      _positive_int(self, "prompts_per_generation")
+      _require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
+               f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
     _positive_int(self, "samples_per_prompt")
     _positive_int(self, "max_prompt_tokens")
     _positive_int(self, "max_response_tokens")

@@ -222,6 +222,11 @@ def _use_cpu_collectives():
   # Gloo is the default from jax 0.5 on; older versions default to no cross-process CPU collectives.
   if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "none"):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # CPU computations otherwise run asynchronously on a thread pool, so two in flight at once can
+  # start their cross-process collectives in a different order on each process and wait on each
+  # other for ever (seen here: a hang inside the trainer's per-step statistics). Synchronous
+  # dispatch runs them in program order, the same on every process. TPU/GPU keep theirs ordered.
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def _explicit_settings(env: Mapping[str, str]) -> tuple[str, int, int] | None:

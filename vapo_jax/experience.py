@@ -6,10 +6,13 @@ batch with mixed groups under dynamic sampling, and computes the rollout policy'
 critic's values and the advantages. It uses the trainer's mesh, models, tokenizer and PRNG key.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from vapo_jax import advantages as adv_lib
 from vapo_jax import data, distributed, losses, masked, rollout, tasks, tokenizer as tok_lib, train_step
@@ -81,13 +84,26 @@ class ExperienceMixin:
     return distributed.to_host(out)
 
   def score(self, out: rollout.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
-    c = self.config
-    texts = [self.tokenizer.decode(t[:n]) for t, n in zip(out.response_tokens, out.response_lengths)]
-    return reward_lib.compute_rewards(
-        self.pool, texts, answers, out.response_lengths, correct_reward=c.reward.correct,
+    """Verifier rewards of every response. With several processes each scores its share of the
+    batch and the rewards are gathered (the per-response answer strings then stay local)."""
+    c, n, processes = self.config, len(answers), distributed.process_count()
+    share = distributed.local_share(n) if processes > 1 and n % processes == 0 else slice(0, n)
+    lengths = out.response_lengths[share]
+    texts = [self.tokenizer.decode(t[:k]) for t, k in zip(out.response_tokens[share], lengths)]
+    scored = reward_lib.compute_rewards(
+        self.pool, texts, answers[share], lengths, correct_reward=c.reward.correct,
         incorrect_reward=c.reward.incorrect, forms=c.reward.answer_forms,
         max_response_tokens=c.rollout.max_response_tokens, overlong_buffer_tokens=c.algo.overlong_buffer_tokens,
         overlong_penalty_factor=c.algo.overlong_penalty_factor, format_penalty_value=c.reward.format_penalty)
+    if share == slice(0, n):
+      return scored
+    gather = lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+    keys = sorted(scored.metrics)
+    per_process = gather(np.asarray([[scored.metrics[k] for k in keys]], np.float64))  # [processes, K]
+    metrics = {k: float(per_process[:, i].max() if k.startswith("time/") else
+                        per_process[:, i].sum() if k.startswith("perf/") or "verifier_" in k else
+                        per_process[:, i].mean()) for i, k in enumerate(keys)}
+    return scored._replace(rewards=gather(scored.rewards), correct=gather(scored.correct), metrics=metrics)
 
   def sample_batch(self):
     """A scored rollout batch of P prompts × G samples (DAPO: refilled with mixed groups)."""
@@ -95,8 +111,10 @@ class ExperienceMixin:
     kept, spare, rounds = [], [], 0
     while True:
       rows = [{"problem": r.prompt, "answer": r.answer, "id": r.id} for r in next(self.prompts)]
-      out = self.generate(rows, group=group, temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                          top_k=c.rollout.top_k)
+      per_call = c.rollout.prompts_per_generation or len(rows)  # Rounds bound the KV cache.
+      out = concat_rollouts([self.generate(rows[i:i + per_call], group=group, temperature=c.rollout.temperature,
+                                           top_p=c.rollout.top_p, top_k=c.rollout.top_k)
+                             for i in range(0, len(rows), per_call)])
       scored = self.score(out, [row["answer"] for row in rows for _ in range(group)])
       rounds += 1
       accuracy = scored.correct.reshape(len(rows), group).mean(axis=1)
@@ -124,33 +142,44 @@ class ExperienceMixin:
     mask = self.shard_batch(np.asarray(out.response_mask))
     zeros = self.shard_batch(np.zeros(mask.shape, np.float32))
     token_rewards = self.shard_batch(reward_lib.last_token_rewards(arrays["rewards"], out.response_mask))
-    stats = {}
+    stats, chunks = {}, {"micro": self.micro, "shards": self.batch_shards}
     with sharding.use_rules(self.mesh, self.rules):
-      values = (train_step.values(self.critic_def, self.critic, tokens, attention, response_len=response_len)
+      values = (train_step.values(self.critic_def, self.critic, tokens, attention, response_len=response_len, **chunks)
                 if c.algo.uses_critic else zeros)
       if critic_only:
-        returns = adv_lib.monte_carlo_returns(token_rewards, mask, gamma=c.algo.gamma)
+        returns, ev = _monte_carlo(token_rewards, mask, values, gamma=c.algo.gamma)
         batch = train_step.TrainBatch(tokens, attention, response_tokens, mask, zeros, zeros, returns, values,
                                       self.shard_batch(arrays["correct"]), zeros)
-        stats["critic/explained_variance"] = losses.explained_variance(values, returns, mask)
-        return batch, {k: float(v) for k, v in stats.items()}
+        return batch, {"critic/explained_variance": float(ev)}
       old_logprobs, entropy = train_step.logprobs_and_entropy(self.actor_def, self.actor, tokens, attention,
-                                                              response_tokens, response_len=response_len)
+                                                              response_tokens, response_len=response_len, **chunks)
       ref = (train_step.logprobs_and_entropy(self.actor_def, self.ref, tokens, attention, response_tokens,
-                                             response_len=response_len)[0] if self.ref is not None else zeros)
-    est = self._advantages(token_rewards, jnp.where(mask, values, 0.0), mask, self.shard_batch(arrays["rewards"]))
+                                             response_len=response_len, **chunks)[0] if self.ref is not None else zeros)
+    est = self._advantages(token_rewards, values, mask, self.shard_batch(arrays["rewards"]))
     batch = train_step.TrainBatch(tokens, attention, response_tokens, mask, old_logprobs, est.advantages,
                                   est.returns, values, self.shard_batch(arrays["correct"]), ref)
     policy_logprobs = self.shard_batch(np.asarray(out.policy_logprobs, np.float32))
-    stats = {
-        "actor/entropy_rollout": masked.masked_mean(entropy, mask),
-        "rollout/logprob_gap": masked.masked_mean(jnp.abs(policy_logprobs - old_logprobs), mask),
-        "critic/explained_variance": losses.explained_variance(values, est.returns, mask) if c.algo.uses_critic else 0.0,
-        "critic/value_mean": masked.masked_mean(values, mask), "critic/return_mean": masked.masked_mean(est.returns, mask),
-        "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
-        "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask),
-    }
+    stats = _batch_stats(entropy, policy_logprobs, old_logprobs, values, est, mask, uses_critic=c.algo.uses_critic)
     return batch, {k: float(v) for k, v in stats.items()}
+
+
+@functools.partial(jax.jit, static_argnames=("gamma",))
+def _monte_carlo(token_rewards, mask, values, *, gamma):
+  returns = adv_lib.monte_carlo_returns(token_rewards, mask, gamma=gamma)
+  return returns, losses.explained_variance(values, returns, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("uses_critic",))
+def _batch_stats(entropy, policy_logprobs, old_logprobs, values, est, mask, *, uses_critic: bool):
+  """The rollout batch's metrics, in one program (not one dispatch per figure)."""
+  return {
+      "actor/entropy_rollout": masked.masked_mean(entropy, mask),
+      "rollout/logprob_gap": masked.masked_mean(jnp.abs(policy_logprobs - old_logprobs), mask),
+      "critic/explained_variance": losses.explained_variance(values, est.returns, mask) if uses_critic else 0.0,
+      "critic/value_mean": masked.masked_mean(values, mask), "critic/return_mean": masked.masked_mean(est.returns, mask),
+      "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
+      "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask),
+  }
 
 
 def concat_rollouts(parts: list[rollout.Rollout]) -> rollout.Rollout:

@@ -15,8 +15,8 @@ What is counted, following the code as it is (`trainer.py`, `experience.py`, `tr
   is "group"), and the reference policy (a copy of the actor's parameters) when `algo.kl_coef` > 0.
 - Phases run one after another, so the device needs the largest, not their sum:
   rollout (the KV cache of every sequence of the step, `rollout.cache_bytes`, and the prefill),
-  scoring (old log-probs, values, reference log-probs: one forward pass over the whole rollout
-  batch per model, not micro-batched), the actor update and the critic update (separate jitted
+  scoring (old log-probs, values, reference log-probs: forward passes over the rollout batch in
+  micro-batches of `algo.micro_batch_responses`, `train_step.logprobs_and_entropy`), the actor update and the critic update (separate jitted
   calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
   are one micro-batch's; the gradient accumulator in the parameter dtype plus one micro-batch's
   gradient; a float32 parameter-sized AdamW update), and the supervised warm start when
@@ -165,7 +165,7 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
     return (3 * layer + 2 * output) if backward else (2 * layer + output)
 
   def forward(name, cfg, *, value_head=False) -> tuple[Item, ...]:
-    act = activations(cfg, responses, backward=False, value_head=value_head)
+    act = activations(cfg, micro, backward=False, value_head=value_head)
     head = "values" if value_head else "logits, log-softmax, entropy"
     return (Item("activations", f"{name}: activations (one layer's, or the {head.split(',')[0]})", act.total),
             Item("head", f"  {head}", act.head, counted=False),
@@ -190,17 +190,19 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
 
   batch_rows = rows(responses)
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * tokens + 25 * resp))
-  kv = rollout.cache_bytes(actor_cfg, batch=responses, prompt_tokens=prompt_len, max_new_tokens=resp,
-                           dtype=jnp.dtype(m.dtype), devices=responses // batch_rows)
-  prefill = activations(actor_cfg, r.prompts_per_step, backward=False, length=prompt_len, scored=0)
+  per_call = r.prompts_per_generation or r.prompts_per_step  # Prompts per generation round.
+  generated = per_call * r.samples_per_prompt
+  kv = rollout.cache_bytes(actor_cfg, batch=generated, prompt_tokens=prompt_len, max_new_tokens=resp,
+                           dtype=jnp.dtype(m.dtype), devices=generated // rows(generated))
+  prefill = activations(actor_cfg, per_call, backward=False, length=prompt_len, scored=0)
   scoring = [forward("actor", actor_cfg), forward("critic", critic_cfg, value_head=True)]
   phases = [
-      Phase("rollout", f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples, "
-                       f"{batch_rows} sequences per device", (
+      Phase("rollout", f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples in rounds of {per_call} "
+                       f"prompts, {rows(generated)} sequences per device", (
           Item("kv_cache", f"KV cache ({m.dtype}, {tokens} slots)", kv),
           Item("prefill", "prefill activations (one layer's, or the logits)", prefill.total),
           Item("samples", "sampled tokens and log-probs", batch_rows * resp * 12))),
-      Phase("scoring", f"whole rollout batch at once, {batch_rows} sequences per device",
+      Phase("scoring", f"micro-batches of {micro} sequences, {rows(micro)} per device",
             (train_batch,) + max(scoring, key=lambda items: sum(i.bytes for i in items))),
       update("actor", actor_cfg, actor_p, micro, extra=(train_batch,)),
   ]
@@ -320,6 +322,9 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
     mini = math.gcd(c.algo.mini_batch_responses, n * c.rollout.samples_per_prompt)
     micro = c.algo.micro_batch_responses and math.gcd(c.algo.micro_batch_responses, mini)
     return {"rollout__prompts_per_step": n, "algo__mini_batch_responses": mini, "algo__micro_batch_responses": micro}
+  if phase == "rollout" and (fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts),
+                                               lambda n: {"rollout__prompts_per_generation": n})):
+    fixes.append(f"generate in rounds: rollout.prompts_per_generation={fit[0]} {effect(fit[1])}")
   if fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts), fewer):
     mini = fit[1].config.algo.mini_batch_responses
     also = "" if mini == c.algo.mini_batch_responses else f" and algo.mini_batch_responses={mini}"
@@ -344,10 +349,10 @@ def check(plan: MemoryPlan, device_bytes: int | None) -> None:
             f"device memory (mesh.device_memory_gib; mesh.check_memory=false skips this check). Each of these "
             f"fixes one phase:")]
   for name, needed in over.items():
-    fixes = (_sequence_fixes if name in ("rollout", "scoring") else _update_fixes)(plan, name, device_bytes)
+    fixes = ((_update_fixes(plan, name, device_bytes) if name != "rollout" else [])
+             + (_sequence_fixes(plan, name, device_bytes) if name in ("rollout", "scoring") else []))
     if not fixes:
-      fixes = ["no single setting fits it; shorten the sequences, use more devices"
-               + (", or score the rollout batch in micro-batches (a code change)" if name == "scoring" else "")]
+      fixes = ["no single setting fits it; shorten the sequences or use more devices"]
     lines.append(f"  {name} needs {needed / GIB:.1f} GiB: " + "; or ".join(fixes))
   raise ConfigError("\n".join(lines))
 

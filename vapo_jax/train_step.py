@@ -87,15 +87,39 @@ def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.
   return jax.jit(tx.init, out_shardings=out)(params)
 
 
-def _micro(tree, micro: int):
-  """Splits the leading batch axis into `[M, micro, ...]`."""
-  return jax.tree.map(lambda x: x.reshape((x.shape[0] // micro, micro) + x.shape[1:]), tree)
+def _micro(tree, micro: int, shards: int = 1):
+  """Splits the leading batch axis `[B, ...]` into `[M, micro, ...]` micro-batches.
+
+  With the batch in `shards` equal contiguous blocks (one per device along the batch axes),
+  micro-batch m takes the m-th part of every block, so each micro-batch stays spread over all
+  devices and nothing moves between them; `_unmicro` is the inverse. Which rows share a
+  micro-batch does not change any result: losses use whole-batch denominators.
+  """
+  def split(x):
+    b, m = x.shape[0], x.shape[0] // micro
+    if shards <= 1 or b % shards or (b // shards) % m:
+      return x.reshape((m, micro) + x.shape[1:])
+    x = x.reshape((shards, m, b // shards // m) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape((m, micro) + x.shape[3:])
+  return jax.tree.map(split, tree)
 
 
-def _accumulate(loss_fn, params, batch, micro: int):
+def _unmicro(tree, shards: int = 1):
+  """`[M, micro, ...]` back to `[B, ...]` (the inverse of `_micro`)."""
+  def join(x):
+    m, micro = x.shape[:2]
+    b = m * micro
+    if shards <= 1 or b % shards or (b // shards) % m:
+      return x.reshape((b,) + x.shape[2:])
+    x = x.reshape((m, shards, micro // shards) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape((b,) + x.shape[3:])
+  return jax.tree.map(join, tree)
+
+
+def _accumulate(loss_fn, params, batch, micro: int, shards: int = 1):
   """Σ over micro-batches of (loss, grads, metrics); metrics averaged over micro-batches."""
   grad_fn = jax.grad(loss_fn, has_aux=True)
-  chunks = _micro(batch, micro)
+  chunks = _micro(batch, micro, shards)
   zeros = jax.tree.map(jnp.zeros_like, params)
 
   def body(grads, chunk):
@@ -112,20 +136,34 @@ def _apply(tx, schedule, params, opt_state, grads, opt_step):
       "grad_norm": optax.tree.norm(grads), "lr": schedule(opt_step)}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "response_len"))
-def logprobs_and_entropy(graphdef, params, tokens, attention_mask, response_tokens, *, response_len):
+@functools.partial(jax.jit, static_argnames=("graphdef", "response_len", "micro", "shards"))
+def logprobs_and_entropy(graphdef, params, tokens, attention_mask, response_tokens, *, response_len, micro=None,
+                         shards=1):
+  """log π(o_t) and the entropy `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
   model = nnx.merge(graphdef, params)
-  logits = response_logits(model, tokens, attention_mask, response_len)
-  return token_logprobs(logits, response_tokens), losses.entropy_from_logits(logits)
+
+  def chunk(args):
+    logits = response_logits(model, *args[:2], response_len)
+    return token_logprobs(logits, args[2]), losses.entropy_from_logits(logits)
+  return _in_micro_batches(chunk, (tokens, attention_mask, response_tokens), micro, shards)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "response_len"))
-def values(graphdef, params, tokens, attention_mask, *, response_len):
-  return response_values(nnx.merge(graphdef, params), tokens, attention_mask, response_len)
+@functools.partial(jax.jit, static_argnames=("graphdef", "response_len", "micro", "shards"))
+def values(graphdef, params, tokens, attention_mask, *, response_len, micro=None, shards=1):
+  """V(s_t) `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
+  critic = nnx.merge(graphdef, params)
+  return _in_micro_batches(lambda args: response_values(critic, *args, response_len), (tokens, attention_mask),
+                           micro, shards)
+
+
+def _in_micro_batches(fn, args, micro, shards):
+  if micro is None or micro >= args[0].shape[0] or args[0].shape[0] % micro:
+    return fn(args)
+  return _unmicro(jax.lax.map(fn, _micro(args, micro, shards)), shards)
 
 
 def actor_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
-                 micro: int):
+                 micro: int, shards: int = 1):
   """One optimizer update of the policy on a mini-batch (not jitted here: see `Steps`)."""
   denominators = algorithm.Denominators.of(algo, batch.response_mask, batch.is_positive)
   response_len = batch.response_tokens.shape[1]
@@ -141,14 +179,14 @@ def actor_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Tra
     metrics["actor/entropy"] = masked.masked_mean(jax.lax.stop_gradient(entropy), mb.response_mask)
     return loss, (loss, metrics)
 
-  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro)
+  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
   params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
   metrics["actor/loss"] = loss
   return params, opt_state, metrics | {f"actor/{k}": v for k, v in extra.items()}
 
 
 def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
-                  micro: int):
+                  micro: int, shards: int = 1):
   """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
   denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
   response_len = batch.response_tokens.shape[1]
@@ -160,13 +198,14 @@ def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Tr
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
 
-  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro)
+  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
   params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
   metrics["critic/value_loss"] = loss
   return params, opt_state, metrics | {f"critic/{k}": v for k, v in extra.items()}
 
 
-def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, micro: int):
+def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, micro: int,
+               shards: int = 1):
   """One supervised update: token-level NLL of the response tokens (demonstrations)."""
   denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
   response_len = batch.response_tokens.shape[1]
@@ -177,6 +216,6 @@ def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Train
     loss = losses.aggregate_loss(nll, mb.response_mask, mode="token-mean", denominator=denominator)
     return loss, (loss, {})
 
-  loss, grads, _ = _accumulate(loss_fn, params, batch, micro)
+  loss, grads, _ = _accumulate(loss_fn, params, batch, micro, shards)
   params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
   return params, opt_state, {"sft/nll": loss} | {f"sft/{k}": v for k, v in extra.items()}

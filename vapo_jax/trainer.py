@@ -30,6 +30,7 @@ from flax import nnx
 from vapo_jax import algorithm, checkpointing, data, distributed, memory_plan, metrics as metrics_lib, rollout
 from vapo_jax import tokenizer as tok_lib, train_step
 from vapo_jax.config import ConfigError, ExperimentConfig
+from vapo_jax import experience
 from vapo_jax.experience import ExperienceMixin, encode_prompt, load_problems  # noqa: F401 (re-exported)
 from vapo_jax.models import checkpoint, sharding
 from vapo_jax.models.config import preset as model_preset
@@ -84,8 +85,8 @@ class Trainer(ExperienceMixin):
                                             purge_step=self.global_step)
     self.pool = reward_lib.make_pool(reward_fn=c.reward.reward_fn, workers=c.reward.verifier_workers,
                                      timeout_s=c.reward.verifier_timeout_s, memory_limit_mb=c.reward.verifier_memory_mb)
-    self._advantages = jax.jit(functools.partial(algorithm.compute_advantages, c.algo,
-                                                 group_size=c.rollout.samples_per_prompt))
+    self._advantages = jax.jit(lambda rewards, values, mask, seq_rewards: algorithm.compute_advantages(
+        c.algo, rewards, jnp.where(mask, values, 0.0), mask, seq_rewards, group_size=c.rollout.samples_per_prompt))
     self.preemption = checkpointing.PreemptionFlag()
     self.history: list[dict] = []
 
@@ -130,14 +131,16 @@ class Trainer(ExperienceMixin):
     self.critic_opt = train_step.init_optimizer(critic_tx, self.critic, self.mesh)
     self.sft_opt = train_step.init_optimizer(sft_tx, self.actor, self.mesh) if self.stage == "sft" else None
     self.ref = None
-    micro = c.algo.micro_batch_responses or c.algo.mini_batch_responses
+    # Micro-batches (updates and scoring) take an equal part of every device's rows.
+    self.micro = micro = c.algo.micro_batch_responses or c.algo.mini_batch_responses
+    self.batch_shards = shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     jit = lambda f, **kw: jax.jit(functools.partial(f, **kw), donate_argnums=(0, 1))
     self._actor_update = jit(functools.partial(train_step.actor_update, self.actor_def, actor_tx, actor_schedule),
-                             algo=c.algo, micro=micro)
+                             algo=c.algo, micro=micro, shards=shards)
     self._critic_update = jit(functools.partial(train_step.critic_update, self.critic_def, critic_tx,
-                                                critic_schedule), algo=c.algo, micro=micro)
+                                                critic_schedule), algo=c.algo, micro=micro, shards=shards)
     self._sft_update = jit(functools.partial(train_step.sft_update, self.actor_def, sft_tx, sft_schedule),
-                           micro=min(micro, c.sft.batch_size))
+                           micro=min(micro, c.sft.batch_size), shards=shards)
     self._take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
 
   def critic_from_actor(self):
@@ -337,7 +340,11 @@ class Trainer(ExperienceMixin):
     e = self.config.eval
     if not self.eval_rows:
       return {}
-    out = self.generate(self.eval_rows, group=e.samples_per_problem, temperature=e.temperature, top_p=e.top_p)
+    ro = self.config.rollout  # Rounds of at most as many sequences as a training generation round.
+    per_call = max(1, (ro.prompts_per_generation or ro.prompts_per_step) * ro.samples_per_prompt // e.samples_per_problem)
+    out = experience.concat_rollouts([
+        self.generate(self.eval_rows[i:i + per_call], group=e.samples_per_problem, temperature=e.temperature,
+                      top_p=e.top_p) for i in range(0, len(self.eval_rows), per_call)])
     scored = self.score(out, [r["answer"] for r in self.eval_rows for _ in range(e.samples_per_problem)])
     return {"eval/accuracy": float(scored.correct.mean()),
             "eval/response_len_mean": float(out.response_lengths.mean())}
