@@ -27,7 +27,7 @@ train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with o
 	$(PY) -m vapo_jax.main --exp $(EXP) $(ARGS)
 
 test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded).
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
 test-slow: $(STAMP)  ## Run only the tests marked slow.
 	$(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]  # 5: no test is marked slow yet

@@ -1,8 +1,8 @@
 """The trainer end to end at tiny scale: every algorithm runs, value pretraining fits, dynamic
 sampling fills the batch, a memorised batch's loss falls, and 1 and 8 devices agree.
 
-Each test builds a Trainer, which compiles its own programs; the slowest are marked `slow`
-(`make test-slow`) to keep `make test` within the CI budget."""
+Each test builds a Trainer; programs they share (model, sampler, scoring) compile once per session
+through the compilation cache that tests/conftest.py sets up."""
 
 import dataclasses
 import math
@@ -47,7 +47,7 @@ ALGORITHMS = {
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "vapo" else pytest.param(n, marks=pytest.mark.slow) for n in ALGORITHMS])
+@pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_algorithm_runs_with_finite_losses(tmp_path, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
   full = dict(sft_steps=2, eval_path="synthetic:arithmetic?terms=2-3&count=8&seed=1") if name == "vapo" else {}
@@ -68,7 +68,6 @@ def test_algorithm_runs_with_finite_losses(tmp_path, name):
   assert list((tmp_path / "test" / "tensorboard").iterdir())
 
 
-@pytest.mark.slow  # 40-150 s each on a 2-core CPU (compilation); `make test-slow`.
 def test_value_pretraining_raises_explained_variance(tmp_path):
   cfg = config(tmp_path, reward_fn=PROMPT_REWARD, value_pretrain_steps=10, mini_batch_responses=8)
   cfg = dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, value_pretrain_patience=10),
@@ -107,7 +106,6 @@ def test_dynamic_sampling_fills_the_batch_with_mixed_groups(tmp_path):
   trainer.pool.close()
 
 
-@pytest.mark.slow  # 40-150 s each on a 2-core CPU (compilation); `make test-slow`.
 def test_loss_on_a_memorised_batch_falls(tmp_path):
   trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD, mini_batch_responses=32), write_logs=False,
                     verbose=False)
@@ -119,7 +117,6 @@ def test_loss_on_a_memorised_batch_falls(tmp_path):
   trainer.pool.close()
 
 
-@pytest.mark.slow  # 40-150 s each on a 2-core CPU (compilation); `make test-slow`.
 def test_one_and_eight_devices_give_the_same_losses(tmp_path):
   losses = []
   for devices in ([jax.devices()[0]], jax.devices()):
