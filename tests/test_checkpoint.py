@@ -145,3 +145,17 @@ def test_corrupt_file(tmp_path):
   (directory / "model.safetensors").write_bytes(b"\x10\x00")
   with pytest.raises(ValueError, match="not a safetensors file"):
     checkpoint.load_causal_lm(str(directory))
+
+
+def test_export_copies_the_tokenizer_files_beside_the_weights(tmp_path):
+  from model_utils import SHARED_DATA
+  from vapo_jax.tokenizer import load_tokenizer
+  qwen = SHARED_DATA / "qwen2.5_tokenizer"
+  if not qwen.exists():
+    pytest.skip(f"shared data not found at {qwen}")
+  model = checkpoint.load_causal_lm(str(FIXTURES / PARITY_MODELS[0]))
+  files = checkpoint.export(model, str(tmp_path), tokenizer_dir=str(qwen))
+  assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(files)
+  assert_same_params(model, checkpoint.load_causal_lm(str(tmp_path)))
+  text = "Find $x$ if $x^2 = 4$. <|im_end|>"
+  assert load_tokenizer(str(tmp_path)).encode(text) == load_tokenizer(str(qwen)).encode(text)

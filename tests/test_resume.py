@@ -158,3 +158,22 @@ def test_config_differences_name_each_changed_field():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     checkpointing.check_resumable(base, dataclasses.asdict(base), "somewhere")
+
+
+def test_saving_after_skipping_an_unreadable_checkpoint_continues_the_numbering(tmp_path):
+  # Restoring step 1 because step 2 is unreadable must not make the next save collide with 2.
+  mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
+  config = main.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
+  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  state = _small_state(mesh)
+  found.save(1, state, {"n": 1}, wait=True)
+  found.save(2, state, {"n": 2}, wait=True)
+  (tmp_path / "2" / "meta" / "metadata").unlink()
+  found.close()
+  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  with pytest.warns(UserWarning, match="skipping it"):
+    step, _, meta = found.restore_latest(lambda meta: checkpointing.abstract(state))
+  assert (step, meta["n"]) == (1, 1)
+  found.save(max(found.steps()) + 1, state, {"n": 3}, wait=True)  # What Trainer does.
+  assert found.steps()[-1] == 3
+  found.close()

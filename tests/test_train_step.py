@@ -45,3 +45,32 @@ def test_scoring_in_micro_batches_equals_the_whole_batch():
   v_parts = train_step.values(critic_def, critic, tokens, attention, response_len=5, micro=8, shards=4)
   np.testing.assert_allclose(v_parts, v_whole, rtol=1e-5, atol=1e-6)
   assert not np.allclose(v_whole[:8], v_whole[8:])  # The rows differ, so a mix-up would show.
+
+
+def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
+  import optax
+  from vapo_jax.config import AlgoConfig
+  cfg = preset("micro")
+  graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(1)
+  b, s, tr = 16, 12, 6
+  tokens = jnp.asarray(rng.integers(3, 259, (b, s)), jnp.int32)
+  attention = jnp.ones((b, s), bool)
+  mask = jnp.asarray(np.arange(tr)[None] < rng.integers(1, tr + 1, (b, 1)))  # Ragged lengths.
+  old = train_step.logprobs_and_entropy(graphdef, params, tokens, attention, tokens[:, -tr:], response_len=tr)[0]
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  batch = train_step.TrainBatch(tokens, attention, tokens[:, -tr:], mask, old + f32(rng.normal(0, 0.3, (b, tr))),
+                                f32(rng.normal(size=(b, tr))), f32(rng.normal(size=(b, tr))), f32(rng.normal(size=(b, tr))),
+                                jnp.asarray(rng.random(b) < 0.5), old)
+  algo = AlgoConfig(mini_batch_responses=b, kl_coef=0.01)
+  # Plain SGD with step 1, so the parameters move by exactly the accumulated gradient (AdamW
+  # would divide near-zero gradients by their own size and magnify rounding).
+  tx, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
+  opt = tx.init(params)
+  whole = train_step.actor_update(graphdef, tx, schedule, params, opt, 0, batch, algo=algo, micro=b)
+  parts = train_step.actor_update(graphdef, tx, schedule, params, opt, 0, batch, algo=algo, micro=4, shards=2)
+  for key in whole[2]:
+    np.testing.assert_allclose(parts[2][key], whole[2][key], rtol=1e-5, atol=1e-6, err_msg=key)
+  for a, b_ in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(parts[0])):
+    np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6)
+  assert {"actor/clip_frac_high", "actor/pg_loss", "actor/ref_kl", "actor/positive_tokens"} <= whole[2].keys()

@@ -63,6 +63,9 @@ def test_algorithm_runs_with_finite_losses(tmp_path, name):
   if name == "vapo":
     assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
     assert [h["stage"] for h in trainer.history] == ["sft"] * 2 + ["value_pretrain"] + ["rl"] * 2
+    assert (tmp_path / "test" / "export" / "model.safetensors").exists()  # The final policy, HF format.
+    again = Trainer(trainer.config, verbose=False)  # The same run again: resumes at its end.
+    assert again.stage == "done" and again.run()["accuracy_after_rl"] == summary["accuracy_after_rl"]
   lines = (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()
   assert any('"stage": "rl"' in line and "actor/clip_frac_high" in line and "time/rollout_s" in line for line in lines)
   assert list((tmp_path / "test" / "tensorboard").iterdir())

@@ -110,8 +110,15 @@ class RunCheckpoints:
     for step in reversed(self.steps()):
       try:
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        return step, self.restore(step, make_target(meta)), meta
+        target = make_target(meta)  # A refusal (changed config) is raised, not skipped.
+      except ConfigError:
+        raise
       except Exception as e:  # Orbax raises several types for missing or corrupt files.
+        self._skip(step, e)
+        continue
+      try:
+        return step, self.restore(step, target), meta
+      except Exception as e:
         self._skip(step, e)
     return None
 

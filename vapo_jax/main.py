@@ -69,9 +69,10 @@ def main(argv: list[str]) -> int:
   from vapo_jax.trainer import Trainer
 
   distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
+  from vapo_jax.data import DataError
   try:
     trainer = Trainer(config)
-  except (ConfigError, FileNotFoundError) as e:
+  except (ConfigError, DataError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   run_dir = os.path.join(config.run_dir, config.name)

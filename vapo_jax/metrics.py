@@ -27,7 +27,7 @@ class MetricsWriter:
       with open(self.path, "a") as f:
         f.truncate(min(keep_bytes, f.tell()))
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step or None)
+      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step)
 
   def size(self) -> int:
     """Bytes written so far to metrics.jsonl (0 when disabled)."""

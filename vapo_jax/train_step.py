@@ -116,18 +116,30 @@ def _unmicro(tree, shards: int = 1):
   return jax.tree.map(join, tree)
 
 
-def _accumulate(loss_fn, params, batch, micro: int, shards: int = 1):
-  """Σ over micro-batches of (loss, grads, metrics); metrics averaged over micro-batches."""
+# Metrics that are a micro-batch's share of the mini-batch value (losses with whole-batch
+# denominators, counts): summed over micro-batches. Per-sequence means: averaged (micro-batches
+# have equal numbers of sequences). Every other metric is a mean over valid tokens: weighted by
+# each micro-batch's valid tokens, which gives the mini-batch's token mean exactly.
+SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/loss",
+                            "actor/positive_tokens"})
+SEQUENCE_METRICS = frozenset({"actor/positive_frac"})
+
+
+def _accumulate(loss_fn, params, batch: TrainBatch, micro: int, shards: int = 1):
+  """Σ over micro-batches of (loss, grads) and the mini-batch's metrics (see `SUMMED_METRICS`)."""
   grad_fn = jax.grad(loss_fn, has_aux=True)
   chunks = _micro(batch, micro, shards)
   zeros = jax.tree.map(jnp.zeros_like, params)
 
   def body(grads, chunk):
     g, (loss, metrics) = grad_fn(params, chunk)
-    return jax.tree.map(jnp.add, grads, g), (loss, metrics)
+    return jax.tree.map(jnp.add, grads, g), (loss, metrics, jnp.sum(chunk.response_mask).astype(jnp.float32))
 
-  grads, (loss, metrics) = jax.lax.scan(body, zeros, chunks)
-  return jnp.sum(loss), grads, jax.tree.map(jnp.mean, metrics)
+  grads, (loss, metrics, tokens) = jax.lax.scan(body, zeros, chunks)
+  weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+  combined = {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.mean(v) if k in SEQUENCE_METRICS else jnp.sum(v * weights)
+              for k, v in metrics.items()}
+  return jnp.sum(loss), grads, combined
 
 
 def _apply(tx, schedule, params, opt_state, grads, opt_step):

@@ -19,6 +19,7 @@ finishes the current step, saves and raises `Preempted`.
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 
@@ -80,6 +81,8 @@ class Trainer(ExperienceMixin):
     restored = self.checkpoints.restore_latest(self._restore_target) if self.checkpoints else None
     if restored:
       self._restore(*restored)
+    if self.checkpoints is not None:  # New saves are numbered after every listed one, unreadable ones too.
+      self.saves = max(self.checkpoints.steps(), default=0)
     self.writer = metrics_lib.MetricsWriter(self.run_dir, enabled=write_logs and distributed.is_main_process(),
                                             keep_bytes=restored[2]["metrics_bytes"] if restored else 0,
                                             purge_step=self.global_step)
@@ -140,7 +143,7 @@ class Trainer(ExperienceMixin):
     self._critic_update = jit(functools.partial(train_step.critic_update, self.critic_def, critic_tx,
                                                 critic_schedule), algo=c.algo, micro=micro, shards=shards)
     self._sft_update = jit(functools.partial(train_step.sft_update, self.actor_def, sft_tx, sft_schedule),
-                           micro=min(micro, c.sft.batch_size), shards=shards)
+                           micro=math.gcd(micro, c.sft.batch_size), shards=shards)
     self._take = jax.jit(lambda tree, idx: jax.tree.map(lambda x: x[idx], tree))
 
   def critic_from_actor(self):
@@ -185,7 +188,6 @@ class Trainer(ExperienceMixin):
     return checkpointing.abstract(state, self.mesh)
 
   def _restore(self, step: int, state: dict, meta: dict):
-    self.saves = step
     self.actor, self.critic = state["actor"], state["critic"]
     self.actor_opt, self.critic_opt = state["actor_opt"], state["critic_opt"]
     self.sft_opt, self.ref = state.get("sft_opt"), state.get("ref")
@@ -210,10 +212,14 @@ class Trainer(ExperienceMixin):
     self.stage_step += 1
     self.global_step += 1
     every = self.config.checkpoint.every_steps
-    if every and not last and self.stage_step % every == 0:
+    periodic = bool(every and not last and self.stage_step % every == 0)
+    if periodic:
       self.save()
     if self.preemption.is_set():
-      self.save(wait=True)
+      if periodic and self.checkpoints is not None:
+        self.checkpoints.wait()
+      else:
+        self.save(wait=True)
       raise checkpointing.Preempted(f"stopped by SIGTERM after {self.stage} step {self.stage_step}; "
                                     f"checkpoint saved in {self.checkpoints and self.checkpoints.directory}")
 
@@ -221,6 +227,10 @@ class Trainer(ExperienceMixin):
     self.stage, self.stage_step = stage, 0
     if save and self.config.checkpoint.every_steps:
       self.save()
+    if save and stage != "done" and self.preemption.is_set():
+      if not self.config.checkpoint.every_steps:
+        self.save(wait=True)
+      raise checkpointing.Preempted(f"stopped by SIGTERM on entering {stage}; checkpoint saved")
 
   # ------------------------------------------------------------------------------- updating
   def update(self, batch: train_step.TrainBatch, *, actor: bool, critic: bool) -> dict[str, float]:
@@ -376,10 +386,10 @@ class Trainer(ExperienceMixin):
         self.rl_stage()
         self.eval_after = self.evaluate()
         self.writer.write(c.rl_steps, "eval_after_rl", self.eval_after, global_step=self.global_step)
-        self._enter("done")
-        if c.checkpoint.export_final and self.checkpoints is not None:
+        if c.checkpoint.export_final and self.checkpoints is not None:  # Before "done" is saved.
           self.export(os.path.join(self.run_dir, "export"))
           self.log(f"final policy exported to {os.path.join(self.run_dir, 'export')} (Hugging Face format)")
+        self._enter("done")
       before, after = self.eval_before or {}, self.eval_after or {}
       summary = {"run_dir": self.run_dir, "seconds": time.perf_counter() - start,
                  "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy")}
