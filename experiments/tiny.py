@@ -19,11 +19,11 @@ def tiny() -> ExperimentConfig:
   """VAPO, every technique on; byte-level tiny model, 16 prompts × 8 samples, ≤ 64-token responses."""
   return ExperimentConfig(
       name="tiny_vapo",
-      rl_steps=40,
+      rl_steps=50,
       model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
       # α is scaled to this task's 15-60-token responses (the paper's 0.05 targets thousands of
       # tokens): λ_actor = 1 − 1/l, about 0.93-0.98 here.
-      algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=64, length_adaptive_alpha=1.0),
+      algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32, length_adaptive_alpha=1.0),
       optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_steps=5, weight_decay=0.0),
       rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
                             max_response_tokens=64),
@@ -31,7 +31,7 @@ def tiny() -> ExperimentConfig:
       data=DataConfig(train_path="synthetic:arithmetic?terms=2-5&count=4000&seed=0", template="raw",
                       chat_template=False),
       eval=EvalConfig(path="synthetic:arithmetic?terms=2-5&count=64&seed=1", samples_per_problem=4,
-                      temperature=1.0, top_p=0.7, every_steps=20),
+                      temperature=1.0, top_p=0.7, every_steps=25),
       sft=SFTConfig(path="synthetic:arithmetic?terms=2-4&count=2000&seed=2", steps=300, batch_size=32, lr=2e-3),
       mesh=MeshConfig(preset="dp"),
   )
