@@ -29,7 +29,7 @@ train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with o
 test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded).
 	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
-test-slow: $(STAMP)  ## Run only the tests marked slow.
+test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1 (~8 min).
 	$(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]  # 5: no test is marked slow yet
 
 bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; decode vs transformers (~15 min).
@@ -41,7 +41,7 @@ eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or
 	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 .PHONY: memory
-memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=256) with DEVICE_GIB per chip; exit 1 if over.
+memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=64,tensor=4) with DEVICE_GIB per chip; exit 1 if over.
 	$(PY) -m vapo_jax.memory_plan --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
 
 clean:  ## Remove .venv, caches and runs/.
