@@ -33,13 +33,16 @@ class MetricsWriter:
     """Bytes written so far to metrics.jsonl (0 when disabled)."""
     return os.path.getsize(self.path) if self.enabled and os.path.exists(self.path) else 0
 
-  def write(self, step: int, stage: str, metrics: dict[str, float], *, global_step: int | None = None) -> None:
-    """One record; TensorBoard uses `global_step` (monotonic over stages) when given, else `step`."""
+  def write(self, step: int, stage: str, metrics: dict[str, float], *, global_step: int | None = None,
+            jsonl: bool = True) -> None:
+    """One record; TensorBoard uses `global_step` (monotonic over stages) when given, else `step`.
+    `jsonl=False` writes TensorBoard only (re-adding what a resume purged)."""
     if not self.enabled:
       return
     clean = {k: float(v) for k, v in sorted(metrics.items())}
-    with open(self.path, "a") as f:  # Opened per record: a crash loses at most the line in flight.
-      f.write(json.dumps({"step": step, "stage": stage, **clean}) + "\n")
+    if jsonl:
+      with open(self.path, "a") as f:  # Opened per record: a crash loses at most the line in flight.
+        f.write(json.dumps({"step": step, "stage": stage, **clean}) + "\n")
     for key, value in clean.items():
       if math.isfinite(value):
         self._tb.add_scalar(f"{stage}/{key}" if stage != "rl" else key, value,

@@ -86,6 +86,9 @@ class Trainer(ExperienceMixin):
     self.writer = metrics_lib.MetricsWriter(self.run_dir, enabled=write_logs and distributed.is_main_process(),
                                             keep_bytes=restored[2]["metrics_bytes"] if restored else 0,
                                             purge_step=self.global_step)
+    for stage, result in (("eval_before_rl", self.eval_before), ("eval_after_rl", self.eval_after)):
+      if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
+        self.writer.write(0, stage, result, global_step=self.global_step, jsonl=False)
     self.pool = reward_lib.make_pool(reward_fn=c.reward.reward_fn, workers=c.reward.verifier_workers,
                                      timeout_s=c.reward.verifier_timeout_s, memory_limit_mb=c.reward.verifier_memory_mb)
     self._advantages = jax.jit(lambda rewards, values, mask, seq_rewards: algorithm.compute_advantages(
