@@ -142,10 +142,14 @@ def _accumulate(loss_fn, params, batch: TrainBatch, micro: int, shards: int = 1)
   return jnp.sum(loss), grads, combined
 
 
-def _apply(tx, schedule, params, opt_state, grads, opt_step):
+def _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, micro: int, shards: int, *,
+            prefix: str, loss_name: str):
+  """Accumulates `loss_fn`'s gradients over micro-batches and applies one optimizer step; the
+  metrics under `prefix/` with the loss as `prefix/loss_name`, the gradient norm and the lr."""
+  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
   updates, opt_state = tx.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), opt_state, {
-      "grad_norm": optax.tree.norm(grads), "lr": schedule(opt_step)}
+  extra = {loss_name: loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(opt_step)}
+  return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k, v in extra.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "response_len", "micro", "shards"))
@@ -191,10 +195,8 @@ def actor_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Tra
     metrics["actor/entropy"] = masked.masked_mean(jax.lax.stop_gradient(entropy), mb.response_mask)
     return loss, (loss, metrics)
 
-  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
-  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
-  metrics["actor/loss"] = loss
-  return params, opt_state, metrics | {f"actor/{k}": v for k, v in extra.items()}
+  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="actor",
+                 loss_name="loss")
 
 
 def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
@@ -210,10 +212,8 @@ def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Tr
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
 
-  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
-  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
-  metrics["critic/value_loss"] = loss
-  return params, opt_state, metrics | {f"critic/{k}": v for k, v in extra.items()}
+  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="critic",
+                 loss_name="value_loss")
 
 
 def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, micro: int,
@@ -228,6 +228,5 @@ def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Train
     loss = losses.aggregate_loss(nll, mb.response_mask, mode="token-mean", denominator=denominator)
     return loss, (loss, {})
 
-  loss, grads, _ = _accumulate(loss_fn, params, batch, micro, shards)
-  params, opt_state, extra = _apply(tx, schedule, params, opt_state, grads, opt_step)
-  return params, opt_state, {"sft/nll": loss} | {f"sft/{k}": v for k, v in extra.items()}
+  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="sft",
+                 loss_name="nll")

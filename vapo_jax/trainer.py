@@ -183,7 +183,7 @@ class Trainer(ExperienceMixin):
 
   def _restore_target(self, meta: dict):
     checkpointing.check_resumable(self.config, meta["config"], self.checkpoints.directory)
-    state = {"actor": self.actor, "critic": self.critic, "actor_opt": self.actor_opt, "critic_opt": self.critic_opt}
+    state = {k: v for k, v in self._state().items() if k not in ("sft_opt", "ref")}  # Those two: as saved.
     if meta["stage"] == "sft":
       state["sft_opt"] = self.sft_opt
     if meta["has_ref"]:
