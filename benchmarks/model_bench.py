@@ -2,7 +2,7 @@
 
   python -m benchmarks.model_bench [--batch 8] [--length 512]
 
-The prompt text is tokenized with the real Qwen2.5 tokenizer from ../shared/data when present.
+The prompt text is tokenized with the real Qwen2.5 tokenizer from the repository's data/ folder.
 """
 
 import argparse
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vapo_jax import paths
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, positions_from_mask
 
-TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "qwen2.5_tokenizer")
+TOKENIZER = paths.data_path("qwen2.5_tokenizer")
 
 
 def tokens_for(batch: int, length: int) -> np.ndarray:

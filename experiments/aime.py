@@ -8,17 +8,19 @@ DAPO 50, vanilla PPO 5; leaving out each technique in turn gives 11 / 33 / 45 / 
 (value pretraining, decoupled GAE, length-adaptive GAE, clip-higher, token-level loss,
 positive-example LM loss, group sampling).
 
-Data paths default to this repository's sibling `shared/data` layout; on a pod pass
-`data.train_path=... eval.path=...`.
+Data: the repository's own copies under data/ (found from the package, whatever the working
+directory); pass `data.train_path=... eval.path=...` for others, e.g. the hub copy
+`data.train_path=hf:BytedTsinghua-SIA/DAPO-Math-17k data.template=raw` (needs `datasets`).
 """
 
 import dataclasses
 
+from vapo_jax import paths
 from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
                              OptimizerConfig, RolloutConfig)
 
-DAPO_MATH_17K = "../shared/data/dapo_math_17k/dapo_math_17k.parquet"
-AIME_2024 = "../shared/data/aime24/qwen25math_aime24_test.jsonl"
+DAPO_MATH_17K = paths.data_path("dapo_math_17k/dapo_math_17k.parquet")
+AIME_2024 = paths.data_path("aime24/qwen25math_aime24_test.jsonl")
 MAX_RESPONSE_TOKENS = 20480
 
 

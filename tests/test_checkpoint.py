@@ -148,11 +148,9 @@ def test_corrupt_file(tmp_path):
 
 
 def test_export_copies_the_tokenizer_files_beside_the_weights(tmp_path):
-  from model_utils import SHARED_DATA
+  from model_utils import DATA_DIR
   from vapo_jax.tokenizer import load_tokenizer
-  qwen = SHARED_DATA / "qwen2.5_tokenizer"
-  if not qwen.exists():
-    pytest.skip(f"shared data not found at {qwen}")
+  qwen = DATA_DIR / "qwen2.5_tokenizer"
   model = checkpoint.load_causal_lm(str(FIXTURES / PARITY_MODELS[0]))
   files = checkpoint.export(model, str(tmp_path), tokenizer_dir=str(qwen))
   assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(files)

@@ -1,17 +1,14 @@
-"""Dataset loading on the real files in shared/data, bad data, templates and resumable sampling."""
+"""Dataset loading on the real files in data/, bad data, templates and resumable sampling."""
 
 import collections
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 
 from vapo_jax import data
+from vapo_jax.paths import DATA_DIR as DATA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"shared data not found at {DATA} "
-                                "(the repository's sibling shared/data)")
 AIME25_ANSWERS = ("70 588 16 117 279 504 821 77 62 81 259 510 204 60 735 "
                   "468 49 82 106 336 293 237 610 149 907 113 19 248 104 240").split()
 
@@ -20,7 +17,6 @@ def load(path, **kw):
   return data.load_records(str(DATA / path), **kw)
 
 
-@needs_data
 @pytest.mark.parametrize("path,count,first_id,first_answer,source", [
     ("aime24/qwen25math_aime24_test.jsonl", 30, "60", "204", "aime24/qwen25math_aime24_test"),
     ("aime24/matharena_aime24.jsonl", 30, "2024-I-1", "204", "aime24/matharena_aime24"),
@@ -41,7 +37,6 @@ def test_known_schemas(path, count, first_id, first_answer, source):
   assert not any(r.prompt.startswith("Solve the following math problem") for r in records)
 
 
-@needs_data
 def test_answers_agree_across_copies():
   """The three AIME 2024 copies and the two MATH-500 copies have the same answers."""
   qwen = sorted(int(r.answer) for r in load("aime24/qwen25math_aime24_test.jsonl"))
@@ -54,9 +49,15 @@ def test_answers_agree_across_copies():
   assert sources == {"MATH-500": 500, "AIME-2024-30": 30, "AIME-2025-30": 30}
 
 
-@needs_data
-def test_dapo_math_17k_both_formats_and_conflicts():
-  raw_jsonl = load("dapo_math_17k/dapo_math_17k.jsonl", dedup=False)
+def test_dapo_math_17k_both_formats_and_conflicts(tmp_path):
+  import pyarrow.parquet as pq
+
+  # The jsonl copy as its PROVENANCE.md derives it (byte for byte the shared copy, left out of data/).
+  rows = pq.read_table(DATA / "dapo_math_17k/dapo_math_17k.parquet").to_pylist()
+  write_jsonl(tmp_path / "dapo_math_17k.jsonl", [json.dumps(
+      {"index": r["extra_info"]["index"], "problem": r["prompt"][0]["content"],
+       "answer": r["reward_model"]["ground_truth"]}, ensure_ascii=False) for r in rows])
+  raw_jsonl = data.load_records(str(tmp_path / "dapo_math_17k.jsonl"), dedup=False)
   raw_parquet = load("dapo_math_17k/dapo_math_17k.parquet", dedup=False)
   assert len(raw_jsonl) == len(raw_parquet) == 17917
   assert [(r.prompt, r.answer, r.id) for r in raw_jsonl] == [(r.prompt, r.answer, r.id) for r in raw_parquet]
@@ -70,7 +71,6 @@ def test_dapo_math_17k_both_formats_and_conflicts():
   assert all(len(set(c.answers)) > 1 for c in conflicts)
 
 
-@needs_data
 def test_real_bad_rows_in_simplelr_train():
   """Two rows of SimpleRL's training parquet have an empty ground truth."""
   path = str(DATA / "math_level3to5_simplelr/train.parquet")
@@ -174,7 +174,6 @@ def test_deduplicate_reports_conflicts():
   assert conflicts == [data.Conflict("Find y.", ("3", "4"), ("3", "4"))]
 
 
-@needs_data
 def test_dapo_template_matches_dapo_prompts():
   import pyarrow.parquet as pq
 
@@ -185,7 +184,6 @@ def test_dapo_template_matches_dapo_prompts():
       "What is {x}?\nPlease reason step by step, and put your final answer within \\boxed{}.")
 
 
-@needs_data
 def test_chat_template_from_qwen_tokenizer():
   transformers = pytest.importorskip("transformers")
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(DATA / "qwen2.5_tokenizer"), local_files_only=True)

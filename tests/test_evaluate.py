@@ -3,18 +3,15 @@
 import itertools
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vapo_jax import data, evaluate
+from vapo_jax.paths import DATA_DIR as DATA
 from vapo_jax.rewards import equivalence
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LIGHTEVAL = DATA / "verifier_cases" / "lighteval_metric_cases"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"shared data not found at {DATA} "
-                                "(the repository's sibling shared/data)")
 
 
 def pass_at_k_by_enumeration(n, c, k):
@@ -67,7 +64,6 @@ def test_majority_vote_ties_and_no_answers():
   assert evaluate.majority_correct([r"\frac12", "0.5", r"\dfrac{1}{2}", "1"], [True, False, True, False]) is True
 
 
-@needs_data
 @pytest.mark.parametrize("name", ["pass_at_k_math", "avg_at_k_math", "g_pass_at_k_latex"])
 def test_lighteval_metric_cases(name):
   """lighteval's pass@k / avg@k cases (and G-Pass@k at threshold 0, which is pass@k)."""
@@ -89,7 +85,6 @@ def test_lighteval_metric_cases(name):
       assert got == pytest.approx(expected, abs=case["tolerance"]), (case["name"], key)
 
 
-@needs_data
 def test_evaluate_responses_file(tmp_path):
   """AIME 2024 + AMC 2023 problems, 4 samples each for 3 problems per source, one hanging sample."""
   problems = (data.load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
@@ -139,7 +134,6 @@ def test_bad_responses_file(tmp_path):
     evaluate.read_responses(str(bad), None)
 
 
-@needs_data
 def test_cli(tmp_path, capsys):
   problems = data.load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
   responses = tmp_path / "r.jsonl"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import FIXTURES, PARITY_MODELS, SHARED_DATA, reference
+from model_utils import DATA_DIR, FIXTURES, PARITY_MODELS, reference
 from vapo_jax.models import checkpoint, config as model_config
 from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
 
@@ -118,9 +118,7 @@ def test_value_model_needs_its_head_from_its_own_checkpoint():
 def test_hf_config_forms():
   # Top-level rope_theta (the shipped Qwen2.5 configs) and rope_parameters (transformers 5 export).
   for directory, preset in (("Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b"), ("Qwen2.5-32B", "qwen2.5-32b")):
-    path = SHARED_DATA / "qwen2.5_configs" / directory
-    if not path.exists():
-      pytest.skip(f"shared data not found at {path}")
+    path = DATA_DIR / "qwen2.5_configs" / directory
     assert model_config.TransformerConfig.from_pretrained(str(path)) == model_config.preset(preset)
   llama = model_config.TransformerConfig.from_pretrained(str(FIXTURES / "llama3"))
   assert llama.rope["rope_type"] == "llama3" and llama.rope_theta == 500000.0 and llama.head_dim == 12

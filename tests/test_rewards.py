@@ -4,16 +4,15 @@ import csv
 import os
 import resource
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from vapo_jax.paths import DATA_DIR
 from vapo_jax.rewards import equivalence, extract, reward
 from vapo_jax.rewards.pool import DEFAULT_FN, VerifierPool, load_function
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-CASES = DATA / "verifier_cases" / "math_verify_examples"
+CASES = DATA_DIR / "verifier_cases" / "math_verify_examples"
 FREE_TEXT = ("boxed", "answer_line", "math_verify")
 GSM8K = ("boxed", "answer_line", "last_number")
 
@@ -112,8 +111,6 @@ def test_score_response_without_answer_is_incorrect():
 
 
 def _csv(name):
-  if not (CASES / name).exists():
-    pytest.skip(f"shared data not found at {CASES} (the repository's sibling shared/data)")
   with open(CASES / name, newline="") as f:
     return list(csv.DictReader(f))
 

@@ -1,17 +1,15 @@
-"""The real Qwen2.5 tokenizer from shared/data loads with its special tokens and chat template."""
+"""The real Qwen2.5 tokenizer from data/ loads with its special tokens and chat template."""
 
 import pytest
 
-from model_utils import SHARED_DATA
+from vapo_jax.paths import DATA_DIR
 from vapo_jax.tokenizer import load_tokenizer
 
-QWEN = SHARED_DATA / "qwen2.5_tokenizer"
+QWEN = DATA_DIR / "qwen2.5_tokenizer"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-  if not QWEN.exists():
-    pytest.skip(f"shared data not found at {QWEN}")
   return load_tokenizer(str(QWEN))
 
 

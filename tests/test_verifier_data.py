@@ -1,20 +1,19 @@
-"""The verifier on every problem of AIME 2024, AIME 2025, AMC 2023 and MATH-500 in shared/data.
+"""The verifier on every problem of AIME 2024, AIME 2025, AMC 2023 and MATH-500 in data/.
 
 For each problem: a response ending in its gold answer (boxed, and in the `Answer:` form) must
 score correct, and responses ending in another problem's gold answer must score incorrect unless
 the two answers are the same. Run with `-s` to see the agreement table.
 """
 
-from pathlib import Path
 
 import pytest
 
 from vapo_jax import data
 from vapo_jax.evaluate import answer_key
+from vapo_jax.paths import DATA_DIR as DATA
 from vapo_jax.rewards import reward
 from vapo_jax.rewards.pool import VerifierPool
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 DATASETS = {
     "aime24": "aime24/qwen25math_aime24_test.jsonl",
     "aime25": "aime25/matharena_aime25.jsonl",
@@ -36,8 +35,6 @@ def _response(problem: str, answer: str, form: str) -> str:
 @pytest.fixture(scope="module")
 def agreement():
   """Per dataset: (accepted gold responses, gold responses, rejected wrong, wrong, failures)."""
-  if not (DATA / DATASETS["aime24"]).exists():
-    pytest.skip(f"shared data not found at {DATA} (the repository's sibling shared/data)")
   tasks, meta = [], []
   for name, path in DATASETS.items():
     records = data.load_records(str(DATA / path), dedup=False)

@@ -1,6 +1,6 @@
 """Problems for training and evaluation: loading, validation, templates and resumable sampling.
 
-  records = load_records("../shared/data/aime24/qwen25math_aime24_test.jsonl")   # [Record]
+  records = load_records(paths.data_path("aime24/qwen25math_aime24_test.jsonl"))   # [Record]
   prompt = format_prompt(records[0].prompt, template="dapo", tokenizer=tokenizer)
   batches = PromptIterator(records, prompts_per_step=P, seed=0, samples_per_prompt=G)
   batch = next(batches)                  # P·G records, each prompt G times in a row

@@ -146,7 +146,7 @@ class TransformerConfig:
     return self.vocab_size * d + self.num_layers * per_layer + d + output
 
 
-# Values from each model's Hugging Face config.json (0.5B and 32B as shipped in shared/data).
+# Values from each model's Hugging Face config.json (0.5B and 32B as shipped in data/qwen2.5_configs).
 _QWEN25 = dict(model_type="qwen2", rms_norm_eps=1e-6, rope_theta=1000000.0,
                max_position_embeddings=32768)
 PRESETS: dict[str, dict[str, Any]] = {
