@@ -19,7 +19,8 @@ With t' the next valid position after t (none past the last valid token):
 Whitening is separate: `vapo_jax.masked.masked_whiten`.
 
 References: Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
-Estimation"; Yuan et al. 2025, "VAPO" (arXiv 2504.05118) §3 for decoupled and length-adaptive λ.
+Estimation"; Yue et al. 2025, "VAPO" (arXiv 2504.05118): §4.1 for decoupled GAE, §4.2 for the
+length-adaptive λ.
 """
 
 from typing import NamedTuple
@@ -120,7 +121,7 @@ def decoupled_gae(
     lam_critic: ArrayLike,
     unroll: int = 1,
 ) -> DecoupledGAE:
-  """Decoupled GAE (VAPO §3.2): Â(λ_actor) for the policy, Â(λ_critic) + V as value targets.
+  """Decoupled GAE (VAPO §4.1): Â(λ_actor) for the policy, Â(λ_critic) + V as value targets.
 
   Both estimates share the TD errors δ_t and come out of a single reverse scan. λ_actor and
   λ_critic are each a scalar or a per-sequence `[B]` array; VAPO uses λ_critic = 1 (unbiased
@@ -134,7 +135,7 @@ def decoupled_gae(
 
 
 def length_adaptive_lambda(lengths: jax.Array, *, alpha: float) -> jax.Array:
-  """Per-sequence λ_actor = clip(1 − 1/(α·l), 0, 1) (VAPO §3.3, eq. 8).
+  """Per-sequence λ_actor = clip(1 − 1/(α·l), 0, 1) (VAPO §4.2, length-adaptive GAE).
 
   Chosen so that Σ_t λ^t ≈ 1/(1−λ) = α·l: the effective horizon grows with the response length
   l. A length of 0 (an empty response) gives λ = 0.

@@ -2,6 +2,11 @@
 
 This module reads `AlgoConfig` and calls the pure functions in `advantages`, `losses` and
 `masked`; it is what the train step calls, and the one place where VAPO, PPO, GRPO and DAPO differ.
+
+The VAPO techniques it switches (Yue et al. 2025, arXiv 2504.05118): decoupled GAE (§4.1;
+value pretraining, also §4.1, is a trainer stage), length-adaptive λ_actor and the token-level
+loss (§4.2), clip-higher and the positive-example NLL (§4.3; group sampling, also §4.3, is the
+rollout's `samples_per_prompt`).
 """
 
 from typing import NamedTuple

@@ -2,15 +2,16 @@
 
 All configs are frozen, keyword-only dataclasses. Invalid values are rejected at construction
 with a message naming the field and its valid range; derived values are properties. Each VAPO
-technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace`:
+technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the
+section of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 
-  1. value pretraining        `value_pretrain_steps` (0 disables)
-  2. decoupled GAE            `decoupled_gae` (critic targets use `lam_critic`, else λ_actor)
-  3. length-adaptive GAE      `length_adaptive_alpha` (None: fixed `lam_actor`)
-  4. clip-higher              `eps_high` (= `eps_low` is symmetric PPO)
-  5. token-level loss         `loss_agg` ("token-mean")
-  6. positive-example LM loss `positive_nll_coef` (0 disables)
-  7. group sampling           `RolloutConfig.samples_per_prompt` (1 disables)
+  1. value pretraining (§4.1)        `value_pretrain_steps` (0 disables)
+  2. decoupled GAE (§4.1)            `decoupled_gae` (critic targets use `lam_critic`, else λ_actor)
+  3. length-adaptive GAE (§4.2)      `length_adaptive_alpha` (None: fixed `lam_actor`)
+  4. clip-higher (§4.3)              `eps_high` (= `eps_low` is symmetric PPO)
+  5. token-level loss (§4.2)         `loss_agg` ("token-mean")
+  6. positive-example LM loss (§4.3) `positive_nll_coef` (0 disables)
+  7. group sampling (§4.3)           `RolloutConfig.samples_per_prompt` (1 disables)
 """
 
 import dataclasses
@@ -268,7 +269,9 @@ class ModelConfig:
   """Policy and critic networks."""
 
   checkpoint: str | None = None  # Hugging Face checkpoint directory of the initial policy.
-  critic_checkpoint: str | None = None  # Critic's own checkpoint; None: copy the policy backbone.
+  # The critic's own checkpoint: a value model, or a reward model (a one-output `score` head) as the
+  # paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
+  critic_checkpoint: str | None = None
   preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
   dtype: Literal["float32", "bfloat16"] = "bfloat16"  # Compute dtype.
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameter storage dtype.

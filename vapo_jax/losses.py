@@ -36,7 +36,7 @@ def aggregate_loss(
 
   Modes (ℓ_{b,t} the token loss, m the mask, |o_b| = Σ_t m_{b,t}, B' the sequences with at least
   one valid token):
-    token-mean:              Σ_{b,t} m·ℓ / Σ_{b,t} m           (VAPO / DAPO token-level loss)
+    token-mean:              Σ_{b,t} m·ℓ / Σ_{b,t} m           (token-level loss: VAPO §4.2, DAPO)
     seq-mean-token-mean:     (1/B') Σ_b (Σ_t m·ℓ / |o_b|)      (vanilla PPO, GRPO)
     seq-mean-token-sum:      (1/B') Σ_b Σ_t m·ℓ
     seq-mean-token-sum-norm: (1/B') Σ_b Σ_t m·ℓ / norm_length  (Dr. GRPO; norm_length defaults to T)
@@ -77,7 +77,7 @@ def ppo_policy_loss(
     mode: LossAggregation = "token-mean",
     denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Clipped PPO surrogate with decoupled clip range ("clip-higher", DAPO / VAPO §3.4).
+  """Clipped PPO surrogate with decoupled clip range ("clip-higher", DAPO / VAPO §4.3).
 
   With ρ = exp(log π − log π_old):
 
@@ -144,7 +144,7 @@ def positive_example_nll_loss(
     logprobs: jax.Array, response_mask: jax.Array, is_positive: jax.Array, *,
     denominator: jax.Array | float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Negative log-likelihood on correct responses (VAPO §3.6), averaged over their tokens.
+  """Negative log-likelihood on correct responses (VAPO §4.3), averaged over their tokens.
 
     L_NLL = −Σ_{b∈correct} Σ_t m·log π(o_{b,t}) / Σ_{b∈correct} |o_b|
 
