@@ -40,6 +40,17 @@ bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
 	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
+PLOT_STAMP := $(VENV)/.stamp-plot
+$(PLOT_STAMP): setup.py $(STAMP)
+	$(PY) -m pip install --quiet -e ".[plot]"
+	@touch $(PLOT_STAMP)
+
+.PHONY: plot
+plot:  ## PNG curves of a run's metrics.jsonl: RUN=runs/<name> (written to RUN/plots/).
+	@test -n "$(RUN)" || { echo "make plot needs RUN=runs/<name> (a run directory holding metrics.jsonl)"; exit 2; }
+	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
+	$(PY) -m vapo_jax.plots $(RUN) $(if $(OUT),--out $(OUT))
+
 .PHONY: memory
 memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=64,tensor=4) with DEVICE_GIB per chip; exit 1 if over.
 	$(PY) -m vapo_jax.memory_plan --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)

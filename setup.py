@@ -23,7 +23,10 @@ setuptools.setup(
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow.  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
     ],
     extras_require={
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7"],
+        # The optional features' tests run too: W&B offline logging and the plots.
+        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "wandb>=0.19,<1", "matplotlib>=3.7,<4"],
         "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
+        "wandb": ["wandb>=0.19,<1"],  # log.wandb=true: Weights & Biases beside TensorBoard and metrics.jsonl.
+        "plot": ["matplotlib>=3.7,<4"],  # make plot RUN=runs/<name>: PNG curves of a run.
     },
 )

@@ -257,11 +257,18 @@ class LogConfig:
   collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
   collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
   value_pretrain_patience: int = 5  # Stop value pretraining after this many steps without improvement.
+  wandb: bool = False  # Also log to Weights & Biases (`pip install -e ".[wandb]"`).
+  wandb_project: str = "vapo_jax"  # W&B project.
+  wandb_entity: str | None = None  # W&B entity (team or user); None: the account's default.
+  # "auto": online when an API key is found (WANDB_API_KEY or `wandb login`), else offline into
+  # <run_dir>/wandb (upload later with `wandb sync`). The WANDB_MODE variable, when set, wins.
+  wandb_mode: Literal["auto", "online", "offline"] = "auto"
 
   def __post_init__(self):
     _in_range(self, "collapse_length_frac", 0.0, 1.0)
     _in_range(self, "collapse_entropy", 0.0, 100.0)
     _positive_int(self, "value_pretrain_patience")
+    _require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
 
 
 @frozen
