@@ -18,13 +18,11 @@ import dataclasses
 from typing import Literal
 
 from vapo_jax.losses import KLEstimator, LossAggregation
+from vapo_jax.errors import ConfigError  # noqa: F401 (re-exported: `config.ConfigError`)
+from vapo_jax.models.config import PRESETS as MODEL_PRESETS
 from vapo_jax.rewards.extract import AnswerForm
 
 frozen = dataclasses.dataclass(frozen=True, kw_only=True)
-
-
-class ConfigError(ValueError):
-  """An invalid configuration value."""
 
 
 def _require(ok: bool, owner: object, field: str, message: str, value: object) -> None:
@@ -183,6 +181,7 @@ class RewardConfig:
   verifier_workers: int = 0  # Verifier processes (0: one per CPU core).
   verifier_timeout_s: float = 10.0  # Per-response limit; a time-out or crash scores `incorrect`.
   verifier_memory_mb: int | None = 4096  # Address-space limit per verifier process.
+  max_error_frac: float = 0.5  # Warn when more of a batch's responses fail to score; all failing stops the run.
 
   def __post_init__(self):
     _require(len(self.answer_forms) > 0, self, "answer_forms", "must name at least one form",
@@ -190,6 +189,7 @@ class RewardConfig:
     _in_range(self, "format_penalty", -100.0, 0.0)
     _positive_int(self, "verifier_workers", allow_zero=True)
     _in_range(self, "verifier_timeout_s", 0.0, 3600.0, lo_open=True)
+    _in_range(self, "max_error_frac", 0.0, 1.0)
     if self.reward_fn is not None:
       _require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",
                self.reward_fn)
@@ -229,6 +229,8 @@ class EvalConfig:
   every_steps: int = 50  # Evaluate every this many RL steps (0: only at the end).
 
   def __post_init__(self):
+    if self.max_problems is not None:
+      _positive_int(self, "max_problems")
     _positive_int(self, "samples_per_problem")
     _in_range(self, "temperature", 0.0, 100.0)
     _in_range(self, "top_p", 0.0, 1.0, lo_open=True)
@@ -286,6 +288,10 @@ class ModelConfig:
   tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
   random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
   init_seed: int = 0  # Seed of the random initialisation.
+
+  def __post_init__(self):
+    _require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
+             self.preset)
 
 
 @frozen

@@ -15,6 +15,8 @@ For problem i with n_i samples of which c_i are correct (P problems):
   maj@n  = (1/P) Σ_i 1[the most frequent extracted answer of problem i is correct]
 Each problem weighs the same (with equal n_i, avg@n is the mean over all samples); when the
 problems have different sample counts, n is written "min-max" and pass@k stops at the smallest.
+maj@n is None (printed "n/a") when a user reward function (`reward.reward_fn`) scored the samples:
+it gives a verdict per response, not an answer, so there is nothing to vote on.
 """
 
 import collections
@@ -94,8 +96,9 @@ def summarize(samples: Sequence[Sample]) -> dict[str, float]:
   for k in pass_ks(n_min):
     summary[f"pass@{k}"] = float(np.mean([pass_at_k(len(g), sum(s.correct for s in g), k)
                                           for g in groups.values()]))
+  votable = all(s.form != "user" for s in samples)  # A user reward function extracts no answers.
   summary[f"maj@{n}"] = float(np.mean([majority_correct([s.answer for s in g], [s.correct for s in g])
-                                       for g in groups.values()]))
+                                       for g in groups.values()])) if votable else None
   summary["no_answer_frac"] = float(np.mean([s.form == "none" for s in samples]))
   for status, name in (("timeout", "timeouts"), ("crash", "crashes"), ("error", "errors")):
     summary[f"verifier_{name}"] = sum(s.status == status for s in samples)
@@ -221,7 +224,7 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
 
 def _print_summary(summary: dict[str, Any]) -> None:
   for name, metrics in [("overall", summary["overall"]), *summary["per_source"].items()]:
-    print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+    print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {'n/a' if v is None else v}"
                                   for k, v in metrics.items()))
 
 

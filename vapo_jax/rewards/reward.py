@@ -16,16 +16,22 @@ The reward of response b (B responses) is given on its last token:
              (`\\boxed{}` or an `Answer:` line; see `extract.py`), else 0.
 
 The pure functions take arrays and keyword hyperparameters; `compute_rewards` runs the verifier
-on a `VerifierPool` and returns the scores with their metrics.
+on a `VerifierPool` and returns the scores with their metrics, and `check_errors` turns failures
+into something a user sees: the first error of a user function is warned about once, a batch in
+which more than `max_error_frac` of the responses failed to score is warned about, and a batch in
+which every response failed raises `RewardFunctionError` (a reward function that fails on every
+response would otherwise train on a constant reward).
 """
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
+from vapo_jax.errors import RewardFunctionError
 from vapo_jax.rewards.equivalence import Verdict
 from vapo_jax.rewards.extract import DEFAULT_FORMS, EXPLICIT_FORMS, AnswerForm
 from vapo_jax.rewards.pool import DEFAULT_FN, VerifierPool
@@ -75,6 +81,12 @@ class RewardBatch(NamedTuple):
   forms: list[str]  # [B] how each answer was found ("none", "boxed", ...; "user" for a user fn).
   statuses: list[str]  # [B] "ok", "timeout", "crash" or "error".
   metrics: dict[str, float]
+  first_error: str | None = None  # What went wrong with the first response that failed to score.
+
+
+def _invalid_value(value) -> str:
+  text = repr(value)
+  return f"returned {text[:100]}{'...' if len(text) > 100 else ''} ({type(value).__name__}), expected a bool or a finite number"
 
 
 def _user_score(value, *, correct_reward: float, incorrect_reward: float) -> tuple[float, bool] | None:
@@ -99,13 +111,15 @@ def compute_rewards(
     overlong_buffer_tokens: int = 0,
     overlong_penalty_factor: float = 1.0,
     format_penalty_value: float = 0.0,
+    max_error_frac: float | None = None,
 ) -> RewardBatch:
   """Scores B `responses` against their reference `answers` on `pool` (see the module doc).
 
   The pool runs the built-in verifier (`pool.fn == DEFAULT_FN`), or a user function
   `fn(response, answer) -> bool | float`. Failed tasks (time-out, crash, exception, a value that
-  is neither a bool nor a finite number) score `incorrect_reward` and are counted in the metrics.
-  `response_lengths` `[B]` (tokens) is needed when `overlong_buffer_tokens` > 0.
+  is neither a bool nor a finite number) score `incorrect_reward` and are counted in the metrics;
+  `first_error` says what went wrong with the first of them. `response_lengths` `[B]` (tokens) is
+  needed when `overlong_buffer_tokens` > 0. With `max_error_frac`, `check_errors` is applied.
   """
   if len(responses) != len(answers):
     raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
@@ -114,7 +128,7 @@ def compute_rewards(
   start = time.perf_counter()
   outcomes = pool.map(tasks)
   elapsed = time.perf_counter() - start
-  scores, correct, extracted, found_forms, statuses = [], [], [], [], []
+  scores, correct, extracted, found_forms, statuses, first_error = [], [], [], [], [], None
   for outcome in outcomes:
     status, score, ok, answer, form = outcome.status, incorrect_reward, False, None, "none"
     if status == "ok" and builtin:
@@ -126,8 +140,11 @@ def compute_rewards(
       parsed = _user_score(outcome.value, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
       if parsed is None:
         status = "error"
+        first_error = first_error or f"response {len(statuses)}: {_invalid_value(outcome.value)}"
       else:
         score, ok = parsed
+    if status != "ok":
+      first_error = first_error or f"response {len(statuses)}: {status}: {outcome.value}"
     scores.append(score)
     correct.append(ok)
     extracted.append(answer)
@@ -151,10 +168,43 @@ def compute_rewards(
       "reward/verifier_timeouts": float(statuses.count("timeout")),
       "reward/verifier_crashes": float(statuses.count("crash")),
       "reward/verifier_errors": float(statuses.count("error")),
+      "reward/error_frac": sum(s != "ok" for s in statuses) / n,
       "time/verify_s": elapsed,
       "perf/verify_responses_per_s": len(responses) / max(elapsed, 1e-9),
   }
-  return RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics)
+  batch = RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics, first_error)
+  if max_error_frac is not None:
+    check_errors(batch, pool, max_error_frac=max_error_frac)
+  return batch
+
+
+def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: float) -> None:
+  """Warns or stops on responses that failed to score (time-out, crash, exception, invalid value).
+
+  A user function's first error is warned about once per pool; more than `max_error_frac` of the
+  batch failing is warned about; every response failing raises `RewardFunctionError` with the
+  first error's text. Reads the fraction from `batch.metrics["reward/error_frac"]`, so that with
+  several processes, called on the gathered metrics, every process decides the same way.
+  """
+  frac, first = batch.metrics["reward/error_frac"], batch.first_error or "(on another process: see its log)"
+  user = pool.fn != DEFAULT_FN
+  what = f"the reward function {pool.fn!r} (reward.reward_fn)" if user else "the built-in verifier"
+  if frac >= 1.0 and len(batch.statuses):
+    hints = {"timeout": "raise reward.verifier_timeout_s", "MemoryError": "raise reward.verifier_memory_mb",
+             "crash": "check the function with a response from the batch in a plain Python shell"}
+    hint = next((h for key, h in hints.items() if key in first), "fix the function" if user else
+                "check the verifier's installation (sympy, math-verify)")
+    raise RewardFunctionError(f"{what} failed on all {len(batch.statuses)} responses of the batch; the first "
+                              f"failure: {first}. Training on a constant reward would learn nothing: {hint}.")
+  if frac > max_error_frac:
+    warnings.warn(f"{frac:.0%} of the batch's responses failed to score with {what}, more than "
+                  f"reward.max_error_frac={max_error_frac:g}; they score incorrect. The first failure: {first}",
+                  stacklevel=2)
+  elif user and batch.first_error and not pool.failure_reported:
+    warnings.warn(f"{what} failed to score a response: {batch.first_error}. Such responses score incorrect; "
+                  "this is reported once, then counted in reward/error_frac", stacklevel=2)
+  if user and batch.first_error:
+    pool.failure_reported = True
 
 
 def make_pool(*, reward_fn: str | None = None, workers: int = 0, timeout_s: float = 10.0,
