@@ -32,7 +32,7 @@ def load(path, **kw):
 def test_known_schemas(path, count, first_id, first_answer, source):
   records = load(path)
   assert len(records) == count
-  assert records[0][1:] == (first_answer, first_id, source)
+  assert records[0][1:4] == (first_answer, first_id, source)
   assert all(r.prompt.strip() and r.answer for r in records)
   assert not any(r.prompt.startswith("Solve the following math problem") for r in records)
 

@@ -8,14 +8,17 @@
 
 Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`,
 and Hugging Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when
-that package is installed. Each row becomes a `Record(prompt, answer, id, source)`; the fields
-come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field paths
-(`"reward_model.ground_truth"`, `"prompt.0.content"`).
+that package is installed. Each row becomes a `Record(prompt, answer, id, source, solution)`; the
+fields come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field
+paths (`"reward_model.ground_truth"`, `"prompt.0.content"`). A worked solution, for the supervised
+warm start (`sft.path`), is read from a `solution` field, else a `response` field (the first that
+is present and non-empty; None otherwise).
 
-A bad row (malformed line, missing or empty prompt or answer, wrong type) is a `DataError` naming
-the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is skipped and counted
-in one warning. No valid row at all is always an error. Duplicate problems are dropped (the first
-is kept) and those with conflicting answers are reported in a warning.
+A bad row (malformed line, text that is not UTF-8, missing or empty prompt or answer, wrong type)
+is a `DataError` naming the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is
+skipped and counted in one warning. No valid row at all is always an error. Duplicate problems are
+dropped (the first is kept) and those with conflicting answers are reported in a warning.
+`check_prompt_lengths` finds, at load time, the problems whose prompt is over the token limit.
 """
 
 import collections
@@ -29,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+
+from vapo_jax.errors import DataError
 
 Template = Literal["raw", "boxed", "dapo"]
 TEMPLATES: dict[str, str] = {
@@ -47,10 +52,7 @@ class Record(NamedTuple):
   answer: str  # The reference answer (integers as written: "025" stays "025").
   id: str  # The row's id field, or its line / row number.
   source: str  # The dataset: the row's source field, or "<folder>/<file stem>".
-
-
-class DataError(ValueError):
-  """A data file that cannot be used; the message names the file, row and field."""
+  solution: str | None = None  # A worked solution (supervised warm start), when the row has one.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +63,7 @@ class FieldMap:
   answer: tuple[str, ...]  # Candidates for the reference answer.
   id: tuple[str, ...] = ("id", "unique_id", "index", "idx")  # Optional; default: row number.
   source: tuple[str, ...] = ()  # Optional; default: "<folder>/<file stem>".
+  solution: tuple[str, ...] = ("solution", "response")  # Optional worked solution; default: None.
   answer_after: str | None = None  # Keep the text after the last occurrence of this marker.
 
 
@@ -167,12 +170,32 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
   elif isinstance(id_value, bool) or not isinstance(id_value, (str, int, np.integer)):
     raise ValueError(f"field {id_name!r}: expected a string or an integer id, got {type(id_value).__name__}")
   _, row_source = _first(row, fields.source)
-  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source))
+  solution = None
+  for path in fields.solution:
+    if (value := _get(row, path)) is _MISSING or value is None:
+      continue
+    if not isinstance(value, str):
+      raise ValueError(f"field {path!r}: expected a string solution, got {type(value).__name__}")
+    if value.strip():
+      solution = value
+      break
+  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution)
+
+
+def _not_utf8(raw: bytes, position: int) -> str:
+  """What is wrong with the `raw` line's byte at `position` (0-based)."""
+  return (f"not UTF-8 text (byte 0x{raw[position]:02x} at column {position + 1}); re-save the file as "
+          "UTF-8 (e.g. iconv -f latin1 -t utf-8)")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
+  with open(path, "rb") as f:  # Bytes: a line that is not UTF-8 is that line's error, not the file's.
+    for number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        yield number, ValueError(f"field (line): {_not_utf8(raw, e.start)}")
+        continue
       if not line.strip():
         continue
       try:
@@ -182,8 +205,15 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  raw = path.read_bytes()
   try:
-    data = json.loads(path.read_text(encoding="utf-8"))
+    text = raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line_start = raw.rfind(b"\n", 0, e.start) + 1
+    line = raw.count(b"\n", 0, line_start) + 1
+    raise DataError(f"{path}, line {line}: {_not_utf8(raw[line_start:], e.start - line_start)}") from None
+  try:
+    data = json.loads(text)
   except json.JSONDecodeError as e:
     raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
   if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
@@ -318,6 +348,56 @@ def format_prompt(problem: str, *, template: Template = "dapo", tokenizer: Any =
     return text
   return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                        add_generation_prompt=True)
+
+
+def prompt_text(problem: str, tokenizer: Any, *, template: Template, chat_template: bool) -> str:
+  """The prompt the policy sees: `problem` in `template`, in the chat template of a transformers
+  tokenizer (an `HFTokenizer`'s `.tokenizer`) when `chat_template`."""
+  chat = getattr(tokenizer, "tokenizer", None) if chat_template else None
+  return format_prompt(problem, template=template, tokenizer=chat)
+
+
+def _problem_and_id(row: Any) -> tuple[str, str]:
+  return (row.prompt, row.id) if isinstance(row, Record) else (row["problem"], str(row["id"]))
+
+
+def check_prompt_lengths(rows: Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, template: Template,
+                         chat_template: bool, path: str, skip_bad_rows: bool = False) -> list[Any]:
+  """The rows whose prompt fits in `max_prompt_tokens` tokens; a longer one is a `DataError` naming
+  the file, the problem id, its token count and the settings to change, or with `skip_bad_rows` it
+  is left out and counted in one warning (none fitting is always an error).
+
+  `rows` are `Record`s or dicts with "problem" and "id" (as the trainer keeps them); the prompt is
+  made as `prompt_text` makes it. Only prompts longer in UTF-8 bytes than the limit are tokenised:
+  a byte-level BPE token (Qwen2.5, Llama 3) or a byte tokenizer's covers at least one byte, so a
+  shorter text cannot exceed it.
+  """
+  texts = [prompt_text(_problem_and_id(row)[0], tokenizer, template=template, chat_template=chat_template)
+           for row in rows]
+  long = [i for i, text in enumerate(texts) if len(text.encode("utf-8")) > max_prompt_tokens]
+  counts = dict(zip(long, _token_counts([texts[i] for i in long], tokenizer)))
+  over = [i for i in long if counts[i] > max_prompt_tokens]
+  if not over:
+    return list(rows)
+  chat = " in the chat template" if chat_template and hasattr(tokenizer, "tokenizer") else ""
+  first = (f"{path}, problem id {_problem_and_id(rows[over[0]])[1]!r}: the prompt (template {template!r}{chat}) "
+           f"has {counts[over[0]]} tokens, over rollout.max_prompt_tokens={max_prompt_tokens}")
+  if not skip_bad_rows:
+    raise DataError(f"{first}. Raise rollout.max_prompt_tokens, shorten the problem, or set data.skip_bad_rows=true "
+                    f"to leave such problems out ({len(over)} of {len(rows)} are too long)")
+  if len(over) == len(rows):
+    raise DataError(f"{path}: every prompt is over rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}")
+  warnings.warn(f"{path}: skipped {len(over)} of {len(rows)} problems whose prompt is over "
+                f"rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}", stacklevel=2)
+  dropped = set(over)
+  return [row for i, row in enumerate(rows) if i not in dropped]
+
+
+def _token_counts(texts: list[str], tokenizer: Any) -> list[int]:
+  """Token counts of `texts`, in one batched call for a transformers tokenizer."""
+  if texts and hasattr(tokenizer, "tokenizer"):
+    return [len(ids) for ids in tokenizer.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+  return [len(tokenizer.encode(text)) for text in texts]
 
 
 def permutation(num_records: int, *, seed: int, epoch: int) -> np.ndarray:

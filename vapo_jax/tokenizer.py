@@ -1,8 +1,18 @@
-"""Tokenizers, loaded with `transformers.AutoTokenizer` from a local directory (never a hub)."""
+"""Tokenizers, loaded with `transformers.AutoTokenizer` from a local directory (never a hub).
+
+A directory without tokenizer files is refused (transformers would build an empty tokenizer from
+config.json alone), and `check_tokenizer_matches` refuses a tokenizer whose ids do not all fit the
+model's embedding (the model would read clamped ids without a word).
+"""
 
 import os
 
 import transformers
+
+from vapo_jax.errors import MissingFileError, TokenizerError
+
+# Any of these is a loadable tokenizer (fast tokenizer; BPE vocabulary + merges; sentencepiece; WordPiece).
+TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
 
 
 def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
@@ -12,8 +22,22 @@ def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
   (the EOS token when the tokenizer has none).
   """
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"tokenizer directory {directory!r} does not exist")
-  tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    raise MissingFileError(f"tokenizer directory {directory!r} does not exist (model.tokenizer, or else "
+                           "model.checkpoint)")
+  if not any(all(os.path.isfile(os.path.join(directory, f)) for f in files) for files in TOKENIZER_FILE_SETS):
+    raise TokenizerError(
+        f"{directory!r} has no tokenizer files (tokenizer.json, or vocab.json and merges.txt, or tokenizer.model): "
+        "copy the base model's tokenizer files beside the weights, or set model.tokenizer=/path/to/tokenizer")
+  try:
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+  except (OSError, ValueError) as e:
+    raise TokenizerError(f"cannot load the tokenizer in {directory!r}: {type(e).__name__}: {e}") from None
+  if len(tokenizer) < 2 or not tokenizer.encode("1 + 1 = 2", add_special_tokens=False):
+    raise TokenizerError(f"the tokenizer in {directory!r} is empty ({len(tokenizer)} tokens): its files are "
+                         "incomplete; copy them again from the base model")
+  if tokenizer.eos_token is None:
+    raise TokenizerError(f"the tokenizer in {directory!r} has no EOS token (eos_token in tokenizer_config.json "
+                         "or special_tokens_map.json): generation could never stop")
   tokenizer.padding_side = "left"
   if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
@@ -56,3 +80,23 @@ class HFTokenizer:
 def load(name: str) -> ByteTokenizer | HFTokenizer:
   """"bytes" for `ByteTokenizer`, else a tokenizer directory (a checkpoint's, usually)."""
   return ByteTokenizer() if name == "bytes" else HFTokenizer(load_tokenizer(name), directory=name)
+
+
+def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer, checkpoint_path: str | None) -> None:
+  """Raises `TokenizerError` unless every id of `tokenizer` has a row in the model's embedding.
+
+  `model_cfg` is the model's `TransformerConfig` (`vocab_size` V); `checkpoint_path` names the model
+  in the message (None: a random initialisation of `model.preset`). A model may have more rows
+  than the tokenizer has tokens (Qwen2.5 pads V to a multiple of 128), never fewer: ids ≥ V would
+  be clamped by the embedding lookup and the run would train on the wrong tokens.
+  """
+  model = f"the checkpoint {checkpoint_path!r}" if checkpoint_path else "the randomly initialised model (model.preset)"
+  source = getattr(tokenizer, "directory", None) or type(tokenizer).__name__
+  special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id}
+  largest = max([tokenizer.vocab_size - 1, *(i for i in special.values() if i is not None)])
+  if largest >= model_cfg.vocab_size:
+    raise TokenizerError(
+        f"the tokenizer {source!r} uses ids up to {largest} ({tokenizer.vocab_size} tokens), but {model} has an "
+        f"embedding of only {model_cfg.vocab_size} rows (vocab_size): ids beyond it would be clamped silently. "
+        "Use the tokenizer that belongs to the model (model.tokenizer=, or the tokenizer files in the checkpoint "
+        "directory).")

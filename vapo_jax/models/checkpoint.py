@@ -18,15 +18,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from vapo_jax.errors import CheckpointError, MissingFileError
 from vapo_jax.models import safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint directory that does not match the model."""
 
 
 def _to_ours(hf_suffix: str, array: np.ndarray, cfg: TransformerConfig) -> tuple[str, np.ndarray]:
@@ -102,17 +99,25 @@ def ours_to_hf(path: str, array: np.ndarray) -> tuple[str, np.ndarray]:
 def _open_tensors(directory: str) -> dict[str, safetensors_io.SafetensorsFile]:
   """tensor name -> the file holding it, from the index or the single file."""
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    raise MissingFileError(f"checkpoint directory {directory!r} does not exist")
   index_path = os.path.join(directory, "model.safetensors.index.json")
   if os.path.isfile(index_path):
-    with open(index_path) as f:
-      weight_map = json.load(f)["weight_map"]
+    try:
+      with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index_path}: not a safetensors index with a 'weight_map' ({type(e).__name__}: "
+                            f"{e}); restore the file from the model's original copy") from None
+    for name in sorted(set(weight_map.values())):
+      if not os.path.isfile(os.path.join(directory, name)):
+        raise MissingFileError(f"{index_path} names {name!r}, which is not in {directory!r}: copy the missing "
+                               "file (an incomplete download?)")
     files = {name: safetensors_io.SafetensorsFile(os.path.join(directory, name))
              for name in sorted(set(weight_map.values()))}
     return {tensor: files[file] for tensor, file in weight_map.items()}
   paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
   if not paths:
-    raise FileNotFoundError(f"no *.safetensors files in checkpoint directory {directory!r}")
+    raise MissingFileError(f"no *.safetensors files in checkpoint directory {directory!r}")
   tensors = {}
   for path in paths:
     file = safetensors_io.SafetensorsFile(path)
@@ -143,8 +148,9 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   for name, file in tensors.items():
     if name == "lm_head.weight" and "lm_head" not in params:
       continue  # Tied embeddings, or a value model built from a policy checkpoint.
+    tensor = file.get(name)  # A tensor the index names but its file lacks is an error here.
     try:
-      path, array = hf_to_ours(name, file.get(name), cfg)
+      path, array = hf_to_ours(name, tensor, cfg)
     except CheckpointError:
       unexpected.append(name)
       continue
@@ -171,7 +177,8 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   missing = sorted(set(params) - set(loaded) - set(allow_missing))
   if missing:
     hf_names = [ours_to_hf(p, np.zeros(params[p].get_value().shape))[0] for p in missing]
-    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''}")
+    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
+                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
   if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.
     initial = _param_paths(nnx.state(factory()))
     loaded |= {p: initial[p].get_value() for p in set(params) - set(loaded)}

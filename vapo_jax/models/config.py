@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from vapo_jax.errors import CheckpointError, ConfigError, MissingFileError
+
 DType = Literal["float32", "bfloat16"]
 
 
@@ -78,7 +80,8 @@ class TransformerConfig:
     """From a parsed Hugging Face `config.json`."""
     model_type = hf.get("model_type")
     if model_type not in ("qwen2", "llama"):
-      raise ValueError(f"model_type {model_type!r} is not supported (qwen2, llama)")
+      raise CheckpointError(f"model_type {model_type!r} is not supported: vapo_jax implements the qwen2 "
+                            "(Qwen2, Qwen2.5) and llama architectures")
     rope = dict(hf.get("rope_parameters") or {})
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope |= dict(hf.get("rope_scaling") or {})
@@ -108,13 +111,30 @@ class TransformerConfig:
 
   @classmethod
   def from_pretrained(cls, directory: str) -> "TransformerConfig":
+    """From `directory/config.json`; every problem is a `CheckpointError` naming the file."""
     if not os.path.isdir(directory):
-      raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+      raise MissingFileError(f"checkpoint directory {directory!r} does not exist (model.checkpoint)")
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"no config.json in checkpoint directory {directory!r}")
-    with open(path) as f:
-      return cls.from_hf(json.load(f))
+      raise MissingFileError(f"no config.json in checkpoint directory {directory!r}: a Hugging Face model "
+                             "directory holds config.json beside its *.safetensors files")
+    try:
+      with open(path, encoding="utf-8") as f:
+        hf = json.load(f)
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                            "restore the file from the model's original copy") from None
+    except UnicodeDecodeError as e:
+      raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); restore the file from the model's "
+                            "original copy") from None
+    if not isinstance(hf, dict):
+      raise CheckpointError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    try:
+      return cls.from_hf(hf)
+    except KeyError as e:
+      raise CheckpointError(f"{path}: field {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(f"{path}: {e}") from None
 
   def to_hf(self) -> dict[str, Any]:
     """A Hugging Face `config.json` dict that transformers loads as this architecture."""
@@ -187,5 +207,5 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset(name: str) -> TransformerConfig:
   """A named architecture (`tiny` for tests and CPU runs; Qwen2.5 0.5B/1.5B/7B/32B)."""
   if name not in PRESETS:
-    raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    raise ConfigError(f"unknown model preset {name!r} (model.preset); known: {', '.join(PRESETS)}")
   return TransformerConfig.from_hf(PRESETS[name])

@@ -18,6 +18,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from vapo_jax.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # Batches are split over every data-like axis.
 
@@ -43,13 +45,19 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
   devices = list(jax.devices() if devices is None else devices)
   sizes = [data, fsdp, tensor]
   known = math.prod(s for s in sizes if s != -1)
+  setting = ", ".join(f"mesh.{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
+  platform = devices[0].platform if devices else "none"
+  advice = (f"choose sizes whose product is {len(devices)} (one of them -1 takes the devices left over), "
+            "or run where more devices are visible")
   if -1 in sizes:
     if len(devices) % known:
-      raise ValueError(f"{len(devices)} devices cannot be split into a mesh with sizes {sizes}")
+      raise ConfigError(f"{len(devices)} devices cannot be split into a mesh with sizes {sizes} ({setting}; JAX sees "
+                        f"{len(devices)} {platform} devices, not a multiple of {known}): {advice}")
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
-    raise ValueError(f"mesh sizes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
-                     f"but {len(devices)} are available")
+    raise ConfigError(f"mesh sizes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
+                      f"but {len(devices)} are available ({setting}; JAX sees {len(devices)} {platform} devices): "
+                      f"{advice}")
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 

@@ -1,0 +1,78 @@
+"""Start-up checks of the machine, each a `SetupError` with one message saying what to change.
+
+  devices = preflight.check_backend()        # after distributed.initialize(), before any JAX work
+  preflight.check_run_dir("runs/aime_vapo")  # the run directory can be created and written
+
+The device count a mesh needs is checked by `models.sharding.make_mesh` (a `ConfigError` naming
+mesh.data / mesh.fsdp / mesh.tensor).
+"""
+
+import errno
+import os
+import shutil
+
+from vapo_jax.errors import SetupError
+
+_WRITE_ERRORS = {errno.EROFS: "its file system is read-only", errno.EACCES: "permission denied",
+                 errno.EPERM: "operation not permitted", errno.ENOSPC: "the disk is full",
+                 errno.EDQUOT: "the disk quota is used up", errno.ENOTDIR: "a file is in the way of the path",
+                 errno.EEXIST: "a file is in the way of the path"}
+
+
+def check_backend() -> list:
+  """`jax.devices()`, or a `SetupError` naming JAX_PLATFORMS when JAX cannot start the backend."""
+  import jax
+
+  try:
+    return jax.devices()
+  except (RuntimeError, AssertionError) as e:  # jax raises AssertionError for an uninstalled cuda plugin.
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    reason = (str(e).strip().splitlines()[0] if str(e).strip() else
+              f"{type(e).__name__} while starting it (is its plugin installed?)")
+    if platforms:
+      raise SetupError(
+          f"JAX cannot start the platform(s) JAX_PLATFORMS={platforms!r}: {reason}. Unset JAX_PLATFORMS (JAX then "
+          "picks what is installed), set it to one installed here (cpu always is), or install the backend: "
+          "pip install -U \"jax[cuda12]\" (NVIDIA GPUs) or \"jax[tpu]\" (TPU VMs).") from None
+    raise SetupError(f"JAX cannot start any backend: {reason}") from None
+
+
+def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> None:
+  """Raises `SetupError` unless `run_dir` can be created and written and has `min_free_bytes` free.
+
+  Writes (and deletes) a small probe file; a directory this check created is removed again when
+  it fails, so a refused start leaves nothing behind.
+  """
+  missing = []
+  parent = os.path.abspath(run_dir)
+  while not os.path.exists(parent):
+    missing.append(parent)
+    parent = os.path.dirname(parent)
+  probe = os.path.join(run_dir, f".write_probe.{os.getpid()}")
+  try:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(probe, "wb") as f:
+      f.write(b"\0" * 4096)
+      f.flush()
+      os.fsync(f.fileno())
+    os.remove(probe)
+  except OSError as e:
+    _remove(missing)
+    reason = _WRITE_ERRORS.get(e.errno, e.strerror or type(e).__name__)
+    where = f" ({e.filename})" if e.filename and os.path.abspath(str(e.filename)) != os.path.abspath(probe) else ""
+    raise SetupError(f"cannot write to the run directory {run_dir!r}{where}: {reason}. Choose another place with "
+                     "run_dir=/path/with/space (and name=), or fix the directory's permissions or space.") from None
+  free = shutil.disk_usage(run_dir).free
+  if free < min_free_bytes:
+    _remove(missing)
+    raise SetupError(f"the run directory {run_dir!r} has {free / 2**30:.2f} GiB free, less than the "
+                     f"{min_free_bytes / 2**30:.2f} GiB needed: free space there, or choose another run_dir=")
+
+
+def _remove(directories: list[str]) -> None:
+  """Removes the directories `check_run_dir` created (deepest first), if still empty."""
+  for directory in directories:
+    try:
+      os.rmdir(directory)
+    except OSError:
+      pass
