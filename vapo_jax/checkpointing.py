@@ -31,11 +31,20 @@ from jax.experimental import multihost_utils
 from vapo_jax.config import CheckpointConfig, ConfigError, ExperimentConfig
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
 NOT_COMPARED = ("checkpoint.",)  # Config fields that may change between a run and its resume.
+# Fields holding paths: the same file spelled differently ("runs" and "/home/me/runs") is no change.
+PATH_FIELDS = ("run_dir", "data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
+               "model.tokenizer")
 
 
 class Preempted(Exception):
-  """Raised after a SIGTERM once the current step has finished and a checkpoint is written."""
+  """Raised after a SIGTERM or Ctrl-C once the current step has finished and a checkpoint is written;
+  `exit_code` is what the process should exit with (75 for SIGTERM, 130 for SIGINT)."""
+
+  def __init__(self, message: str, *, exit_code: int = PREEMPTED_EXIT_CODE):
+    super().__init__(message)
+    self.exit_code = exit_code
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -48,12 +57,28 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
   return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}
 
 
+def same_path(a: Any, b: Any) -> bool:
+  """Whether two path settings name the same file: equal once made absolute (relative to the
+  working directory), or the same existing file (symbolic links followed)."""
+  if not isinstance(a, str) or not isinstance(b, str):
+    return False
+  if os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b)):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:
+    return False
+
+
 def config_differences(saved: dict, current: ExperimentConfig) -> list[str]:
-  """`field: saved → now` for every compared field that differs between two resolved configs."""
+  """`field: saved → now` for every compared field that differs between two resolved configs
+  (a path field spelled differently for the same file does not differ)."""
   old, new = flatten(saved), flatten(dataclasses.asdict(current))
   diffs = []
   for key in sorted(old.keys() | new.keys()):
     if key.startswith(NOT_COMPARED) or old.get(key, "<absent>") == new.get(key, "<absent>"):
+      continue
+    if key in PATH_FIELDS and same_path(old.get(key), new.get(key)):
       continue
     diffs.append(f"{key}: {old.get(key, '<absent>')!r} → {new.get(key, '<absent>')!r}")
   return diffs
@@ -137,20 +162,49 @@ class RunCheckpoints:
 
 
 class PreemptionFlag:
-  """Set by SIGTERM (the signal a TPU VM or a scheduler sends before taking the machine away)."""
+  """Set by SIGTERM (the signal a TPU VM or a scheduler sends before taking the machine away) or
+  SIGINT (Ctrl-C): the run finishes its step, saves and stops. A SIGINT after the first signal
+  raises KeyboardInterrupt at once (abort without saving). `signum` is the first signal received;
+  `exit_code` is 130 after SIGINT, else 75."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self.event = threading.Event()
-    self._previous = None
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
 
   def install(self) -> None:
     if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def uninstall(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
+
+  def _handle(self, signum: int, frame) -> None:
+    if self.event.is_set():
+      if signum == signal.SIGINT:
+        os.write(2, b"\nsecond Ctrl-C: aborting now, without saving\n")
+        raise KeyboardInterrupt
+      return  # A repeated SIGTERM: already stopping.
+    self.signum = signum
+    self.event.set()
+    how = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
+    again = "; press Ctrl-C again to abort at once without saving" if signum == signal.SIGINT else ""
+    os.write(2, f"\n{how} received: finishing the current step, then saving a checkpoint and stopping "
+                f"(exit {self.exit_code}{again})\n".encode())
+
+  @property
+  def exit_code(self) -> int:
+    return INTERRUPTED_EXIT_CODE if self.signum == signal.SIGINT else PREEMPTED_EXIT_CODE
+
+  @property
+  def signal_name(self) -> str:
+    """What stopped the run, for messages: "SIGTERM", "Ctrl-C (SIGINT)" (a signal on another process: "SIGTERM")."""
+    return "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else "SIGTERM"
 
   def is_set(self) -> bool:
     """Whether any process of the run got the signal (all processes must then stop together)."""
