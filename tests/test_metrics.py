@@ -150,6 +150,8 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, wandb_env):
+  import wandb
+
   from vapo_jax.config import LogConfig
 
   args = metrics.wandb_init_args(LogConfig(wandb=True, wandb_project="p"), name="exp", config={"seed": 3})
@@ -160,9 +162,11 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, 
   writer.write(0, "rl", {"rollout/reward_mean": 0.25, "actor/entropy": float("nan")}, global_step=1)
   kept = writer.size()
   writer.close()
+  wandb.teardown()  # What the process's exit does: wait until W&B's service has written everything.
   resumed = metrics.MetricsWriter(str(run_dir), keep_bytes=kept, wandb=args)
   resumed.write(1, "rl", {"rollout/reward_mean": 0.75}, global_step=2)
   resumed.close()
+  wandb.teardown()
   run_id = (run_dir / metrics.WANDB_ID_FILE).read_text().strip()
   logs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
   assert len(logs) == 2  # The first start and the resume, one W&B run.

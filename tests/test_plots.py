@@ -31,7 +31,8 @@ def _write_run(run_dir, rl_steps=12, vp_steps=4, eval_every=4, seed=0):
          "actor/clip_frac_low": 0.01, "actor/clip_frac_high": 0.02 + 0.01 * t, "critic/clip_frac": 0.0,
          "adv/lam_actor_mean": 0.95, "adv/lam_actor_min": 0.93, "adv/lam_actor_max": 0.98,
          "actor/approx_kl": 1e-3 * (1 + t), "rollout/logprob_gap": 2e-3, "actor/pg_loss": -0.01,
-         "critic/value_loss": 0.2 * (1 - t), "actor/nll_loss": 0.5, "time/step_s": 1.0,
+         "critic/value_loss": 0.2 * (1 - t), "actor/nll_loss": 0.5, "time/step_s": 1.0, "time/update_s": 0.5,
+         "reward/no_answer_frac": 0.5 * (1 - t), "reward/error_frac": 0.0,
          "actor/ref_kl": float("nan")}
     if (step + 1) % eval_every == 0 and step + 1 < rl_steps:
       m |= {"eval/accuracy": 0.1 + 0.5 * (step + 1) / rl_steps, "eval/response_len_mean": 40.0}
