@@ -1,11 +1,13 @@
 """Experiments by name: each is a function returning an `ExperimentConfig`; sweeps return a dict.
 
   make train EXP=<name> ARGS="field.path=value ..."
+  make sweep SWEEP=<sweep> SEEDS=0,1,2          (every member of a sweep × seed: vapo_jax/sweep.py)
 """
 
 from collections.abc import Callable
 
-from experiments import aime, tiny
+from experiments import aime, tiny, toy
+from experiments.smoke import smoke  # noqa: F401  (re-exported)
 from vapo_jax.config import ConfigError, ExperimentConfig
 
 EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
@@ -14,11 +16,13 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "aime_ppo": aime.ppo,
     "aime_grpo": aime.grpo,
     "aime_dapo": aime.dapo,
+    "toy": toy.vapo,
 }
 
 SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_baselines": aime.baselines,
     "aime_ablations": aime.ablations,
+    "toy": toy.table,
 }
 
 

@@ -6,7 +6,7 @@ import pytest
 
 import experiments
 from experiments import aime
-from vapo_jax import main, overrides
+from vapo_jax import cli, main, overrides
 from vapo_jax.config import (AlgoConfig, ConfigError, EvalConfig, ExperimentConfig, MeshConfig,
                              OptimizerConfig, RewardConfig, RolloutConfig)
 

@@ -19,20 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax import checkpointing, main
+from vapo_jax import checkpointing, cli
 from vapo_jax.config import ConfigError
 from vapo_jax.models import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The default experiment at one-layer size: 20 training prompts, 8 per step, so the data's epoch
+# The default experiment at smoke size (`--smoke`, experiments/smoke.py): 20 training prompts, 8 per step, so the data's epoch
 # boundary falls inside the RL stage; every stage runs (warm start, evaluation, value pretraining, RL).
-TINY_ARGS = ["--exp", "tiny", "name=resume", "model.preset=micro", "seed=3", "model.init_seed=3", "rl_steps=5",
-             "sft.steps=3", "sft.batch_size=8", "algo.value_pretrain_steps=3", "algo.mini_batch_responses=16",
-             "log.value_pretrain_patience=10", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
-             "rollout.max_prompt_tokens=16", "rollout.max_response_tokens=16",
-             "data.train_path=synthetic:arithmetic?terms=2-3&count=20&seed=0",
-             "eval.path=synthetic:arithmetic?terms=2-3&count=8&seed=1", "eval.samples_per_problem=2",
-             "eval.every_steps=2", "reward.verifier_workers=1", "checkpoint.every_steps=1", "mesh.data=2"]
+TINY_ARGS = ["--exp", "tiny", "--smoke", "name=resume", "seed=3", "model.init_seed=3", "rl_steps=5", "sft.steps=3",
+             "algo.value_pretrain_steps=3", "log.value_pretrain_patience=10",
+             "data.train_path=synthetic:arithmetic?terms=2-3&count=20&seed=0", "eval.every_steps=2",
+             "checkpoint.every_steps=1", "mesh.data=2"]
 VARYING = ("time/", "perf/")  # Wall-clock figures differ between runs; everything else must not.
 
 
@@ -80,14 +77,14 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_preemption_code(tmp_path)
   code, output = _stop_after(proc, tmp_path, lambda r: len(r) >= 1, signal.SIGTERM)
   assert code == checkpointing.PREEMPTED_EXIT_CODE, output[-3000:]
   assert "preempted" in output and "Run the same command again" in output
-  found = checkpointing.RunCheckpoints(str(tmp_path / "resume" / "checkpoints"), main.resolve(TINY_ARGS)[0].checkpoint)
+  found = checkpointing.RunCheckpoints(str(tmp_path / "resume" / "checkpoints"), cli.resolve(TINY_ARGS)[0].checkpoint)
   step, meta = found.latest_meta()
   assert meta["stage"] == "sft" and 1 <= meta["stage_step"] <= 3, meta["stage_step"]
   assert meta["metrics_bytes"] == os.path.getsize(tmp_path / "resume" / "metrics.jsonl")
   found.close()
 
   # Resuming with a different config is refused before any model is built, naming the fields.
-  changed, _ = main.resolve(TINY_ARGS + [f"run_dir={tmp_path}", "algo.eps_high=0.3", "rl_steps=6"])
+  changed, _ = cli.resolve(TINY_ARGS + [f"run_dir={tmp_path}", "algo.eps_high=0.3", "rl_steps=6"])
   with pytest.raises(ConfigError, match=r"(?s)algo\.eps_high: 0\.28 → 0\.3.*rl_steps: 5 → 6"):
     from vapo_jax.trainer import Trainer
     Trainer(changed, verbose=False)
@@ -127,7 +124,7 @@ def _small_state(mesh):
 
 def test_a_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
   mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
-  config = main.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
+  config = cli.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
   found = checkpointing.RunCheckpoints(str(tmp_path), config)
   state = _small_state(mesh)
   found.save(1, state, {"stage": "rl", "n": 1}, wait=True)
@@ -150,8 +147,8 @@ def test_a_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
 
 
 def test_config_differences_name_each_changed_field():
-  base, _ = main.resolve(["--exp", "tiny"])
-  changed, _ = main.resolve(["--exp", "tiny", "algo.eps_high=0.3", "checkpoint.keep=7", "data.seed=4"])
+  base, _ = cli.resolve(["--exp", "tiny"])
+  changed, _ = cli.resolve(["--exp", "tiny", "algo.eps_high=0.3", "checkpoint.keep=7", "data.seed=4"])
   import dataclasses
   diffs = checkpointing.config_differences(dataclasses.asdict(base), changed)
   assert diffs == ["algo.eps_high: 0.28 → 0.3", "data.seed: 0 → 4"]  # checkpoint.* may change.
@@ -163,7 +160,7 @@ def test_config_differences_name_each_changed_field():
 def test_saving_after_skipping_an_unreadable_checkpoint_continues_the_numbering(tmp_path):
   # Restoring step 1 because step 2 is unreadable must not make the next save collide with 2.
   mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
-  config = main.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
+  config = cli.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
   found = checkpointing.RunCheckpoints(str(tmp_path), config)
   state = _small_state(mesh)
   found.save(1, state, {"n": 1}, wait=True)

@@ -35,9 +35,8 @@ def test_scoring_in_micro_batches_equals_the_whole_batch():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 259, (16, 12)), jnp.int32)
   attention = jnp.asarray(np.arange(12)[None] >= rng.integers(0, 4, (16, 1)))  # Left padding.
-  response = tokens[:, -5:]
-  whole = train_step.logprobs_and_entropy(actor_def, actor, tokens, attention, response, response_len=5)
-  parts = train_step.logprobs_and_entropy(actor_def, actor, tokens, attention, response, response_len=5,
+  whole = train_step.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3)
+  parts = train_step.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3,
                                           micro=4, shards=2)
   for a, b in zip(whole, parts):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
@@ -57,18 +56,19 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   tokens = jnp.asarray(rng.integers(3, 259, (b, s)), jnp.int32)
   attention = jnp.ones((b, s), bool)
   mask = jnp.asarray(np.arange(tr)[None] < rng.integers(1, tr + 1, (b, 1)))  # Ragged lengths.
-  old = train_step.logprobs_and_entropy(graphdef, params, tokens, attention, tokens[:, -tr:], response_len=tr)[0]
+  old = train_step.logprobs_and_entropy(graphdef, params, tokens, attention, response_len=tr, chunk=4)[0]
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  batch = train_step.TrainBatch(tokens, attention, tokens[:, -tr:], mask, old + f32(rng.normal(0, 0.3, (b, tr))),
-                                f32(rng.normal(size=(b, tr))), f32(rng.normal(size=(b, tr))), f32(rng.normal(size=(b, tr))),
-                                jnp.asarray(rng.random(b) < 0.5), old)
+  batch = train_step.TrainBatch(tokens, attention, mask, returns=f32(rng.normal(size=(b, tr))),
+                                old_values=f32(rng.normal(size=(b, tr))), is_positive=jnp.asarray(rng.random(b) < 0.5),
+                                old_logprobs=old + f32(rng.normal(0, 0.3, (b, tr))),
+                                advantages=f32(rng.normal(size=(b, tr))), ref_logprobs=old)
   algo = AlgoConfig(mini_batch_responses=b, kl_coef=0.01)
   # Plain SGD with step 1, so the parameters move by exactly the accumulated gradient (AdamW
   # would divide near-zero gradients by their own size and magnify rounding).
-  tx, schedule = optax.sgd(1.0), optax.constant_schedule(1.0)
+  tx = optax.apply_if_finite(optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)), 1)  # As make_optimizer.
   opt = tx.init(params)
-  whole = train_step.actor_update(graphdef, tx, schedule, params, opt, 0, batch, algo=algo, micro=b)
-  parts = train_step.actor_update(graphdef, tx, schedule, params, opt, 0, batch, algo=algo, micro=4, shards=2)
+  whole = train_step.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=b, chunk=4)
+  parts = train_step.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=4, shards=2, chunk=4)
   for key in whole[2]:
     np.testing.assert_allclose(parts[2][key], whole[2][key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b_ in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(parts[0])):

@@ -1,8 +1,9 @@
-"""The trainer end to end at tiny scale: every algorithm runs, value pretraining fits, dynamic
-sampling fills the batch, a memorised batch's loss falls, and 1 and 8 devices agree.
+"""The trainer end to end at smoke size: every algorithm runs, value pretraining fits, dynamic
+sampling fills the batch, a memorised batch's losses fall, 1 and 8 devices agree, and one RL step
+moves only its declared host transfers.
 
-Each test builds a Trainer; programs they share (model, sampler, scoring) compile once per session
-through the compilation cache that tests/conftest.py sets up."""
+Every run is `experiments.smoke` of the default experiment; programs they share (model, sampler,
+scoring) compile once per session through the compilation cache that tests/conftest.py sets up."""
 
 import dataclasses
 import math
@@ -11,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
-                             OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
+import experiments
+from experiments.smoke import EVAL as SMOKE_EVAL
 from vapo_jax import advantages, losses, train_step
+from vapo_jax.config import AlgoConfig
 from vapo_jax.rewards import reward
 from vapo_jax.trainer import Trainer
 
@@ -21,19 +23,13 @@ PARITY_REWARD = "rewards_for_tests:even_first_byte"  # Random per sample: mixed 
 PROMPT_REWARD = "rewards_for_tests:answer_at_least_five"  # Decided by the prompt: learnable by a critic.
 
 
-def config(tmp_path, *, reward_fn=None, sft_steps=0, eval_path=None, **algo) -> ExperimentConfig:
-  return ExperimentConfig(
-      name="test", rl_steps=2, run_dir=str(tmp_path), seed=0,
-      model=ModelConfig(preset="micro", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
+def config(tmp_path, *, reward_fn=None, sft_steps=0, eval_path=None, **algo):
+  base = experiments.smoke(experiments.get_experiment("tiny"))
+  return dataclasses.replace(
+      base, name="test", run_dir=str(tmp_path), seed=0,
       algo=AlgoConfig(**({"value_pretrain_steps": 1, "mini_batch_responses": 16} | algo)),
-      optim=OptimizerConfig(actor_lr=1e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0),
-      rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=4, max_prompt_tokens=16, max_response_tokens=16),
-      reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=1, reward_fn=reward_fn),
-      data=DataConfig(train_path="synthetic:arithmetic?terms=2-3&count=200&seed=0", template="raw", chat_template=False),
-      eval=EvalConfig(path=eval_path, samples_per_problem=2, every_steps=0),
-      sft=SFTConfig(path="synthetic:arithmetic?terms=2-3&count=50&seed=2", steps=sft_steps, batch_size=8, lr=1e-3),
-      mesh=MeshConfig(preset="dp"),
-  )
+      reward=dataclasses.replace(base.reward, reward_fn=reward_fn),
+      eval=dataclasses.replace(base.eval, path=eval_path), sft=dataclasses.replace(base.sft, steps=sft_steps))
 
 
 ALGORITHMS = {
@@ -50,7 +46,7 @@ ALGORITHMS = {
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 def test_algorithm_runs_with_finite_losses(tmp_path, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
-  full = dict(sft_steps=2, eval_path="synthetic:arithmetic?terms=2-3&count=8&seed=1") if name == "vapo" else {}
+  full = dict(sft_steps=2, eval_path=SMOKE_EVAL) if name == "vapo" else {}
   trainer = Trainer(config(tmp_path, **full, **ALGORITHMS[name]), write_logs=True, verbose=False)
   summary = trainer.run()
   rl = [h for h in trainer.history if h["stage"] == "rl"]
@@ -65,10 +61,19 @@ def test_algorithm_runs_with_finite_losses(tmp_path, name):
     assert [h["stage"] for h in trainer.history] == ["sft"] * 2 + ["value_pretrain"] + ["rl"] * 2
     assert (tmp_path / "test" / "export" / "model.safetensors").exists()  # The final policy, HF format.
     again = Trainer(trainer.config, verbose=False)  # The same run again: resumes at its end.
-    assert again.stage == "done" and again.run()["accuracy_after_rl"] == summary["accuracy_after_rl"]
+    assert again.progress.stage == "done" and again.run()["accuracy_after_rl"] == summary["accuracy_after_rl"]
+  if not trainer.config.algo.dynamic_sampling:  # Without it, groups are not selected: the fraction is measured.
+    assert "rollout/mixed_group_frac" not in rl[0]
   lines = (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()
   assert any('"stage": "rl"' in line and "actor/clip_frac_high" in line and "time/rollout_s" in line for line in lines)
   assert list((tmp_path / "test" / "tensorboard").iterdir())
+
+
+def _held_out_batch(trainer):
+  state, key = trainer.state.split_key()
+  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  trainer.state = state
+  return out, np.asarray(rewards), np.asarray(correct)
 
 
 def test_value_pretraining_raises_explained_variance(tmp_path):
@@ -78,22 +83,22 @@ def test_value_pretraining_raises_explained_variance(tmp_path):
                             rollout=dataclasses.replace(cfg.rollout, prompts_per_step=16, samples_per_prompt=2))
   trainer = Trainer(cfg, write_logs=False, verbose=False)
   # A held-out batch from the same fixed policy, scored before and after value pretraining.
-  out, _, arrays, _ = trainer.sample_batch()
-  returns = advantages.monte_carlo_returns(reward.last_token_rewards(arrays["rewards"], out.response_mask),
-                                           out.response_mask)
-  tokens, attention = train_step.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
+  out, rewards, _ = _held_out_batch(trainer)
+  mask = np.asarray(out.response_mask)
+  returns = advantages.monte_carlo_returns(reward.last_token_rewards(rewards, mask), mask)
+  tokens, attention = train_step.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
 
   def explained_variance():
-    v = train_step.values(trainer.critic_def, trainer.critic, tokens, attention, response_len=16)
-    return float(losses.explained_variance(v, returns, out.response_mask))
+    v = train_step.values(trainer.steps.critic_def, trainer.state.critic, tokens, attention, response_len=16)
+    return float(losses.explained_variance(v, returns, mask))
 
-  actor_before = jax.tree.map(np.asarray, trainer.actor)
+  actor_before = jax.tree.map(np.asarray, trainer.state.actor)
   before = explained_variance()
   trainer.value_pretrain_stage()
   after = explained_variance()
   assert len([h for h in trainer.history if h["stage"] == "value_pretrain"]) == 10
   assert after > before + 0.2, (before, after)
-  for a, b in zip(jax.tree.leaves(actor_before), jax.tree.leaves(trainer.actor)):
+  for a, b in zip(jax.tree.leaves(actor_before), jax.tree.leaves(trainer.state.actor)):
     np.testing.assert_array_equal(a, b)  # Only the critic trains.
   trainer.pool.close()
 
@@ -101,34 +106,70 @@ def test_value_pretraining_raises_explained_variance(tmp_path):
 def test_dynamic_sampling_fills_the_batch_with_mixed_groups(tmp_path):
   cfg = config(tmp_path, reward_fn=PARITY_REWARD, **ALGORITHMS["dapo"] | {"dynamic_sampling_max_rounds": 10})
   trainer = Trainer(cfg, write_logs=False, verbose=False)
-  out, rows, arrays, stats = trainer.sample_batch()
-  accuracy = arrays["correct"].reshape(8, 4).mean(axis=1)
-  assert len(rows) == 8 and out.response_tokens.shape[0] == 32
+  state, key = trainer.state.split_key()
+  out, _, correct, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
+  accuracy = np.asarray(correct).reshape(8, 4).mean(axis=1)
+  assert out.response_tokens.shape[0] == 32
   assert np.all((accuracy > 0) & (accuracy < 1)), accuracy
   assert stats["rollout/mixed_group_frac"] == 1.0 and stats["rollout/sampling_rounds"] >= 1
   trainer.pool.close()
 
 
-def test_loss_on_a_memorised_batch_falls(tmp_path):
-  trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD, mini_batch_responses=32), write_logs=False,
-                    verbose=False)
-  out, _, arrays, _ = trainer.sample_batch()
-  batch, _ = trainer.train_batch(out, arrays)
-  history = [trainer.update(batch, actor=True, critic=True) for _ in range(15)]
+def test_losses_on_a_memorised_batch_fall(tmp_path):
+  # μ = 0: the policy-gradient term itself must fall (not only the positive-example NLL).
+  trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD, mini_batch_responses=32, positive_nll_coef=0.0),
+                    write_logs=False, verbose=False)
+  out, rewards, correct = _held_out_batch(trainer)
+  state = trainer.state
+  batch, _ = trainer.experience.score(state, out, *trainer.experience.place((rewards, correct)))
+  history = []
+  for _ in range(15):
+    state, m = trainer.steps.ppo_update(state, batch, actor=True, critic=True)
+    history.append({k: float(v) for k, v in m.items()})
   assert history[-1]["critic/value_loss"] < 0.5 * history[0]["critic/value_loss"]
-  assert history[-1]["actor/loss"] < history[0]["actor/loss"] - 0.05
+  assert history[-1]["actor/pg_loss"] < history[0]["actor/pg_loss"] - 0.05
   trainer.pool.close()
 
 
-def test_one_and_eight_devices_give_the_same_losses(tmp_path):
-  losses = []
+def test_one_and_eight_devices_give_the_same_losses_and_parameters(tmp_path):
+  runs = []
   for devices in ([jax.devices()[0]], jax.devices()):
-    cfg = config(tmp_path, reward_fn=PARITY_REWARD, value_pretrain_steps=0)
+    cfg = config(tmp_path, reward_fn=PARITY_REWARD, value_pretrain_steps=1, mini_batch_responses=16,
+                 micro_batch_responses=8)
     trainer = Trainer(dataclasses.replace(cfg, rl_steps=1), devices=devices, write_logs=False, verbose=False)
     assert trainer.mesh.size == len(devices)
     trainer.run()
-    losses.append({k: v for h in trainer.history for k, v in h.items()
-                   if k.startswith(("actor/", "critic/")) and isinstance(v, float)})
-  assert losses[0].keys() == losses[1].keys()
-  for key in losses[0]:
-    np.testing.assert_allclose(losses[1][key], losses[0][key], rtol=1e-5, atol=1e-5, err_msg=key)
+    metrics = {f"{h['stage']}:{k}": v for h in trainer.history for k, v in h.items()
+               if k.startswith(("actor/", "critic/")) and isinstance(v, float)}
+    runs.append((metrics, jax.tree.map(np.asarray, (trainer.state.actor, trainer.state.critic))))
+  (one, one_params), (eight, eight_params) = runs
+  assert one.keys() == eight.keys() and any(k.startswith("value_pretrain:") for k in one)
+  for key in one:
+    np.testing.assert_allclose(eight[key], one[key], rtol=1e-5, atol=1e-5, err_msg=key)
+  for a, b in zip(jax.tree.leaves(one_params), jax.tree.leaves(eight_params)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_an_rl_step_moves_only_its_declared_host_transfers(tmp_path, monkeypatch):
+  """Host→device: the prompts and the verifier's rewards and verdicts, placed by `distributed`'s two
+  placement functions (any other transfer raises under the guard). Device→host: the verifier's token
+  ids and lengths, then the step's metrics in one fetch (counted where arrays reach numpy)."""
+  from jax._src import array as jax_array
+  from vapo_jax import distributed
+  trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD), write_logs=False, verbose=False)
+  trainer.state, _ = trainer.step(trainer.state)  # Compiles every program once.
+  placed, fetched = [], []
+  for name in ("global_array", "global_array_from_share"):
+    original = getattr(distributed, name)
+    monkeypatch.setattr(distributed, name, lambda x, *a, _f=original: placed.append(np.shape(x)) or _f(x, *a))
+  value = jax_array.ArrayImpl._value
+  monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(lambda x: fetched.append(x.shape) or value.fget(x)))
+  with jax.transfer_guard_host_to_device("disallow"):
+    trainer.state, metrics = trainer.step(trainer.state)
+  monkeypatch.undo()
+  assert placed == [(8, 16), (8, 16), (32,), (32,)], placed  # Prompt ids and mask; rewards and verdicts.
+  assert fetched[:2] == [(32, 16), (32,)], fetched  # The verifier's response ids and lengths.
+  device_metrics = [k for k in metrics if not k.startswith(("time/", "perf/", "reward/", "rollout/verifier_"))
+                    and k != "rollout/sampling_rounds"]
+  assert fetched[2:] == [()] * len(fetched[2:]) and 0 < len(fetched[2:]) <= len(device_metrics), fetched
+  trainer.close()

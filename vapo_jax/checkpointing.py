@@ -3,13 +3,14 @@
 A checkpoint holds everything a resume needs, so that a restarted run continues exactly where
 the saved one was:
 
-  state (arrays)  actor and critic parameters, both optimizer states, the supervised stage's
-                  optimizer state while it runs, the reference policy when a KL term is used,
-                  and the JAX PRNG key;
-  meta (JSON)     stage and steps done in it, optimizer step counters, the prompt iterator's
+  state (arrays)  the run's `state.TrainState` (`state.to_checkpoint`): actor and critic
+                  parameters, both optimizer states (with optax's update counts), the supervised
+                  stage's optimizer state while it runs, the reference policy when a KL term is
+                  used, and the PRNG key (as its raw uint32 data);
+  meta (JSON)     the run's `state.Progress` (stage and steps done in it, the prompt iterator's
                   position, the supervised stage's NumPy generator state, value-pretraining
-                  progress, the evaluation before RL, the length of metrics.jsonl at save time,
-                  and the resolved config.
+                  progress, the evaluations), the length of metrics.jsonl at save time, and the
+                  resolved config.
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
 half-written checkpoint is never listed; one that is listed but unreadable (truncated, files
@@ -32,7 +33,7 @@ from vapo_jax.config import CheckpointConfig, ConfigError, ExperimentConfig
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
-NOT_COMPARED = ("checkpoint.",)  # Config fields that may change between a run and its resume.
+NOT_COMPARED = ("checkpoint.", "log.wandb")  # Config fields that may change between a run and its resume.
 # Fields holding paths: the same file spelled differently ("runs" and "/home/me/runs") is no change.
 PATH_FIELDS = ("run_dir", "data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
                "model.tokenizer")
@@ -74,10 +75,13 @@ def config_differences(saved: dict, current: ExperimentConfig) -> list[str]:
   """`field: saved → now` for every compared field that differs between two resolved configs
   (a path field spelled differently for the same file does not differ)."""
   old, new = flatten(saved), flatten(dataclasses.asdict(current))
+  defaults = flatten(dataclasses.asdict(ExperimentConfig(name=current.name)))
   diffs = []
   for key in sorted(old.keys() | new.keys()):
     if key.startswith(NOT_COMPARED) or old.get(key, "<absent>") == new.get(key, "<absent>"):
       continue
+    if key not in old and new[key] == defaults.get(key, "<absent>"):
+      continue  # A field added since the checkpoint was saved, at its default: the run is the same.
     if key in PATH_FIELDS and same_path(old.get(key), new.get(key)):
       continue
     diffs.append(f"{key}: {old.get(key, '<absent>')!r} → {new.get(key, '<absent>')!r}")

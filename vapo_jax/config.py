@@ -17,8 +17,8 @@ section of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 import dataclasses
 from typing import Literal
 
-from vapo_jax.losses import KLEstimator, LossAggregation
 from vapo_jax.errors import ConfigError  # noqa: F401 (re-exported: `config.ConfigError`)
+from vapo_jax.kinds import KLEstimator, LossAggregation
 from vapo_jax.models.config import PRESETS as MODEL_PRESETS
 from vapo_jax.rewards.extract import AnswerForm
 
@@ -259,6 +259,7 @@ class LogConfig:
   collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
   collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
   value_pretrain_patience: int = 5  # Stop value pretraining after this many steps without improvement.
+  max_nonfinite_steps: int = 3  # Stop the run after this many steps in a row with skipped (non-finite) updates.
   wandb: bool = False  # Also log to Weights & Biases (`pip install -e ".[wandb]"`).
   wandb_project: str = "vapo_jax"  # W&B project.
   wandb_entity: str | None = None  # W&B entity (team or user); None: the account's default.
@@ -270,6 +271,7 @@ class LogConfig:
     _in_range(self, "collapse_length_frac", 0.0, 1.0)
     _in_range(self, "collapse_entropy", 0.0, 100.0)
     _positive_int(self, "value_pretrain_patience")
+    _positive_int(self, "max_nonfinite_steps")
     _require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
 
 
@@ -285,9 +287,12 @@ class ModelConfig:
   dtype: Literal["float32", "bfloat16"] = "bfloat16"  # Compute dtype.
   param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameter storage dtype.
   remat: bool = True  # Rematerialise each layer's activations in the backward pass.
+  # Attention kernel (models/attention.py): "auto" = splash on TPU, cudnn on GPU in bf16, else chunked.
+  attention: Literal["auto", "chunked", "cudnn", "splash", "reference"] = "auto"
   tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
   random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
   init_seed: int = 0  # Seed of the random initialisation.
+  logits_chunk: int = 512  # Response positions whose [chunk, V] logits exist at once (log-probs, entropy, SFT).
 
   def __post_init__(self):
     _require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",

@@ -105,10 +105,12 @@ def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """A global array placed by `sharding` from a host array that is the same on every process.
 
   Each process copies only the blocks its own devices hold; nothing checks that the processes
-  agree (`check_same` does, at the cost of a collective).
+  agree (`check_same` does, at the cost of a collective). A declared host-to-device transfer:
+  allowed under `jax.transfer_guard("disallow")`, which catches every undeclared one.
   """
   x = np.asarray(x)
-  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  with jax.transfer_guard_host_to_device("allow"):
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def replicate_local(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -175,10 +177,12 @@ def local_share(n_items: int, sharding: NamedSharding | None = None) -> slice:
 def global_array_from_share(local: np.ndarray, sharding: NamedSharding, n_items: int) -> jax.Array:
   """A global array of `n_items` rows from each process's own rows `local` (its `local_share`).
 
-  Every process must pass the same trailing shape (pad to a global width, not a local one).
+  Every process must pass the same trailing shape (pad to a global width, not a local one). A
+  declared host-to-device transfer, like `global_array`.
   """
   local = np.asarray(local)
-  return jax.make_array_from_process_local_data(sharding, local, (n_items, *local.shape[1:]))
+  with jax.transfer_guard_host_to_device("allow"):
+    return jax.make_array_from_process_local_data(sharding, local, (n_items, *local.shape[1:]))
 
 
 def broadcast_from_main(tree: Any) -> Any:
@@ -271,3 +275,39 @@ def _positive_int(env: Mapping[str, str], name: str) -> int:
   if value < 1:
     raise ValueError(f"{name}={value} must be at least 1")
   return value
+
+
+def local_rows(x: jax.Array) -> tuple[slice, np.ndarray]:
+  """(this process's rows of a batch-sharded global array as a slice, those rows as numpy).
+
+  Only this process's own shards are copied to the host: no collective. A single process gets
+  every row.
+  """
+  n = x.shape[0]
+  if x.is_fully_addressable:
+    return slice(0, n), np.asarray(x)
+  share = local_share(n, x.sharding)
+  rows = np.empty((share.stop - share.start, *x.shape[1:]), x.dtype)
+  for shard in x.addressable_shards:
+    start, stop = _row_range(shard.index[0], n)
+    rows[start - share.start:stop - share.start] = np.asarray(shard.data)
+  return share, rows
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+  """Every process's `local` rows, concatenated in process order (a collective with several)."""
+  if jax.process_count() == 1:
+    return np.asarray(local)
+  return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def combine_metrics(metrics: dict[str, float]) -> dict[str, float]:
+  """Per-process host metrics combined over processes: `time/` the slowest, `perf/` and counts
+  (`verifier_`) summed, the rest averaged (processes score equal shares). A collective with several."""
+  if jax.process_count() == 1:
+    return metrics
+  keys = sorted(metrics)
+  table = gather_rows(np.asarray([[metrics[k] for k in keys]], np.float64))  # [processes, K]
+  return {k: float(table[:, i].max() if k.startswith("time/") else
+                   table[:, i].sum() if k.startswith("perf/") or "verifier_" in k else table[:, i].mean())
+          for i, k in enumerate(keys)}

@@ -192,7 +192,7 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   the rollout engine (eval temperature and top-p), and writes them as a responses file."""
   import jax
   import jax.numpy as jnp
-  from vapo_jax import rollout, tokenizer as tok_lib, trainer
+  from vapo_jax import problems, rollout, tokenizer as tok_lib
   from vapo_jax.models import checkpoint
 
   e, r = config.eval, config.rollout
@@ -200,7 +200,8 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
     raise data.DataError("generating evaluation samples needs eval.path (the problems)")
   model = checkpoint.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
   tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
-  rows = trainer.load_problems(e.path, config)[:e.max_problems]
+  tok_lib.check_tokenizer_matches(model.cfg, tokenizer, checkpoint_dir)
+  rows = problems.load_problems(e.path, config, tokenizer)[:e.max_problems]
   sampling = rollout.Sampling(max_new_tokens=r.max_response_tokens,
                               stop_token_ids=tuple(sorted({tokenizer.eos_token_id, *r.stop_token_ids})),
                               temperature=e.temperature, top_p=e.top_p)
@@ -211,12 +212,12 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   with open(path, "w") as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
-      tokens, mask = rollout.pad_prompts([trainer.encode_prompt(row, tokenizer, config) for row in chunk],
+      tokens, mask = rollout.pad_prompts([problems.encode_prompt(row, tokenizer, config) for row in chunk],
                                          pad_id=tokenizer.pad_token_id)
       out = jax.device_get(generate(model, tokens, mask, jax.random.fold_in(key, start)))
       for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):
         row = chunk[b // e.samples_per_problem]
-        f.write(json.dumps({"id": str(row["id"]), "answer": row["answer"], "source": row.get("source", ""),
+        f.write(json.dumps({"id": str(row.id), "answer": row.answer, "source": row.source,
                             "response": tokenizer.decode(ids[:n])}) + "\n")
       print(f"generated {min(start + prompts_per_call, len(rows))}/{len(rows)} problems", flush=True)
   return path
@@ -229,8 +230,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-  from vapo_jax import main as cli  # Experiment resolution and overrides, shared with `make train`.
-  from vapo_jax.config import ConfigError
+  from vapo_jax import cli  # Experiment resolution and overrides, shared with `make train`.
+  from vapo_jax.errors import UserError
 
   own, rest, args = {"--ckpt": None, "--responses": None, "--out": None}, [], iter(argv)
   for arg in args:
@@ -241,7 +242,7 @@ def main(argv: list[str]) -> int:
       rest.append(arg)
   try:
     config, want_help = cli.resolve(rest)
-  except ConfigError as e:
+  except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if want_help or not (own["--ckpt"] or own["--responses"]):
@@ -261,7 +262,7 @@ def main(argv: list[str]) -> int:
   if responses is None:
     try:
       responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
-    except (data.DataError, FileNotFoundError) as e:
+    except UserError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
   start = time.perf_counter()
@@ -271,7 +272,7 @@ def main(argv: list[str]) -> int:
         forms=reward_config.answer_forms, workers=reward_config.verifier_workers,
         timeout_s=reward_config.verifier_timeout_s, reward_fn=reward_config.reward_fn,
         memory_limit_mb=reward_config.verifier_memory_mb)
-  except data.DataError as e:
+  except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   _print_summary(summary)

@@ -1,9 +1,13 @@
-"""Experience for the trainer: prompts → sampled responses → rewards → a `TrainBatch`.
+"""Experience: prompts → sampled responses → verifier rewards → a scored `TrainBatch`.
 
-`ExperienceMixin` is the part of `trainer.Trainer` that makes training data: it samples G
-responses per prompt with the rollout engine, scores them with the verifier pool, refills the
-batch with mixed groups under dynamic sampling, and computes the rollout policy's log-probs, the
-critic's values and the advantages. It uses the trainer's mesh, models, tokenizer and PRNG key.
+  experience = Experience(config, steps=steps, model_cfg=model_cfg, tokenizer=tokenizer, pool=pool)
+  batch, stats = experience.collect(state, prompts, key)
+
+The rollout stays on the devices as global arrays. Crossing to the host, and nothing else:
+the prompts' token ids (in), the token ids and lengths of this process's share of the responses
+(out, for the verifier), and the verifier's rewards and verdicts (in). Dynamic sampling also
+brings every process the verdicts of the whole batch and sends back the rows it keeps.
+Log-probs, values, advantages and the batch statistics are one jitted program (`_score`).
 """
 
 import functools
@@ -12,180 +16,194 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
-from vapo_jax import advantages as adv_lib
-from vapo_jax import data, distributed, losses, masked, rollout, tasks, tokenizer as tok_lib, train_step
+from vapo_jax import advantages as adv_lib, algorithm, data, distributed, losses, masked, problems, rollout
+from vapo_jax import train_step
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.models import sharding
 from vapo_jax.rewards import reward as reward_lib
+from vapo_jax.state import TrainState
 
 
-def load_problems(path: str, config: ExperimentConfig) -> list[dict]:
-  """Rows with `problem`, `answer`, `id` (and `solution` when known) from a file or a synthetic spec."""
-  if tasks.is_spec(path):
-    return tasks.from_spec(path)
-  d = config.data
-  records = data.load_records(path, schema=d.schema, prompt_field=d.prompt_field, answer_field=d.answer_field,
-                              id_field=d.id_field, split=d.split, skip_bad_rows=d.skip_bad_rows)
-  if d.dedup:
-    records, _ = data.deduplicate(records)
-  return [{"problem": r.prompt, "answer": r.answer, "id": r.id, "source": r.source} for r in records]
+class Experience:
+  """Sampling, verifying and scoring for one run (its config, mesh, models, tokenizer and verifier)."""
 
+  def __init__(self, config: ExperimentConfig, *, steps: train_step.Steps, model_cfg, tokenizer, pool):
+    self.config, self.steps, self.model_cfg, self.tokenizer, self.pool = config, steps, model_cfg, tokenizer, pool
+    self.mesh = steps.mesh
+    self.rows = jax.sharding.NamedSharding(self.mesh, sharding.partition_spec(("batch",), steps.rules))
+    self.stop_ids = tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
+    self._score = {only: steps.jit(functools.partial(_score, steps, config, critic_only=only)) for only in (False, True)}
+    self._generate = {}
 
-def encode_prompt(row: dict, tokenizer, config: ExperimentConfig) -> list[int]:
-  """Token ids of a problem in the configured template (and chat template); too long is an error."""
-  d = config.data
-  chat = d.chat_template and isinstance(tokenizer, tok_lib.HFTokenizer)
-  text = data.format_prompt(row["problem"], template=d.template, tokenizer=tokenizer.tokenizer if chat else None)
-  ids = tokenizer.encode(text)
-  if len(ids) > config.rollout.max_prompt_tokens:
-    raise data.DataError(f"prompt of problem id {row['id']!r} has {len(ids)} tokens, over "
-                         f"rollout.max_prompt_tokens={config.rollout.max_prompt_tokens}")
-  return ids
+  def place(self, tree):
+    """Host arrays (the same on every process) → global arrays split over the batch axes."""
+    shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: distributed.global_array(
+        x, self.rows if np.ndim(x) and np.shape(x)[0] % shards == 0 else replicated), tree)
 
+  def generate(self, state: TrainState, records: list[data.Record], key: jax.Array, *, group: int,
+               temperature: float, top_p: float, top_k: int = 0) -> rollout.Rollout:
+    """`group` sampled responses for each record's prompt, as global arrays (B = len(records)·group).
 
-class ExperienceMixin:
-  """Sampling, scoring and batch preparation; mixed into `trainer.Trainer`."""
-
-  def shard_batch(self, tree):
-    """Host arrays (the same on every process) → global arrays, batch axis over the data axes."""
-    data_size = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    spec = sharding.partition_spec(("batch",), self.rules)
-    def put(x):
-      x = np.asarray(x)
-      split = x.ndim and x.shape[0] % data_size == 0
-      return distributed.global_array(x, jax.sharding.NamedSharding(
-          self.mesh, spec if split else jax.sharding.PartitionSpec()))
-    return jax.tree.map(put, tree)
-
-  def next_key(self) -> jax.Array:
-    self.key, sub = jax.random.split(self.key)
-    return sub
-
-  def encode_prompt(self, row: dict) -> list[int]:
-    return encode_prompt(row, self.tokenizer, self.config)
-
-  def generate(self, rows: list[dict], *, group: int, temperature: float, top_p: float, top_k: int = 0):
-    """Samples `group` responses for each row's prompt; numpy `Rollout` with B = len(rows)·group."""
-    r = self.config.rollout
-    tokens, mask = rollout.pad_prompts([self.encode_prompt(row) for row in rows], pad_id=self.tokenizer.pad_token_id)
-    data_size = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    rollout.check_cache_fits(self.model_cfg, batch=len(rows) * group, prompt_tokens=tokens.shape[1],
+    Generated in rounds of `rollout.prompts_per_generation` prompts (bounding the KV cache), every
+    round padded to the same prompt width so the rounds concatenate on the devices."""
+    r, dtype = self.config.rollout, jnp.dtype(self.config.model.dtype)
+    tokens, mask = rollout.pad_prompts([problems.encode_prompt(x, self.tokenizer, self.config) for x in records],
+                                       pad_id=self.tokenizer.pad_token_id)
+    per_round = min(r.prompts_per_generation or len(records), len(records))
+    rollout.check_cache_fits(self.model_cfg, batch=per_round * group, prompt_tokens=tokens.shape[1],
                              max_new_tokens=r.max_response_tokens, budget_bytes=int(r.kv_cache_budget_gib * 2**30),
-                             dtype=jnp.dtype(self.config.model.dtype), devices=data_size)
+                             dtype=dtype, devices=self.steps.shards)
     sampling = rollout.Sampling(max_new_tokens=r.max_response_tokens, stop_token_ids=self.stop_ids,
                                 temperature=temperature, top_p=top_p, top_k=top_k)
-    fn = rollout.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=self.tokenizer.pad_token_id,
-                               cache_dtype=jnp.dtype(self.config.model.dtype))
-    key = self.next_key()
-    with sharding.use_rules(self.mesh, self.rules):
-      out = fn(nnx.merge(self.actor_def, self.actor), *self.shard_batch((tokens, mask)), key)
-    return distributed.to_host(out)
+    if (sampling, group) not in self._generate:
+      self._generate[(sampling, group)] = self.steps.jit(functools.partial(
+          rollout.generate, sampling=sampling, samples_per_prompt=group, pad_id=self.tokenizer.pad_token_id,
+          cache_dtype=dtype))
+    fn, model = self._generate[(sampling, group)], nnx.merge(self.steps.actor_def, state.actor)
+    rounds = range(0, len(records), per_round)
+    keys = jax.random.split(key, len(rounds))
+    parts = [fn(model, *self.place((tokens[i:i + per_round], mask[i:i + per_round])), keys[n])
+             for n, i in enumerate(rounds)]
+    return parts[0] if len(parts) == 1 else _concat(parts)
 
-  def score(self, out: rollout.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
-    """Verifier rewards of every response. With several processes each scores its share of the
-    batch and the rewards are gathered (the per-response answer strings then stay local)."""
-    c, n, processes = self.config, len(answers), distributed.process_count()
-    share = distributed.local_share(n) if processes > 1 and n % processes == 0 else slice(0, n)
-    lengths = out.response_lengths[share]
-    texts = [self.tokenizer.decode(t[:k]) for t, k in zip(out.response_tokens[share], lengths)]
+  def verify(self, out: rollout.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
+    """Verifier rewards of this process's share of the responses (a host transfer of their token ids
+    and lengths); with several processes the per-response fields are this process's rows only and
+    the metrics are combined over processes."""
+    config = self.config
+    share, tokens = distributed.local_rows(out.response_tokens)
+    _, lengths = distributed.local_rows(out.response_lengths)
+    texts = [self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)]
     scored = reward_lib.compute_rewards(
-        self.pool, texts, answers[share], lengths, correct_reward=c.reward.correct,
-        incorrect_reward=c.reward.incorrect, forms=c.reward.answer_forms,
-        max_response_tokens=c.rollout.max_response_tokens, overlong_buffer_tokens=c.algo.overlong_buffer_tokens,
-        overlong_penalty_factor=c.algo.overlong_penalty_factor, format_penalty_value=c.reward.format_penalty)
-    if share == slice(0, n):
-      return scored
-    gather = lambda x: np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
-    keys = sorted(scored.metrics)
-    per_process = gather(np.asarray([[scored.metrics[k] for k in keys]], np.float64))  # [processes, K]
-    metrics = {k: float(per_process[:, i].max() if k.startswith("time/") else
-                        per_process[:, i].sum() if k.startswith("perf/") or "verifier_" in k else
-                        per_process[:, i].mean()) for i, k in enumerate(keys)}
-    return scored._replace(rewards=gather(scored.rewards), correct=gather(scored.correct), metrics=metrics)
+        self.pool, texts, answers[share], lengths, correct_reward=config.reward.correct,
+        incorrect_reward=config.reward.incorrect, forms=config.reward.answer_forms,
+        max_response_tokens=config.rollout.max_response_tokens, overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
+        overlong_penalty_factor=config.algo.overlong_penalty_factor, format_penalty_value=config.reward.format_penalty)
+    scored = scored._replace(metrics=distributed.combine_metrics(scored.metrics))
+    reward_lib.check_errors(scored, self.pool, max_error_frac=config.reward.max_error_frac)  # Every process agrees.
+    return scored
 
-  def sample_batch(self):
-    """A scored rollout batch of P prompts × G samples (DAPO: refilled with mixed groups)."""
-    c, group = self.config, self.config.rollout.samples_per_prompt
-    kept, spare, rounds = [], [], 0
+  def sample(self, state: TrainState, prompts: data.PromptIterator, key: jax.Array):
+    """A verified rollout of P prompts × G samples: (rollout, rewards, correct, stats), the rewards and
+    verdicts as global arrays. Under dynamic sampling, refilled with groups of mixed verdicts."""
+    config, settings = self.config, self.config.rollout
+    group = settings.samples_per_prompt
+    if not config.algo.dynamic_sampling:
+      records = next(prompts)
+      out = self.generate(state, records, key, group=group, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
+      rewards, correct = self._place_share(scored, out)
+      return out, rewards, correct, scored.metrics | {"rollout/sampling_rounds": 1.0}
+    kept, spare, parts, rounds = [], [], [], 0
     while True:
-      rows = [{"problem": r.prompt, "answer": r.answer, "id": r.id} for r in next(self.prompts)]
-      per_call = c.rollout.prompts_per_generation or len(rows)  # Rounds bound the KV cache.
-      out = concat_rollouts([self.generate(rows[i:i + per_call], group=group, temperature=c.rollout.temperature,
-                                           top_p=c.rollout.top_p, top_k=c.rollout.top_k)
-                             for i in range(0, len(rows), per_call)])
-      scored = self.score(out, [row["answer"] for row in rows for _ in range(group)])
+      records = next(prompts)
+      key, sample_key = jax.random.split(key)
+      out = self.generate(state, records, sample_key, group=group, temperature=settings.temperature, top_p=settings.top_p,
+                          top_k=settings.top_k)
+      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
+      correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
+      rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
+      offset = sum(len(p[0].response_lengths) for p in parts)
+      parts.append((out, rewards, correct))
+      for p, accuracy in enumerate(correct.mean(axis=1)):
+        (kept if 0 < accuracy < 1 else spare).append(offset // group + p)
       rounds += 1
-      accuracy = scored.correct.reshape(len(rows), group).mean(axis=1)
-      for p, row in enumerate(rows):
-        take = lambda x: x[p * group:(p + 1) * group]
-        piece = (jax.tree.map(take, out), row, {"rewards": take(scored.rewards), "correct": take(scored.correct)})
-        (kept if 0 < accuracy[p] < 1 or not c.algo.dynamic_sampling else spare).append(piece)
-      if not c.algo.dynamic_sampling or len(kept) >= len(rows) or rounds > c.algo.dynamic_sampling_max_rounds:
+      if len(kept) >= settings.prompts_per_step or rounds > config.algo.dynamic_sampling_max_rounds:
         break
-    pieces = (kept + spare)[:c.rollout.prompts_per_step]
-    out = concat_rollouts([p[0] for p in pieces])
-    arrays = {k: np.concatenate([p[2][k] for p in pieces]) for k in pieces[0][2]}
+    groups = np.asarray((kept + spare)[:settings.prompts_per_step])
+    rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
+    out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    out = _take(out, self.place(rows.astype(np.int32)))
+    rewards, correct = (self.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
     stats = scored.metrics | {"rollout/sampling_rounds": float(rounds),
-                              "rollout/mixed_group_frac": min(len(kept), len(pieces)) / len(pieces)}
-    return out, [p[1] for p in pieces], arrays, stats
+                              "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups)}
+    return out, rewards, correct, stats
 
-  def train_batch(self, out: rollout.Rollout, arrays: dict[str, np.ndarray], *, critic_only: bool = False):
-    """Log-probs, values and advantages for a scored rollout; the `TrainBatch` and its metrics.
+  def _place_share(self, scored: reward_lib.RewardBatch, out: rollout.Rollout):
+    """This process's rewards and verdicts as global arrays laid out like the rollout's rows."""
+    n = out.response_lengths.shape[0]
+    place = lambda x: distributed.global_array_from_share(np.asarray(x), out.response_lengths.sharding, n)
+    return place(scored.rewards.astype(np.float32)), place(scored.correct.astype(bool))
 
-    `critic_only` (value pretraining): values and Monte-Carlo returns only; no actor forward.
-    """
-    c, response_len = self.config, out.response_tokens.shape[1]
-    tokens, attention = train_step.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
-    tokens, attention, response_tokens = self.shard_batch((tokens, attention, out.response_tokens))
-    mask = self.shard_batch(np.asarray(out.response_mask))
-    zeros = self.shard_batch(np.zeros(mask.shape, np.float32))
-    token_rewards = self.shard_batch(reward_lib.last_token_rewards(arrays["rewards"], out.response_mask))
-    stats, chunks = {}, {"micro": self.micro, "shards": self.batch_shards}
-    with sharding.use_rules(self.mesh, self.rules):
-      values = (train_step.values(self.critic_def, self.critic, tokens, attention, response_len=response_len, **chunks)
-                if c.algo.uses_critic else zeros)
-      if critic_only:
-        returns, ev = _monte_carlo(token_rewards, mask, values, gamma=c.algo.gamma)
-        batch = train_step.TrainBatch(tokens, attention, response_tokens, mask, zeros, zeros, returns, values,
-                                      self.shard_batch(arrays["correct"]), zeros)
-        return batch, {"critic/explained_variance": float(ev)}
-      old_logprobs, entropy = train_step.logprobs_and_entropy(self.actor_def, self.actor, tokens, attention,
-                                                              response_tokens, response_len=response_len, **chunks)
-      ref = (train_step.logprobs_and_entropy(self.actor_def, self.ref, tokens, attention, response_tokens,
-                                             response_len=response_len, **chunks)[0] if self.ref is not None else zeros)
-    est = self._advantages(token_rewards, values, mask, self.shard_batch(arrays["rewards"]))
-    batch = train_step.TrainBatch(tokens, attention, response_tokens, mask, old_logprobs, est.advantages,
-                                  est.returns, values, self.shard_batch(arrays["correct"]), ref)
-    policy_logprobs = self.shard_batch(np.asarray(out.policy_logprobs, np.float32))
-    stats = _batch_stats(entropy, policy_logprobs, old_logprobs, values, est, mask, uses_critic=c.algo.uses_critic)
-    return batch, {k: float(v) for k, v in stats.items()}
+  def score(self, state: TrainState, out: rollout.Rollout, rewards, correct, *, critic_only: bool = False):
+    """The `TrainBatch` of a verified rollout and its statistics (device scalars), in one program.
+    `critic_only` (value pretraining): values and Monte-Carlo returns, no actor forward."""
+    return self._score[critic_only](state, out, rewards, correct)
 
+  def collect(self, state: TrainState, prompts: data.PromptIterator, key: jax.Array, *, critic_only: bool = False):
+    """A scored `TrainBatch` of the next prompts and its statistics (device scalars and host floats)."""
+    out, rewards, correct, stats = self.sample(state, prompts, key)
+    batch, batch_stats = self.score(state, out, rewards, correct, critic_only=critic_only)
+    return batch, stats | batch_stats
 
-@functools.partial(jax.jit, static_argnames=("gamma",))
-def _monte_carlo(token_rewards, mask, values, *, gamma):
-  returns = adv_lib.monte_carlo_returns(token_rewards, mask, gamma=gamma)
-  return returns, losses.explained_variance(values, returns, mask)
+  def evaluate(self, state: TrainState, records: list[data.Record], key: jax.Array) -> dict:
+    """avg@k on held-out problems with the eval sampling settings (device scalars)."""
+    evaluation, settings = self.config.eval, self.config.rollout
+    per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
+    correct, lengths = [], []
+    for n, i in enumerate(range(0, len(records), per_call)):
+      part = records[i:i + per_call]
+      out = self.generate(state, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
+                          temperature=evaluation.temperature, top_p=evaluation.top_p)
+      scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
+      correct.append(distributed.gather_rows(scored.correct))
+      lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
+    return {"eval/accuracy": float(np.concatenate(correct).mean()),
+            "eval/response_len_mean": float(np.concatenate(lengths).mean())}
 
 
-@functools.partial(jax.jit, static_argnames=("uses_critic",))
-def _batch_stats(entropy, policy_logprobs, old_logprobs, values, est, mask, *, uses_critic: bool):
-  """The rollout batch's metrics, in one program (not one dispatch per figure)."""
-  return {
-      "actor/entropy_rollout": masked.masked_mean(entropy, mask),
-      "rollout/logprob_gap": masked.masked_mean(jnp.abs(policy_logprobs - old_logprobs), mask),
-      "critic/explained_variance": losses.explained_variance(values, est.returns, mask) if uses_critic else 0.0,
-      "critic/value_mean": masked.masked_mean(values, mask), "critic/return_mean": masked.masked_mean(est.returns, mask),
-      "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
-      "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask),
-  }
-
-
-def concat_rollouts(parts: list[rollout.Rollout]) -> rollout.Rollout:
-  """Concatenates rollouts along the batch, left-padding prompts to the widest."""
+@jax.jit
+def _concat(parts: list[rollout.Rollout]) -> rollout.Rollout:
+  """Rollouts concatenated along the batch, prompts left-padded to the widest."""
   width = max(p.prompt_tokens.shape[1] for p in parts)
-  def pad(x):
-    return np.pad(x, ((0, 0), (width - x.shape[1], 0)))
+  pad = lambda x: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))
   parts = [p._replace(prompt_tokens=pad(p.prompt_tokens), prompt_mask=pad(p.prompt_mask)) for p in parts]
-  return rollout.Rollout(*(np.concatenate(fields) for fields in zip(*parts)))
+  return rollout.Rollout(*(jnp.concatenate(fields) for fields in zip(*parts)))
+
+
+@jax.jit
+def _take(tree, rows):
+  return jax.tree.map(lambda x: x[rows], tree)
+
+
+def _score(steps: train_step.Steps, config: ExperimentConfig, state: TrainState, out: rollout.Rollout, rewards,
+           correct, *, critic_only: bool):
+  """Values, log-probs, advantages (or Monte-Carlo returns) and the batch statistics: one program."""
+  algo, mask = config.algo, out.response_mask
+  tokens, attention = train_step.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
+  response_len = mask.shape[1]
+  chunks = {"micro": steps.micro, "shards": steps.shards}
+  lengths = jnp.sum(mask, axis=-1)
+  token_rewards = jnp.where(jnp.arange(response_len)[None] == (lengths - 1)[:, None], rewards[:, None], 0.0)
+  values = (train_step.values(steps.critic_def, state.critic, tokens, attention, response_len=response_len, **chunks)
+            if algo.uses_critic else None)
+  stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
+           "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),
+           "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
+           "rollout/response_len_max": jnp.max(lengths),
+           "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}
+  if critic_only:
+    returns = adv_lib.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma)
+    stats["critic/explained_variance"] = losses.explained_variance(values, returns, mask)
+    return train_step.TrainBatch(tokens, attention, mask, returns, values, correct), stats
+  logprob_args = dict(response_len=response_len, chunk=steps.chunk, **chunks)
+  old_logprobs, entropy = train_step.logprobs_and_entropy(steps.actor_def, state.actor, tokens, attention,
+                                                          **logprob_args)
+  ref = (train_step.logprobs_and_entropy(steps.actor_def, state.ref, tokens, attention, **logprob_args)[0]
+         if state.ref is not None else None)
+  est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, values, 0.0) if values is not None
+                                     else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
+                                     group_size=config.rollout.samples_per_prompt)
+  stats |= {
+      "actor/entropy": masked.masked_mean(entropy, mask),  # Of the rollout policy, on this batch.
+      "rollout/logprob_gap": masked.masked_mean(jnp.abs(out.policy_logprobs - old_logprobs), mask),
+      "critic/explained_variance": losses.explained_variance(values, est.returns, mask) if values is not None else 0.0,
+      "critic/value_mean": masked.masked_mean(values, mask) if values is not None else 0.0,
+      "critic/return_mean": masked.masked_mean(est.returns, mask),
+      "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
+      "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+  batch = train_step.TrainBatch(tokens, attention, mask, est.returns, values, correct, old_logprobs, est.advantages, ref)
+  return batch, stats

@@ -7,17 +7,11 @@ whatever the input dtype, and an all-masked batch gives finite values (0 losses)
 Each loss returns `(loss, metrics)` where `metrics` is a dict of scalar diagnostics.
 """
 
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
 from vapo_jax import masked
-
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-]
-KLEstimator = Literal["k1", "k2", "k3"]
+from vapo_jax.kinds import KLEstimator, LossAggregation  # noqa: F401  (re-exported for callers)
 
 
 def _f32(x) -> jax.Array:

@@ -11,6 +11,17 @@ before it and copies the rest, so the problem "7+5+9+3=" has the chain of though
 A problem with k terms needs k − 1 steps; its response length grows several-fold from 2 to
 `max_terms` terms (quadratically), and longer problems are harder (more steps to get right). Answers are integers,
 scored by the same verifier as real math data (the `Answer:` line).
+
+The "chain" task (`experiments/toy.py`) writes a running total instead, one addition per line,
+so the response grows linearly, about 8 bytes a term: "7+5+9+3=" →
+
+  7+5=12
+  12+9=21
+  21+3=24
+  Answer: 24
+
+From 2 to 20 terms that is 17 to about 175 tokens with the byte tokenizer (over 10× within one
+batch), and one slip anywhere in the chain makes the final answer wrong.
 """
 
 import json
@@ -44,8 +55,37 @@ def make_problems(count: int, *, seed: int, min_terms: int = 2, max_terms: int =
   return rows
 
 
+def chain_solution(terms: list[int]) -> tuple[str, int]:
+  """The running-total response for adding `terms` ("a+b=s" per line, then "Answer: s"), and the answer."""
+  lines, total = [], terms[0]
+  for term in terms[1:]:
+    lines.append(f"{total}+{term}={total + term}")
+    total += term
+  lines.append(f"Answer: {total}")
+  return "\n".join(lines), total
+
+
+def make_chain_problems(count: int, *, seed: int, min_terms: int = 2, max_terms: int = 20,
+                        max_digit: int = 9) -> list[dict]:
+  """`count` running-total problems (`problem`, `answer`, `solution`, `id`, `source` fields).
+
+  The number of terms is uniform over [min_terms, max_terms], so every length is equally common.
+  """
+  if not 2 <= min_terms <= max_terms:
+    raise ValueError(f"chain task needs 2 <= min_terms <= max_terms, got terms={min_terms}-{max_terms}")
+  rng = np.random.default_rng(seed)
+  rows = []
+  for i in range(count):
+    terms = rng.integers(1, max_digit + 1, int(rng.integers(min_terms, max_terms + 1))).tolist()
+    text, answer = chain_solution(terms)
+    rows.append({"id": f"chain-{seed}-{i}", "problem": "+".join(map(str, terms)) + "=",
+                 "answer": str(answer), "solution": text, "source": "chain"})
+  return rows
+
+
 def to_records(rows: list[dict]) -> list[Record]:
-  return [Record(prompt=r["problem"], answer=r["answer"], id=r["id"], source="arithmetic") for r in rows]
+  return [Record(prompt=r["problem"], answer=r["answer"], id=r["id"], source=r.get("source", "arithmetic"),
+                 solution=r.get("solution")) for r in rows]
 
 
 def write_jsonl(rows: list[dict], path: str) -> str:
@@ -57,20 +97,27 @@ def write_jsonl(rows: list[dict], path: str) -> str:
   return path
 
 
+# Synthetic tasks by name: the problem maker and its default number of terms.
+TASKS = {"arithmetic": (make_problems, "2-7"), "chain": (make_chain_problems, "2-20")}
+
+
 def from_spec(spec: str) -> list[dict]:
-  """Rows for "synthetic:arithmetic?terms=2-7&count=4000&seed=0" (every key optional)."""
+  """Rows for "synthetic:arithmetic?terms=2-7&count=4000&seed=0" or "synthetic:chain?terms=2-20&..."
+  (every key optional)."""
   import urllib.parse
   scheme, _, rest = spec.partition(":")
   name, _, query = rest.partition("?")
-  if scheme != "synthetic" or name != "arithmetic":
-    raise ValueError(f"unknown synthetic task {spec!r}; expected synthetic:arithmetic?terms=2-7&count=N&seed=S")
+  if scheme != "synthetic" or name not in TASKS:
+    raise ValueError(f"unknown synthetic task {spec!r}; expected synthetic:<task>?terms=2-7&count=N&seed=S "
+                     f"with <task> one of {', '.join(TASKS)}")
   options = dict(urllib.parse.parse_qsl(query))
   unknown = set(options) - {"terms", "count", "seed"}
   if unknown:
     raise ValueError(f"{spec!r}: unknown options {sorted(unknown)} (known: terms, count, seed)")
-  low, _, high = options.get("terms", "2-7").partition("-")
-  return make_problems(int(options.get("count", 4000)), seed=int(options.get("seed", 0)),
-                       min_terms=int(low), max_terms=int(high or low))
+  make, default_terms = TASKS[name]
+  low, _, high = options.get("terms", default_terms).partition("-")
+  return make(int(options.get("count", 4000)), seed=int(options.get("seed", 0)),
+              min_terms=int(low), max_terms=int(high or low))
 
 
 def is_spec(path: str | None) -> bool:

@@ -1,17 +1,22 @@
-"""The jitted steps of training: scoring a rollout, and actor / critic / supervised updates.
+"""The jitted programs of training: scoring a rollout, and the actor / critic / supervised updates.
 
-Models are handled functionally: a graphdef (static) and a parameter `nnx.State` (a pytree) so
-that the whole training state is one pytree of arrays. Every update takes a mini-batch, splits it
-into micro-batches along the batch axis and accumulates gradients with `lax.scan`; losses use the
-whole mini-batch's denominators (`algorithm.Denominators`), so the accumulated gradient equals
-the mini-batch gradient exactly.
+Models are handled functionally: a graphdef (static) and a parameter `nnx.State` (a pytree), all
+held in one `state.TrainState`. Every update takes a mini-batch, splits it into micro-batches
+along the batch axis and accumulates gradients with `lax.scan`; losses use the whole
+mini-batch's denominators (`algorithm.Denominators`), so the accumulated gradient equals the
+mini-batch gradient exactly.
+
+`Steps` jits them for one run: each takes and returns the `TrainState` (donated, with the output
+laid out as the input), and each is traced with the run's sharding rules bound, so no program can
+run unconstrained.
 
 Shapes: `B` sequences, `S` = `Tp` + `Tr` positions (left-padded prompt, then the response), `Tr`
-response tokens, `V` vocabulary. Logits at position Tp − 1 + t predict response token t, and the
+response tokens. The hidden state at position Tp − 1 + t predicts response token t, and the
 critic's output there is V(s_t), the value before response token t.
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -20,21 +25,24 @@ import optax
 from flax import nnx
 
 from vapo_jax import algorithm, losses, masked
-from vapo_jax.config import AlgoConfig, OptimizerConfig
+from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig
+from vapo_jax.models import logprobs as logprobs_lib, sharding
 from vapo_jax.models.transformer import positions_from_mask
+from vapo_jax.state import TrainState
 
 
 class TrainBatch(NamedTuple):
+  """A scored rollout batch. Fields a stage does not use are None (not zeros)."""
+
   tokens: jax.Array  # [B, S] prompt then response tokens.
   attention_mask: jax.Array  # [B, S].
-  response_tokens: jax.Array  # [B, Tr].
   response_mask: jax.Array  # [B, Tr].
-  old_logprobs: jax.Array  # [B, Tr] policy log-probs at rollout time.
-  advantages: jax.Array  # [B, Tr].
   returns: jax.Array  # [B, Tr] critic targets.
-  old_values: jax.Array  # [B, Tr].
+  old_values: jax.Array | None  # [B, Tr] (None without a critic).
   is_positive: jax.Array  # [B] verifier said correct.
-  ref_logprobs: jax.Array  # [B, Tr] reference-policy log-probs (zeros without a KL term).
+  old_logprobs: jax.Array | None = None  # [B, Tr] policy log-probs at rollout time (None: critic only).
+  advantages: jax.Array | None = None  # [B, Tr] (None: critic only).
+  ref_logprobs: jax.Array | None = None  # [B, Tr] reference-policy log-probs (None without a KL term).
 
 
 def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
@@ -43,17 +51,9 @@ def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
           jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool))
 
 
-def response_logits(model, tokens, attention_mask, response_len: int) -> jax.Array:
-  """`[B, Tr, V]` logits predicting each response token."""
-  logits, _ = model(tokens, positions_from_mask(attention_mask), attention_mask)
-  prompt_len = tokens.shape[1] - response_len
-  return logits[:, prompt_len - 1:prompt_len - 1 + response_len]
-
-
-def token_logprobs(logits, response_tokens) -> jax.Array:
-  """log π(o_t) `[B, Tr]` of the given tokens under `[B, Tr, V]` logits (float32)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return jnp.take_along_axis(logp, response_tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+def response_logprobs(model, tokens, attention_mask, response_len: int, *, chunk: int, entropy: bool = False):
+  """log π(o_t) and (with `entropy`) H_t `[B, Tr]` of the response, `chunk` positions at a time."""
+  return logprobs_lib.response_logprobs(model, tokens, attention_mask, response_len, chunk=chunk, entropy=entropy)
 
 
 def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Array:
@@ -63,17 +63,31 @@ def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Ar
   return values[:, prompt_len - 1:prompt_len - 1 + response_len]
 
 
-def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW, linear warm-up to `peak_lr` then constant, after global-norm clipping; and the schedule."""
+def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> optax.GradientTransformation:
+  """AdamW, linear warm-up to `peak_lr` then constant, after global-norm clipping. The learning rate
+  in force is kept in the state (`learning_rate`), from optax's own update count."""
   if optim.warmup_steps:
     schedule = optax.join_schedules(
         [optax.linear_schedule(peak_lr / optim.warmup_steps, peak_lr, optim.warmup_steps - 1),
          optax.constant_schedule(peak_lr)], [optim.warmup_steps])
   else:
     schedule = optax.constant_schedule(peak_lr)
-  adamw = optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay)
+  adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                                                weight_decay=optim.weight_decay)
   chain = [optax.clip_by_global_norm(optim.max_grad_norm)] if optim.max_grad_norm else []
-  return optax.chain(*chain, adamw), schedule
+  # A non-finite gradient skips the update (parameters and moments unchanged); the trainer stops
+  # the run after `log.max_nonfinite_steps` steps of them, so optax never gives up here.
+  return optax.apply_if_finite(optax.chain(*chain, adamw), max_consecutive_errors=2**30)
+
+
+def learning_rate(opt_state) -> jax.Array:
+  """The learning rate of the last update made with `opt_state` (`make_optimizer`'s)."""
+  return opt_state.inner_state[-1].hyperparams["learning_rate"]
+
+
+def updates_done(opt_state) -> jax.Array:
+  """How many updates `opt_state` has applied (optax's own count; skipped ones not counted)."""
+  return opt_state.inner_state[-1].count
 
 
 def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
@@ -106,14 +120,14 @@ def _micro(tree, micro: int, shards: int = 1):
 
 def _unmicro(tree, shards: int = 1):
   """`[M, micro, ...]` back to `[B, ...]` (the inverse of `_micro`)."""
-  def join(x):
+  def join_(x):
     m, micro = x.shape[:2]
     b = m * micro
     if shards <= 1 or b % shards or (b // shards) % m:
       return x.reshape((b,) + x.shape[2:])
     x = x.reshape((m, shards, micro // shards) + x.shape[2:])
     return jnp.swapaxes(x, 0, 1).reshape((b,) + x.shape[3:])
-  return jax.tree.map(join, tree)
+  return jax.tree.map(join_, tree)
 
 
 # Metrics that are a micro-batch's share of the mini-batch value (losses with whole-batch
@@ -142,29 +156,24 @@ def _accumulate(loss_fn, params, batch: TrainBatch, micro: int, shards: int = 1)
   return jnp.sum(loss), grads, combined
 
 
-def _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, micro: int, shards: int, *,
-            prefix: str, loss_name: str):
+def _update(loss_fn, tx, params, opt_state, batch: TrainBatch, micro: int, shards: int, *, prefix: str,
+            loss_name: str):
   """Accumulates `loss_fn`'s gradients over micro-batches and applies one optimizer step; the
   metrics under `prefix/` with the loss as `prefix/loss_name`, the gradient norm and the lr."""
   loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
   updates, opt_state = tx.update(grads, opt_state, params)
-  extra = {loss_name: loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(opt_step)}
+  extra = {loss_name: loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(opt_state),
+           "skipped_frac": 1.0 - opt_state.last_finite.astype(jnp.float32)}
   return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k, v in extra.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "response_len", "micro", "shards"))
-def logprobs_and_entropy(graphdef, params, tokens, attention_mask, response_tokens, *, response_len, micro=None,
-                         shards=1):
+def logprobs_and_entropy(graphdef, params, tokens, attention_mask, *, response_len, chunk, micro=None, shards=1):
   """log π(o_t) and the entropy `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
   model = nnx.merge(graphdef, params)
-
-  def chunk(args):
-    logits = response_logits(model, *args[:2], response_len)
-    return token_logprobs(logits, args[2]), losses.entropy_from_logits(logits)
-  return _in_micro_batches(chunk, (tokens, attention_mask, response_tokens), micro, shards)
+  fn = lambda args: response_logprobs(model, *args, response_len, chunk=chunk, entropy=True)
+  return _in_micro_batches(fn, (tokens, attention_mask), micro, shards)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "response_len", "micro", "shards"))
 def values(graphdef, params, tokens, attention_mask, *, response_len, micro=None, shards=1):
   """V(s_t) `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
   critic = nnx.merge(graphdef, params)
@@ -178,32 +187,29 @@ def _in_micro_batches(fn, args, micro, shards):
   return _unmicro(jax.lax.map(fn, _micro(args, micro, shards)), shards)
 
 
-def actor_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
-                 micro: int, shards: int = 1):
-  """One optimizer update of the policy on a mini-batch (not jitted here: see `Steps`)."""
+def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, algo: AlgoConfig, micro: int, shards: int = 1,
+                 chunk: int):
+  """One optimizer update of the policy on a mini-batch. The entropy is computed in the loss only
+  when it is a term of it (`entropy_coef > 0`); its metric comes from scoring."""
   denominators = algorithm.Denominators.of(algo, batch.response_mask, batch.is_positive)
-  response_len = batch.response_tokens.shape[1]
+  response_len = batch.response_mask.shape[1]
 
   def loss_fn(p, mb: TrainBatch):
-    logits = response_logits(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
-    logprobs = token_logprobs(logits, mb.response_tokens)
-    entropy = losses.entropy_from_logits(logits)
+    logprobs, entropy = response_logprobs(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len,
+                                          chunk=chunk, entropy=algo.entropy_coef > 0)
     loss, metrics = algorithm.actor_loss(
         algo, logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, mb.is_positive,
-        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None,
-        entropy=entropy if algo.entropy_coef > 0 else None, denominators=denominators)
-    metrics["actor/entropy"] = masked.masked_mean(jax.lax.stop_gradient(entropy), mb.response_mask)
+        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy, denominators=denominators)
     return loss, (loss, metrics)
 
-  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="actor",
-                 loss_name="loss")
+  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="actor", loss_name="loss")
 
 
-def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, algo: AlgoConfig,
-                  micro: int, shards: int = 1):
+def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, algo: AlgoConfig, micro: int,
+                  shards: int = 1):
   """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
   denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
-  response_len = batch.response_tokens.shape[1]
+  response_len = batch.response_mask.shape[1]
 
   def loss_fn(p, mb: TrainBatch):
     v = response_values(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
@@ -212,21 +218,86 @@ def critic_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: Tr
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
 
-  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="critic",
-                 loss_name="value_loss")
+  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="critic", loss_name="value_loss")
 
 
-def sft_update(graphdef, tx, schedule, params, opt_state, opt_step, batch: TrainBatch, *, micro: int,
-               shards: int = 1):
+def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, micro: int, shards: int = 1, chunk: int):
   """One supervised update: token-level NLL of the response tokens (demonstrations)."""
   denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
-  response_len = batch.response_tokens.shape[1]
+  response_len = batch.response_mask.shape[1]
 
   def loss_fn(p, mb: TrainBatch):
-    logits = response_logits(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
-    nll = -token_logprobs(logits, mb.response_tokens)
-    loss = losses.aggregate_loss(nll, mb.response_mask, mode="token-mean", denominator=denominator)
+    logprobs, _ = response_logprobs(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len, chunk=chunk)
+    loss = losses.aggregate_loss(-logprobs, mb.response_mask, mode="token-mean", denominator=denominator)
     return loss, (loss, {})
 
-  return _update(loss_fn, tx, schedule, params, opt_state, opt_step, batch, micro, shards, prefix="sft",
-                 loss_name="nll")
+  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="sft", loss_name="nll")
+
+
+class Steps:
+  """The run's jitted programs, `(state, batch) -> (state, metrics)` with the state donated and laid
+  out as it came in; built once from the run's config, mesh, rules, graphdefs and optimizers."""
+
+  def __init__(self, config: ExperimentConfig, mesh, rules, *, actor_def, critic_def, actor_tx, critic_tx, sft_tx):
+    self.config, self.mesh, self.rules = config, mesh, rules
+    self.actor_def, self.critic_def = actor_def, critic_def
+    self.txs = {"actor": actor_tx, "critic": critic_tx, "sft": sft_tx}
+    self.micro = config.algo.micro_batch_responses or config.algo.mini_batch_responses
+    self.shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.chunk = config.model.logits_chunk
+    self._programs = {}
+
+  def jit(self, fn, **kwargs):
+    """`jax.jit(fn)` traced with the run's sharding rules bound (so `constrain` always applies)."""
+    return sharding.jit(fn, self.mesh, self.rules, **kwargs)
+
+  def _state_program(self, name, fn, state: TrainState):
+    """`fn(state, batch)` jitted with the state donated and its output placed like `state`."""
+    layout = jax.tree.map(lambda x: x.sharding, state)
+    key = (name, jax.tree.structure(state))
+    if key not in self._programs:
+      self._programs[key] = self.jit(fn, donate_argnums=(0,), out_shardings=(layout, None))
+    return self._programs[key]
+
+  def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool):
+    """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
+    averaged over the updates."""
+    return self._state_program(("ppo", actor, critic), functools.partial(self._ppo, actor=actor, critic=critic),
+                               state)(state, batch)
+
+  def _ppo(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool):
+    algo = self.config.algo
+    size = batch.response_mask.shape[0]
+    mini = min(algo.mini_batch_responses, size)
+    micro = min(self.micro, mini)
+    key, *epoch_keys = jax.random.split(state.key, algo.ppo_epochs + 1)
+    row_sharded = lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+    def one_update(state: TrainState, rows):
+      mb = jax.tree.map(lambda x: row_sharded(x[rows]), batch)
+      metrics = {}
+      if critic:
+        params, opt, m = critic_update(self.critic_def, self.txs["critic"], state.critic, state.critic_opt, mb,
+                                       algo=algo, micro=micro, shards=self.shards)
+        state, metrics = state._replace(critic=params, critic_opt=opt), metrics | m
+      if actor:
+        params, opt, m = actor_update(self.actor_def, self.txs["actor"], state.actor, state.actor_opt, mb,
+                                      algo=algo, micro=micro, shards=self.shards, chunk=self.chunk)
+        state, metrics = state._replace(actor=params, actor_opt=opt), metrics | m
+      return state, metrics
+
+    def epoch(state: TrainState, epoch_key):
+      order = jax.random.permutation(epoch_key, size)[:size // mini * mini].reshape(size // mini, mini)
+      return jax.lax.scan(one_update, state, order)
+
+    state, metrics = jax.lax.scan(epoch, state._replace(key=key), jnp.stack(epoch_keys))
+    return state, jax.tree.map(jnp.mean, metrics)
+
+  def sft_update(self, state: TrainState, batch: TrainBatch):
+    micro = math.gcd(self.micro, batch.response_mask.shape[0])
+
+    def fn(state: TrainState, batch: TrainBatch):
+      params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, batch, micro=micro,
+                                  shards=self.shards, chunk=self.chunk)
+      return state._replace(actor=params, sft_opt=opt), m
+    return self._state_program("sft", fn, state)(state, batch)

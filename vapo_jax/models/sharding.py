@@ -137,3 +137,17 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> nnx.M
   state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, s))),
                        state, specs, is_leaf=is_variable)
   return nnx.merge(graphdef, state)
+
+
+def jit(fn: Callable, mesh: Mesh, rules: dict[str, Any], **jit_kwargs) -> Callable:
+  """`jax.jit(fn, **jit_kwargs)` whose trace runs under `use_rules(mesh, rules)`.
+
+  The rules are bound when the function is built, not read from the caller's context at call
+  time, so a program traced once can never have been traced without them (jit's cache does not
+  see a context variable).
+  """
+  def traced(*args, **kwargs):
+    with use_rules(mesh, rules):
+      return fn(*args, **kwargs)
+  traced.__name__ = getattr(fn, "__name__", "program")
+  return jax.jit(traced, **jit_kwargs)
