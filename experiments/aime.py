@@ -8,13 +8,22 @@ DAPO 50, vanilla PPO 5; leaving out each technique in turn gives 11 / 33 / 45 / 
 (value pretraining, decoupled GAE, length-adaptive GAE, clip-higher, token-level loss,
 positive-example LM loss, group sampling).
 
+Baselines (`experiments/variants.py` builds them, and the toy experiment's, from `vapo()`): the
+paper's vanilla PPO and "w/o value pretraining" start the critic from a reward model; ours, like
+every critic here, from the policy's backbone with a zero value head, which lacks the reward
+model's initialisation bias that value pretraining exists to remove, so our PPO and
+`aime_vapo_no_value_pretraining` are probably stronger than the paper's rows. For the paper's
+rows pass the reward model: `ARGS="model.critic_checkpoint=/ckpt/rm"` (a Hugging Face directory
+with a one-output `score` head). `aime_dapo` uses verl's DAPO recipe settings where they differ
+from VAPO's: dual clip 10, weight decay 0.1, no KL (the recipe's warm-up, 10 rollout steps, is
+left at VAPO's).
+
 Data: the repository's own copies under data/ (found from the package, whatever the working
 directory); pass `data.train_path=... eval.path=...` for others, e.g. the hub copy
 `data.train_path=hf:BytedTsinghua-SIA/DAPO-Math-17k data.template=raw` (needs `datasets`).
 """
 
-import dataclasses
-
+from experiments import variants
 from vapo_jax import paths
 from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
                              OptimizerConfig, RolloutConfig)
@@ -51,39 +60,21 @@ def vapo() -> ExperimentConfig:
 
 
 def ppo() -> ExperimentConfig:
-  """Vanilla PPO: λ=0.95 for actor and critic, ε=0.2, sequence-mean loss, one sample per prompt."""
-  base = vapo()
-  return dataclasses.replace(
-      base, name="aime_ppo",
-      algo=dataclasses.replace(
-          base.algo, lam_actor=0.95, lam_critic=0.95, decoupled_gae=False, length_adaptive_alpha=None,
-          value_pretrain_steps=0, eps_high=0.2, loss_agg="seq-mean-token-mean", positive_nll_coef=0.0),
-      rollout=dataclasses.replace(base.rollout, prompts_per_step=8192, samples_per_prompt=1,
-                                  prompts_per_generation=512),
-  )
+  """Vanilla PPO (paper: 5): λ = 0.95 for actor and critic, ε = 0.2, sequence-mean loss, 8192 prompts
+  × 1 sample. The paper starts this critic from a reward model, ours from the policy (see the module
+  docstring)."""
+  return variants.ppo(vapo(), name="aime_ppo")
 
 
 def grpo() -> ExperimentConfig:
   """GRPO: no critic, group-normalised outcome advantages, symmetric clip, k3 KL to the start."""
-  base = vapo()
-  return dataclasses.replace(
-      base, name="aime_grpo",
-      algo=dataclasses.replace(
-          base.algo, estimator="group", value_pretrain_steps=0, eps_high=0.2,
-          loss_agg="seq-mean-token-mean", positive_nll_coef=0.0, kl_coef=0.001, kl_estimator="k3"),
-  )
+  return variants.grpo(vapo(), name="aime_grpo")
 
 
 def dapo() -> ExperimentConfig:
-  """DAPO: group advantages, clip-higher, token-mean, dynamic sampling, soft overlong penalty."""
-  base = vapo()
-  return dataclasses.replace(
-      base, name="aime_dapo",
-      algo=dataclasses.replace(
-          base.algo, estimator="group", value_pretrain_steps=0, eps_high=0.28, loss_agg="token-mean",
-          positive_nll_coef=0.0, dynamic_sampling=True, overlong_buffer_tokens=4096,
-          overlong_penalty_factor=1.0),
-  )
+  """DAPO (paper: 50) with verl's recipe settings: clip-higher, token-mean, dynamic sampling, overlong
+  buffer 4096, dual clip 10, weight decay 0.1 (`experiments/variants.py`)."""
+  return variants.dapo(vapo(), name="aime_dapo")
 
 
 def baselines() -> dict[str, ExperimentConfig]:
@@ -93,17 +84,4 @@ def baselines() -> dict[str, ExperimentConfig]:
 
 def ablations() -> dict[str, ExperimentConfig]:
   """VAPO with each of its seven techniques left out in turn (the paper's Table 1 order)."""
-  base = vapo()
-  algo = lambda **kw: dataclasses.replace(base, algo=dataclasses.replace(base.algo, **kw))
-  variants = {
-      "no_value_pretraining": algo(value_pretrain_steps=0),
-      "no_decoupled_gae": algo(decoupled_gae=False),
-      "no_length_adaptive_gae": algo(length_adaptive_alpha=None),
-      "no_clip_higher": algo(eps_high=base.algo.eps_low),
-      "no_token_level_loss": algo(loss_agg="seq-mean-token-mean"),
-      "no_positive_nll": algo(positive_nll_coef=0.0),
-      "no_group_sampling": dataclasses.replace(
-          base, rollout=dataclasses.replace(
-              base.rollout, prompts_per_step=base.rollout.responses_per_step, samples_per_prompt=1)),
-  }
-  return {f"aime_vapo_{k}": dataclasses.replace(v, name=f"aime_vapo_{k}") for k, v in variants.items()}
+  return variants.ablations(vapo(), prefix="aime")
