@@ -1,0 +1,196 @@
+"""Attention implementations against the dense reference, and the reference against a loop."""
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from vapo_jax.config import ConfigError
+from vapo_jax.models import attention
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import CausalLM, positions_from_mask
+
+
+def _inputs(batch, queries, keys, kv_heads, groups, head_dim=8, seed=0, dtype=jnp.float32):
+  q_key, k_key, v_key, w_key = jax.random.split(jax.random.key(seed), 4)
+  n = kv_heads * groups
+  return (jax.random.normal(q_key, (batch, queries, n, head_dim), dtype),
+          jax.random.normal(k_key, (batch, keys, kv_heads, head_dim), dtype),
+          jax.random.normal(v_key, (batch, keys, kv_heads, head_dim), dtype),
+          jax.random.normal(w_key, (batch, queries, n, head_dim), dtype))
+
+
+def _out_and_grads(fn, q, k, v, weights):
+  """fn's output and the gradients of Σ w ∘ out with respect to q, k, v, in one jitted program."""
+  def run(q, k, v, weights):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out,) + vjp(weights)
+  return jax.jit(run)(q, k, v, weights)
+
+
+def _loop_attention(q, k, v, start, end, offset, causal):
+  """Attention written from its definition, one query row and head at a time (numpy, float64)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, n, h = q.shape
+  groups = n // k.shape[2]
+  out = np.zeros_like(q)
+  for row in range(b):
+    for i in range(t):
+      slot = offset + i
+      if not start[row] <= slot < end[row]:
+        continue
+      seen = [s for s in range(start[row], end[row]) if not causal or s <= slot]
+      for head in range(n):
+        scores = np.array([q[row, i, head] @ k[row, s, head // groups] for s in seen]) / np.sqrt(h)
+        weights = np.exp(scores - scores.max())
+        out[row, i, head] = (weights / weights.sum()) @ v[row, seen, head // groups]
+  return out
+
+
+def test_key_ranges_and_visibility():
+  mask = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 1, 1, 0]])
+  start, end = attention.key_ranges(mask)
+  np.testing.assert_array_equal(start, [2, 0, 0, 1])
+  np.testing.assert_array_equal(end, [5, 3, 0, 4])
+  visible = attention.visibility(start[:1], end[:1], queries=2, keys=5, query_offset=3)
+  np.testing.assert_array_equal(visible[0], [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_equals_the_definition(causal):
+  q, k, v, _ = _inputs(3, 6, 9, kv_heads=2, groups=2, seed=1)
+  start, end, offset = np.array([0, 4, 2]), np.array([9, 9, 8]), 3
+  expected = _loop_attention(q, k, v, start, end, offset, causal)
+  ranges = dict(key_start=jnp.asarray(start), key_end=jnp.asarray(end), query_offset=offset, causal=causal)
+  np.testing.assert_allclose(attention.reference(q, k, v, **ranges), expected, atol=1e-5)
+
+
+# (batch rows' [start, end), T, S, kv heads, G, query offset, causal, block)
+CASES = {
+    "left-right-padding-empty-row": ([(5, 37), (0, 21), (0, 0), (0, 37)], 37, 37, 2, 2, 0, True, 8),
+    "gqa7-not-causal": ([(3, 29), (0, 20)], 29, 29, 1, 7, 0, False, 8),
+    "mha-prefill-into-cache": ([(3, 26), (0, 26), (9, 26)], 5, 40, 3, 1, 21, True, 8),
+    "decode-one-token": ([(3, 26), (0, 26), (25, 26)], 1, 40, 2, 2, 25, True, 16),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunked_equals_reference_in_values_and_gradients(case):
+  rows, t, s, kv_heads, groups, offset, causal, block = CASES[case]
+  q, k, v, weights = _inputs(len(rows), t, s, kv_heads, groups)
+  start, end = (jnp.array(x, jnp.int32) for x in zip(*rows))
+  ranges = dict(key_start=start, key_end=end, query_offset=offset, causal=causal)
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **ranges), q, k, v, weights)
+  got = _out_and_grads(lambda *a: attention.chunked(*a, **ranges, block_q=block, block_k=block), q, k, v, weights)
+  for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5, err_msg=name)
+  if case == "left-right-padding-empty-row":
+    assert not np.any(got[0][2]) and not np.any(got[1][2]), "an all-padding row attends to nothing"
+    every_block = jax.jit(lambda *a: attention.chunked(*a, **ranges, block_q=block, block_k=block,
+                                                       skip_masked_blocks=False))
+    np.testing.assert_allclose(every_block(q, k, v), got[0], atol=1e-6)
+
+
+def test_chunked_bfloat16_is_as_close_to_float32_as_the_reference():
+  q, k, v, _ = _inputs(2, 40, 40, kv_heads=2, groups=3, head_dim=16, seed=2)
+  ranges = dict(key_start=jnp.array([0, 7]), key_end=jnp.array([40, 33]))
+  exact = attention.reference(q, k, v, **ranges)
+  half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  chunked = jax.jit(lambda *a: attention.chunked(*a, **ranges, block_q=16, block_k=16))(*half)
+  assert chunked.dtype == jnp.bfloat16
+  err = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32) - exact)))
+  assert err(chunked) <= 2 * err(attention.reference(*half, **ranges)) + 1e-3
+
+
+def test_kernel_wrapper_rotation_equals_reference():
+  # The cudnn path (rows rotated to start at slot 0, sequence lengths) run by the XLA implementation.
+  q, k, v, weights = _inputs(3, 24, 24, kv_heads=2, groups=2, seed=3)
+  ranges = dict(key_start=jnp.array([0, 5, 0]), key_end=jnp.array([24, 19, 0]))
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **ranges), q, k, v, weights)
+  got = _out_and_grads(lambda *a: attention.cudnn(*a, **ranges, implementation="xla"), q, k, v, weights)
+  for want, have in zip(expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_splash_in_the_pallas_interpreter_equals_reference():
+  q, k, v, weights = _inputs(2, 128, 128, kv_heads=2, groups=2, head_dim=16, seed=4)
+  ranges = dict(key_start=jnp.array([7, 0]), key_end=jnp.array([128, 100]))
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **ranges), q, k, v, weights)
+  got = _out_and_grads(lambda *a: attention.splash(*a, **ranges, interpret=True), q, k, v, weights)
+  for want, have in zip(expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+
+
+def test_selection_and_errors():
+  assert attention.select("auto", jnp.float32, "cpu") == "chunked"
+  assert attention.select("auto", jnp.bfloat16, "gpu") == "cudnn"
+  assert attention.select("auto", jnp.float32, "gpu") == "chunked"
+  assert attention.select("auto", jnp.bfloat16, "tpu") == "splash"
+  with pytest.raises(ConfigError, match="'cudnn' needs an NVIDIA GPU, but JAX runs on 'cpu'"):
+    attention.select("cudnn", jnp.bfloat16, "cpu")
+  with pytest.raises(ConfigError, match="'cudnn' needs bfloat16 or float16 compute, got float32"):
+    attention.select("cudnn", jnp.float32, "gpu")
+  with pytest.raises(ConfigError, match="'splash' needs a TPU"):
+    attention.select("splash", jnp.float32, "cpu")
+  with pytest.raises(ConfigError, match="must be one of"):
+    attention.select("flash", jnp.float32, "cpu")
+  with pytest.raises(ConfigError, match="'cudnn' needs an NVIDIA GPU"):
+    CausalLM(preset("tiny"), dtype="bfloat16", attention="cudnn", rngs=nnx.Rngs(0))
+
+
+def test_auto_falls_back_once_with_the_reason_and_explicit_raises():
+  q, k, v, _ = _inputs(2, 40, 40, kv_heads=2, groups=2, seed=5)  # 40: not a multiple of splash's 128.
+  ranges = dict(key_start=jnp.array([0, 3]), key_end=jnp.array([40, 40]))
+  attention._WARNED.clear()
+  auto = lambda *a: attention.attend(*a, **ranges, impl="auto", platform="tpu")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = jax.jit(auto)(q, k, v)
+    jax.eval_shape(auto, q, k, v)  # Traced again: no second warning.
+  messages = [str(w.message) for w in caught]
+  assert len(messages) == 1 and "multiple of 128, got 40" in messages[0] and "'chunked'" in messages[0]
+  np.testing.assert_allclose(first, attention.reference(q, k, v, **ranges), atol=1e-5)
+  with pytest.raises(ConfigError, match="model.attention='splash' cannot run here.*multiple of 128"):
+    jax.eval_shape(lambda *a: attention.attend(*a, **ranges, impl="splash", platform="tpu"), q, k, v)
+
+
+def test_chunked_never_holds_a_score_matrix():
+  t = 2048
+  q, k, v, weights = _inputs(1, t, t, kv_heads=2, groups=2, head_dim=32)
+  ranges = dict(key_start=jnp.array([0]), key_end=jnp.array([t]))
+  loss = lambda q, k, v: jnp.sum(attention.chunked(q, k, v, **ranges) * weights)
+  compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < t * t * 4  # One head's [T, S] float32 scores.
+
+
+def _model_batch(cfg, length=300):
+  """Two rows: a left-padded one and a right-padded one (prompt, response, padding)."""
+  tokens = (jnp.arange(2 * length).reshape(2, length) * 7 + 3) % cfg.vocab_size
+  slot = jnp.arange(length)
+  mask = jnp.stack([slot >= 40, slot < length - 61]).astype(jnp.int32)
+  return tokens, positions_from_mask(mask), mask
+
+
+def test_model_with_chunked_equals_reference():
+  # 300 tokens: two query blocks of 256, the second partial, and a shifted last key block.
+  cfg = dataclasses.replace(preset("tiny"), num_layers=2)
+  tokens, positions, mask = _model_batch(cfg)
+  valid = np.asarray(mask, bool)
+
+  def logits_and_grads(impl):
+    model = CausalLM(cfg, attention=impl, rngs=nnx.Rngs(3))
+    def loss(m):
+      logits = m(tokens, positions, mask)[0]
+      return jnp.sum(jnp.where(mask[..., None] == 1, jax.nn.log_softmax(logits), 0.0)) / 1e3, logits
+    (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+    return logits, grads
+
+  (ref_logits, ref_grads), (logits, grads) = logits_and_grads("reference"), logits_and_grads("chunked")
+  np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref_logits)[valid], atol=1e-5, rtol=1e-5)
+  for want, have in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-4)
