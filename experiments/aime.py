@@ -45,7 +45,9 @@ def vapo() -> ExperimentConfig:
           loss_agg="token-mean", positive_nll_coef=0.1, kl_coef=0.0, mini_batch_responses=512,
           micro_batch_responses=64,
       ),
-      optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_steps=10),
+      # Warm-up over 20 RL steps of 16 updates (DAPO's recipe counts 20 rollout steps; the VAPO paper
+      # gives none). The critic's is spent in its 50 value-pretraining steps (see OptimizerConfig).
+      optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_updates=20 * 16),
       # Generation in rounds of 32 prompts × 16 samples keeps the KV cache at 44 GiB per chip on
       # 256 chips (`make memory EXP=aime MESH=fsdp=64,tensor=4 DEVICE_GIB=95`).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,

@@ -28,7 +28,7 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
       algo=replace(config.algo, value_pretrain_steps=min(config.algo.value_pretrain_steps, 1), mini_batch_responses=16,
                    micro_batch_responses=None, dynamic_sampling_max_rounds=min(config.algo.dynamic_sampling_max_rounds, 1),
                    overlong_buffer_tokens=min(config.algo.overlong_buffer_tokens, 4)),
-      optim=replace(config.optim, actor_lr=1e-3, critic_lr=3e-3, warmup_steps=0, weight_decay=0.0),
+      optim=replace(config.optim, actor_lr=1e-3, critic_lr=3e-3, warmup_updates=0, weight_decay=0.0),
       rollout=replace(config.rollout, prompts_per_step=32 // group, samples_per_prompt=group, max_prompt_tokens=16,
                       max_response_tokens=16, prompts_per_generation=None),
       reward=replace(config.reward, answer_forms=("answer_line",), verifier_workers=1),

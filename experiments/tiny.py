@@ -24,7 +24,7 @@ def tiny() -> ExperimentConfig:
       # α is scaled to this task's 15-60-token responses (the paper's 0.05 targets thousands of
       # tokens): λ_actor = 1 − 1/l, about 0.93-0.98 here.
       algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32, length_adaptive_alpha=1.0),
-      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_steps=5, weight_decay=0.0),
+      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_updates=5, weight_decay=0.0),
       rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
                             max_response_tokens=64),
       reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=2),

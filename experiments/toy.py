@@ -34,7 +34,7 @@ def vapo() -> ExperimentConfig:
       # α scaled to 17-172-token responses (the paper's 0.05 targets thousands of tokens):
       # λ_actor = 1 − 1/l, from 0.94 to 0.994 here.
       algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32, length_adaptive_alpha=1.0),
-      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_steps=5, weight_decay=0.0),
+      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_updates=5, weight_decay=0.0),
       rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=8, max_prompt_tokens=48,
                             max_response_tokens=224),
       reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=1),

@@ -24,7 +24,7 @@ one-output `score` head becomes the value head).
 
 What is not changed: the model, data, learning rates, warm-up and evaluation are the base's, so a
 difference between rows is the algorithm's. DAPO's warm-up (verl's recipe: 10 rollout steps; the
-DAPO paper: 20) is left at the base's `optim.warmup_steps`.
+DAPO paper: 20) is left at the base's `optim.warmup_updates`.
 """
 
 import dataclasses

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The default experiment at smoke size (`--smoke`, experiments/smoke.py): 20 training prompts, 8 per step, so the data's epoch
 # boundary falls inside the RL stage; every stage runs (warm start, evaluation, value pretraining, RL).
 TINY_ARGS = ["--exp", "tiny", "--smoke", "name=resume", "seed=3", "model.init_seed=3", "rl_steps=5", "sft.steps=3",
-             "algo.value_pretrain_steps=3", "log.value_pretrain_patience=10",
+             "algo.value_pretrain_steps=3",
              "data.train_path=synthetic:arithmetic?terms=2-3&count=20&seed=0", "eval.every_steps=2",
              "checkpoint.every_steps=1", "mesh.data=2"]
 VARYING = ("time/", "perf/")  # Wall-clock figures differ between runs; everything else must not.
@@ -72,17 +72,27 @@ def _comparable(records):
   return [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in records]
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_with_the_preemption_code(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, checkpointing.PREEMPTED_EXIT_CODE),
+                                      (signal.SIGINT, checkpointing.INTERRUPTED_EXIT_CODE)])
+def test_a_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, sig, code):
   proc = _start(tmp_path)
-  code, output = _stop_after(proc, tmp_path, lambda r: len(r) >= 1, signal.SIGTERM)
-  assert code == checkpointing.PREEMPTED_EXIT_CODE, output[-3000:]
-  assert "preempted" in output and "Run the same command again" in output
+  if sig == signal.SIGTERM:  # While the run holds its directory, the same command again is refused.
+    while not _records(tmp_path) and proc.poll() is None:
+      time.sleep(0.05)
+    second = subprocess.run([sys.executable, "-m", "vapo_jax.main", *TINY_ARGS, f"run_dir={tmp_path}"], cwd=ROOT,
+                            env=_env(), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 2 and "run.lock" in second.stderr and f"pid {proc.pid}" in second.stderr, second.stderr
+  returncode, output = _stop_after(proc, tmp_path, lambda r: len(r) >= 1, sig)
+  assert returncode == code, output[-3000:]
+  assert f"stopped by {'SIGTERM' if sig == signal.SIGTERM else 'Ctrl-C'}" in output, output[-3000:]
+  assert "Run the same command again" in output and "Traceback" not in output, output[-3000:]
   found = checkpointing.RunCheckpoints(str(tmp_path / "resume" / "checkpoints"), cli.resolve(TINY_ARGS)[0].checkpoint)
   step, meta = found.latest_meta()
-  assert meta["stage"] == "sft" and 1 <= meta["stage_step"] <= 3, meta["stage_step"]
+  assert meta["progress"]["stage"] == "sft" and 1 <= meta["progress"]["stage_step"] <= 3, meta["progress"]
   assert meta["metrics_bytes"] == os.path.getsize(tmp_path / "resume" / "metrics.jsonl")
   found.close()
-
+  if sig == signal.SIGINT:
+    return
   # Resuming with a different config is refused before any model is built, naming the fields.
   changed, _ = cli.resolve(TINY_ARGS + [f"run_dir={tmp_path}", "algo.eps_high=0.3", "rl_steps=6"])
   with pytest.raises(ConfigError, match=r"(?s)algo\.eps_high: 0\.28 → 0\.3.*rl_steps: 5 → 6"):

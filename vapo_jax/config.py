@@ -65,6 +65,9 @@ class AlgoConfig:
   value_clip: float | None = None  # Clip range of the value loss around old values; None: off.
   dynamic_sampling: bool = False  # DAPO: keep only groups with accuracy strictly in (0, 1).
   dynamic_sampling_max_rounds: int = 10  # Cap on extra sampling rounds to fill the batch.
+  # At the cap, the batch is filled with unmixed groups (zero advantage): "warn" says so (and the
+  # metric rollout/unmixed_groups counts them), "raise" stops the run as verl does.
+  dynamic_sampling_on_cap: Literal["warn", "raise"] = "warn"
   overlong_buffer_tokens: int = 0  # DAPO soft overlong penalty buffer below the max length; 0: off.
   overlong_penalty_factor: float = 1.0  # Penalty at the max length (linear over the buffer).
   kl_coef: float = 0.0  # Weight of KL(π ‖ π_ref) in the actor loss; 0: no reference policy.
@@ -117,7 +120,11 @@ class OptimizerConfig:
 
   actor_lr: float = 1e-6  # Peak actor learning rate.
   critic_lr: float = 2e-6  # Peak critic learning rate.
-  warmup_steps: int = 10  # Linear warm-up, in optimizer updates, then constant.
+  # Linear warm-up over this many optimizer updates (not RL steps: an RL step makes
+  # `ExperimentConfig.updates_per_step` of them), then constant. The critic counts its value-
+  # pretraining updates too, so with value pretraining its warm-up happens there, by intent: the
+  # critic is the model being trained then, and RL starts at its full learning rate.
+  warmup_updates: int = 10
   weight_decay: float = 0.01  # Decoupled weight decay.
   b1: float = 0.9  # Adam β1.
   b2: float = 0.999  # Adam β2.
@@ -127,7 +134,7 @@ class OptimizerConfig:
   def __post_init__(self):
     _in_range(self, "actor_lr", 0.0, 1.0, lo_open=True)
     _in_range(self, "critic_lr", 0.0, 1.0, lo_open=True)
-    _positive_int(self, "warmup_steps", allow_zero=True)
+    _positive_int(self, "warmup_updates", allow_zero=True)
     _in_range(self, "weight_decay", 0.0, 1.0)
     _in_range(self, "b1", 0.0, 1.0, hi_open=True)
     _in_range(self, "b2", 0.0, 1.0, hi_open=True)
@@ -150,6 +157,12 @@ class RolloutConfig:
   stop_token_ids: tuple[int, ...] = ()  # Stop tokens besides the tokenizer's EOS.
   kv_cache_budget_gib: float = 16.0  # Per-device KV-cache budget; a larger rollout is refused.
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
+  # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
+  # batching); "static": one batch per round that runs until its longest response ends. Same tokens.
+  engine: Literal["static", "refill"] = "refill"
+  slots: int | None = None  # refill: decode slots (rows); None: as many as kv_cache_budget_gib holds.
+  decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
+  decode_block: int = 256  # KV-cache slots per block read by decode attention (0: every slot, dense).
 
   def __post_init__(self):
     _positive_int(self, "prompts_per_step")
@@ -157,6 +170,11 @@ class RolloutConfig:
       _positive_int(self, "prompts_per_generation")
       _require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
                f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
+    _require(self.engine in ("static", "refill"), self, "engine", "must be 'static' or 'refill'", self.engine)
+    if self.slots is not None:
+      _positive_int(self, "slots")
+    _positive_int(self, "decode_steps_per_call")
+    _positive_int(self, "decode_block", allow_zero=True)
     _positive_int(self, "samples_per_prompt")
     _positive_int(self, "max_prompt_tokens")
     _positive_int(self, "max_response_tokens")
@@ -258,7 +276,13 @@ class LogConfig:
 
   collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
   collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
-  value_pretrain_patience: int = 5  # Stop value pretraining after this many steps without improvement.
+  # Value pretraining runs all `algo.value_pretrain_steps` steps (the paper: 50) unless early
+  # stopping is asked for: then it stops once at least `value_pretrain_min_steps` steps are done,
+  # the explained variance has reached `value_pretrain_min_ev` and has not risen by 0.01 for
+  # `value_pretrain_patience` steps.
+  value_pretrain_patience: int | None = None  # None: no early stopping.
+  value_pretrain_min_steps: int = 10  # Early stopping never before this many steps.
+  value_pretrain_min_ev: float = 0.5  # Early stopping never below this explained variance.
   max_nonfinite_steps: int = 3  # Stop the run after this many steps in a row with skipped (non-finite) updates.
   wandb: bool = False  # Also log to Weights & Biases (`pip install -e ".[wandb]"`).
   wandb_project: str = "vapo_jax"  # W&B project.
@@ -270,7 +294,10 @@ class LogConfig:
   def __post_init__(self):
     _in_range(self, "collapse_length_frac", 0.0, 1.0)
     _in_range(self, "collapse_entropy", 0.0, 100.0)
-    _positive_int(self, "value_pretrain_patience")
+    if self.value_pretrain_patience is not None:
+      _positive_int(self, "value_pretrain_patience")
+    _positive_int(self, "value_pretrain_min_steps", allow_zero=True)
+    _in_range(self, "value_pretrain_min_ev", -1e9, 1.0)
     _positive_int(self, "max_nonfinite_steps")
     _require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
 

@@ -11,6 +11,7 @@ Log-probs, values, advantages and the batch statistics are one jitted program (`
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,10 @@ from vapo_jax.config import ExperimentConfig
 from vapo_jax.models import sharding
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.state import TrainState
+
+
+class DynamicSamplingCapReached(RuntimeError):
+  """Dynamic sampling hit `algo.dynamic_sampling_max_rounds` with `dynamic_sampling_on_cap="raise"`."""
 
 
 class Experience:
@@ -113,13 +118,22 @@ class Experience:
       rounds += 1
       if len(kept) >= settings.prompts_per_step or rounds > config.algo.dynamic_sampling_max_rounds:
         break
+    if len(kept) < settings.prompts_per_step:
+      message = (f"dynamic sampling found {len(kept)} groups with mixed verdicts of the {settings.prompts_per_step} "
+                 f"a step needs in {rounds} rounds (algo.dynamic_sampling_max_rounds="
+                 f"{config.algo.dynamic_sampling_max_rounds}); {settings.prompts_per_step - len(kept)} groups of "
+                 "all-equal verdicts (zero advantage) fill the batch")
+      if config.algo.dynamic_sampling_on_cap == "raise":
+        raise DynamicSamplingCapReached(message + ". Raise the cap, or set algo.dynamic_sampling_on_cap=warn")
+      warnings.warn(message, stacklevel=2)
     groups = np.asarray((kept + spare)[:settings.prompts_per_step])
     rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     out = _take(out, self.place(rows.astype(np.int32)))
     rewards, correct = (self.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
     stats = scored.metrics | {"rollout/sampling_rounds": float(rounds),
-                              "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups)}
+                              "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
+                              "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
     return out, rewards, correct, stats
 
   def _place_share(self, scored: reward_lib.RewardBatch, out: rollout.Rollout):

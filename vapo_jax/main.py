@@ -29,6 +29,7 @@ def main(argv: list[str]) -> int:
     print(cli.usage(config))
     return 0
   from vapo_jax import checkpointing, distributed, preflight  # Import JAX; kept off the `--help` path.
+  from vapo_jax.experience import DynamicSamplingCapReached
   from vapo_jax.trainer import Diverged, Trainer
 
   run_dir = cli.run_directory(config)
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     print("interrupted (a second Ctrl-C): stopped without saving; the newest checkpoint is intact. Run the same "
           "command again to resume from it.", file=sys.stderr)
     return checkpointing.INTERRUPTED_EXIT_CODE
-  except Diverged as e:
+  except (Diverged, DynamicSamplingCapReached) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   if not distributed.is_main_process():

@@ -66,10 +66,10 @@ def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Ar
 def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> optax.GradientTransformation:
   """AdamW, linear warm-up to `peak_lr` then constant, after global-norm clipping. The learning rate
   in force is kept in the state (`learning_rate`), from optax's own update count."""
-  if optim.warmup_steps:
+  if optim.warmup_updates:
     schedule = optax.join_schedules(
-        [optax.linear_schedule(peak_lr / optim.warmup_steps, peak_lr, optim.warmup_steps - 1),
-         optax.constant_schedule(peak_lr)], [optim.warmup_steps])
+        [optax.linear_schedule(peak_lr / optim.warmup_updates, peak_lr, optim.warmup_updates - 1),
+         optax.constant_schedule(peak_lr)], [optim.warmup_updates])
   else:
     schedule = optax.constant_schedule(peak_lr)
   adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,

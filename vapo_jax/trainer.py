@@ -223,7 +223,7 @@ class Trainer:
     scored = time.perf_counter()
     state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
                                                   critic=self.config.algo.uses_critic)
-    metrics = {k: float(v) for k, v in jax.device_get(stats | batch_stats | update_metrics).items()}
+    metrics = _fetch(stats | batch_stats | update_metrics)
     end = time.perf_counter()
     tokens = metrics["rollout/response_len_mean"] * out.response_lengths.shape[0]
     metrics |= {"time/rollout_s": sampled - start - stats.get("time/verify_s", 0.0), "time/scoring_s": stats.get("time/verify_s", 0.0),
@@ -278,7 +278,7 @@ class Trainer:
       batch = self.experience.place(train_step.TrainBatch(tokens, attention, response_mask, None, None,
                                                           np.zeros(len(picked), bool)))
       self.state, m = self.steps.sft_update(self.state, batch)
-      m = {k: float(v) for k, v in jax.device_get(m).items()}
+      m = _fetch(m)
       self._record("sft", step, m, progress if step % 20 == 0 or step == config.sft.steps - 1 else None, {"nll": "sft/nll"})
       self._after_step(last=step == config.sft.steps - 1)
     self.state = self.state._replace(sft_opt=None)
@@ -290,7 +290,8 @@ class Trainer:
     config, done = self.config, self.progress
     steps = config.algo.value_pretrain_steps if config.algo.uses_critic else 0
     progress = metrics_lib.Progress("value-pretrain", steps)
-    while done.stage_step < steps and done.vp_since_best < config.log.value_pretrain_patience:
+    while done.stage_step < steps and not value_pretraining_converged(done.stage_step, done.vp_best,
+                                                                      done.vp_since_best, config.log):
       step = done.stage_step
       self.state, m = self.step(self.state, value_pretraining=True)
       self._record("value_pretrain", step, m, progress, {"value_loss": "critic/value_loss",
@@ -300,7 +301,7 @@ class Trainer:
         done.vp_best, done.vp_since_best = ev, 0
       else:
         done.vp_since_best += 1
-      converged = done.vp_since_best >= config.log.value_pretrain_patience
+      converged = value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best, config.log)
       if converged:
         self.log(f"value pretraining converged after {step + 1} steps (explained variance {done.vp_best:.3f})")
       self._after_step(last=converged or step == steps - 1)
@@ -396,3 +397,19 @@ def _check_finite_parameters(path: str, module) -> None:
   if bad:
     raise CheckpointError(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. {', '.join(bad[:3])}; "
                           "this checkpoint cannot be trained from: use an earlier or a re-exported one")
+
+
+def _fetch(metrics: dict) -> dict[str, float]:
+  """A step's metrics as host floats, the device scalars fetched together as one vector."""
+  on_device = [k for k, v in metrics.items() if isinstance(v, jax.Array)]
+  values = np.asarray(jnp.stack([metrics[k].astype(jnp.float32) for k in on_device])) if on_device else []
+  return {k: float(v) for k, v in metrics.items() if k not in on_device} | dict(zip(on_device, map(float, values)))
+
+
+def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int, log) -> bool:
+  """Early stopping of value pretraining, only when `log.value_pretrain_patience` is set: at least
+  `value_pretrain_min_steps` done, the best explained variance at least `value_pretrain_min_ev`, and
+  no rise of 0.01 over it for `value_pretrain_patience` steps."""
+  return (log.value_pretrain_patience is not None and steps_done >= log.value_pretrain_min_steps
+          and best_ev is not None and best_ev >= log.value_pretrain_min_ev
+          and steps_since_best >= log.value_pretrain_patience)

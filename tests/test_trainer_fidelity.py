@@ -1,0 +1,98 @@
+"""The RL glue against the paper and verl: the actor learns from the policy gradient alone, the
+trainer's log-probs match the sampler's, values are read before each token, gradient
+accumulation is exact in the trainer, value pretraining stops only when asked, and dynamic
+sampling at its cap warns or raises."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import experiments
+from vapo_jax import train_step
+from vapo_jax.config import AlgoConfig, LogConfig
+from vapo_jax.experience import DynamicSamplingCapReached
+from vapo_jax.models.transformer import positions_from_mask
+from vapo_jax.trainer import Trainer, value_pretraining_converged
+
+EVEN_FIRST_BYTE = "rewards_for_tests:even_first_byte"  # Learnable from the response: its first token.
+BY_PROMPT = "rewards_for_tests:answer_at_least_five"  # Decided by the prompt: groups never mixed.
+
+
+def config(tmp_path, *, reward_fn, rl_steps=2, **algo):
+  base = experiments.smoke(experiments.get_experiment("tiny"))
+  return dataclasses.replace(
+      base, name="fidelity", run_dir=str(tmp_path), rl_steps=rl_steps,
+      algo=AlgoConfig(**({"value_pretrain_steps": 0, "mini_batch_responses": 16} | algo)),
+      reward=dataclasses.replace(base.reward, reward_fn=reward_fn), eval=dataclasses.replace(base.eval, path=None),
+      sft=dataclasses.replace(base.sft, steps=0))
+
+
+@pytest.mark.parametrize("case", [
+    dict(steps=3, best=0.9, since=9, log={}, stop=False),  # No patience: never early.
+    dict(steps=3, best=0.9, since=2, log=dict(value_pretrain_patience=2, value_pretrain_min_steps=10), stop=False),
+    dict(steps=10, best=0.3, since=5, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
+    dict(steps=10, best=0.6, since=1, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
+    dict(steps=10, best=0.6, since=2, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=True),
+])
+def test_value_pretraining_stops_early_only_when_asked(case):
+  assert value_pretraining_converged(case["steps"], case["best"], case["since"], LogConfig(**case["log"])) == case["stop"]
+  assert LogConfig().value_pretrain_patience is None  # The default runs the paper's fixed number of steps.
+
+
+def test_the_actor_learns_from_the_policy_gradient_alone(tmp_path):
+  # μ = 0 and no critic signal about the response beyond the reward: only the PPO term can move the policy.
+  trainer = Trainer(config(tmp_path, reward_fn=EVEN_FIRST_BYTE, rl_steps=12, positive_nll_coef=0.0,
+                           mini_batch_responses=32), write_logs=False, verbose=False)
+  trainer.run()
+  accuracy = [h["rollout/accuracy"] for h in trainer.history if h["stage"] == "rl"]
+  assert np.mean(accuracy[-3:]) > max(0.8, np.mean(accuracy[:3]) + 0.2), accuracy
+
+
+def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(tmp_path):
+  trainer = Trainer(config(tmp_path, reward_fn=EVEN_FIRST_BYTE), write_logs=False, verbose=False)
+  state, key = trainer.state.split_key()
+  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  batch, stats = trainer.experience.score(state, out, rewards, correct)
+  assert float(stats["rollout/logprob_gap"]) < 1e-4
+  # V(s_t) is the critic's output at position prompt_len − 1 + t (the state before response token t).
+  critic = nnx.merge(trainer.steps.critic_def, state.critic)
+  critic.value_head[...] = jax.random.normal(jax.random.key(1), critic.value_head[...].shape)  # Zero at init.
+  tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
+  full, _ = critic(tokens, positions_from_mask(attention), attention)
+  values = train_step.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
+  prompt_len = tokens.shape[1] - 16
+  for t in range(16):
+    np.testing.assert_allclose(np.asarray(values)[:, t], np.asarray(full)[:, prompt_len - 1 + t], rtol=1e-6)
+  trainer.close()
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_in_the_trainer_give_the_whole_mini_batch_parameters(tmp_path, loss_agg):
+  params = []
+  for micro in (16, 4):  # On 8 devices; actor and critic under AdamW.
+    trainer = Trainer(config(tmp_path / str(micro), reward_fn=EVEN_FIRST_BYTE, rl_steps=1, loss_agg=loss_agg,
+                             micro_batch_responses=micro), write_logs=False, verbose=False)
+    trainer.run()
+    params.append(jax.tree.map(np.asarray, (trainer.state.actor, trainer.state.critic)))
+  for a, b in zip(*(jax.tree.leaves(p) for p in params)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path):
+  dapo = dict(estimator="group", dynamic_sampling=True, dynamic_sampling_max_rounds=1, positive_nll_coef=0.0)
+  trainer = Trainer(config(tmp_path, reward_fn=BY_PROMPT, **dapo), write_logs=False, verbose=False)
+  state, key = trainer.state.split_key()
+  with pytest.warns(UserWarning, match=r"found 0 groups with mixed verdicts of the 8 a step needs in 2 rounds"):
+    out, _, _, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
+  assert stats["rollout/unmixed_groups"] == 8 and stats["rollout/mixed_group_frac"] == 0.0
+  assert out.response_tokens.shape[0] == 32
+  trainer.close()
+  strict = config(tmp_path / "strict", reward_fn=BY_PROMPT, **dapo, dynamic_sampling_on_cap="raise")
+  trainer = Trainer(strict, write_logs=False, verbose=False)
+  state, key = trainer.state.split_key()
+  with pytest.raises(DynamicSamplingCapReached, match="dynamic_sampling_on_cap=warn"):
+    trainer.experience.sample(state, trainer.progress.prompts, key)
+  trainer.close()
