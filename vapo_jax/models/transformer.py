@@ -11,40 +11,65 @@ depth (about a minute for 64 layers), paid once per run.
 Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
 prompts) and `attention_mask` `[B, T]` (true on real tokens). With a `KVCache`, the new tokens'
 keys and values are written at slots [cache.length, cache.length + T) and queries attend to every
-valid earlier slot: prefill is a call with the prompt, decoding a call with one token.
+valid earlier slot: prefill is a call with the prompt, decoding a call with one token. A cache may
+instead hold one length per row (`[B]`, one-token calls only): row b then writes at its own slot,
+which lets a rollout put a new sequence into a row whose sequence has ended (slot refill). A
+one-token call reads only the filled part of the cache (`decode_attention.attend_one`, blocks up
+to the longest row) unless the cache's `decode_block` is 0 (the dense reference).
 """
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
+from vapo_jax.models import decode_attention
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.sharding import constrain
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class KVCache(NamedTuple):
+@struct.dataclass
+class KVCache:
   """Per-layer keys and values `[B, S, K, H]`, slot validity `[B, S]`, and slots used so far."""
 
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
   mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
-  length: jax.Array  # int32 scalar: slots [0, length) are written.
+  length: jax.Array  # int32 scalar (slots [0, length) are written), or [B] per row (one-token calls).
+  # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot.
+  decode_block: int = struct.field(pytree_node=False, default=decode_attention.BLOCK)
 
   @classmethod
-  def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> "KVCache":
+  def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
+            decode_block: int = decode_attention.BLOCK) -> "KVCache":
     shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
-    kv = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return cls(kv, kv, jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32))
+    kv = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
+    return cls(kv(), kv(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), decode_block)
 
   @staticmethod
   def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
     """Memory of a cache of this size, before allocating it."""
     per_layer = 2 * batch * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     return cfg.num_layers * per_layer + batch * slots
+
+
+def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
+  """`new` `[B, T, ...]` written into `buffer` `[B, S, ...]` at slot `length` (scalar), or row b at
+  slot `length[b]` (`[B]`)."""
+  new = new.astype(buffer.dtype)
+  if jnp.ndim(length) == 0:
+    return jax.lax.dynamic_update_slice(buffer, new, (0, length) + (0,) * (buffer.ndim - 2))
+  row = lambda b, x, at: jax.lax.dynamic_update_slice(b, x, (at,) + (0,) * (b.ndim - 1))
+  return jax.vmap(row)(buffer, new, length)
+
+
+def _decode_attention(q, keys, values, key_mask, query_slots, block: int):
+  """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`: `[B, 1, N, H]`."""
+  slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
+  if block:
+    return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block)[:, None]
+  return decode_attention.attend_one_reference(q[:, 0], keys, values, key_mask, slots)[:, None]
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -95,7 +120,8 @@ class Attention(nnx.Module):
     self.groups = n // k
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
-    """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]`; layer_cache (keys, values, length) or None."""
+    """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]` (`[B, 1]` with per-row cache lengths);
+    layer_cache (keys, values, length, decode_block) or None."""
     dtype = x.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
@@ -107,9 +133,11 @@ class Attention(nnx.Module):
     if layer_cache is None:
       keys, values = k, v
     else:
-      cached_k, cached_v, length = layer_cache
-      keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), (0, length, 0, 0))
-      values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), (0, length, 0, 0))
+      cached_k, cached_v, length, decode_block = layer_cache
+      keys, values = write_slots(cached_k, k, length), write_slots(cached_v, v, length)
+      if x.shape[1] == 1:  # One-token decode: read only the filled part of the cache.
+        out = _decode_attention(q, keys, values, key_mask, query_slots, decode_block)
+        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), (keys, values)
     b, t, n, h = q.shape
     q = q.reshape(b, t, n // self.groups, self.groups, h)  # [B, T, K, G, H] (G: heads per kv head)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys.astype(dtype)).astype(jnp.float32)
@@ -187,19 +215,22 @@ class Backbone(nnx.Module):
     if cache is None:
       key_mask, query_slots = attention_mask, jnp.arange(steps)
     else:
-      key_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (0, cache.length))
-      query_slots = cache.length + jnp.arange(steps)
-    call = nnx.remat(_layer_call) if self.remat else _layer_call
+      if cache.length.ndim and steps != 1:
+        raise ValueError(f"a cache with one length per row takes one token per call, got {steps}")
+      key_mask = write_slots(cache.mask, attention_mask, cache.length)
+      query_slots = cache.length[..., None] + jnp.arange(steps)  # [T], or [B, 1] per row.
+    # Without a backward pass (a cache: prefill and decode) rematerialisation only costs time.
+    call = nnx.remat(_layer_call) if self.remat and cache is None else _layer_call
     new_keys, new_values = [], []
     for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.keys[i], cache.values[i], cache.length)
+      layer_cache = None if cache is None else (cache.keys[i], cache.values[i], cache.length, cache.decode_block)
       x, (k, v) = call(layer, x, cos, sin, key_mask, query_slots, layer_cache)
       new_keys.append(k)
       new_values.append(v)
     x = self.norm(x)
     if cache is None:
       return x, None
-    return x, KVCache(tuple(new_keys), tuple(new_values), key_mask, cache.length + steps)
+    return x, KVCache(tuple(new_keys), tuple(new_values), key_mask, cache.length + steps, cache.decode_block)
 
 
 class CausalLM(nnx.Module):
