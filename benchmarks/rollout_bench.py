@@ -1,27 +1,27 @@
-"""Rollout benchmark: vapo_jax's jitted `generate` against transformers' `generate` on this CPU.
+"""Rollout benchmark on this CPU: decode attention, slot refill, sort-free top-p, and transformers.
 
-  python -m benchmarks.rollout_bench [--quick]
+  python -m benchmarks.rollout_bench [--quick] [--no-transformers]
 
-Random-weight models, float32 weights, KV cache and logits on both sides, sampling at temperature
-1.0 with no top-k / top-p and no stop tokens, so every row runs to `max_new_tokens`:
+Random-weight models, float32 weights, KV cache and logits. Compilation is excluded (each program
+runs once before it is timed). Five measurements, each a ratio measured side by side in one run:
 
-  1. decode throughput of vapo_jax (`rollout.make_generate`, compiled ahead of time so compilation
-     is excluded) for the `tiny` test model and the Qwen2.5-0.5B shape: batch 16, 64-token
-     prompts, 256 new tokens;
-  2. the same weights (`checkpoint.export`) in transformers' PyTorch `generate` (2 threads), the
-     same left-padded prompts, and the ratio vapo_jax / transformers against the targets
-     (≥ 3× on tiny, ≥ 1× on 0.5B);
-  3. group sampling: 4 prompts × 16 samples with one shared prefill against 64 independent prompts.
+  1. decode step of the `small` preset, batch 16, a 4,096-slot cache holding 256 tokens:
+     length-bounded decode attention (`decode_block` 256) against reading every slot (0, the dense
+     reference; what the engine did before); target ≤ 0.5×;
+  2. long tail: 64 sequences (16 prompts × 4 samples) with lengths forced from a fixed heavy-tailed
+     list (`LONG_TAIL`, mean/max = 0.25), sampled at temperature 1: the refill engine with 16
+     slots against the static batch of 64; useful tokens/s, target ≥ 2×, identical tokens;
+  3. top-p 0.7 on `[16, 151936]` float32 logits: threshold bisection against the sort, target ≥ 3×;
+  4. against transformers' `generate` on the same weights (`checkpoint.export`): a small Qwen2
+     (4 layers, width 256, 32k vocabulary), batch 16, greedy, no stop tokens, at 64→256 (target
+     ≥ 2×) and 512→512 (target ≥ 1.2×); and the Qwen2.5-0.5B shape at 4 × 32→32 (target ≥ 1×;
+     skipped by --quick);
+  5. the load average, at the start and the end.
 
-tokens/s counts generated tokens (the sum of response lengths) over the wall time of the whole
-generate call. Each engine is also run with max_new_tokens=1 ("prefill + 1st token"); the
-difference gives the decode-only rate, (N − 1)·B tokens over t(N) − t(1). The default run keeps
-to about 8 minutes: the 0.5B calls (about 3 minutes each) run once, and the 0.5B group sampling
-runs only when the time left allows it.
-
-torch runs with OMP_WAIT_POLICY=PASSIVE (unless set): with 2 OpenMP threads on 2 cores shared with
-other work, libgomp's spin-waiting made transformers 5–60× slower and erratic (64 tiny-model steps:
-1.6–17 s instead of 0.25 s), which would flatter vapo_jax.
+torch runs on 2 threads with OMP_WAIT_POLICY=PASSIVE (unless set): with OpenMP threads on 2 cores
+shared with other work, libgomp's spin-waiting made transformers 5–60× slower and erratic, which
+would flatter vapo_jax. Torch slows down far more than XLA when other work shares the cores: the
+comparison is only meaningful on an idle machine (see the load average).
 """
 
 import os
@@ -30,48 +30,28 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Read when torch loads lib
 import sys
 import tempfile
 import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vapo_jax import rollout
-from vapo_jax.models import checkpoint
-from vapo_jax.models.config import preset
-from vapo_jax.models.transformer import CausalLM
+from vapo_jax import generation, rollout, sampling
+from vapo_jax.models import checkpoint, decode_attention
+from vapo_jax.models.config import TransformerConfig, preset
+from vapo_jax.models.transformer import CausalLM, KVCache
 
 PAD = 0
-BUDGET_S = 480  # The default run's time budget, checked before the optional 0.5B group sampling.
-
-
-class Shape(NamedTuple):
-  batch: int  # Rows (P prompts × G samples).
-  prompt_tokens: int  # Every prompt has this many tokens (no left padding needed at this length).
-  new_tokens: int  # max_new_tokens.
-
-
-class Measured(NamedTuple):
-  engine: str
-  shape: Shape
-  first_s: float  # One generate call with max_new_tokens=1: prefill + first token.
-  total_s: float  # Median wall time of one generate call with shape.new_tokens.
-  runs: int  # Timed calls behind total_s.
-  compile_s: float | None = None  # vapo_jax only: compiling the shape.new_tokens program.
-
-  @property
-  def tokens_per_s(self) -> float:
-    return self.shape.batch * self.shape.new_tokens / self.total_s
-
-  @property
-  def decode_tokens_per_s(self) -> float:
-    return self.shape.batch * (self.shape.new_tokens - 1) / (self.total_s - self.first_s)
-
-
-def make_prompts(vocab_size: int, count: int, length: int, seed: int = 0):
-  """`count` random prompts of `length` tokens, left-padded by `rollout.pad_prompts`."""
-  rng = np.random.default_rng(seed)
-  return rollout.pad_prompts([list(rng.integers(3, vocab_size, length)) for _ in range(count)], pad_id=PAD)
+# Response lengths of the long-tail case: 64 draws of a log-normal (σ 0.7, numpy seed 2) scaled to a
+# maximum of 256, in draw order (the longest is queued 57th); mean 64.0, mean/max 0.25.
+LONG_TAIL = (55, 34, 36, 9, 171, 108, 39, 83, 59, 33, 96, 39, 39, 28, 67, 45, 71, 32, 53, 26, 88, 55, 61, 65,
+             24, 84, 205, 15, 14, 17, 88, 53, 103, 81, 56, 59, 43, 89, 22, 36, 58, 171, 28, 23, 33, 96, 41, 123,
+             13, 107, 100, 18, 54, 114, 52, 98, 256, 59, 40, 28, 76, 42, 43, 45)
+# The small Qwen2 of the transformers comparison.
+SMALL_QWEN2 = dict(model_type="qwen2", vocab_size=32000, hidden_size=256, intermediate_size=768,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096)
 
 
 def timed(run: Callable[[int], object], *, repeats: int, budget_s: float) -> tuple[float, int, object]:
@@ -85,26 +65,91 @@ def timed(run: Callable[[int], object], *, repeats: int, budget_s: float) -> tup
   return float(np.median(times)), len(times), result
 
 
-def compile_generate(model, tokens, mask, *, new_tokens: int, group: int = 1):
-  """vapo_jax's jitted generate for this shape, compiled ahead of time: (call(seed), seconds)."""
-  sampling = rollout.Sampling(max_new_tokens=new_tokens, stop_token_ids=(), temperature=1.0)
-  fn = rollout.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=PAD)
-  start = time.perf_counter()
-  compiled = fn.lower(model, tokens, mask, jax.random.key(0)).compile()
-  seconds = time.perf_counter() - start
-  return lambda seed: jax.block_until_ready(compiled(model, tokens, mask, jax.random.key(seed))), seconds
+def verdict(ratio: float, target: float, *, at_most: bool = False) -> str:
+  met = ratio <= target if at_most else ratio >= target
+  return f"{ratio:.2f}× (target {'≤' if at_most else '≥'} {target:g}×: {'met' if met else 'NOT met'})"
 
 
-def bench_vapo_jax(model, shape: Shape, *, repeats: int, budget_s: float, warmup: bool) -> Measured:
-  tokens, mask = make_prompts(model.cfg.vocab_size, shape.batch, shape.prompt_tokens)
-  first, _ = compile_generate(model, tokens, mask, new_tokens=1)
-  full, compile_s = compile_generate(model, tokens, mask, new_tokens=shape.new_tokens)
-  if warmup:
-    first(0), full(0)
-  first_s, _, _ = timed(lambda i: first(1 + i), repeats=repeats, budget_s=budget_s / 4)
-  total_s, runs, out = timed(lambda i: full(1 + i), repeats=repeats, budget_s=budget_s)
-  assert int(out.response_lengths.sum()) == shape.batch * shape.new_tokens  # Every row ran to the end.
-  return Measured("vapo_jax", shape, first_s, total_s, runs, compile_s)
+def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return rollout.pad_prompts([list(rng.integers(3, vocab_size, length)) for _ in range(count)], pad_id=PAD)
+
+
+def decode_step(repeats: int):
+  """1. One decode step, length-bounded against full-cache reads (16 steps per timed call)."""
+  model = CausalLM(preset("small"), rngs=nnx.Rngs(0))
+  batch, slots, live, steps = 16, 4096, 256, 16
+
+  def run(model, cache):
+    def body(i, carry):
+      cache, _ = carry
+      logits, cache = model(jnp.full((batch, 1), 7), jnp.full((batch, 1), live) + i, jnp.ones((batch, 1), bool), cache)
+      return cache, logits[:, 0]
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((batch, model.cfg.vocab_size))))
+
+  fn = jax.jit(run, donate_argnums=1)
+  seconds, logits = {}, {}
+  bounded = decode_attention.BLOCK
+  for block in (bounded, 0):
+    cache = KVCache.zeros(model.cfg, batch, slots, jnp.float32, decode_block=block)
+    keys = lambda seed: tuple(jax.random.normal(jax.random.key(seed + i), k.shape) for i, k in enumerate(cache.keys))
+    cache = KVCache(keys(0), keys(100), jnp.arange(slots)[None].repeat(batch, 0) < live, jnp.asarray(live), block)
+    state = [jax.block_until_ready(fn(model, cache))]  # Compiles; the first 16 steps.
+    first = state[0][1]
+
+    def call(_):
+      state[0] = jax.block_until_ready(fn(model, state[0][0]))
+    # Every call continues from the cache the last one returned: 256 + 16·k live tokens.
+    seconds[block] = timed(call, repeats=repeats, budget_s=30)[0] / steps
+    logits[block] = first
+  error = float(jnp.max(jnp.abs(logits[bounded] - logits[0])))
+  print("\n1. Decode step, small preset, batch 16, 4,096-slot cache, 256 live tokens (+16 per timed call)")
+  print(f"  length-bounded (blocks of {bounded}) {seconds[bounded] * 1e3:8.2f} ms/step")
+  print(f"  full cache (dense, every slot)  {seconds[0] * 1e3:8.2f} ms/step")
+  print(f"  ratio {verdict(seconds[bounded] / seconds[0], 0.5, at_most=True)}; "
+        f"max |Δ logits| of the first 16 steps {error:.1e}")
+
+
+def long_tail(repeats: int):
+  """2. Refill (16 slots) against the static batch of 64 on forced heavy-tailed lengths."""
+  model = CausalLM(TransformerConfig.from_hf(SMALL_QWEN2), rngs=nnx.Rngs(0))
+  tokens, mask = random_prompts(model.cfg.vocab_size, 16, 32, seed=3)
+  limits = np.asarray(LONG_TAIL, np.int32)
+  spec = rollout.Sampling(max_new_tokens=max(LONG_TAIL), stop_token_ids=(), temperature=1.0)
+  engines = {"static, batch 64": generation.Engine(kind="static"),
+             "refill, 16 slots": generation.Engine(kind="refill", slots=16)}
+  results = {}
+  for name, engine in engines.items():
+    call = lambda i, engine=engine: generation.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec,
+                                                   samples_per_prompt=4, engine=engine, length_limits=limits)
+    call(0)  # Compiles.
+    seconds, runs, (out, metrics) = timed(call, repeats=repeats, budget_s=40)
+    results[name] = seconds, runs, out, metrics
+  print(f"\n2. Long tail: 16 prompts × 4 samples, 32→≤256 tokens, lengths forced (mean/max "
+        f"{np.mean(LONG_TAIL) / max(LONG_TAIL):.2f}), temperature 1, small Qwen2 (32k vocabulary)")
+  print(f"  {'engine':<17} {'time':>8} {'useful tok/s':>13} {'decode steps':>13} {'slot use':>9}  timing")
+  for name, (seconds, runs, out, metrics) in results.items():
+    print(f"  {name:<17} {seconds:>6.2f} s {sum(LONG_TAIL) / seconds:>13,.0f} {metrics['rollout/decode_steps']:>13.0f} "
+          f"{metrics['rollout/slot_utilization']:>9.2f}  median of {runs}")
+  (static_s, _, static, _), (refill_s, _, refilled, _) = results.values()
+  same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+             zip((static.response_tokens, static.response_lengths), (refilled.response_tokens, refilled.response_lengths)))
+  print(f"  refill / static useful tokens/s: {verdict(static_s / refill_s, 2)}; identical tokens: {same}")
+
+
+def top_p(repeats: int):
+  """3. Top-p 0.7 filtering of [16, 151936] logits, bisection against the sort."""
+  logits = jax.random.normal(jax.random.key(0), (16, 151936)) * 3.0
+  fns = {name: jax.jit(lambda x, f=f: f(x, temperature=1.0, top_k=0, top_p=0.7))
+         for name, f in (("sort", sampling.filter_logits_sorted), ("bisection", sampling.filter_logits))}
+  seconds, kept = {}, {}
+  for name, fn in fns.items():
+    kept[name] = np.isfinite(np.asarray(fn(logits)))
+    seconds[name] = timed(lambda _: jax.block_until_ready(fn(logits)), repeats=repeats, budget_s=20)[0]
+  print("\n3. Top-p 0.7, [16, 151936] float32 logits (N(0, 3²))")
+  print(f"  sort {seconds['sort'] * 1e3:8.1f} ms   bisection {seconds['bisection'] * 1e3:8.1f} ms   "
+        f"speed-up {verdict(seconds['sort'] / seconds['bisection'], 3)}; same kept set: "
+        f"{np.array_equal(kept['sort'], kept['bisection'])} ({kept['sort'].sum(1).mean():.0f} tokens per row)")
 
 
 def load_transformers(model, directory: str):
@@ -113,7 +158,7 @@ def load_transformers(model, directory: str):
     import torch
     import transformers
   except ImportError as error:
-    return None, f"transformers / torch not importable ({error})"
+    return None, f"transformers / torch not importable ({error}); `.venv/bin/pip install torch` (CPU wheel)"
   torch.set_num_threads(2)
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
@@ -122,137 +167,56 @@ def load_transformers(model, directory: str):
   return hf, torch
 
 
-def bench_transformers(hf, torch, vocab_size: int, shape: Shape, *, repeats: int, budget_s: float) -> Measured:
-  tokens, mask = make_prompts(vocab_size, shape.batch, shape.prompt_tokens)
-  input_ids, attention_mask = torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
-
-  def generate(new_tokens, ids=input_ids, ids_mask=attention_mask, seed=0):
-    torch.manual_seed(seed)
-    out = hf.generate(input_ids=ids, attention_mask=ids_mask, do_sample=True, temperature=1.0, top_k=0,
-                      top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD)
-    assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens)
-
-  generate(2, input_ids[:1, -8:], attention_mask[:1, -8:])  # Warm-up, on a short prompt.
-  first_s, _, _ = timed(lambda i: generate(1, seed=i), repeats=repeats, budget_s=budget_s / 4)
-  total_s, runs, _ = timed(lambda i: generate(shape.new_tokens, seed=i), repeats=repeats, budget_s=budget_s)
-  return Measured("transformers", shape, first_s, total_s, runs)
-
-
-def print_decode_table(rows: list[tuple[str, Measured]]):
-  print(f"  {'model':<13} {'engine':<13} {'B×prompt→new':>14} {'compile':>8} {'prefill+1st':>12} "
-        f"{'generate':>9} {'tokens/s':>9} {'decode tok/s':>13}  timing")
-  for name, m in rows:
-    compile_s = f"{m.compile_s:.1f} s" if m.compile_s is not None else "—"
-    shape = f"{m.shape.batch}×{m.shape.prompt_tokens}→{m.shape.new_tokens}"
-    print(f"  {name:<13} {m.engine:<13} {shape:>14} {compile_s:>8} {m.first_s:>10.2f} s {m.total_s:>7.2f} s "
-          f"{m.tokens_per_s:>9,.0f} {m.decode_tokens_per_s:>13,.0f}  median of {m.runs}")
-
-
-def verdict(ratio: float, target: float) -> str:
-  return f"{ratio:.2f}× (target ≥ {target:g}×: {'met' if ratio >= target else 'NOT met'})"
-
-
-def bench_group(model, name: str, *, prompts: int, group: int, prompt_tokens: int, new_tokens: int,
-                repeats: int, budget_s: float, warmup: bool):
-  """Shared prefill (P prompts × G samples) against P·G independent prompts; returns the times."""
-  tokens, mask = make_prompts(model.cfg.vocab_size, prompts, prompt_tokens, seed=1)
-  shared, _ = compile_generate(model, tokens, mask, new_tokens=new_tokens, group=group)
-  independent, _ = compile_generate(model, np.repeat(tokens, group, 0), np.repeat(mask, group, 0),
-                                    new_tokens=new_tokens)
-  if warmup:
-    shared(0), independent(0)
-  shared_s, shared_runs, _ = timed(lambda i: shared(1 + i), repeats=repeats, budget_s=budget_s / 4)
-  independent_s, independent_runs, _ = timed(lambda i: independent(1 + i), repeats=repeats, budget_s=budget_s)
-  rows = prompts * group
-  print(f"  {name:<13} {f'{prompts}×{group}, {prompt_tokens}→{new_tokens}':>16} {shared_s:>9.2f} s "
-        f"{independent_s:>11.2f} s {independent_s / shared_s:>9.2f}×  "
-        f"{rows * new_tokens / shared_s:>9,.0f} vs {rows * new_tokens / independent_s:>7,.0f}  "
-        f"median of {shared_runs} / {independent_runs}")
-  return shared_s, independent_s
-
-
-def print_ratios(rows: list[tuple[str, Measured]]):
-  measured = {(name, m.engine): m for name, m in rows}
-  for name, target in (("tiny", 3), ("qwen2.5-0.5b", 1)):
-    ours, theirs = measured[name, "vapo_jax"], measured[name, "transformers"]
-    print(f"  {name}, vapo_jax / transformers tokens/s: {verdict(ours.tokens_per_s / theirs.tokens_per_s, target)}; "
-          f"decode only {ours.decode_tokens_per_s / theirs.decode_tokens_per_s:.2f}×; "
-          f"prefill + 1st token {theirs.first_s / ours.first_s:.2f}×")
-
-
-def decode_throughput(models: dict, shapes: dict[str, Shape], *, quick: bool, repeats: int):
-  """Items 1 and 2: every model in vapo_jax, then in transformers."""
-  budgets = {"tiny": 30, "qwen2.5-0.5b": 10 if quick else 60}  # Seconds of timed calls: 0.5B calls run once.
-  rows, missing = [], None
-  for name, model in models.items():
-    rows.append((name, bench_vapo_jax(model, shapes[name], repeats=repeats, budget_s=budgets[name],
-                                      warmup=name == "tiny")))
+def versus_transformers(quick: bool, repeats: int, budget_s: float):
+  """4. vapo_jax (default engine) against transformers' greedy `generate`, same weights and prompts."""
+  cases = [("small Qwen2", SMALL_QWEN2, 16, 64, 256, 2.0), ("small Qwen2", SMALL_QWEN2, 16, 512, 512, 1.2)]
+  if not quick:
+    cases.append(("qwen2.5-0.5b", None, 4, 32, 32, 1.0))
+  print("\n4. Against transformers `generate`: greedy, float32, no stop tokens (every row runs to the end)")
+  print(f"  {'model':<13} {'B×prompt→new':>14} {'vapo_jax':>9} {'transformers':>13} {'tok/s ours':>11} "
+        f"{'tok/s theirs':>13}  ratio")
   with tempfile.TemporaryDirectory() as directory:
-    for name, model in models.items():
-      hf, torch = load_transformers(model, os.path.join(directory, name))
+    for name, hf_config, batch, prompt_len, new_tokens, target in cases:
+      cfg = preset("qwen2.5-0.5b") if hf_config is None else TransformerConfig.from_hf(hf_config)
+      model = CausalLM(cfg, rngs=nnx.Rngs(0))
+      tokens, mask = random_prompts(cfg.vocab_size, batch, prompt_len, seed=1)
+      spec = rollout.Sampling(max_new_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
+      call = lambda i: generation.sample(model, tokens, mask, jax.random.key(i), sampling=spec, samples_per_prompt=1)
+      call(0)  # Compiles.
+      ours, runs, (out, _) = timed(call, repeats=repeats, budget_s=budget_s / 2)
+      hf, torch = load_transformers(model, os.path.join(directory, f"{name}-{prompt_len}"))
       if hf is None:
-        missing = torch
-        break
-      rows.append((name, bench_transformers(hf, torch, model.cfg.vocab_size, shapes[name], repeats=repeats,
-                                            budget_s=budgets[name])))
+        print(f"  transformers skipped: {torch}")
+        return
+      ids, ids_mask = torch.from_numpy(tokens.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+      def generate(_):
+        with torch.no_grad():
+          return hf.generate(input_ids=ids, attention_mask=ids_mask, do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=PAD)
+      generate(0)  # Warm-up.
+      theirs, hf_runs, hf_out = timed(generate, repeats=repeats, budget_s=budget_s / 2)
+      agree = float(np.mean(hf_out[:, prompt_len:].numpy() == np.asarray(out.response_tokens)))
+      rate = batch * new_tokens
+      print(f"  {name:<13} {f'{batch}×{prompt_len}→{new_tokens}':>14} {ours:>7.2f} s {theirs:>11.2f} s "
+            f"{rate / ours:>11,.0f} {rate / theirs:>13,.0f}  {verdict(theirs / ours, target)}  "
+            f"(median of {runs} / {hf_runs}; greedy tokens agree {agree:.0%})")
       del hf
-  print("\n1-2. Decode throughput (tokens/s = generated tokens / whole generate call; decode tok/s excludes "
-        "prefill + 1st token)")
-  print_decode_table(sorted(rows, key=lambda row: (list(models).index(row[0]), row[1].engine != "vapo_jax")))
-  if quick:
-    print("  (--quick: the 0.5B rows use smaller shapes; the targets are judged by the default run)")
-  if missing:
-    print(f"  transformers skipped: {missing}")
-  else:
-    print_ratios(rows)
-  return dict(row for row in rows if row[1].engine == "vapo_jax")
-
-
-def group_sampling(models: dict, big_measured: Measured, *, quick: bool, repeats: int, seconds_left: float):
-  """Item 3: the tiny model at two shapes, then the 0.5B shape if the time left allows it."""
-  print("\n3. Group sampling, vapo_jax: P prompts × G samples, shared prefill (samples_per_prompt=G) vs "
-        "P·G independent prompts")
-  print(f"  {'model':<13} {'P×G, prompt→new':>16} {'shared':>11} {'independent':>13} {'ratio':>10}  "
-        f"{'tok/s shared vs indep.':>22}  timing")
-  for prompt_tokens, new_tokens in ((64, 256), (256, 32)):
-    bench_group(models["tiny"], "tiny", prompts=4, group=16, prompt_tokens=prompt_tokens,
-                new_tokens=new_tokens, repeats=repeats, budget_s=20, warmup=True)
-  m = big_measured
-  prefill_rate = m.shape.batch * m.shape.prompt_tokens / m.first_s
-  step_s = (m.total_s - m.first_s) / (m.shape.new_tokens - 1)
-  prompts, group, prompt_tokens, new_tokens = 4, 16, 64, 8
-  # Each call runs once; the independent one prefills all P·G prompts; a 64-row step ≤ 4 16-row steps.
-  projected = (prompts * group + prompts) * prompt_tokens / prefill_rate + 2 * new_tokens * 4 * step_s + 30
-  if quick or projected > seconds_left:
-    reason = "--quick" if quick else f"≈{projected:.0f} s projected, {max(seconds_left, 0):.0f} s left of the budget"
-    print(f"  qwen2.5-0.5b  skipped ({reason})")
-  else:
-    bench_group(models["qwen2.5-0.5b"], "qwen2.5-0.5b", prompts=prompts, group=group,
-                prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=1, budget_s=0, warmup=False)
-  print("  ratio = independent time / shared time (the shared prefill costs 1/G of the independent one)")
 
 
 def main(argv):
-  quick = "--quick" in argv
+  quick, repeats = "--quick" in argv, 3 if "--quick" in argv else 5
   start = time.perf_counter()
-  repeats = 3 if quick else 5
   load = os.getloadavg()[0]
-  print(f"Rollout benchmark{' (--quick: smaller 0.5B shapes, fewer runs)' if quick else ''}: "
-        f"{jax.devices()[0].platform}, {jax.device_count()} device, {os.cpu_count()} CPU cores, "
-        f"load average {load:.1f} at start{' (other work is running: expect noisy figures)' if load > 1 else ''}")
-  print("float32 weights, KV cache and logits; temperature 1.0, top-k off, top-p 1, no stop tokens; "
-        f"random weights; transformers on 2 torch threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-  models = {"tiny": CausalLM(preset("tiny"), rngs=nnx.Rngs(0))}
-  built = time.perf_counter()
-  models["qwen2.5-0.5b"] = CausalLM(preset("qwen2.5-0.5b"), rngs=nnx.Rngs(0))
-  print(f"qwen2.5-0.5b: {preset('qwen2.5-0.5b').num_parameters() / 1e9:.3f} B parameters, "
-        f"built in {time.perf_counter() - built:.1f} s")
-  shapes = {"tiny": Shape(16, 64, 256), "qwen2.5-0.5b": Shape(4, 32, 16) if quick else Shape(16, 64, 256)}
-  ours = decode_throughput(models, shapes, quick=quick, repeats=repeats)
-  group_sampling(models, ours["qwen2.5-0.5b"], quick=quick, repeats=repeats,
-                 seconds_left=BUDGET_S - (time.perf_counter() - start))
-  print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s; "
-        f"load average {os.getloadavg()[0]:.1f} at the end")
+  print(f"Rollout benchmark{' (--quick)' if quick else ''}: {jax.devices()[0].platform}, {jax.device_count()} "
+        f"device(s), {os.cpu_count()} CPU cores, load average {load:.1f} at start"
+        f"{' (other work is running: expect noisy figures)' if load > 1 else ''}")
+  decode_step(repeats)
+  long_tail(repeats)
+  top_p(repeats)
+  if "--no-transformers" not in argv:
+    versus_transformers(quick, repeats, budget_s=60 if quick else 120)
+  print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
   return 0
 
 

@@ -1,4 +1,5 @@
-"""Rollout engine: greedy = uncached argmax, log-probs, group sampling, padding, stops, sharding."""
+"""Static rollout engine: greedy = uncached argmax, log-probs, group sampling, padding, stops, sharding,
+metrics. (The refill engine is checked against it in test_refill.py.)"""
 
 import warnings
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from model_utils import FIXTURES
-from vapo_jax import rollout
+from vapo_jax import generation, rollout
 from vapo_jax.models import checkpoint, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import positions_from_mask
@@ -22,11 +23,12 @@ def model():
   return checkpoint.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
-def run(model, prompts, *, key=0, group=1, **sampling):
+def run(model, prompts, *, key=0, group=1, engine=generation.Engine(kind="static"), metrics=False, **sampling):
   sampling = rollout.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
   tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
-  fn = rollout.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=0)
-  return fn(model, tokens, mask, jax.random.key(key))
+  out, stats = generation.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, samples_per_prompt=group,
+                              engine=engine, pad_id=0)
+  return (out, stats) if metrics else out
 
 
 @jax.jit
@@ -67,7 +69,7 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     logits = full_logits(model, prompt + response)[len(prompt) - 1:len(prompt) - 1 + n]
     policy = jax.nn.log_softmax(logits, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.policy_logprobs[b, :n], policy, atol=1e-4)
-    processed = rollout.filter_logits(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
+    processed = rollout.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
     sampler = jax.nn.log_softmax(processed, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.sampler_logprobs[b, :n], sampler, atol=1e-4)
     assert np.all(np.isfinite(sampler))  # A sampled token is never one the filter removed.
@@ -76,16 +78,17 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     np.testing.assert_allclose(out.sampler_logprobs, out.policy_logprobs, atol=1e-6)
 
 
-def test_filter_logits_reference():
+@pytest.mark.parametrize("filter_fn", [rollout.filter_logits, rollout.filter_logits_sorted], ids=["bisection", "sort"])
+def test_filter_logits_reference(filter_fn):
   logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32)
-  top_k = np.asarray(rollout.filter_logits(jnp.asarray(logits), temperature=1.0, top_k=3, top_p=1.0))
+  top_k = np.asarray(filter_fn(jnp.asarray(logits), temperature=1.0, top_k=3, top_p=1.0))
   assert np.isfinite(top_k).sum() == 3 and set(np.flatnonzero(np.isfinite(top_k[0]))) == {0, 1, 5}
   probs = np.exp(logits[0] - logits[0].max()) / np.exp(logits[0] - logits[0].max()).sum()
   order = np.argsort(-probs)
   keep = order[:np.searchsorted(np.cumsum(probs[order]), 0.8) + 1]  # Smallest set with mass ≥ 0.8.
-  top_p = np.asarray(rollout.filter_logits(jnp.asarray(logits), temperature=1.0, top_k=0, top_p=0.8))
-  assert set(np.flatnonzero(np.isfinite(top_p[0]))) == set(keep.tolist())
-  scaled = rollout.filter_logits(jnp.asarray(logits), temperature=2.0, top_k=0, top_p=1.0)
+  top_p = np.asarray(filter_fn(jnp.asarray(logits), temperature=1.0, top_k=0, top_p=0.8))
+  assert set(np.flatnonzero(np.isfinite(top_p[0]))) == set(keep.tolist()) == {0, 5}
+  scaled = filter_fn(jnp.asarray(logits), temperature=2.0, top_k=0, top_p=1.0)
   np.testing.assert_allclose(scaled, logits / 2.0)
 
 
@@ -153,6 +156,25 @@ def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   assert len(out.response_tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
   np.testing.assert_allclose(out.policy_logprobs, expected.policy_logprobs, atol=1e-5)
+
+
+def test_metrics(model):
+  out, m = run(model, PROMPTS, group=3, key=7, metrics=True)
+  lengths = np.asarray(out.response_lengths)
+  assert m["rollout/decode_steps"] == lengths.max() and m["rollout/slots"] == 12
+  assert m["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (12 * lengths.max()))
+  assert m["perf/rollout_tokens_per_s"] == pytest.approx(lengths.sum() / m["time/rollout_s"])
+  assert m["rollout/response_len_p50"] == np.median(lengths) and m["rollout/response_len_max"] == lengths.max()
+  assert m["rollout/response_len_p90"] == pytest.approx(np.percentile(lengths, 90))
+  stopped = np.mean(np.asarray(out.finish_reason) == rollout.FINISH_STOP)
+  assert 0 < stopped < 1 and m["rollout/finish_stop_frac"] == stopped and m["rollout/finish_length_frac"] == 1 - stopped
+
+
+def test_rounds_sample_like_one_call(model):
+  whole = run(model, PROMPTS, group=2, key=4)
+  rounds = run(model, PROMPTS, group=2, key=4, engine=generation.Engine(kind="static", prompts_per_round=2))
+  np.testing.assert_array_equal(rounds.response_tokens, whole.response_tokens)
+  np.testing.assert_allclose(rounds.policy_logprobs, whole.policy_logprobs, atol=1e-5)
 
 
 def test_cache_memory_is_reported_and_refused():

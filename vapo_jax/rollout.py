@@ -1,35 +1,48 @@
-"""Rollout engine: batched generation with a KV cache, group sampling, per-token log-probs.
+"""Rollout engines: batched generation with a KV cache, group sampling, per-token log-probs.
 
-Generation runs in-process with the model being trained (no second engine, no weight copy):
-one prefill of the P prompts, the prompt cache repeated for the G samples of each prompt (prefill
-cost divided by G), then a jitted `lax.while_loop` decoding one token per sequence per step that
-stops as soon as every sequence has finished.
+Generation runs in-process with the model being trained (no second engine, no weight copy). The
+P prompts are prefilled once (logits of the last position only), each prompt's cache shared by its
+G samples (prefill cost divided by G). Two engines decode, one token per sequence per step:
 
-Shapes are static: prompts are left-padded to a bucket length (`prompt_bucket`), responses are
-`max_new_tokens` long (masked after the stop), so a run compiles one program per prompt bucket.
+  static  `generate` here: one batch of every sequence, in a jitted `lax.while_loop` that stops
+          when every sequence has finished.
+  refill  `refill.py`: a fixed number of decode slots; a slot whose sequence has finished takes
+          the next queued (prompt, sample) at once, so long responses no longer hold the batch.
+
+`generation.sample` is the entry point of a rollout step: it picks the engine, times it and
+returns the `Rollout` with its metrics.
+
+Both read only the filled part of the KV cache (`models/decode_attention.py`) and sample with
+sort-free top-k / top-p (`sampling.py`). Shapes are static: prompts are left-padded to a bucket
+length (`prompt_bucket`), responses are `max_new_tokens` long (masked after the stop).
 
 Log-probabilities. `sampler_logprobs` are under the distribution actually sampled from: logits
 divided by the temperature, then top-k, then top-p filtered and renormalised (0 for greedy, which
 is deterministic). `policy_logprobs` are the plain log-softmax of the model's logits at the chosen
 tokens — what the trainer recomputes, so their gap measures sampler/trainer mismatch.
 
-Randomness: row b of the batch samples step t with `fold_in(fold_in(key, b), t)`, so a row's
-tokens depend only on its key, its prompt and the model — not on the rest of the batch.
+Randomness: sequence n of a call (row n = p·G + g of the output) samples its step t with
+`fold_in(fold_in(key, n), t)`, so its tokens depend only on the key, n, its prompt and the model —
+not on the engine, the slot it ran in, the rounds or the rest of the batch: the engines sample
+the same tokens.
 """
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vapo_jax import sampling as sampling_lib
+from vapo_jax.models import decode_attention
 from vapo_jax.models.sharding import constrain
-from vapo_jax.models.transformer import KVCache, positions_from_mask  # noqa: F401  (KVCache re-exported)
+from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.sampling import filter_logits, filter_logits_sorted  # noqa: F401  (re-exported)
 
 FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
-FINISH_LENGTH = 1  # Reached max_new_tokens.
+FINISH_LENGTH = 1  # Reached max_new_tokens (or the sequence's own length limit).
 
 
 class Sampling(NamedTuple):
@@ -81,81 +94,71 @@ def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_
   return needed
 
 
-def filter_logits(logits: jax.Array, *, temperature: float, top_k: int, top_p: float) -> jax.Array:
-  """Temperature, then top-k, then top-p (nucleus) filtering of `[..., V]` logits (float32)."""
-  logits = logits.astype(jnp.float32) / temperature
-  if top_k > 0:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1.0:
-    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = mass_before < top_p  # The most likely token is always kept.
-    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < threshold, -jnp.inf, logits)
-  return logits
+def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tokens: int, budget_bytes: int,
+                   dtype=jnp.float32, devices: int = 1) -> int:
+  """The most decode slots, a multiple of `devices` and no more than `sequences` need (rounded up
+  to `devices`), whose KV cache fits `budget_bytes` per device; raises when not one slot per device fits."""
+  per_sequence = cache_bytes(model_cfg, batch=1, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                             dtype=dtype)
+  per_device = min(-(-sequences // devices), budget_bytes // per_sequence)
+  if per_device < 1:
+    check_cache_fits(model_cfg, batch=devices, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                     budget_bytes=budget_bytes, dtype=dtype, devices=devices)
+  return per_device * devices
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-  """`jnp.argmax(x, axis=-1)` (first index of the maximum, NaN counting as the maximum) as two
-  plain reductions. XLA:CPU fuses the Gumbel noise into argmax's (value, index) reduction, which then
-  runs slower than drawing the noise: sampling 16 rows of 152k logits took ~50 ms this way against
-  ~100 ms with `jax.random.categorical`, next to a ~0.5 s decode step of the 0.5B model."""
-  best = jnp.max(x, axis=-1, keepdims=True)
-  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-  is_best = (x == best) | jnp.isnan(x)
-  return jnp.min(jnp.where(is_best, index, x.shape[-1]), axis=-1)
+def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):
+  """One token per row from `[B, V]` logits with per-row keys `[B]`: (tokens, sampler, policy) `[B]`."""
+  return sampling_lib.sample_tokens(keys, logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                                    top_p=sampling.top_p, sorted_filter=sorted_filter)
 
 
-def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling):
-  """One token per row from `[B, V]` logits with per-row keys `[B]`.
+def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype, decode_block: int):
+  """The P prompts through the model once: (last-position logits [P, V], cache [P, Tp])."""
+  cache = KVCache.zeros(model.cfg, *prompt_tokens.shape, cache_dtype, decode_block=decode_block)
+  return model.last_logits(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache)
 
-  Returns (tokens [B], sampler_logprobs [B], policy_logprobs [B]).
-  """
-  logits = logits.astype(jnp.float32)
-  policy = jax.nn.log_softmax(logits, axis=-1)
-  if sampling.temperature == 0:
-    tokens = jnp.argmax(logits, axis=-1)
-    sampler = jnp.zeros(tokens.shape, jnp.float32)
-  else:
-    processed = filter_logits(logits, temperature=sampling.temperature, top_k=sampling.top_k,
-                              top_p=sampling.top_p)
-    # `jax.random.categorical` per row (same Gumbel noise, same tokens) with a faster argmax.
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, processed.shape[-1:]))(keys)
-    tokens = _argmax(processed + noise)
-    sampler = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), tokens[:, None], axis=-1)[:, 0]
-  policy = jnp.take_along_axis(policy, tokens[:, None], axis=-1)[:, 0]
-  return tokens.astype(jnp.int32), sampler, policy
+
+def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, lengths, stopped, *, group: int,
+                     pad_id: int) -> Rollout:
+  """The `Rollout` of `[B, Tr]` decoded tokens and log-probs, valid up to `lengths` `[B]`."""
+  expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
+  response_mask = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+  return Rollout(
+      prompt_tokens=expand(prompt_tokens), prompt_mask=expand(prompt_mask.astype(bool)),
+      response_tokens=jnp.where(response_mask, tokens, pad_id), response_mask=response_mask,
+      response_lengths=lengths.astype(jnp.int32),
+      finish_reason=jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32),
+      sampler_logprobs=jnp.where(response_mask, sampler, 0.0), policy_logprobs=jnp.where(response_mask, policy, 0.0))
 
 
 def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-             sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0,
-             cache_dtype=jnp.float32) -> Rollout:
-  """Samples `samples_per_prompt` responses for each of the P left-padded prompts `[P, Tp]`.
+             sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0, cache_dtype=jnp.float32,
+             decode_block: int = decode_attention.BLOCK, first_sequence: jax.Array | int = 0,
+             length_limits: jax.Array | None = None) -> Rollout:
+  """The static engine: `samples_per_prompt` responses for each of the P left-padded prompts `[P, Tp]`.
 
-  Jit it with `sampling`, `samples_per_prompt`, `pad_id` and `cache_dtype` static (see
-  `make_generate`). Row b = p·G + g of the output is sample g of prompt p, drawn with key
-  `fold_in(key, b)`.
+  Jit it with the keyword arguments static except `first_sequence` and `length_limits` (see
+  `make_generate`). Row b = p·G + g of the output is sample g of prompt p, sequence
+  `first_sequence + b` of the key. `length_limits` `[B]` (≤ max_new_tokens) ends row b at its own
+  length (finish reason "length"); None: max_new_tokens for every row.
   """
   prompts, prompt_len = prompt_tokens.shape
-  group = samples_per_prompt
-  batch, steps = prompts * group, sampling.max_new_tokens
+  group, steps = samples_per_prompt, sampling.max_new_tokens
+  batch = prompts * group
   prompt_mask = prompt_mask.astype(bool)
-  cfg = model.cfg
-  # Prefill the P prompts once, into a cache just large enough for them.
-  prefill_cache = KVCache.zeros(cfg, prompts, prompt_len, cache_dtype)
-  logits, prefill_cache = model(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, prefill_cache)
+  logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
+                                  decode_block=decode_block)
   # Share each prompt's cache with its G samples, in a cache with room for the response.
   expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
   pad_slots = lambda x: jnp.pad(x, ((0, 0), (0, steps)) + ((0, 0),) * (x.ndim - 2))
   cache = KVCache(tuple(pad_slots(expand(k)) for k in prefill_cache.keys),
                   tuple(pad_slots(expand(v)) for v in prefill_cache.values),
-                  pad_slots(expand(prefill_cache.mask)), prefill_cache.length)
-  next_logits = expand(logits[:, -1])
+                  pad_slots(expand(prefill_cache.mask)), prefill_cache.length, decode_block)
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
-  row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+  row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
+  limits = jnp.full((batch,), steps, jnp.int32) if length_limits is None else jnp.asarray(length_limits, jnp.int32)
 
   class Loop(NamedTuple):
     step: jax.Array
@@ -171,7 +174,7 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
     tokens, sampler, policy = sample_tokens(step_keys, s.next_logits, sampling)
     live = ~s.done
     tokens = jnp.where(live, tokens, pad_id)
-    done = s.done | jnp.isin(tokens, stop_ids)
+    done = s.done | jnp.isin(tokens, stop_ids) | (s.step + 1 >= limits)
     write = lambda buffer, x: jax.lax.dynamic_update_slice(buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None], (0, s.step))
     logits, cache = model(tokens[:, None], (next_position + s.step)[:, None], jnp.ones((batch, 1), bool), s.cache)
     return Loop(s.step + 1, cache, logits[:, -1], done,
@@ -181,30 +184,27 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
   def cond(s: Loop):
     return (s.step < steps) & ~jnp.all(s.done)
 
-  init = Loop(jnp.zeros((), jnp.int32), cache, next_logits, jnp.zeros((batch,), bool),
+  init = Loop(jnp.zeros((), jnp.int32), cache, expand(logits), jnp.zeros((batch,), bool),
               jnp.full((batch, steps), pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
               jnp.zeros((batch, steps), jnp.float32))
   final = jax.lax.while_loop(cond, body, init)
-  # A row is valid up to and including its first stop token.
-  is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(steps)[None] < final.step)
+  # A row is valid up to and including its first stop token, and at most up to its limit.
+  is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(steps)[None] < limits[:, None])
   first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), steps)
-  lengths = jnp.minimum(first_stop + 1, jnp.minimum(final.step, steps)).astype(jnp.int32)
-  response_mask = jnp.arange(steps)[None] < lengths[:, None]
-  return Rollout(
-      prompt_tokens=expand(prompt_tokens), prompt_mask=expand(prompt_mask),
-      response_tokens=jnp.where(response_mask, final.tokens, pad_id), response_mask=response_mask,
-      response_lengths=lengths,
-      finish_reason=jnp.where(first_stop < steps, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32),
-      sampler_logprobs=jnp.where(response_mask, final.sampler, 0.0),
-      policy_logprobs=jnp.where(response_mask, final.policy, 0.0))
+  lengths = jnp.minimum(first_stop + 1, limits)
+  return finished_rollout(prompt_tokens, prompt_mask, final.tokens, final.sampler, final.policy, lengths,
+                          first_stop < limits, group=group, pad_id=pad_id)
 
 
 @functools.lru_cache(maxsize=32)
-def make_generate(*, sampling: Sampling, samples_per_prompt: int, pad_id: int, cache_dtype=jnp.float32):
-  """`generate` jitted for one sampling setting: `fn(model, prompt_tokens, prompt_mask, key)`."""
-  return jax.jit(lambda model, tokens, mask, key: generate(
+def make_generate(*, sampling: Sampling, samples_per_prompt: int, pad_id: int, cache_dtype=jnp.float32,
+                  decode_block: int = decode_attention.BLOCK, jit: Callable = jax.jit):
+  """The static `generate` jitted for one setting: `fn(model, prompt_tokens, prompt_mask, key,
+  first_sequence=0, length_limits=None)`."""
+  return jit(lambda model, tokens, mask, key, first_sequence=0, length_limits=None: generate(
       model, tokens, mask, key, sampling=sampling, samples_per_prompt=samples_per_prompt, pad_id=pad_id,
-      cache_dtype=cache_dtype))
+      cache_dtype=cache_dtype, decode_block=decode_block, first_sequence=first_sequence,
+      length_limits=length_limits))
 
 
 def pad_prompts(prompts: list[list[int]], *, pad_id: int, bucket_minimum: int = 16) -> tuple[np.ndarray, np.ndarray]:
