@@ -256,6 +256,24 @@ class CausalLM(nnx.Module):
       logits = jnp.einsum("BTD,DV->BTV", hidden, self.lm_head[...].astype(hidden.dtype))
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab")), cache
 
+  def hidden_states(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+    """The final-norm hidden states `[B, T, D]` (compute dtype) without the output projection, and the cache."""
+    return self.model(tokens, positions, attention_mask, cache)
+
+  def output_projection(self) -> tuple[jax.Array, bool]:
+    """(kernel, transposed): the `[D, V]` lm_head, or the tied embedding `[V, D]` (transposed), as stored."""
+    return (self.model.embed_tokens[...], True) if self.tied else (self.lm_head[...], False)
+
+  def last_logits(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+    """Logits `[B, V]` (float32) at the last position only, and the cache: the rollout's prefill.
+
+    Equal to `self(...)[0][:, -1]` without the `[B, T, V]` logits of every prompt position."""
+    hidden, cache = self.model(tokens, positions, attention_mask, cache)
+    kernel, transposed = self.output_projection()
+    logits = jnp.einsum("BD,VD->BV" if transposed else "BD,DV->BV", hidden[:, -1], kernel.astype(hidden.dtype))
+    return constrain(logits.astype(jnp.float32), ("batch", "act_vocab")), cache
+
+
 
 class ValueModel(nnx.Module):
   """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""

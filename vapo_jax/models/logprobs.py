@@ -1,0 +1,183 @@
+"""Log-probabilities and entropy of tokens from hidden states, in sequence chunks: no `[B, T, V]` logits.
+
+Training needs from the policy's logits z_t = h_t·W (`[V]` per token) only two numbers per token:
+
+  log π(o_t) = z_t[o_t] − logsumexp(z_t)
+  H_t        = logsumexp(z_t) − Σ_v softmax(z_t)_v · z_t,v      (the entropy, optional)
+
+`token_logprobs_entropy` computes them `chunk` positions at a time from hidden states
+`[B, T, D]` and the output kernel: each chunk's logits `[B, chunk, V]` exist in float32 (matmul
+accumulated in float32, `preferred_element_type`) only while that chunk is processed. The
+gradient is a custom VJP that recomputes each chunk's logits in the backward pass (remat: nothing
+vocabulary-sized is kept between the passes, only logsumexp and H per token) and applies
+
+  ∂ log π(o_t)/∂z_t,v = 1[v = o_t] − p_t,v          ∂H_t/∂z_t,v = −p_t,v · (log p_t,v + H_t)
+
+then ∂h = ∂z·Wᵀ per chunk and ∂W = Σ_chunks hᵀ·∂z, accumulated in float32 across chunks (and
+cast to the kernel's dtype once). The cotangents are cast to the compute dtype before the two
+matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute), as
+under `jax.checkpoint`.
+
+`dense_token_logprobs_entropy` is the same quantity through full `[B, T, V]` logits and plain
+autodiff: the oracle the tests compare against. `response_logprobs` is the model-level entry
+point of scoring, the actor loss and SFT (see its docstring for the layout).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from vapo_jax.models.sharding import constrain
+from vapo_jax.models.transformer import positions_from_mask
+
+_F32 = jnp.float32
+
+
+def _blocks(vocab: int, tokens: int, chunk: int) -> int:
+  """Vocabulary block size Vb: B·T·Vb logits hold no more than B·chunk·V (at least one column)."""
+  return min(vocab, max(1, -(-vocab * min(chunk, tokens) // tokens)))
+
+
+def _block(kernel, start, size: int, transposed: bool):
+  """Columns [start, start + size) of the kernel's vocabulary axis."""
+  return jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=0 if transposed else 1)
+
+
+def _block_logits(hidden, kernel, j, size: int, transposed: bool):
+  """Block j's logits `[B, T, Vb]` (float32), its vocabulary ids `[Vb]` and which of them are its own.
+
+  Blocks start at j·Vb; the last one is shifted back to end at V and masks the columns it shares
+  with the block before it, so every vocabulary entry belongs to exactly one block."""
+  vocab = kernel.shape[0 if transposed else 1]
+  start = jnp.minimum(j * size, vocab - size)
+  ids = start + jnp.arange(size)
+  spec = "BTD,VD->BTV" if transposed else "BTD,DV->BTV"
+  logits = jnp.einsum(spec, hidden, _block(kernel, start, size, transposed), preferred_element_type=_F32)
+  return logits, ids, ids >= j * size, start
+
+
+def _compute_kernel(kernel, hidden) -> jax.Array:
+  """The kernel in the compute dtype, gathered whole on every device before the loop over its blocks
+  (FSDP gathers it for the dense projection too; a vocabulary split by tensor parallelism is gathered
+  as well, since slicing a sharded axis inside the loop would gather it once per block)."""
+  return constrain(kernel.astype(hidden.dtype), (None, None))
+
+
+def _forward(hidden, kernel, tokens, chunk: int, entropy: bool, transposed: bool):
+  """(log π, H, logsumexp), each `[B, T]` float32 (H is zeros without `entropy`): an online
+  logsumexp over vocabulary blocks (running max m, Σ e^(z−m), Σ e^(z−m)·z and the token's logit)."""
+  compute = _compute_kernel(kernel, hidden)
+  vocab = kernel.shape[0 if transposed else 1]
+  size = _blocks(vocab, hidden.shape[1], chunk)
+  tokens = tokens.astype(jnp.int32)[..., None]
+
+  def body(carry, j):
+    top, total, weighted, picked = carry
+    z, ids, own, _ = _block_logits(hidden, compute, j, size, transposed)
+    z = jnp.where(own, z, -jnp.inf)
+    new_top = jnp.maximum(top, jnp.max(z, axis=-1))
+    rescale = jnp.exp(top - new_top)
+    e = jnp.exp(z - new_top[..., None])
+    total = total * rescale + jnp.sum(e, axis=-1)
+    if entropy:
+      weighted = weighted * rescale + jnp.sum(jnp.where(own, e * z, 0.0), axis=-1)
+    picked = picked + jnp.sum(jnp.where(own & (ids == tokens), z, 0.0), axis=-1)
+    return (new_top, total, weighted, picked), None
+
+  zeros = jnp.zeros(hidden.shape[:2], _F32)
+  init = (jnp.full(hidden.shape[:2], -jnp.inf, _F32), zeros, zeros, zeros)
+  (top, total, weighted, picked), _ = jax.lax.scan(body, init, jnp.arange(-(-vocab // size)))
+  lse = top + jnp.log(total)
+  return picked - lse, (lse - weighted / total if entropy else zeros), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(hidden, kernel, tokens, chunk, entropy, transposed):
+  logprobs, ent, _ = _forward(hidden, kernel, tokens, chunk, entropy, transposed)
+  return logprobs, ent
+
+
+def _chunked_fwd(hidden, kernel, tokens, chunk, entropy, transposed):
+  logprobs, ent, lse = _forward(hidden, kernel, tokens, chunk, entropy, transposed)
+  return (logprobs, ent), (hidden, kernel, tokens, lse, ent)
+
+
+def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
+  """Recomputes each block's logits; ∂z = 1[v = o]·ḡ_lp − p·(ḡ_lp + ḡ_H·(log p + H)); ∂h += ∂z·W_bᵀ,
+  and the block's columns of ∂W = hᵀ·∂z are complete after it (summed over every row and position)."""
+  hidden, kernel, tokens, lse, ent = residuals
+  g_lp, g_ent = (g.astype(_F32)[..., None] for g in cotangents)
+  lse, ent, tokens = lse[..., None], ent[..., None], tokens.astype(jnp.int32)[..., None]
+  compute = _compute_kernel(kernel, hidden)
+  vocab = kernel.shape[0 if transposed else 1]
+  size = _blocks(vocab, hidden.shape[1], chunk)
+
+  def body(carry, j):
+    g_hidden, g_kernel = carry
+    z, ids, own, start = _block_logits(hidden, compute, j, size, transposed)
+    logp = z - lse
+    p = jnp.exp(logp)
+    coef = g_lp + g_ent * (logp + ent) if entropy else g_lp
+    g_z = jnp.where(own, jnp.where(ids == tokens, g_lp, 0.0) - p * coef, 0.0).astype(hidden.dtype)
+    w = _block(compute, start, size, transposed)
+    g_hidden += jnp.einsum("BTV,VD->BTD" if transposed else "BTV,DV->BTD", g_z, w, preferred_element_type=_F32)
+    if transposed:
+      g_w = jnp.einsum("BTV,BTD->VD", g_z, hidden, preferred_element_type=_F32)
+    else:
+      g_w = jnp.einsum("BTD,BTV->DV", hidden, g_z, preferred_element_type=_F32)
+    axis = 0 if transposed else 1
+    g_kernel = jax.lax.dynamic_update_slice_in_dim(g_kernel, _block(g_kernel, start, size, transposed) + g_w,
+                                                   start, axis=axis)
+    return (g_hidden, g_kernel), None
+
+  # Laid out like the parameter along its width (fsdp), so each block's columns are reduce-scattered once.
+  accumulator = constrain(jnp.zeros(kernel.shape, _F32), (None, "embed") if transposed else ("embed", None))
+  init = (jnp.zeros(hidden.shape, _F32), accumulator)
+  (g_hidden, g_kernel), _ = jax.lax.scan(body, init, jnp.arange(-(-vocab // size)))
+  return g_hidden.astype(hidden.dtype), g_kernel.astype(kernel.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def token_logprobs_entropy(hidden: jax.Array, kernel: jax.Array, tokens: jax.Array, *, chunk: int,
+                           entropy: bool = False, transposed: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """log π(tokens) and (with `entropy`) H per position, from hidden states, `chunk` positions at a time.
+
+  `hidden` `[B, T, D]`, `tokens` `[B, T]` (the token each position's logits score); `kernel` is the output projection `[D, V]`, or with `transposed` a tied embedding `[V, D]`
+  (any dtype: cast to `hidden`'s); logits are hidden · kernel accumulated in float32. Differentiable
+  with respect to `hidden` and `kernel` (see the module docstring); `tokens` are constants.
+  Returns float32 `[B, T]` arrays; the entropy is None unless requested (and then costs nothing).
+  """
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1, got {chunk}")
+  chunk = min(chunk, hidden.shape[1])
+  logprobs, ent = _chunked(hidden, kernel, tokens, chunk, entropy, transposed)
+  return logprobs, (ent if entropy else None)
+
+
+def dense_token_logprobs_entropy(hidden, kernel, tokens, *, entropy: bool = False, transposed: bool = False):
+  """The oracle: the same as `token_logprobs_entropy` through full `[B, T, V]` logits and autodiff."""
+  spec = "BTD,VD->BTV" if transposed else "BTD,DV->BTV"
+  logits = jnp.einsum(spec, hidden, kernel.astype(hidden.dtype), preferred_element_type=_F32)
+  logits = constrain(logits, ("batch", "seq", "act_vocab"))
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  logprobs = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  return logprobs, (-jnp.sum(jnp.exp(logp) * logp, axis=-1) if entropy else None)
+
+
+def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, response_len: int, *, chunk: int,
+                      entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """log π(o_t) (and H_t) `[B, Tr]` of each row's response under the causal LM `model`.
+
+  Layout as in `train_step`: `tokens` `[B, S]` is a left-padded prompt followed by `Tr =
+  response_len` response tokens; the hidden state at position S − Tr − 1 + t predicts response
+  token t = tokens[:, S − Tr + t]. Only those Tr hidden states go through the output projection,
+  in chunks of `chunk` positions. Replaces `response_logits` + `token_logprobs` +
+  `losses.entropy_from_logits` without the `[B, Tr, V]` logits.
+  """
+  hidden, _ = model.hidden_states(tokens, positions_from_mask(attention_mask), attention_mask)
+  prompt_len = tokens.shape[1] - response_len
+  kernel, transposed = model.output_projection()
+  return token_logprobs_entropy(hidden[:, prompt_len - 1:prompt_len - 1 + response_len], kernel,
+                                tokens[:, prompt_len:], chunk=chunk, entropy=entropy, transposed=transposed)
