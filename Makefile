@@ -32,10 +32,11 @@ test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests exclude
 test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1 (~8 min).
 	$(PY) -m pytest -q -m slow tests
 
-bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; decode vs transformers (~15 min).
+bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; decode vs transformers; long sequences (~20 min).
 	$(PY) -m benchmarks.gae_bench
 	$(PY) -m benchmarks.model_bench
 	$(PY) -m benchmarks.rollout_bench
+	$(PY) -m benchmarks.long_seq_bench
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
 	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)

@@ -248,17 +248,17 @@ def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**
 
 
 def load_causal_lm(directory: str, *, dtype="float32", param_dtype="float32", remat=False,
-                   mesh=None, rules=None) -> CausalLM:
+                   attention="auto", mesh=None, rules=None) -> CausalLM:
   """The policy from a Hugging Face checkpoint directory."""
   cfg = TransformerConfig.from_pretrained(directory)
   return load(directory, lambda: CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                          rngs=nnx.Rngs(0)), mesh=mesh, rules=rules)
+                                          attention=attention, rngs=nnx.Rngs(0)), mesh=mesh, rules=rules)
 
 
 def load_value_model(directory: str, *, from_policy: bool, dtype="float32", param_dtype="float32",
-                     remat=False, mesh=None, rules=None) -> ValueModel:
+                     remat=False, attention="auto", mesh=None, rules=None) -> ValueModel:
   """The critic: from a policy checkpoint (backbone copied, value head zero) or its own."""
   cfg = TransformerConfig.from_pretrained(directory)
   return load(directory, lambda: ValueModel(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                            rngs=nnx.Rngs(0)),
+                                            attention=attention, rngs=nnx.Rngs(0)),
               mesh=mesh, rules=rules, allow_missing=("value_head",) if from_policy else ())

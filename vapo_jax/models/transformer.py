@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from vapo_jax.models import decode_attention
+from vapo_jax.models.attention import Implementation, attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.sharding import constrain
 
@@ -106,7 +107,8 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: Implementation = "auto",
+               rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype)
     self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype)
@@ -118,6 +120,7 @@ class Attention(nnx.Module):
       self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, init="zeros")
     self.qkv_bias = cfg.qkv_bias
     self.groups = n // k
+    self.attention = attention  # models/attention.py implementation.
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
     """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]` (`[B, 1]` with per-row cache lengths);
@@ -138,15 +141,11 @@ class Attention(nnx.Module):
       if x.shape[1] == 1:  # One-token decode: read only the filled part of the cache.
         out = _decode_attention(q, keys, values, key_mask, query_slots, decode_block)
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), (keys, values)
-    b, t, n, h = q.shape
-    q = q.reshape(b, t, n // self.groups, self.groups, h)  # [B, T, K, G, H] (G: heads per kv head)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, keys.astype(dtype)).astype(jnp.float32)
-    scores = scores * (h ** -0.5)
-    key_slots = jnp.arange(keys.shape[1])
-    visible = (key_slots[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]  # [B, T, S]
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, values.astype(dtype)).reshape(b, t, n, h)
+    # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
+    key_start, key_end = key_ranges(key_mask)
+    offset = 0 if layer_cache is None else layer_cache[2]  # Queries sit at [offset, offset + T).
+    out = attend(q, keys.astype(dtype), values.astype(dtype), key_start=key_start, key_end=key_end,
+                 query_offset=offset, causal=True, impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
     return out, (keys, values)
 
@@ -175,9 +174,10 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: Implementation = "auto",
+               rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
-    self.self_attn = Attention(cfg, param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = Attention(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
@@ -196,10 +196,12 @@ class Backbone(nnx.Module):
   """Embedding, decoder layers and final norm: `[B, T]` ids to `[B, T, D]` hidden states."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+    select(attention, _DTYPES[dtype])  # An implementation that cannot run here fails now, not at compile.
     self.cfg = cfg
     self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, param_dtype=param_dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = _DTYPES[dtype]
     self.remat = remat
@@ -237,8 +239,8 @@ class CausalLM(nnx.Module):
   """The policy: backbone and output projection to `[B, T, V]` logits (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, rngs: nnx.Rngs):
-    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
     self.tied = cfg.tie_word_embeddings
@@ -274,13 +276,12 @@ class CausalLM(nnx.Module):
     return constrain(logits.astype(jnp.float32), ("batch", "act_vocab")), cache
 
 
-
 class ValueModel(nnx.Module):
   """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, rngs: nnx.Rngs):
-    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
     self.value_head = _param(rngs, (cfg.hidden_size, 1), ("embed", None), param_dtype, init="zeros")
 
   @property

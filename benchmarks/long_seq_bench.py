@@ -1,0 +1,165 @@
+"""Long sequences: memory and time of the paths that grow with the sequence, measured side by side.
+
+  make bench        (or: python -m benchmarks.long_seq_bench [--repeats 3])
+
+Each section measures on this machine and returns tables; one printer formats them all, and a
+"targets" table gives each ratio with its target and whether it is met. Memory is XLA's compiled
+`memory_analysis().temp_size_in_bytes` (the scratch a program needs besides its inputs and
+outputs); time is the best wall time of `--repeats` jitted calls after a warm-up call (the best, not the
+median: other processes on a shared machine only ever add time).
+
+Sections:
+  attention   forward+backward of `models/attention.py`: `chunked` against the dense `reference`
+              at T = 2,048 / 4,096 / 8,192 (B=1, 4 query heads on 2 kv heads, H=64, float32,
+              causal), and `chunked` with and without causal block skipping.
+"""
+
+import argparse
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from vapo_jax.models import attention
+
+
+class Table(NamedTuple):
+  title: str
+  header: tuple[str, ...]
+  rows: list[tuple]
+
+
+class Target(NamedTuple):
+  """One measured ratio against its target: `value op bound` (op "<=" or ">=")."""
+
+  name: str
+  value: float
+  op: str
+  bound: float
+
+  @property
+  def met(self) -> bool:
+    return self.value <= self.bound if self.op == "<=" else self.value >= self.bound
+
+
+def _cell(x) -> str:
+  return f"{x:,.3f}" if isinstance(x, float) else str(x)
+
+
+def print_table(table: Table) -> None:
+  cells = [table.header] + [tuple(_cell(x) for x in row) for row in table.rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(table.header))]
+  print(f"\n{table.title}")
+  for i, row in enumerate(cells):
+    print("  " + "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
+    if i == 0:
+      print("  " + "  ".join("-" * w for w in widths))
+
+
+def targets_table(targets: list[Target]) -> Table:
+  rows = [(t.name, t.value, f"{t.op} {t.bound:g}", "yes" if t.met else "NO") for t in targets]
+  return Table("targets", ("ratio", "measured", "target", "met"), rows)
+
+
+def best_seconds(fn: Callable, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def temp_bytes(fn: Callable, *args) -> int:
+  return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+# ----------------------------------------------------------------------------- attention
+
+ATTENTION_SHAPE = dict(batch=1, heads=4, kv_heads=2, head_dim=64)
+
+
+def _attention_inputs(length: int):
+  s = ATTENTION_SHAPE
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (s["batch"], length, s["heads"], s["head_dim"]))
+  k, v = (jax.random.normal(x, (s["batch"], length, s["kv_heads"], s["head_dim"])) for x in keys[1:3])
+  weights = jax.random.normal(keys[3], q.shape)
+  return q, k, v, weights
+
+
+def _attention_step(impl: str, length: int, **options):
+  """jit of (loss, dq, dk, dv) for Σ w ∘ attention(q, k, v): forward and backward."""
+  ranges = dict(key_start=jnp.zeros(ATTENTION_SHAPE["batch"], jnp.int32),
+                key_end=jnp.full(ATTENTION_SHAPE["batch"], length, jnp.int32))
+  fn = attention.reference if impl == "reference" else attention.chunked
+  loss = lambda q, k, v, w: jnp.sum(fn(q, k, v, **ranges, causal=True, **options) * w)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def attention_section(args) -> tuple[list[Table], list[Target]]:
+  mib = lambda n: n / 2**20
+  memory, rows = {}, []
+  for length in (2048, 4096, 8192):
+    inputs = _attention_inputs(length)
+    for impl in ("reference", "chunked"):
+      memory[impl, length] = temp_bytes(_attention_step(impl, length), *inputs)
+      rows.append((length, impl, mib(memory[impl, length])))
+  memory_table = Table("attention fwd+bwd: compiled temp memory (MiB), B=1 N=4 K=2 H=64 float32 causal",
+                       ("T", "impl", "temp MiB"), rows)
+
+  seconds, rows = {}, []
+  for length, variants in ((2048, ("reference", "chunked")), (4096, ("chunked", "chunked, no skipping"))):
+    inputs = _attention_inputs(length)
+    for name in variants:
+      impl = "reference" if name == "reference" else "chunked"
+      options = dict(skip_masked_blocks=False) if name.endswith("no skipping") else {}
+      seconds[name, length] = best_seconds(_attention_step(impl, length, **options), *inputs,
+                                             repeats=args.repeats)
+      rows.append((length, name, seconds[name, length]))
+  time_table = Table(f"attention fwd+bwd: time (s, best of {args.repeats}), {jax.devices()[0].platform}",
+                     ("T", "impl", "seconds"), rows)
+
+  targets = [
+      Target("attention temp @4096: chunked / reference", memory["chunked", 4096] / memory["reference", 4096],
+             "<=", 1 / 8),
+      Target("attention temp 8192 / 4096: chunked", memory["chunked", 8192] / memory["chunked", 4096], "<=", 2.5),
+      Target("attention temp 8192 / 4096: reference (≈ 4)",
+             memory["reference", 8192] / memory["reference", 4096], ">=", 3.0),
+      Target("attention time @2048: chunked / reference", seconds["chunked", 2048] / seconds["reference", 2048],
+             "<=", 1.5),
+      Target("attention time @4096: no skipping / skipping",
+             seconds["chunked, no skipping", 4096] / seconds["chunked", 4096], ">=", 1.6),
+  ]
+  return [memory_table, time_table], targets
+
+
+# Each section: (name, function(args) -> (tables, targets)). Later sections append here.
+SECTIONS: list[tuple[str, Callable]] = [
+    ("attention", attention_section),
+]
+
+
+def main(argv) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (best of)")
+  parser.add_argument("--only", nargs="*", default=None, help="section names to run (default: all)")
+  args = parser.parse_args(argv)
+  print(f"long sequences benchmark on {jax.devices()[0].device_kind} ({jax.devices()[0].platform})")
+  all_targets = []
+  for name, section in SECTIONS:
+    if args.only and name not in args.only:
+      continue
+    tables, targets = section(args)
+    for table in tables:
+      print_table(table)
+    all_targets += targets
+  print_table(targets_table(all_targets))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
