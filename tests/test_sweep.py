@@ -1,0 +1,124 @@
+"""`make sweep`: runs are real `python -m vapo_jax.main` subprocesses (one CPU device each).
+
+The micro sweep (two members of the toy sweep × two seeds × two RL steps, at smoke-test size) checks
+the files written (runs, logs, runs.csv, table.md, plots), that a rerun skips finished runs and
+still runs an unfinished one after a failure; it is marked slow (about 3 minutes on 2 free cores:
+each run is a fresh process that imports JAX and compiles or loads its programs). Runs that fail
+at once (a refused configuration) check, in the fast suite, that failures are reported with their
+logs and do not stop the others.
+"""
+
+import csv
+import io
+import os
+
+import numpy as np
+import pytest
+
+from vapo_jax import sweep
+
+pytest.importorskip("matplotlib")
+
+MEMBERS = "toy_vapo,toy_vapo_no_clip_higher"
+# Smoke-test size (experiments/smoke.py), one held-out evaluation during RL, and value pretraining on,
+# which GRPO (no critic) refuses: toy_grpo's runs fail at once with exit 2.
+MICRO = ["--smoke", "eval.every_steps=1", "algo.value_pretrain_steps=1"]
+
+
+def run_sweep(tmp_path, *args):
+  out = io.StringIO()
+  code = sweep.main(["toy", "--seeds", "0,1", "--root", str(tmp_path), *args, *MICRO], stream=out)
+  return code, out.getvalue()
+
+
+def mtimes(sweep_dir):
+  return {name: os.path.getmtime(sweep_dir / name / "summary.json")
+          for name in os.listdir(sweep_dir) if (sweep_dir / name / "summary.json").exists()}
+
+
+@pytest.mark.slow
+def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")  # The runs: one CPU device each (the tests' 8 are for this process).
+  sweep_dir = tmp_path / "toy"
+  runs = ["toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0", "toy_vapo_seed1", "toy_vapo_no_clip_higher_seed1"]
+
+  code, out = run_sweep(tmp_path, "--members", MEMBERS, "--jobs", "2")
+  assert code == 0, out
+  for name in runs:
+    assert (sweep_dir / name / "summary.json").exists(), out
+    assert (sweep_dir / name / "metrics.jsonl").exists()
+    assert "=== " in (sweep_dir / "logs" / f"{name}.log").read_text()  # The command line, then its output.
+  with open(sweep_dir / "runs.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["run"] for r in rows] == runs  # Seed by seed.
+  assert {r["status"] for r in rows} == {"done"}
+  for row in rows:
+    assert row["seed"] == row["run"][-1] and row["rl_steps"] == "2"
+    before, final, best, auc = (float(row[k]) for k in ("accuracy_before", "accuracy_final", "accuracy_best", "accuracy_auc"))
+    assert 0 <= min(before, final, best, auc) and max(before, final, best, auc) <= 1
+    assert best >= final
+  table = (sweep_dir / "table.md").read_text()
+  assert "| `toy_vapo` | 2 |" in table and "| `toy_vapo_no_clip_higher` | 2 |" in table
+  for name in ("heldout_accuracy", "response_length", "entropy", "explained_variance"):
+    assert (sweep_dir / "plots" / f"{name}.png").stat().st_size > 1000
+
+  # Rerun with a third member that fails (GRPO has no critic to pretrain: value_pretrain_steps=1 is
+  # refused) placed before the others, and one run made unfinished: the failures are reported with
+  # their logs, the finished runs are skipped, and the unfinished one still runs.
+  (sweep_dir / "toy_vapo_seed1" / "summary.json").unlink()
+  before = mtimes(sweep_dir)
+  code, out = run_sweep(tmp_path, "--members", "toy_grpo," + MEMBERS)
+  assert code == 1, out
+  for name in ("toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0", "toy_vapo_no_clip_higher_seed1"):
+    assert f"skip    {name}" in out
+  assert mtimes(sweep_dir).keys() - before.keys() == {"toy_vapo_seed1"}  # Ran again after grpo failed.
+  assert all(mtimes(sweep_dir)[name] == t for name, t in before.items())
+  for seed in (0, 1):
+    log = sweep_dir / "logs" / f"toy_grpo_seed{seed}.log"
+    assert f"failed: toy_grpo_seed{seed}: failed (exit 2); log: {log}" in out
+    assert "value_pretrain_steps" in log.read_text()
+  table = (sweep_dir / "table.md").read_text()
+  assert "| `toy_grpo` | 0 |" in table and "`toy_grpo_seed0`: failed (exit 2)" in table
+  assert "| `toy_vapo` | 2 |" in table  # The first member is still the reference (the sweep's order).
+
+
+def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
+  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo")
+  assert code == 1, out
+  names = ["toy_grpo_seed0", "toy_dapo_seed0", "toy_grpo_seed1", "toy_dapo_seed1"]
+  assert [line.split()[1] for line in out.splitlines() if line.startswith("FAILED")] == names
+  for name in names:
+    log = tmp_path / "toy" / "logs" / f"{name}.log"
+    assert f"failed: {name}: failed (exit 2); log: {log}" in out
+    assert "value_pretrain_steps must be 0 with estimator='group'" in log.read_text()
+  with open(tmp_path / "toy" / "runs.csv") as f:
+    assert [(r["run"], r["status"]) for r in csv.DictReader(f)] == [(n, "failed (exit 2)") for n in names]
+  table = (tmp_path / "toy" / "table.md").read_text()
+  assert "| `toy_grpo` | 0 |" in table and "`toy_dapo_seed1`: failed (exit 2)" in table
+
+
+def test_print_commands_and_bad_arguments(tmp_path, capsys):
+  out = io.StringIO()
+  assert sweep.main(["toy", "--seeds", "0,2", "--root", "runs/sweeps", "--print-commands", "rl_steps=5"], stream=out) == 0
+  lines = out.getvalue().splitlines()
+  assert len(lines) == 11 * 2
+  assert lines[0] == ("make train EXP=toy_vapo ARGS='seed=0 model.init_seed=0 data.seed=0 name=toy_vapo_seed0 "
+                      "run_dir=runs/sweeps/toy rl_steps=5'")
+  out = io.StringIO()
+  assert sweep.main(["toy", "--seeds", "1", "--members", "toy_ppo", "--smoke", "--print-commands"], stream=out) == 0
+  assert out.getvalue() == ("make train EXP=toy_ppo ARGS='seed=1 model.init_seed=1 data.seed=1 name=toy_ppo_seed1 "
+                            "run_dir=runs/sweeps/toy --smoke'\n")
+  assert lines[-1].startswith("make train EXP=toy_vapo_no_group_sampling ARGS='seed=2 ")
+  assert sweep.main(["no_such_sweep"]) == 2
+  assert sweep.main(["toy", "--members", "toy_vapo,nope"]) == 2
+  assert "nope" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    sweep.main(["toy", "--seeds", "0,0"])
+
+
+def test_area_under_curve_is_the_mean_height():
+  x, y = np.array([0.0, 10.0, 20.0, 40.0]), np.array([0.2, 0.4, 0.4, 0.8])
+  # Trapezoids: 10·0.3 + 10·0.4 + 20·0.6 = 19 over 40 steps.
+  assert sweep.area_under_curve(x, y) == pytest.approx(19 / 40)
+  assert sweep.area_under_curve(np.array([-2.0, 0.0, 4.0]), np.array([9.0, 0.5, 0.5])) == pytest.approx(0.5)
+  assert sweep.area_under_curve(np.array([0.0]), np.array([0.3])) == pytest.approx(0.3)

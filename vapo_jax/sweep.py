@@ -1,0 +1,350 @@
+"""`make sweep`: every member of a sweep × every seed as its own training run, then a table and plots.
+
+  make sweep SWEEP=toy SEEDS=0,1,2                  (one run after another)
+  make sweep SWEEP=toy SEEDS=0,1,2 JOBS=2           (two at once)
+  make sweep SWEEP=toy PRINT=1                      (print one `make train` line per run, run nothing)
+  make sweep SWEEP=toy SEEDS=0 SMOKE=1              (every member at smoke-test size: a minute a run)
+  python -m vapo_jax.sweep toy --seeds 0,1 --members toy_vapo,toy_ppo --jobs 2 [field.path=value ...]
+  python -m vapo_jax.sweep toy --report             (rebuild the table and plots from finished runs)
+
+A sweep is data: `experiments.SWEEPS[name]()` returns {member name: ExperimentConfig}. Each member ×
+seed S runs as `python -m vapo_jax.main --exp <member> seed=S model.init_seed=S data.seed=S
+name=<member>_seed<S> run_dir=runs/sweeps/<sweep> [overrides]` (the `make train` command) in a
+subprocess, its console output appended to `logs/<member>_seed<S>.log`. Runs go seed by seed
+(every member's seed 0 first), so a partial sweep already compares all members. A run whose
+directory holds `summary.json` is finished and skipped, so running the same command again resumes
+the sweep (an interrupted run resumes from its own checkpoint). A failed run is reported with its
+log and the others go on; the exit status is 1 if any failed. The runs share one XLA compilation
+cache, `<sweep dir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR is set), so a run compiles only
+the programs that differ from those of the runs before it.
+
+Written under runs/sweeps/<sweep>/ (after every finished run, so a long sweep can be read early):
+  runs.csv      one row per run: held-out accuracy before RL, final, best during RL, and the area
+                under the held-out accuracy curve over the RL steps divided by their number (the
+                mean accuracy during training), wall time, log
+  table.md      per member: mean ± sample std over seeds, and each mean's difference to the full
+                method (the sweep's first member), beside the paper's AIME 2024 score for that row
+  plots/*.png   held-out accuracy, response length, entropy and explained variance against the RL
+                step: one line per member (mean over seeds) with a band from the seeds' min to max
+"""
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from vapo_jax import plots
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_ROOT = os.path.join("runs", "sweeps")
+# (file name, title, y label, metric) of the sweep's plots.
+FIGURES = [("heldout_accuracy", "Held-out accuracy", "avg@k accuracy", "eval/accuracy"),
+           ("response_length", "Response length (training rollouts)", "tokens", "rollout/response_len_mean"),
+           ("entropy", "Policy entropy", "nats per token", "actor/entropy"),
+           ("explained_variance", "Critic explained variance (value pretraining at x < 0)",
+            "1 − Var[R − V] / Var[R]", "critic/explained_variance")]
+CSV_FIELDS = ["member", "seed", "run", "status", "rl_steps", "accuracy_before", "accuracy_final", "accuracy_best",
+              "accuracy_auc", "seconds", "log"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One member × seed of a sweep."""
+
+  member: str  # Experiment name (`--exp`).
+  seed: int
+  sweep_dir: str  # runs/sweeps/<sweep>: the runs' parent directory (`run_dir=`).
+
+  @property
+  def name(self) -> str:
+    return f"{self.member}_seed{self.seed}"
+
+  @property
+  def directory(self) -> str:
+    return os.path.join(self.sweep_dir, self.name)
+
+  @property
+  def log(self) -> str:
+    return os.path.join(self.sweep_dir, "logs", f"{self.name}.log")
+
+  @property
+  def finished(self) -> bool:
+    return os.path.isfile(os.path.join(self.directory, "summary.json"))
+
+  def overrides(self, extra: Sequence[str] = ()) -> list[str]:
+    seed = self.seed
+    return [f"seed={seed}", f"model.init_seed={seed}", f"data.seed={seed}", f"name={self.name}",
+            f"run_dir={self.sweep_dir}", *extra]
+
+  def argv(self, extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "vapo_jax.main", "--exp", self.member, *self.overrides(extra)]
+
+  def make_command(self, extra: Sequence[str] = ()) -> str:
+    return f"make train EXP={self.member} ARGS={shlex.quote(' '.join(self.overrides(extra)))}"
+
+
+def members_of(sweep: str) -> list[str]:
+  """The member names of registered sweep `sweep`, in its order (the first is the full method)."""
+  import experiments  # The registry lives beside the package, at the repository's top level.
+
+  if sweep not in experiments.SWEEPS:
+    raise KeyError(f"unknown sweep {sweep!r}; known: {', '.join(sorted(experiments.SWEEPS))}")
+  return list(experiments.SWEEPS[sweep]())
+
+
+def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str) -> list[Run]:
+  """Every member × seed, seed by seed."""
+  return [Run(member, seed, sweep_dir) for seed in seeds for member in members]
+
+
+# ------------------------------------------------------------------------------------ running
+def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on_done=None,
+            status: dict[str, str] | None = None, stream=sys.stdout) -> dict[str, str]:
+  """Runs the unfinished `runs`, `jobs` at a time; returns {run name: status}.
+
+  Status: "skipped" (finished before), "done", or "failed (exit N)", entered into `status` (when
+  given) as each run ends; then `on_done(run)` is called. Ctrl-C sends SIGTERM to the runs in
+  progress (each saves a checkpoint and stops) and waits for them.
+  """
+  status = {} if status is None else status
+  pending, active = [], {}
+  env = dict(os.environ)
+  if runs and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.abspath(runs[0].sweep_dir), "xla_cache")
+  for run in runs:
+    if run.finished:
+      status[run.name] = "skipped"
+      print(f"skip    {run.name} (finished: {run.directory}/summary.json)", file=stream, flush=True)
+    else:
+      pending.append(run)
+  total = len(pending)
+  try:
+    while pending or active:
+      while pending and len(active) < jobs:
+        run = pending.pop(0)
+        os.makedirs(os.path.dirname(run.log), exist_ok=True)
+        log = open(run.log, "a")
+        log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run.argv(extra))}\n")
+        log.flush()
+        process = subprocess.Popen(run.argv(extra), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)
+        active[process] = (run, log, time.perf_counter())
+        print(f"start   {run.name} [{total - len(pending)}/{total}] (log: {run.log})", file=stream, flush=True)
+      time.sleep(0.2)
+      for process in [p for p in active if p.poll() is not None]:
+        run, log, start = active.pop(process)
+        log.close()
+        seconds = time.perf_counter() - start
+        if process.returncode == 0 and run.finished:
+          status[run.name] = "done"
+          print(f"done    {run.name} in {seconds:.0f}s", file=stream, flush=True)
+        elif process.returncode in (75, 130):  # SIGTERM / Ctrl-C: checkpointed (`checkpointing`).
+          status[run.name] = f"stopped (exit {process.returncode})"
+          print(f"stopped {run.name} (exit {process.returncode}): checkpointed, run the sweep again to resume; "
+                f"log: {run.log}", file=stream, flush=True)
+        else:
+          why = f"exit {process.returncode}" if process.returncode else "exit 0 without summary.json"
+          status[run.name] = f"failed ({why})"
+          print(f"FAILED  {run.name} ({why}) after {seconds:.0f}s; log: {run.log}", file=stream, flush=True)
+        if on_done is not None:
+          on_done(run)
+  except KeyboardInterrupt:
+    for process, (run, log, _) in active.items():
+      process.send_signal(signal.SIGTERM)  # The trainer checkpoints and exits 75; rerun to resume.
+    for process, (run, log, _) in active.items():
+      process.wait()
+      log.close()
+      print(f"stopped {run.name} (exit {process.returncode}); run the sweep again to resume", file=stream)
+    raise
+  return status
+
+
+# ---------------------------------------------------------------------------------- reporting
+def run_result(run: Run) -> tuple[dict, dict[str, plots.Curve]]:
+  """A run's CSV row (without status) and its curves on the RL-steps-done axis."""
+  row = {"member": run.member, "seed": run.seed, "run": run.name, "log": run.log}
+  path = os.path.join(run.directory, "metrics.jsonl")
+  curves = plots.run_curves(plots.read_metrics(path)) if os.path.isfile(path) else {}
+  if "eval/accuracy" in curves:
+    x, y = curves["eval/accuracy"]
+    during = x > 0
+    row |= {"rl_steps": int(x[-1]), "accuracy_final": float(y[-1]),
+            "accuracy_before": float(y[x == 0][0]) if np.any(x == 0) else None,
+            "accuracy_best": float(y[during].max()) if np.any(during) else None,
+            "accuracy_auc": area_under_curve(x, y)}
+  summary = os.path.join(run.directory, "summary.json")
+  if os.path.isfile(summary):
+    with open(summary) as f:
+      row["seconds"] = json.load(f).get("seconds")
+  return row, curves
+
+
+def area_under_curve(x: np.ndarray, y: np.ndarray) -> float | None:
+  """Trapezoid area under y(x) over x ≥ 0, divided by the x range: the curve's mean height."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  keep = x >= 0
+  x, y = x[keep], y[keep]
+  if len(x) < 2 or x[-1] == x[0]:
+    return float(y[0]) if len(y) else None
+  return float(np.sum((x[1:] - x[:-1]) * (y[1:] + y[:-1]) / 2) / (x[-1] - x[0]))
+
+
+def _stats(values: list) -> tuple[float, float, int] | None:
+  values = [v for v in values if v is not None]
+  if not values:
+    return None
+  return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else float("nan"), len(values)
+
+
+def _fmt(stats, digits: int = 3) -> str:
+  if stats is None:
+    return "–"
+  mean, std, n = stats
+  return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict]) -> str:
+  """Mean ± std over seeds of each member's finished runs, and the difference of means to the first."""
+  from experiments import variants
+
+  done = [r for r in rows if r.get("status") in ("done", "skipped")]
+  columns = ["accuracy_before", "accuracy_final", "accuracy_best", "accuracy_auc"]
+  by_member = {m: {c: _stats([r.get(c) for r in done if r["member"] == m]) for c in columns} for m in members}
+  reference = by_member[members[0]]
+  lines = [f"# Sweep `{sweep}`", "",
+           f"Held-out accuracy of finished runs: mean ± sample std over seeds. Δ: difference of the mean to "
+           f"`{members[0]}` (the full method). AUC: area under the held-out accuracy curve over the RL steps "
+           "divided by their number. Paper: AIME 2024 avg@32 of the same row (Qwen2.5-32B; arXiv 2504.05118).", "",
+           "| member | seeds | before RL | final | best | AUC | Δ final | Δ AUC | paper |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+  for member in members:
+    stats = by_member[member]
+    seeds = sum(1 for r in done if r["member"] == member)
+    delta = []
+    for column in ("accuracy_final", "accuracy_auc"):
+      if member == members[0] or stats[column] is None or reference[column] is None:
+        delta.append("–")
+      else:
+        delta.append(f"{stats[column][0] - reference[column][0]:+.3f}")
+    paper = variants.paper_score(member)
+    lines.append(f"| `{member}` | {seeds} | " + " | ".join(_fmt(stats[c]) for c in columns) + " | "
+                 + " | ".join(delta) + f" | {'–' if paper is None else paper} |")
+  missing = [r for r in rows if r.get("status") not in ("done", "skipped")]
+  if missing:
+    lines += ["", "Not finished (left out above):", ""]
+    lines += [f"- `{r['run']}`: {r.get('status', 'not run')}; log `{r['log']}`" for r in missing]
+  lines += ["", "Plots: " + ", ".join(f"[{name}](plots/{name}.png)" for name, *_ in FIGURES), ""]
+  return "\n".join(lines)
+
+
+def write_report(sweep: str, members: Sequence[str], runs: Sequence[Run], status: dict[str, str],
+                 sweep_dir: str, *, stream=sys.stdout) -> dict[str, str]:
+  """Writes runs.csv, table.md and plots/*.png; returns {what: path}."""
+  rows, curves = [], {}
+  for run in runs:
+    row, run_curves = run_result(run)
+    row["status"] = status.get(run.name, "done" if run.finished else "not run")
+    rows.append(row)
+    if run.finished:
+      for _, _, _, metric in FIGURES:
+        if metric in run_curves:
+          curves.setdefault(metric, {}).setdefault(run.member, []).append(run_curves[metric])
+  os.makedirs(sweep_dir, exist_ok=True)
+  written = {"csv": os.path.join(sweep_dir, "runs.csv"), "table": os.path.join(sweep_dir, "table.md")}
+  with open(written["csv"] + ".tmp", "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+  os.replace(written["csv"] + ".tmp", written["csv"])
+  with open(written["table"] + ".tmp", "w") as f:
+    f.write(markdown_table(sweep, members, rows))
+  os.replace(written["table"] + ".tmp", written["table"])
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    print('note: no plots (matplotlib is missing: pip install -e ".[plot]")', file=stream)
+    return written
+  for filename, title, ylabel, metric in FIGURES:
+    lines = {member: curves[metric][member] for member in members if member in curves.get(metric, {})}
+    if lines:
+      written[filename] = plots.plot_curves(lines, title=f"{sweep}: {title}", ylabel=ylabel,
+                                            path=os.path.join(sweep_dir, "plots", f"{filename}.png"))
+  return written
+
+
+# --------------------------------------------------------------------------------------- main
+def _seeds(text: str) -> list[int]:
+  try:
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}")
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise argparse.ArgumentTypeError(f"--seeds needs distinct non-negative integers, got {text!r}")
+  return seeds
+
+
+def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
+  parser = argparse.ArgumentParser(prog="python -m vapo_jax.sweep", description=__doc__.split("\n\n")[0])
+  parser.add_argument("sweep", help="a registered sweep (experiments.SWEEPS), e.g. toy")
+  parser.add_argument("overrides", nargs="*", help="field.path=value overrides for every run")
+  parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
+  parser.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
+  parser.add_argument("--members", help="comma-separated subset of the sweep's members (default: all)")
+  parser.add_argument("--root", default=DEFAULT_ROOT, help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
+  parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
+  parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
+  parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
+  args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.
+  try:
+    members = members_of(args.sweep)
+  except KeyError as e:
+    print(f"error: {e.args[0]}", file=sys.stderr)
+    return 2
+  if args.members:
+    chosen = [m.strip() for m in args.members.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in members]
+    if unknown:
+      print(f"error: {', '.join(unknown)} not in sweep {args.sweep!r} (members: {', '.join(members)})", file=sys.stderr)
+      return 2
+    members = [m for m in members if m in chosen]  # The sweep's order: its first member is the reference.
+  if args.jobs < 1:
+    print(f"error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+    return 2
+  bad = [o for o in args.overrides if "=" not in o]
+  if bad:
+    print(f"error: overrides look like field.path=value, got {', '.join(bad)}", file=sys.stderr)
+    return 2
+  sweep_dir = os.path.join(args.root, args.sweep)
+  extra = ["--smoke"] * args.smoke + args.overrides
+  if args.print_commands:
+    for run in plan(members, args.seeds, sweep_dir):
+      print(run.make_command(extra), file=stream)
+    return 0
+  status: dict[str, str] = {}
+  runs = plan(members, args.seeds, os.path.abspath(sweep_dir))  # Absolute: the runs start in the repository root.
+  if not args.report:
+    start = time.perf_counter()
+    print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs, "
+          f"{args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
+    report = lambda _: write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
+    execute(runs, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
+    print(f"sweep {args.sweep}: {time.perf_counter() - start:.0f}s", file=stream)
+  written = write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
+  print("\n".join(f"{what}: {path}" for what, path in written.items()), file=stream)
+  failed = [run for run in runs if status.get(run.name, "").startswith(("failed", "stopped"))]
+  for run in failed:
+    print(f"failed: {run.name}: {status[run.name]}; log: {run.log}", file=stream)
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
