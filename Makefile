@@ -52,6 +52,14 @@ plot:  ## PNG curves of a run's metrics.jsonl: RUN=runs/<name> (written to RUN/p
 	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
 	$(PY) -m vapo_jax.plots $(RUN) $(if $(OUT),--out $(OUT))
 
+SEEDS ?= 0,1,2
+JOBS ?= 1
+.PHONY: sweep
+sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/sweeps/SWEEP/ (table.md, runs.csv, plots/); PRINT=1: list the runs.
+	@test -n "$(SWEEP)" || { echo "make sweep needs SWEEP=<name>, e.g. make sweep SWEEP=toy SEEDS=0,1,2 (registered: experiments/__init__.py SWEEPS)"; exit 2; }
+	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
+	$(if $(PRINT),@)$(PY) -m vapo_jax.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
+
 .PHONY: memory
 memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=64,tensor=4) with DEVICE_GIB per chip; exit 1 if over.
 	$(PY) -m vapo_jax.memory_plan --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
