@@ -150,7 +150,11 @@ class _Plan(NamedTuple):
 
 def chunked(q, k, v, *, key_start, key_end, query_offset=0, causal: bool = True,
             block_q: int = BLOCK_Q, block_k: int = BLOCK_K, skip_masked_blocks: bool = True) -> jax.Array:
-  """Flash attention in pure JAX; memory O(T·(H + block)) instead of O(T·S) (see module doc)."""
+  """Flash attention in pure JAX (see the module doc): memory O(T·H), not O(T·S).
+
+  Forward+backward needs about seven float32 copies of q (7 · 4·B·T·N·H bytes: padded and
+  transposed q and dO, out, dq, dk, dv) besides its inputs, and per block pair a few float32
+  `[B, N, block_q, block_k]` tiles (benchmarks/long_seq_bench.py measures it)."""
   b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   bq, bk = min(block_q, t), min(block_k, s)
@@ -339,13 +343,17 @@ def splash(q, k, v, *, key_start, key_end, causal: bool = True, block: int = 512
   """Whole-sequence attention (T = S, a multiple of 128) by the Pallas TPU splash kernel.
 
   Real tokens are segment 1 and padding segment 0, so padding never mixes with real tokens;
-  padding rows are zeroed. `interpret=True` runs the kernel in the Pallas interpreter (tests)."""
+  padding rows are zeroed. `interpret=True` runs the kernel in the Pallas interpreter (tests).
+  One device only: a Mosaic kernel is not partitioned by XLA, so several devices are refused."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
   b, t, n, h = q.shape
   if t % 128:
     raise ValueError(f"splash needs a sequence length that is a multiple of 128, got {t}")
+  if jax.device_count() > 1 and not interpret:
+    raise ValueError(f"splash is a Mosaic kernel that XLA cannot partition over {jax.device_count()} devices "
+                     "(it needs a shard_map over the batch, not wired here)")
   size = max(d for d in (block, 256, 128) if t % d == 0 and d <= t)
   head_mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
   sizes = kernels.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
