@@ -5,8 +5,9 @@
 Each section measures on this machine and returns tables; one printer formats them all, and a
 "targets" table gives each ratio with its target and whether it is met. Memory is XLA's compiled
 `memory_analysis().temp_size_in_bytes` (the scratch a program needs besides its inputs and
-outputs); time is the best wall time of `--repeats` jitted calls after a warm-up call (the best, not the
-median: other processes on a shared machine only ever add time).
+outputs); time is the best wall time of `--repeats` jitted calls after a warm-up call, the variants
+compared called in turn (the best, not the median: other processes on a shared machine only ever
+add time).
 
 Sections:
   attention   forward+backward of `models/attention.py`: `chunked` against the dense `reference`
@@ -63,14 +64,18 @@ def targets_table(targets: list[Target]) -> Table:
   return Table("targets", ("ratio", "measured", "target", "met"), rows)
 
 
-def best_seconds(fn: Callable, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def best_seconds(fns: dict[str, Callable], *args, repeats: int) -> dict[str, float]:
+  """Best wall time of each function, calls interleaved (a, b, a, b, ...) after a warm-up call each,
+  so that the ratio of two is measured side by side under the same load."""
+  for fn in fns.values():
     jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return min(times)
+  best = {name: float("inf") for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      best[name] = min(best[name], time.perf_counter() - start)
+  return best
 
 
 def temp_bytes(fn: Callable, *args) -> int:
@@ -113,13 +118,12 @@ def attention_section(args) -> tuple[list[Table], list[Target]]:
 
   seconds, rows = {}, []
   for length, variants in ((2048, ("reference", "chunked")), (4096, ("chunked", "chunked, no skipping"))):
-    inputs = _attention_inputs(length)
-    for name in variants:
-      impl = "reference" if name == "reference" else "chunked"
-      options = dict(skip_masked_blocks=False) if name.endswith("no skipping") else {}
-      seconds[name, length] = best_seconds(_attention_step(impl, length, **options), *inputs,
-                                             repeats=args.repeats)
-      rows.append((length, name, seconds[name, length]))
+    steps = {name: _attention_step("reference" if name == "reference" else "chunked", length,
+                                   **(dict(skip_masked_blocks=False) if name.endswith("no skipping") else {}))
+             for name in variants}
+    for name, best in best_seconds(steps, *_attention_inputs(length), repeats=args.repeats).items():
+      seconds[name, length] = best
+      rows.append((length, name, best))
   time_table = Table(f"attention fwd+bwd: time (s, best of {args.repeats}), {jax.devices()[0].platform}",
                      ("T", "impl", "seconds"), rows)
 
