@@ -12,7 +12,7 @@ A problem with k terms needs k − 1 steps; its response length grows several-fo
 `max_terms` terms (quadratically), and longer problems are harder (more steps to get right). Answers are integers,
 scored by the same verifier as real math data (the `Answer:` line).
 
-The "chain" task (`experiments/toy.py`) writes a running total instead, one addition per line,
+The "chain" task writes a running total instead (a linear-length alternative), one addition per line,
 so the response grows linearly, about 8 bytes a term: "7+5+9+3=" →
 
   7+5=12
