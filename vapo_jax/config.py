@@ -151,7 +151,10 @@ class RolloutConfig:
   samples_per_prompt: int = 16  # G: responses sampled per prompt (1: no group sampling).
   max_prompt_tokens: int = 2048  # Longer prompts are rejected when the data is loaded.
   max_response_tokens: int = 20480  # Generation stops here (finish reason "length").
-  temperature: float = 1.0  # Sampling temperature (0: greedy).
+  # Sampling temperature (0: greedy). The trainer's log-probs (PPO ratio, NLL, KL) are of the
+  # untempered policy π_θ, the one evaluated and exported; verl tempers them (logits / T). At the
+  # paper's T = 1, the two agree; at T ≠ 1 ours treat the tempered samples as π_old's.
+  temperature: float = 1.0
   top_p: float = 1.0  # Nucleus sampling mass (1: off).
   top_k: int = 0  # Top-k sampling (0: off).
   stop_token_ids: tuple[int, ...] = ()  # Stop tokens besides the tokenizer's EOS.

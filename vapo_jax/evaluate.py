@@ -198,7 +198,8 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   e, r = config.eval, config.rollout
   if not e.path:
     raise data.DataError("generating evaluation samples needs eval.path (the problems)")
-  model = checkpoint.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+  model = checkpoint.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+                                    attention=config.model.attention)
   tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
   tok_lib.check_tokenizer_matches(model.cfg, tokenizer, checkpoint_dir)
   rows = problems.load_problems(e.path, config, tokenizer)[:e.max_problems]
