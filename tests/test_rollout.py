@@ -171,8 +171,8 @@ def test_metrics(model):
 
 
 def test_rounds_sample_like_one_call(model):
-  whole = run(model, PROMPTS, group=2, key=4)
-  rounds = run(model, PROMPTS, group=2, key=4, engine=generation.Engine(kind="static", prompts_per_round=2))
+  whole = run(model, PROMPTS, group=3, key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
+  rounds = run(model, PROMPTS, group=3, key=7, engine=generation.Engine(kind="static", prompts_per_round=2))
   np.testing.assert_array_equal(rounds.response_tokens, whole.response_tokens)
   np.testing.assert_allclose(rounds.policy_logprobs, whole.policy_logprobs, atol=1e-5)
 
