@@ -43,19 +43,20 @@ def vapo() -> ExperimentConfig:
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,
           loss_agg="token-mean", positive_nll_coef=0.1, kl_coef=0.0, mini_batch_responses=512,
-          micro_batch_responses=64,
+          micro_batch_responses=None,  # The whole mini-batch at once: 2 sequences per chip on 256 chips.
       ),
       # Warm-up over 20 RL steps of 16 updates (DAPO's recipe counts 20 rollout steps; the VAPO paper
       # gives none). The critic's is spent in its 50 value-pretraining steps (see OptimizerConfig).
       optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_updates=20 * 16),
-      # Generation in rounds of 32 prompts × 16 samples keeps the KV cache at 44 GiB per chip on
-      # 256 chips (`make memory EXP=aime MESH=fsdp=64,tensor=4 DEVICE_GIB=95`).
+      # 16 sequences per chip decode at once, an 88 GiB KV cache on 256 chips: the static engine in
+      # rounds of 256 prompts × 16 samples, the refill engine in 16 slots per chip
+      # (`make memory EXP=aime MESH=fsdp=256 DEVICE_GIB=95`).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=32, kv_cache_budget_gib=60.0),
-      # FSDP over the remaining devices × 4-way tensor parallelism (splits attention heads: a
-      # 22528-token sequence's attention does not fit one chip otherwise); one sequence per chip.
-      mesh=MeshConfig(preset="fsdp_tp", data=1, fsdp=-1, tensor=4),
+                            prompts_per_generation=256, kv_cache_budget_gib=89.0),
+      # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
+      # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.
+      mesh=MeshConfig(preset="fsdp", data=1, fsdp=-1, tensor=1),
       data=DataConfig(train_path=DAPO_MATH_17K),
       eval=EvalConfig(path=AIME_2024, samples_per_problem=32, temperature=1.0, top_p=0.7),
   )

@@ -8,26 +8,30 @@ memory, naming the settings that would fix it and the values they would need. No
 allocated: parameter shapes come from `nnx.eval_shape`, everything else from the config's sizes.
 
 What is counted, following the code as it is (`trainer.py`, `experience.py`, `train_step.py`,
-`rollout.py`; change this file with them):
+`rollout.py`, `refill.py`, `models/`; change this file with them):
 
 - Resident in every phase: actor and critic parameters (`model.param_dtype`) and their AdamW
   moments (two float32 per parameter; the trainer builds the critic even when `algo.estimator`
   is "group"), and the reference policy (a copy of the actor's parameters) when `algo.kl_coef` > 0.
 - Phases run one after another, so the device needs the largest, not their sum:
-  rollout (the KV cache of every sequence of the step, `rollout.cache_bytes`, and the prefill),
-  scoring (old log-probs, values, reference log-probs: forward passes over the rollout batch in
-  micro-batches of `algo.micro_batch_responses`, `train_step.logprobs_and_entropy`), the actor update and the critic update (separate jitted
-  calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
+  rollout (`rollout_phase`: the KV cache of the sequences decoded at once, `rollout.cache_bytes`,
+  in the refill engine's slots plus every prompt's prefilled cache, or one static round's; and
+  the prefill, whose logits are the last position's only), scoring (old log-probs, values,
+  reference log-probs: forward passes over the rollout batch in micro-batches of
+  `algo.micro_batch_responses`, `train_step.logprobs_and_entropy`), the actor update and the
+  critic update (separate jitted calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
   are one micro-batch's; the gradient accumulator in the parameter dtype plus one micro-batch's
   gradient; a float32 parameter-sized AdamW update), and the supervised warm start when
   configured (micro-batches of min(micro-batch, `sft.batch_size`), with its own AdamW moments).
 - Sequences are `prompt_bucket(rollout.max_prompt_tokens)` + `rollout.max_response_tokens`
   tokens (the worst case). A batch axis is split over the data × fsdp devices when it divides
   evenly and replicated otherwise, as `sharding.partition_spec` does; tensor parallelism
-  (`fsdp_tp`) splits the activations' heads, MLP width and vocabulary, not the KV cache.
-- Activations: `models.memory.activation_memory` (materialised float32 attention scores and
-  float32 logits, as the model computes them; within 1.5× of XLA:CPU). FSDP gathers weights in
-  the compute dtype: two layers in flight (and one layer's gradient), plus the output projection.
+  (`fsdp_tp`) splits the activations' heads and MLP width, not the KV cache.
+- Activations: `models.memory.activation_memory` (flash attention unless `model.attention` is
+  "reference", whose float32 `[N, T, T]` scores it then counts; log-probs from vocabulary blocks
+  of B·`model.logits_chunk`·V float32 logits; within 1.5× of XLA:CPU in float32, up to 4,096
+  tokens). FSDP gathers weights in the compute dtype: two layers in flight (and one layer's
+  gradient), plus the output projection, gathered whole for the log-probs' vocabulary blocks.
 
 Not counted: XLA's workspace, fragmentation and collective buffers, evaluation rollouts (their
 batch depends on the eval file), host memory. GiB are 2^30 bytes."""
@@ -43,7 +47,7 @@ from flax import nnx
 
 from vapo_jax import rollout
 from vapo_jax.config import ConfigError, ExperimentConfig
-from vapo_jax.models import memory, sharding
+from vapo_jax.models import attention, memory, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 
@@ -132,6 +136,49 @@ def _parameters(cfg: TransformerConfig, cls, param_dtype: str, preset_name: str,
   return _PARAMETERS[key]
 
 
+def refill_slots(config: ExperimentConfig, cfg: TransformerConfig, devices: int) -> int:
+  """Decode slots of the refill engine over `devices` batch devices, as `generation.engine_for`
+  chooses them (at least one per device); 0 when the static engine runs (or every sequence has a slot)."""
+  r = config.rollout
+  prompt_len, sequences = rollout.prompt_bucket(r.max_prompt_tokens), r.prompts_per_step * r.samples_per_prompt
+  if r.engine != "refill":
+    return 0
+  per_sequence = rollout.cache_bytes(cfg, batch=1, prompt_tokens=prompt_len, max_new_tokens=r.max_response_tokens,
+                                     dtype=jnp.dtype(config.model.dtype))
+  slots = r.slots or max(1, min(-(-sequences // devices), int(r.kv_cache_budget_gib * GIB) // per_sequence)) * devices
+  return slots if slots < sequences else 0
+
+
+def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, rows, activations, batch_rows: int) -> Phase:
+  """The rollout: the prefill (last-position logits only) and the KV cache of the sequences decoded
+  at once. The refill engine (`rollout.engine`) decodes in `slots` rows (`rollout.slots`, else as
+  many as `kv_cache_budget_gib` holds) and keeps every prompt's prefilled cache; the static one
+  generates in rounds of `prompts_per_generation` prompts × G samples."""
+  r, dtype = config.rollout, jnp.dtype(config.model.dtype)
+  prompt_len = rollout.prompt_bucket(r.max_prompt_tokens)
+  tokens, sequences = prompt_len + r.max_response_tokens, r.prompts_per_step * r.samples_per_prompt
+  kv = lambda n, slots: rollout.cache_bytes(cfg, batch=n, prompt_tokens=slots, max_new_tokens=0, dtype=dtype,
+                                            devices=n // rows(n))
+  slots = refill_slots(config, cfg, sequences // rows(sequences))
+  if slots:
+    prefill = activations(cfg, r.prompts_per_step, backward=False, head="last_logits", length=prompt_len, scored=0)
+    detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples through {slots} refill slots, "
+              f"{rows(slots)} per device")
+    items = (Item("kv_cache", f"KV cache of the slots ({config.model.dtype}, {tokens} slots each)", kv(slots, tokens)),
+             Item("prompt_cache", f"prefilled prompts' KV cache ({prompt_len} slots each)",
+                  kv(r.prompts_per_step, prompt_len)))
+  else:
+    per_call = r.prompts_per_generation or r.prompts_per_step  # Prompts per generation round.
+    generated = per_call * r.samples_per_prompt
+    prefill = activations(cfg, per_call, backward=False, head="last_logits", length=prompt_len, scored=0)
+    detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples in rounds of {per_call} prompts, "
+              f"{rows(generated)} sequences per device")
+    items = (Item("kv_cache", f"KV cache ({config.model.dtype}, {tokens} slots)", kv(generated, tokens)),)
+  return Phase("rollout", detail, items + (
+      Item("prefill", "prefill activations (one layer's; last-position logits)", prefill.total),
+      Item("samples", "sampled tokens and log-probs", batch_rows * r.max_response_tokens * 12)))
+
+
 def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   """The memory plan of `config` on a mesh of this shape (axes data, fsdp, tensor; missing: 1)."""
   mesh = tuple((a, int(mesh_shape.get(a, 1))) for a in sharding.MESH_AXES)
@@ -149,30 +196,34 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   responses, micro = r.responses_per_step, algo.micro_batch_responses or algo.mini_batch_responses
   rows = lambda n: memory.local_shape((n,), ("batch",), rules, shape)[0]
 
-  def activations(cfg, n, *, remat=m.remat, backward=True, value_head=False, length=tokens, scored=resp):
-    heads, kv, mlp, vocab = (memory.local_shape((n,), (axis,), rules, shape)[0] for n, axis in (
+  def activations(cfg, n, *, remat=m.remat, backward=True, head="logprobs", length=tokens, scored=resp):
+    heads, kv, mlp, embed = (memory.local_shape((n,), (axis,), rules, shape)[0] for n, axis in (
         (cfg.num_heads, "act_heads"), (cfg.num_kv_heads, "act_kv_heads"), (cfg.intermediate_size, "act_mlp"),
-        (cfg.vocab_size, "act_vocab")))
-    return memory.activation_memory(cfg, rows=rows(n), tokens=length, scored_tokens=scored, dtype_bytes=e,
-                                    remat=remat, backward=backward, value_head=value_head, heads=heads,
-                                    kv_heads=kv, mlp=mlp, vocab=vocab)
+        (cfg.hidden_size, "embed")))
+    return memory.activation_memory(
+        cfg, rows=rows(n), tokens=length, scored_tokens=scored, dtype_bytes=e, remat=remat, backward=backward,
+        head=head, dense_attention=m.attention == "reference", attention_block=(attention.BLOCK_Q, attention.BLOCK_K),
+        logits_chunk=m.logits_chunk, heads=heads, kv_heads=kv, mlp=mlp, embed=embed)
 
   def gathered(cfg, *, backward: bool, value_head: bool = False) -> int:
+    """Weights FSDP gathers in the compute dtype: two layers in flight (and one layer's gradient),
+    and the output projection, gathered whole for the log-probs' vocabulary blocks."""
     if shape["fsdp"] == 1:
       return 0
     layer = memory.layer_weight_count(cfg) * e // shape["tensor"]
-    output = 0 if value_head else cfg.vocab_size * cfg.hidden_size * e // shape["tensor"]
-    return (3 * layer + 2 * output) if backward else (2 * layer + output)
+    output = 0 if value_head else cfg.vocab_size * cfg.hidden_size * e
+    return (3 * layer if backward else 2 * layer) + output
 
   def forward(name, cfg, *, value_head=False) -> tuple[Item, ...]:
-    act = activations(cfg, micro, backward=False, value_head=value_head)
-    head = "values" if value_head else "logits, log-softmax, entropy"
-    return (Item("activations", f"{name}: activations (one layer's, or the {head.split(',')[0]})", act.total),
+    act = activations(cfg, micro, backward=False, head="values" if value_head else "logprobs")
+    head = "values" if value_head else "log-probs and entropy from logit blocks"
+    return (Item("activations", f"{name}: activations (one layer's, or the {head.split(' and')[0]})", act.total),
             Item("head", f"  {head}", act.head, counted=False),
             Item("gathered", f"{name}: FSDP-gathered weights", gathered(cfg, backward=False, value_head=value_head)))
 
   def update(name, cfg, params, n, *, value_head=False, extra=()) -> Phase:
-    on, off = (activations(cfg, n, remat=x, value_head=value_head) for x in (m.remat, not m.remat))
+    head = "values" if value_head else "logprobs"
+    on, off = (activations(cfg, n, remat=x, head=head) for x in (m.remat, not m.remat))
     with_on, with_off = ("with", "without") if m.remat else ("without", "with")
     return Phase(f"{name} update", f"micro-batch {n} sequences, {rows(n)} per device", tuple(extra) + (
         Item("grads", f"gradients: accumulator + one micro-batch ({m.param_dtype})", 2 * params.grad_bytes),
@@ -183,29 +234,18 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
              on.stored, counted=False),
         Item("layer", "  working set: one layer's backward" + (" (recomputed)" if m.remat else ""), on.layer,
              counted=False),
-        Item("head", "  working set: " + ("values" if value_head else "logits, log-softmax, gradients (float32)"),
+        Item("head", "  working set: " + ("values" if value_head else "logit blocks, gradients (float32)"),
              on.head, counted=False),
         Item("activations_other", f"activations {with_off} remat", off.total, counted=False,
              note="  (not counted)")))
 
   batch_rows = rows(responses)
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * tokens + 25 * resp))
-  per_call = r.prompts_per_generation or r.prompts_per_step  # Prompts per generation round.
-  generated = per_call * r.samples_per_prompt
-  kv = rollout.cache_bytes(actor_cfg, batch=generated, prompt_tokens=prompt_len, max_new_tokens=resp,
-                           dtype=jnp.dtype(m.dtype), devices=generated // rows(generated))
-  prefill = activations(actor_cfg, per_call, backward=False, length=prompt_len, scored=0)
-  scoring = [forward("actor", actor_cfg), forward("critic", critic_cfg, value_head=True)]
-  phases = [
-      Phase("rollout", f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples in rounds of {per_call} "
-                       f"prompts, {rows(generated)} sequences per device", (
-          Item("kv_cache", f"KV cache ({m.dtype}, {tokens} slots)", kv),
-          Item("prefill", "prefill activations (one layer's, or the logits)", prefill.total),
-          Item("samples", "sampled tokens and log-probs", batch_rows * resp * 12))),
-      Phase("scoring", f"micro-batches of {micro} sequences, {rows(micro)} per device",
-            (train_batch,) + max(scoring, key=lambda items: sum(i.bytes for i in items))),
-      update("actor", actor_cfg, actor_p, micro, extra=(train_batch,)),
-  ]
+  phases = [rollout_phase(config, actor_cfg, rows, activations, batch_rows),
+            Phase("scoring", f"micro-batches of {micro} sequences, {rows(micro)} per device",
+                  (train_batch,) + max([forward("actor", actor_cfg), forward("critic", critic_cfg, value_head=True)],
+                                       key=lambda items: sum(i.bytes for i in items))),
+            update("actor", actor_cfg, actor_p, micro, extra=(train_batch,))]
   if algo.uses_critic:
     phases.append(update("critic", critic_cfg, critic_p, micro, value_head=True, extra=(train_batch,)))
   if config.sft.path and config.sft.steps:
@@ -322,8 +362,13 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
     mini = math.gcd(c.algo.mini_batch_responses, n * c.rollout.samples_per_prompt)
     micro = c.algo.micro_batch_responses and math.gcd(c.algo.micro_batch_responses, mini)
     return {"rollout__prompts_per_step": n, "algo__mini_batch_responses": mini, "algo__micro_batch_responses": micro}
-  if phase == "rollout" and (fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts),
-                                               lambda n: {"rollout__prompts_per_generation": n})):
+  devices = mesh["data"] * mesh["fsdp"]  # The slots are split over the batch axes.
+  slots = refill_slots(c, model_configs(c)[0], devices)
+  if phase == "rollout" and slots and (fit := _first_fit(p, phase, budget, range(slots - devices, 0, -devices),
+                                                         lambda n: {"rollout__slots": n})):
+    fixes.append(f"fewer refill slots: rollout.slots={fit[0]} {effect(fit[1])}")
+  if phase == "rollout" and not slots and (fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts),
+                                                             lambda n: {"rollout__prompts_per_generation": n})):
     fixes.append(f"generate in rounds: rollout.prompts_per_generation={fit[0]} {effect(fit[1])}")
   if fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts), fewer):
     mini = fit[1].config.algo.mini_batch_responses
@@ -362,7 +407,7 @@ def main(argv: list[str]) -> int:
 
   Plans for `--mesh` (axes not named: 1), else for the configured mesh on this machine's devices;
   prints the plan and the verdict. Exit status 1 when it does not fit, 2 on a bad argument."""
-  from vapo_jax import main as main_lib
+  from vapo_jax import cli
 
   args, options = list(argv), {"--mesh": "", "--device-gib": ""}
   for flag in options:
@@ -371,7 +416,7 @@ def main(argv: list[str]) -> int:
       options[flag] = args[i + 1] if i + 1 < len(args) else ""
       del args[i:i + 2]
   try:
-    config, _ = main_lib.resolve(args)
+    config, _ = cli.resolve(args)
     if options["--device-gib"]:
       config = dataclasses.replace(config, mesh=dataclasses.replace(
           config.mesh, device_memory_gib=float(options["--device-gib"])))

@@ -1,22 +1,31 @@
-"""Log-probabilities and entropy of tokens from hidden states, in sequence chunks: no `[B, T, V]` logits.
+"""Log-probabilities and entropy of tokens from hidden states, without `[B, T, V]` logits.
 
-Training needs from the policy's logits z_t = h_t·W (`[V]` per token) only two numbers per token:
+Training needs from the policy's logits z_t = h_t·W (`[V]` per token) two numbers per token:
 
   log π(o_t) = z_t[o_t] − logsumexp(z_t)
   H_t        = logsumexp(z_t) − Σ_v softmax(z_t)_v · z_t,v      (the entropy, optional)
 
-`token_logprobs_entropy` computes them `chunk` positions at a time from hidden states
-`[B, T, D]` and the output kernel: each chunk's logits `[B, chunk, V]` exist in float32 (matmul
-accumulated in float32, `preferred_element_type`) only while that chunk is processed. The
-gradient is a custom VJP that recomputes each chunk's logits in the backward pass (remat: nothing
-vocabulary-sized is kept between the passes, only logsumexp and H per token) and applies
+`token_logprobs_entropy` computes them from hidden states `[B, T, D]` and the output kernel with
+at most B·`chunk`·V float32 logits alive at a time (matmuls accumulated in float32,
+`preferred_element_type`). The logits are tiled along the vocabulary: V/Vb blocks of Vb =
+⌈V·chunk/T⌉ columns, each `[B, T, Vb]`, reduced by an online logsumexp (running max m,
+Σ e^(z−m), Σ e^(z−m)·z and the chosen token's logit). The gradient is a custom VJP that
+recomputes each block's logits (remat: only logsumexp and H per token are kept between the
+passes) and applies
 
   ∂ log π(o_t)/∂z_t,v = 1[v = o_t] − p_t,v          ∂H_t/∂z_t,v = −p_t,v · (log p_t,v + H_t)
 
-then ∂h = ∂z·Wᵀ per chunk and ∂W = Σ_chunks hᵀ·∂z, accumulated in float32 across chunks (and
-cast to the kernel's dtype once). The cotangents are cast to the compute dtype before the two
-matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute), as
-under `jax.checkpoint`.
+then ∂h += ∂z·W_bᵀ (float32) and ∂W_b = hᵀ·∂z, which is complete once its block is done: summed
+over every row and position at once, written into a float32 gradient (cast to the kernel's dtype
+at the end) that is laid out like the parameter, so under FSDP each block is reduce-scattered
+once, as the dense gradient is. The cotangents are cast to the compute dtype before the two
+matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute).
+
+Why vocabulary blocks and not sequence chunks of `[B, chunk, V]`: a sequence chunk contributes to
+every column of ∂W, so each chunk re-reads the whole kernel and adds a full `[D, V]` partial
+gradient (under FSDP, one more reduction of it per chunk). Measured on the 2-core CPU at T = 512,
+V = 151,936, D = 896: sequence chunks of 128 took 1.4× the CPU time of the dense path, vocabulary
+blocks of the same memory 1.0× (`benchmarks/logprob_bench.py` has the T = 2,048 figures).
 
 `dense_token_logprobs_entropy` is the same quantity through full `[B, T, V]` logits and plain
 autodiff: the oracle the tests compare against. `response_logprobs` is the model-level entry
@@ -27,6 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import positions_from_mask
 
@@ -142,16 +152,16 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 def token_logprobs_entropy(hidden: jax.Array, kernel: jax.Array, tokens: jax.Array, *, chunk: int,
                            entropy: bool = False, transposed: bool = False) -> tuple[jax.Array, jax.Array | None]:
-  """log π(tokens) and (with `entropy`) H per position, from hidden states, `chunk` positions at a time.
+  """log π(tokens) and (with `entropy`) H per position, from hidden states, with at most
+  B·`chunk`·V logits in memory at a time (see the module docstring).
 
-  `hidden` `[B, T, D]`, `tokens` `[B, T]` (the token each position's logits score); `kernel` is the output projection `[D, V]`, or with `transposed` a tied embedding `[V, D]`
-  (any dtype: cast to `hidden`'s); logits are hidden · kernel accumulated in float32. Differentiable
-  with respect to `hidden` and `kernel` (see the module docstring); `tokens` are constants.
-  Returns float32 `[B, T]` arrays; the entropy is None unless requested (and then costs nothing).
+  `hidden` `[B, T, D]`; `tokens` `[B, T]`, the token each position's logits score; `kernel` the
+  output projection `[D, V]`, or with `transposed` a tied embedding `[V, D]` (any dtype: cast to
+  `hidden`'s). Differentiable with respect to `hidden` and `kernel`; `tokens` are constants.
+  Returns float32 `[B, T]` arrays; the entropy is None unless requested (then it is not computed).
   """
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
-  chunk = min(chunk, hidden.shape[1])
   logprobs, ent = _chunked(hidden, kernel, tokens, chunk, entropy, transposed)
   return logprobs, (ent if entropy else None)
 
@@ -173,7 +183,7 @@ def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, respo
   Layout as in `train_step`: `tokens` `[B, S]` is a left-padded prompt followed by `Tr =
   response_len` response tokens; the hidden state at position S − Tr − 1 + t predicts response
   token t = tokens[:, S − Tr + t]. Only those Tr hidden states go through the output projection,
-  in chunks of `chunk` positions. Replaces `response_logits` + `token_logprobs` +
+  with at most B·`chunk`·V logits at a time. Replaces `response_logits` + `token_logprobs` +
   `losses.entropy_from_logits` without the `[B, Tr, V]` logits.
   """
   hidden, _ = model.hidden_states(tokens, positions_from_mask(attention_mask), attention_mask)

@@ -5,9 +5,10 @@ parameter's shape by its logical axes under a preset and mesh shape, and adds up
 device will hold.
 
 `activation_memory` estimates the bytes one forward (and backward) pass of `transformer.py` holds
-per device, from the shapes alone. It follows the code: attention is materialised (float32
-`[B, K, G, T, S]` scores, no flash attention), logits are `[B, T, V]` float32, and `remat` wraps
-each decoder layer. Its coefficients are bytes per element of the tensors XLA keeps, checked
+per device, from the shapes alone. It follows the code: flash attention (`models/attention.py`:
+O(T) memory plus score tiles; the `reference` implementation's `[B, K, G, T, S]` float32 scores
+when asked), log-probs from vocabulary blocks of the logits (`models/logprobs.py`: no
+`[B, T, V]` tensor), and `remat` wrapping each decoder layer. Its coefficients are bytes per element of the tensors XLA keeps, checked
 against XLA:CPU's buffer assignment for a small model (`tests/test_memory_plan.py`); another
 backend fuses differently, so read it as an estimate good to about ±50%.
 """
@@ -16,7 +17,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
@@ -95,7 +96,7 @@ class ActivationMemory(NamedTuple):
 
   stored: int  # Kept from the forward pass for the backward: every layer's tensors, or (remat) its input.
   layer: int  # Working set of the one layer being computed (and, under remat, recomputed) and differentiated.
-  head: int  # Logits, float32 log-softmax and their gradients (policy); the values (critic).
+  head: int  # Log-probs from logit blocks and their gradients (policy); the values (critic); last logits.
 
   @property
   def total(self) -> int:
@@ -103,44 +104,67 @@ class ActivationMemory(NamedTuple):
     return self.stored + max(self.layer, self.head)
 
 
+Head = Literal["logprobs", "values", "last_logits"]
+
+
 def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
-                      remat: bool, backward: bool = True, value_head: bool = False, heads: int | None = None,
-                      kv_heads: int | None = None, mlp: int | None = None,
-                      vocab: int | None = None) -> ActivationMemory:
+                      remat: bool, backward: bool = True, head: Head = "logprobs", dense_attention: bool = False,
+                      attention_block: tuple[int, int] = (256, 256), logits_chunk: int = 512,
+                      heads: int | None = None, kv_heads: int | None = None, mlp: int | None = None,
+                      embed: int | None = None) -> ActivationMemory:
   """Activation bytes of `rows` sequences of `tokens` positions on one device.
 
-  `scored_tokens` (Tr) positions go through the log-softmax (the response); `dtype_bytes` (e) is the
-  compute dtype's size; `heads`, `kv_heads`, `mlp`, `vocab` are the per-device sizes of those axes
-  (tensor parallelism), the model's own by default. Per sequence, with a = N·T² attention elements:
+  `scored_tokens` (Tr) positions get log-probs (the response); `dtype_bytes` (e) is the compute
+  dtype's size; `heads`, `kv_heads`, `mlp` are the per-device sizes of those axes (tensor
+  parallelism) and `embed` the width of the output kernel's gradient on a device (FSDP), the
+  model's own by default. Per sequence, with c = 3eF + (8 + 2e)D + 2eH(N + K) bytes per token:
 
-    kept per layer  8a + T·(3eF + (8 + 2e)D + 2eH(N + K))   float32 masked scores and softmax
-                    output; gate, up, silu·up; two float32 norm inputs and two residual values;
-                    q, k, v and the attention output
-    backward extra  4a + T·(2eF + 8D)                      float32 gradient of the scores (the
-                    softmax output's buffer is reused), MLP and norm gradients
-    policy head     T·V·(e + 4) + 8·Tr·V                   logits in e and float32, float32
-                    log-softmax and its gradient (forward only: log-softmax and entropy softmax)
+    kept per layer  T·(c + 4N)                  gate, up, silu·up; two float32 norm inputs and two
+                    residual values; q, k, v and the attention output; the attention's float32
+                    log-sum-exp per query and head
+    backward extra  T·(2eF + 8D + 28NH)         MLP and norm gradients; the flash backward's float32
+                    copies of q, dO, out, dq, dk, dv (`models/attention.chunked`)
+      + 4·4·N·bq·bk                             float32 tiles of one block pair (`attention_block`):
+                                                scores, probabilities and their gradients (forward: 2)
+    policy head     (forward) 8·B·Tr·Vb + e·Tr·D   float32 logits of one vocabulary block and their
+                    exponentials (`models/logprobs`: Vb = ⌈V·chunk/Tr⌉, so B·Tr·Vb ≈ B·chunk·V), the
+                    response's hidden states;  (backward) (8 + e)·B·Tr·Vb + (e + 4)·Tr·D, plus the
+                    float32 kernel gradient 4·D·V per device (split by FSDP along D)
+    last logits     V·(e + 4)                   the prefill's last-position logits
     critic head     T·(2eD + 8)
+
+  With `dense_attention` (the `reference` implementation) the float32 `[N, T, T]` scores are kept
+  too: 8·N·T² per layer (masked scores and softmax output) and 4·N·T² more in the backward (their
+  gradient), and no tiles or log-sum-exp.
 
   Without remat every layer's tensors are stored (L × kept) and the layer being differentiated
   adds its backward extra; with remat each layer stores only its input (L·T·D·e) and the layer
   being differentiated holds kept + extra. The head's buffers are freed before the layers'
   backward starts, so the peak is stored + max(layer, head). A forward pass alone
-  (`backward=False`) holds one layer's kept tensors or the head, whichever is larger.
+  (`backward=False`) holds one layer's kept tensors and tiles, or the head, whichever is larger.
   """
-  e, d, h = dtype_bytes, cfg.hidden_size, cfg.head_dim
+  e, d, h, v = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
   n, k = heads or cfg.num_heads, kv_heads or cfg.num_kv_heads
-  f, v = mlp or cfg.intermediate_size, vocab or cfg.vocab_size
+  f, width = mlp or cfg.intermediate_size, embed or cfg.hidden_size
   t, tr = tokens, scored_tokens
-  attention = n * t * t
-  kept = 8 * attention + t * (3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k))
-  extra = 4 * attention + t * (2 * e * f + 8 * d)
-  head = t * (2 * e * d + 8) if value_head else t * v * (e + 4) + 8 * tr * v
+  per_token = 3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k)
+  tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)  # One float32 score tile.
+  if dense_attention:
+    kept, extra, tiles = 8 * n * t * t + t * per_token, 4 * n * t * t + t * (2 * e * f + 8 * d), 0
+  else:  # Forward: scores and probabilities; backward: those two and their gradients.
+    kept, extra, tiles = t * (per_token + 4 * n), t * (2 * e * f + 8 * d + 28 * n * h) + 4 * tile, 2 * tile
+  block = tr * min(v, -(-v * min(logits_chunk, tr) // tr)) if tr else 0  # Tr·Vb logits per sequence.
+  per_row, fixed = {
+      "values": (t * (2 * e * d + 8), 0),
+      "last_logits": (v * (e + 4), 0),
+      "logprobs": ((8 + e) * block + (e + 4) * tr * d, 4 * width * v) if backward else (8 * block + e * tr * d, 0),
+  }[head]
+  head_bytes = rows * per_row + fixed
   if not backward:
-    return ActivationMemory(0, rows * kept, rows * head)
+    return ActivationMemory(0, rows * (kept + tiles), head_bytes)
   if remat:
-    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + extra), rows * head)
-  return ActivationMemory(rows * cfg.num_layers * kept, rows * extra, rows * head)
+    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + extra), head_bytes)
+  return ActivationMemory(rows * cfg.num_layers * kept, rows * extra, head_bytes)
 
 
 def main(argv: list[str]) -> int:
