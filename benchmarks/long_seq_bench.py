@@ -13,6 +13,8 @@ Sections:
   attention   forward+backward of `models/attention.py`: `chunked` against the dense `reference`
               at T = 2,048 / 4,096 / 8,192 (B=1, 4 query heads on 2 kv heads, H=64, float32,
               causal), and `chunked` with and without causal block skipping.
+  logprobs    log-probs + entropy + gradient of the Qwen2.5-0.5B output layer (V = 151,936, D = 896)
+              at T = 2,048: vocabulary-blocked against dense logits (`benchmarks/logprob_bench.py`).
 """
 
 import argparse
@@ -23,6 +25,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from benchmarks import logprob_bench
 from vapo_jax.models import attention
 
 
@@ -144,6 +147,7 @@ def attention_section(args) -> tuple[list[Table], list[Target]]:
 # Each section: (name, function(args) -> (tables, targets)). Later sections append here.
 SECTIONS: list[tuple[str, Callable]] = [
     ("attention", attention_section),
+    ("logprobs", logprob_bench.logprob_section),  # benchmarks/logprob_bench.py
 ]
 
 
