@@ -45,7 +45,7 @@ def test_dense_oracle_matches_the_definition(transposed):
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("chunk", [1, 8, 16, 37, 64])
+@pytest.mark.parametrize("chunk", [1, 8, 37])  # Vocabulary blocks of 3 (the last overlapping), 22, all 101.
 def test_chunked_equals_dense_values_and_gradients(transposed, chunk, maybe_jit):
   hidden, kernel, tokens, g_lp, g_h = _inputs(transposed, seed=chunk)
 
@@ -180,3 +180,36 @@ def test_no_full_vocabulary_logits_on_the_chunked_path():
   assert ("f32", (b, tr, 259)) in vocab_arrays(dense, 259, min_elements=full)  # The check can fail.
   temp = lambda c: c.memory_analysis().temp_size_in_bytes
   assert temp(chunked) < temp(dense) - 2 * full * 4
+
+
+def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
+  """The trainer's compiled programs (scoring, the actor update with an entropy term, the supervised
+  update) hold no `[micro, Tr, V]` array; with a chunk of Tr positions they do."""
+  from vapo_jax import train_step
+  from vapo_jax.config import AlgoConfig, OptimizerConfig
+
+  b, micro, s, tr = 4, 2, 80, 64
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: _model(False)))
+  tx = train_step.make_optimizer(OptimizerConfig(), 1e-3)
+  opt = jax.eval_shape(tx.init, params)
+  shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
+  batch = train_step.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
+                                shape(b, tr), None, shape(b, dtype=bool), shape(b, tr), shape(b, tr), None)
+
+  def programs(chunk):
+    algo = lambda coef: AlgoConfig(mini_batch_responses=b, micro_batch_responses=micro, entropy_coef=coef)
+    return {
+        "scoring": jax.jit(lambda p, t, m: train_step.logprobs_and_entropy(
+            graphdef, p, t, m, response_len=tr, chunk=chunk, micro=micro)).lower(params, batch.tokens,
+                                                                                 batch.attention_mask),
+        "actor": jax.jit(lambda p, o, mb: train_step.actor_update(  # With an entropy term; sft has none.
+            graphdef, tx, p, o, mb, algo=algo(0.01), micro=micro, chunk=chunk)).lower(params, opt, batch),
+        "sft": jax.jit(lambda p, o, mb: train_step.sft_update(graphdef, tx, p, o, mb, micro=micro, chunk=chunk)).lower(
+            params, opt, batch),
+    }
+
+  fast = {"xla_backend_optimization_level": 0}  # The same buffers; compiles in less time.
+  full = micro * tr * 259
+  for name, lowered in programs(16).items():
+    assert vocab_arrays(lowered.compile(fast), 259, min_elements=full) == [], name
+  assert vocab_arrays(programs(tr)["scoring"].compile(fast), 259, min_elements=full)  # The check can fail.
