@@ -15,8 +15,8 @@ model's initialisation bias that value pretraining exists to remove, so our PPO 
 `aime_vapo_no_value_pretraining` are probably stronger than the paper's rows. For the paper's
 rows pass the reward model: `ARGS="model.critic_checkpoint=/ckpt/rm"` (a Hugging Face directory
 with a one-output `score` head). `aime_dapo` uses verl's DAPO recipe settings where they differ
-from VAPO's: dual clip 10, weight decay 0.1, no KL (the recipe's warm-up, 10 rollout steps, is
-left at VAPO's).
+from VAPO's: dual clip 10, weight decay 0.1, no KL; its warm-up is VAPO's, 20 RL steps, which is
+the DAPO paper's (verl's recipe uses 10).
 
 Data: the repository's own copies under data/ (found from the package, whatever the working
 directory); pass `data.train_path=... eval.path=...` for others, e.g. the hub copy
