@@ -13,6 +13,13 @@ start on the same distribution leaves the policy clearly imperfect (long problem
 value pretraining fits the critic to it; RL then trains on all lengths. Held-out: avg@4 on 64
 problems every 10 RL steps.
 
+Status: not yet sized. Measured once (seed 0, `toy_vapo`) on the shared 2-core machine under a
+load of 7-10: 1918 s wall, 832 CPU-s (about 8-9 min on 2 idle cores, not 3), responses of 2 to 176
+tokens within a batch (up to 23 % cut at 176), and no learning: held-out 0.035 before RL, 0.031
+after. The warm start (150 × 16 demonstrations, NLL 1.0 per token) is too weak to give RL a
+signal, and a stronger one costs more than the 3-minute budget per run: size this before running
+`make sweep SWEEP=toy` (11 × 3 runs).
+
 Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dapo` and
 `toy_vapo_no_<technique>` for the seven techniques; any one runs alone with `make train EXP=<name>`.
 """
