@@ -152,8 +152,9 @@ def test_one_and_eight_devices_give_the_same_losses_and_parameters(tmp_path):
 
 def test_an_rl_step_moves_only_its_declared_host_transfers(tmp_path, monkeypatch):
   """Host→device: the prompts and the verifier's rewards and verdicts, placed by `distributed`'s two
-  placement functions (any other transfer raises under the guard). Device→host: the verifier's token
-  ids and lengths, then the step's metrics in one fetch (counted where arrays reach numpy)."""
+  placement functions (any other transfer raises under the guard). Device→host: the rollout's
+  lengths and finish reasons, the verifier's token ids and lengths, then the step's metrics in one
+  fetch (counted where arrays reach numpy)."""
   from jax._src import array as jax_array
   from vapo_jax import distributed
   trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD), write_logs=False, verbose=False)
@@ -168,7 +169,8 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(tmp_path, monkeypatch
     trainer.state, metrics = trainer.step(trainer.state)
   monkeypatch.undo()
   assert placed == [(8, 16), (8, 16), (32,), (32,)], placed  # Prompt ids and mask; rewards and verdicts.
-  # The verifier's response ids and lengths, then the step's device metrics as one vector.
-  assert fetched[:2] == [(32, 16), (32,)] and len(fetched) == 3 and len(fetched[2]) == 1, fetched
-  assert 20 < fetched[2][0] < len(metrics) and "actor/pg_loss" in metrics and "time/step_s" in metrics
+  # The rollout's lengths and finish reasons (its metrics), the verifier's response ids and lengths,
+  # then the step's device metrics as one vector.
+  assert fetched[:4] == [(32,), (32,), (32, 16), (32,)] and len(fetched) == 5 and len(fetched[4]) == 1, fetched
+  assert 20 < fetched[4][0] < len(metrics) and "actor/pg_loss" in metrics and "rollout/response_len_p90" in metrics
   trainer.close()

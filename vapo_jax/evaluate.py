@@ -192,7 +192,7 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   the rollout engine (eval temperature and top-p), and writes them as a responses file."""
   import jax
   import jax.numpy as jnp
-  from vapo_jax import problems, rollout, tokenizer as tok_lib
+  from vapo_jax import generation, problems, rollout, tokenizer as tok_lib
   from vapo_jax.models import checkpoint
 
   e, r = config.eval, config.rollout
@@ -206,16 +206,19 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   sampling = rollout.Sampling(max_new_tokens=r.max_response_tokens,
                               stop_token_ids=tuple(sorted({tokenizer.eos_token_id, *r.stop_token_ids})),
                               temperature=e.temperature, top_p=e.top_p)
-  generate = rollout.make_generate(sampling=sampling, samples_per_prompt=e.samples_per_problem,
-                                   pad_id=tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype))
-  key = jax.random.key(config.seed)
+  key, dtype = jax.random.key(config.seed), jnp.dtype(config.model.dtype)
   Path(path).parent.mkdir(parents=True, exist_ok=True)
   with open(path, "w") as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
       tokens, mask = rollout.pad_prompts([problems.encode_prompt(row, tokenizer, config) for row in chunk],
                                          pad_id=tokenizer.pad_token_id)
-      out = jax.device_get(generate(model, tokens, mask, jax.random.fold_in(key, start)))
+      engine = generation.engine_for(r, model.cfg, sequences=len(chunk) * e.samples_per_problem,
+                                     prompt_tokens=tokens.shape[1], dtype=dtype, devices=1)
+      out, _ = generation.sample(model, tokens, mask, jax.random.fold_in(key, start), sampling=sampling,
+                                 samples_per_prompt=e.samples_per_problem, engine=engine,
+                                 pad_id=tokenizer.pad_token_id, cache_dtype=dtype)
+      out = jax.device_get(out)
       for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):
         row = chunk[b // e.samples_per_problem]
         f.write(json.dumps({"id": str(row.id), "answer": row.answer, "source": row.source,

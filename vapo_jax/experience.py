@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vapo_jax import advantages as adv_lib, algorithm, data, distributed, losses, masked, problems, rollout
+from vapo_jax import advantages as adv_lib, algorithm, data, distributed, generation, losses, masked, problems
+from vapo_jax import rollout
 from vapo_jax import train_step
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.models import sharding
@@ -39,7 +40,6 @@ class Experience:
     self.rows = jax.sharding.NamedSharding(self.mesh, sharding.partition_spec(("batch",), steps.rules))
     self.stop_ids = tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
     self._score = {only: steps.jit(functools.partial(_score, steps, config, critic_only=only)) for only in (False, True)}
-    self._generate = {}
 
   def place(self, tree):
     """Host arrays (the same on every process) → global arrays split over the batch axes."""
@@ -49,30 +49,26 @@ class Experience:
         x, self.rows if np.ndim(x) and np.shape(x)[0] % shards == 0 else replicated), tree)
 
   def generate(self, state: TrainState, records: list[data.Record], key: jax.Array, *, group: int,
-               temperature: float, top_p: float, top_k: int = 0) -> rollout.Rollout:
-    """`group` sampled responses for each record's prompt, as global arrays (B = len(records)·group).
-
-    Generated in rounds of `rollout.prompts_per_generation` prompts (bounding the KV cache), every
-    round padded to the same prompt width so the rounds concatenate on the devices."""
-    r, dtype = self.config.rollout, jnp.dtype(self.config.model.dtype)
+               temperature: float, top_p: float, top_k: int = 0) -> tuple[rollout.Rollout, dict[str, float]]:
+    """`group` sampled responses for each record's prompt, as global arrays (B = len(records)·group),
+    and the rollout's metrics, with the configured engine (`generation`: static, in rounds of
+    `rollout.prompts_per_generation` prompts, or slot refill). Sequence n draws from fold_in(key, n)
+    whatever the engine."""
+    settings, dtype = self.config.rollout, jnp.dtype(self.config.model.dtype)
     tokens, mask = rollout.pad_prompts([problems.encode_prompt(x, self.tokenizer, self.config) for x in records],
                                        pad_id=self.tokenizer.pad_token_id)
-    per_round = min(r.prompts_per_generation or len(records), len(records))
-    rollout.check_cache_fits(self.model_cfg, batch=per_round * group, prompt_tokens=tokens.shape[1],
-                             max_new_tokens=r.max_response_tokens, budget_bytes=int(r.kv_cache_budget_gib * 2**30),
-                             dtype=dtype, devices=self.steps.shards)
-    sampling = rollout.Sampling(max_new_tokens=r.max_response_tokens, stop_token_ids=self.stop_ids,
+    engine = generation.engine_for(settings, self.model_cfg, sequences=len(records) * group,
+                                   prompt_tokens=tokens.shape[1], dtype=dtype, devices=self.steps.shards)
+    if engine.kind == "static":
+      per_round = min(settings.prompts_per_generation or len(records), len(records))
+      rollout.check_cache_fits(self.model_cfg, batch=per_round * group, prompt_tokens=tokens.shape[1],
+                               max_new_tokens=settings.max_response_tokens, dtype=dtype, devices=self.steps.shards,
+                               budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+    sampling = rollout.Sampling(max_new_tokens=settings.max_response_tokens, stop_token_ids=self.stop_ids,
                                 temperature=temperature, top_p=top_p, top_k=top_k)
-    if (sampling, group) not in self._generate:
-      self._generate[(sampling, group)] = self.steps.jit(functools.partial(
-          rollout.generate, sampling=sampling, samples_per_prompt=group, pad_id=self.tokenizer.pad_token_id,
-          cache_dtype=dtype))
-    fn, model = self._generate[(sampling, group)], nnx.merge(self.steps.actor_def, state.actor)
-    rounds = range(0, len(records), per_round)
-    keys = jax.random.split(key, len(rounds))
-    parts = [fn(model, *self.place((tokens[i:i + per_round], mask[i:i + per_round])), keys[n])
-             for n, i in enumerate(rounds)]
-    return parts[0] if len(parts) == 1 else _concat(parts)
+    return generation.sample(nnx.merge(self.steps.actor_def, state.actor), tokens, mask, key, sampling=sampling,
+                             samples_per_prompt=group, engine=engine, pad_id=self.tokenizer.pad_token_id,
+                             cache_dtype=dtype, jit=self.steps.jit, place=self.place)
 
   def verify(self, out: rollout.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids
@@ -98,16 +94,18 @@ class Experience:
     group = settings.samples_per_prompt
     if not config.algo.dynamic_sampling:
       records = next(prompts)
-      out = self.generate(state, records, key, group=group, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+      out, generated = self.generate(state, records, key, group=group, temperature=settings.temperature,
+                                     top_p=settings.top_p, top_k=settings.top_k)
       scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       rewards, correct = self._place_share(scored, out)
-      return out, rewards, correct, scored.metrics | {"rollout/sampling_rounds": 1.0}
-    kept, spare, parts, rounds = [], [], [], 0
+      return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
+    kept, spare, parts, rounds, rollout_s = [], [], [], 0, 0.0
     while True:
       records = next(prompts)
       key, sample_key = jax.random.split(key)
-      out = self.generate(state, records, sample_key, group=group, temperature=settings.temperature, top_p=settings.top_p,
-                          top_k=settings.top_k)
+      out, generated = self.generate(state, records, sample_key, group=group, temperature=settings.temperature,
+                                     top_p=settings.top_p, top_k=settings.top_k)
+      rollout_s += generated["time/rollout_s"]
       scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
       rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
@@ -131,7 +129,7 @@ class Experience:
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     out = _take(out, self.place(rows.astype(np.int32)))
     rewards, correct = (self.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
-    stats = scored.metrics | {"rollout/sampling_rounds": float(rounds),
+    stats = generated | scored.metrics | {"time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
                               "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
                               "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
     return out, rewards, correct, stats
@@ -160,8 +158,8 @@ class Experience:
     correct, lengths = [], []
     for n, i in enumerate(range(0, len(records), per_call)):
       part = records[i:i + per_call]
-      out = self.generate(state, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
-                          temperature=evaluation.temperature, top_p=evaluation.top_p)
+      out, _ = self.generate(state, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
+                             temperature=evaluation.temperature, top_p=evaluation.top_p)
       scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
       correct.append(distributed.gather_rows(scored.correct))
       lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
@@ -197,7 +195,6 @@ def _score(steps: train_step.Steps, config: ExperimentConfig, state: TrainState,
   stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
            "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),
            "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
-           "rollout/response_len_max": jnp.max(lengths),
            "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}
   if critic_only:
     returns = adv_lib.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma)

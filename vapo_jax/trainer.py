@@ -226,7 +226,7 @@ class Trainer:
     metrics = _fetch(stats | batch_stats | update_metrics)
     end = time.perf_counter()
     tokens = metrics["rollout/response_len_mean"] * out.response_lengths.shape[0]
-    metrics |= {"time/rollout_s": sampled - start - stats.get("time/verify_s", 0.0), "time/scoring_s": stats.get("time/verify_s", 0.0),
+    metrics |= {"time/scoring_s": stats.get("time/verify_s", 0.0),
                 "time/logprobs_values_s": scored - sampled, "time/update_s": end - scored,
                 "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start)}
     return state, metrics
