@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from vapo_jax import distributed, refill, rollout
-from vapo_jax.models import decode_attention
 
 
 class Engine(NamedTuple):
@@ -35,7 +34,7 @@ class Engine(NamedTuple):
   slots: int = 0  # refill: decode slots (rows); 0 or ≥ the sequences of a call: the static engine runs.
   steps_per_call: int = 256  # refill: decode steps on the device per host call, at most.
   prompts_per_round: int | None = None  # static: generate in rounds of this many prompts (None: one).
-  decode_block: int = decode_attention.BLOCK  # KV-cache slots per block of decode attention (0: all).
+  decode_block: int | None = None  # KV-cache slots per block of decode attention (0: all; None: per platform).
 
 
 def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
@@ -97,7 +96,10 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     for first in range(0, prompts, per_round):
       seqs = slice(first * group, (first + per_round) * group)
       tokens, mask = place((prompt_tokens[first:first + per_round], prompt_mask[first:first + per_round]))
-      parts.append(fn(model, tokens, mask, key, first * group, None if limits is None else place(limits[seqs])))
+      # The first round's offset is the program's constant 0; later ones are placed (no implicit transfer).
+      offset = () if first == 0 else (place(np.asarray(first * group, np.int32)),)
+      parts.append(fn(model, tokens, mask, key, *offset) if limits is None else
+                   fn(model, tokens, mask, key, *(offset or (0,)), place(limits[seqs])))
     out = parts[0] if len(parts) == 1 else rollout.Rollout(*(jnp.concatenate(fields) for fields in zip(*parts)))
     rows = per_round * group
   lengths, finish = distributed.to_host((out.response_lengths, out.finish_reason))  # Waits for the rollout.
