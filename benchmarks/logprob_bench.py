@@ -77,7 +77,7 @@ def logprob_section(args):
                 f"V={s['vocab']:,} float32, tied kernel (best of {args.repeats}, {jax.devices()[0].platform})",
                 ("path", "temp MiB", "temp / dense", "seconds", "time / dense"), rows)
   agreement = Table("chunked against dense: max |difference| / max |dense|", ("quantity", "relative"),
-                    list(m["agreement"].items()))
+                    [(k, f"{v:.1e}") for k, v in m["agreement"].items()])
   targets = [Target("log-probs temp: chunked / dense", m["temp"][chunked] / m["temp"][dense], "<=", 1 / 8),
              Target("log-probs time: chunked / dense", m["seconds"][chunked] / m["seconds"][dense], "<=", 1.3)]
   return [table, agreement], targets

@@ -213,3 +213,32 @@ def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   for name, lowered in programs(16).items():
     assert vocab_arrays(lowered.compile(fast), 259, min_elements=full) == [], name
   assert vocab_arrays(programs(tr)["scoring"].compile(fast), 259, min_elements=full)  # The check can fail.
+
+
+@pytest.mark.parametrize("name,tied", [("dp", False), ("fsdp", False), ("fsdp_tp", False), ("fsdp", True)])
+def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
+  """Under each preset's rules on 8 devices (the gathered kernel, the FSDP-split kernel gradient)."""
+  from tests.test_sharding import CFG, MESHES
+  from vapo_jax.models import sharding
+
+  model = CausalLM(dataclasses.replace(CFG, tie_word_embeddings=tied), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (8, 13)), jnp.int32)
+  mask = jnp.asarray(np.arange(13)[None] >= rng.integers(0, 4, (8, 1)))
+  g_lp, g_h = (jnp.asarray(rng.normal(size=(8, 9)), jnp.float32) for _ in range(2))
+
+  def loss(m, tokens, mask):
+    logprobs, entropy = lp.response_logprobs(m, tokens, mask, 9, chunk=3, entropy=True)
+    return jnp.sum(g_lp * logprobs) + jnp.sum(g_h * entropy)
+
+  step = lambda m, *args: nnx.value_and_grad(loss)(m, *args)
+  want_loss, want_grads = jax.jit(step)(model, tokens, mask)
+  mesh, rules = sharding.make_mesh(**MESHES[name]), sharding.PRESETS[name]
+  rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
+  got_loss, got_grads = sharding.jit(step, mesh, rules)(sharding.shard_module(model, mesh, rules),
+                                                         *(jax.device_put(x, rows) for x in (tokens, mask)))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for (path, a), (_, b) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
+    b = b.get_value()
+    np.testing.assert_allclose(a.get_value(), b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-9,
+                               err_msg=str(path))
