@@ -165,7 +165,8 @@ class RolloutConfig:
   engine: Literal["static", "refill"] = "refill"
   slots: int | None = None  # refill: decode slots (rows); None: as many as kv_cache_budget_gib holds.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
-  decode_block: int = 256  # KV-cache slots per block read by decode attention (0: every slot, dense).
+  # KV-cache slots per block read by decode attention; None: 64 on CPU, 512 on GPU/TPU; 0: every slot.
+  decode_block: int | None = None
 
   def __post_init__(self):
     _positive_int(self, "prompts_per_step")
@@ -177,7 +178,8 @@ class RolloutConfig:
     if self.slots is not None:
       _positive_int(self, "slots")
     _positive_int(self, "decode_steps_per_call")
-    _positive_int(self, "decode_block", allow_zero=True)
+    if self.decode_block is not None:
+      _positive_int(self, "decode_block", allow_zero=True)
     _positive_int(self, "samples_per_prompt")
     _positive_int(self, "max_prompt_tokens")
     _positive_int(self, "max_response_tokens")

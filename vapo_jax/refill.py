@@ -34,7 +34,6 @@ import numpy as np
 from jax import lax
 
 from vapo_jax import distributed, rollout
-from vapo_jax.models import decode_attention
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import KVCache
 
@@ -67,7 +66,7 @@ class Slots(NamedTuple):
 
 
 def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, max_new_tokens: int,
-          pad_id: int, cache_dtype, decode_block: int) -> tuple[Prompts, Slots]:
+          pad_id: int, cache_dtype, decode_block: int | None) -> tuple[Prompts, Slots]:
   """Prefills the prompts and builds R empty slots with room for a prompt and a response."""
   prompt_mask = prompt_mask.astype(bool)
   logits, cache = rollout.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
@@ -156,7 +155,7 @@ class Programs(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def programs(*, sampling: rollout.Sampling, group: int, slots: int, steps_per_call: int, pad_id: int, cache_dtype,
-             decode_block: int, jit: Callable = jax.jit) -> Programs:
+             decode_block: int | None, jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
       start=jit(functools.partial(start, group=group, slots=slots, max_new_tokens=sampling.max_new_tokens,
@@ -169,7 +168,7 @@ def programs(*, sampling: rollout.Sampling, group: int, slots: int, steps_per_ca
 
 def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *, sampling: rollout.Sampling,
              samples_per_prompt: int, slots: int, steps_per_call: int = 256, pad_id: int = 0,
-             cache_dtype=jnp.float32, decode_block: int = decode_attention.BLOCK, jit: Callable = jax.jit,
+             cache_dtype=jnp.float32, decode_block: int | None = None, jit: Callable = jax.jit,
              length_limits: jax.Array | None = None) -> tuple[rollout.Rollout, int]:
   """`rollout.generate`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots,
   and the number of decode iterations run. `length_limits` `[P·G]`, in [1, max_new_tokens]."""

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from vapo_jax import sampling as sampling_lib
-from vapo_jax.models import decode_attention
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 from vapo_jax.sampling import filter_logits, filter_logits_sorted  # noqa: F401  (re-exported)
@@ -113,7 +112,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sor
                                     top_p=sampling.top_p, sorted_filter=sorted_filter)
 
 
-def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype, decode_block: int):
+def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype, decode_block: int | None):
   """The P prompts through the model once: (last-position logits [P, V], cache [P, Tp])."""
   cache = KVCache.zeros(model.cfg, *prompt_tokens.shape, cache_dtype, decode_block=decode_block)
   return model.last_logits(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache)
@@ -134,7 +133,7 @@ def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, length
 
 def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
              sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0, cache_dtype=jnp.float32,
-             decode_block: int = decode_attention.BLOCK, first_sequence: jax.Array | int = 0,
+             decode_block: int | None = None, first_sequence: jax.Array | int = 0,
              length_limits: jax.Array | None = None) -> Rollout:
   """The static engine: `samples_per_prompt` responses for each of the P left-padded prompts `[P, Tp]`.
 
@@ -198,7 +197,7 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
 
 @functools.lru_cache(maxsize=32)
 def make_generate(*, sampling: Sampling, samples_per_prompt: int, pad_id: int, cache_dtype=jnp.float32,
-                  decode_block: int = decode_attention.BLOCK, jit: Callable = jax.jit):
+                  decode_block: int | None = None, jit: Callable = jax.jit):
   """The static `generate` jitted for one setting: `fn(model, prompt_tokens, prompt_mask, key,
   first_sequence=0, length_limits=None)`."""
   return jit(lambda model, tokens, mask, key, first_sequence=0, length_limits=None: generate(

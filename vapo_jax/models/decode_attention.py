@@ -23,7 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BLOCK = 256  # Default key/value block (slots) of `attend_one`.
+
+
+def default_block() -> int:
+  """Slots per key/value block: 64 on a CPU (a block of keys and values stays in cache: at batch 16,
+  2 kv heads of 64 dims and 768 live slots, 5.6 ms per layer against 10 ms with blocks of 256 and
+  12.6 ms reading every slot), 512 on GPU / TPU (each loop iteration costs kernel launches)."""
+  return 64 if jax.default_backend() == "cpu" else 512
 
 
 def attend_one_reference(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,
@@ -43,11 +49,12 @@ def attend_one_reference(q: jax.Array, keys: jax.Array, values: jax.Array, key_m
 
 
 def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array, query_slots: jax.Array,
-               *, block: int = BLOCK) -> jax.Array:
-  """Length-bounded decode attention: `attend_one_reference` reading only blocks [0, ⌈(max slot + 1)/block⌉)."""
+               *, block: int | None = None) -> jax.Array:
+  """Length-bounded decode attention: `attend_one_reference` reading only blocks [0, ⌈(max slot + 1)/block⌉)
+  (`block` None: `default_block()`)."""
   b, n, h = q.shape
   slots, kv_heads = keys.shape[1], keys.shape[2]
-  block = min(block, slots)
+  block = min(block or default_block(), slots)
   dtype = q.dtype
   qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
   key_mask = key_mask.astype(bool)

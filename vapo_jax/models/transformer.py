@@ -38,12 +38,13 @@ class KVCache:
   values: tuple[jax.Array, ...]
   mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
   length: jax.Array  # int32 scalar (slots [0, length) are written), or [B] per row (one-token calls).
-  # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot.
-  decode_block: int = struct.field(pytree_node=False, default=decode_attention.BLOCK)
+  # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot;
+  # None: the platform's default (`decode_attention.default_block`).
+  decode_block: int | None = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
-            decode_block: int = decode_attention.BLOCK) -> "KVCache":
+            decode_block: int | None = None) -> "KVCache":
     shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
     kv = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
     return cls(kv(), kv(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), decode_block)
@@ -65,12 +66,12 @@ def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array) -> jax.Arr
   return jax.vmap(row)(buffer, new, length)
 
 
-def _decode_attention(q, keys, values, key_mask, query_slots, block: int):
+def _decode_attention(q, keys, values, key_mask, query_slots, block: int | None):
   """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`: `[B, 1, N, H]`."""
   slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
-  if block:
-    return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block)[:, None]
-  return decode_attention.attend_one_reference(q[:, 0], keys, values, key_mask, slots)[:, None]
+  if block == 0:
+    return decode_attention.attend_one_reference(q[:, 0], keys, values, key_mask, slots)[:, None]
+  return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block)[:, None]
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
