@@ -215,7 +215,7 @@ def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   assert vocab_arrays(programs(tr)["scoring"].compile(fast), 259, min_elements=full)  # The check can fail.
 
 
-@pytest.mark.parametrize("name,tied", [("dp", False), ("fsdp", False), ("fsdp_tp", False), ("fsdp", True)])
+@pytest.mark.parametrize("name,tied", [("fsdp", False), ("fsdp_tp", True)])
 def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
   """Under each preset's rules on 8 devices (the gathered kernel, the FSDP-split kernel gradient)."""
   from tests.test_sharding import CFG, MESHES
