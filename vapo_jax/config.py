@@ -324,11 +324,13 @@ class ModelConfig:
   tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
   random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
   init_seed: int = 0  # Seed of the random initialisation.
-  logits_chunk: int = 512  # Response positions whose [chunk, V] logits exist at once (log-probs, entropy, SFT).
+  # Log-probs, entropy and SFT hold at most B·logits_chunk·V float32 logits at once (models/logprobs.py).
+  logits_chunk: int = 512
 
   def __post_init__(self):
     _require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
              self.preset)
+    _positive_int(self, "logits_chunk")
 
 
 @frozen
