@@ -145,3 +145,9 @@ def test_overrides_that_must_change_together_validate_together():
   assert config.algo.estimator == "group" and config.algo.value_pretrain_steps == 0
   with pytest.raises(ConfigError, match="value_pretrain_steps must be 0 with estimator='group'"):
     overrides.apply_overrides(aime.vapo(), ["algo.estimator=group"])
+
+
+def test_an_empty_experiment_name_is_an_error_not_the_default():
+  for argv in (["--exp="], ["--exp"]):
+    with pytest.raises(ConfigError, match="--exp needs an experiment name"):
+      cli.resolve(argv)

@@ -3,6 +3,7 @@ are skipped with a warning and stop the run after a few steps, a failed start le
 directory behind, and a second trainer on a busy run directory is refused."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -68,3 +69,27 @@ def test_a_second_trainer_on_a_busy_run_directory_is_refused(tmp_path):
     Trainer(smoke_config(tmp_path), verbose=False)
   first.close()
   Trainer(smoke_config(tmp_path), verbose=False).close()  # Released: the next start takes it.
+
+
+def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp_path):
+  base = smoke_config(tmp_path)
+  config = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, engine="static",
+                                                                 kv_cache_budget_gib=1e-6))
+  with pytest.raises(UserError, match=r"KV cache .* over the budget .* rollout\."):
+    Trainer(config, verbose=False)
+  assert not (tmp_path / "fail").exists()
+
+
+def test_supervised_warm_start_from_a_file(tmp_path):
+  rows = [{"problem": f"{a}+{b}=", "answer": str(a + b), "solution": f"{a}+{b}={a + b}\nAnswer: {a + b}"}
+          for a in range(1, 5) for b in range(1, 5)]
+  path = tmp_path / "sft.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  base = smoke_config(tmp_path)
+  config = dataclasses.replace(base, rl_steps=0, sft=dataclasses.replace(base.sft, path=str(path), steps=2),
+                               algo=dataclasses.replace(base.algo, value_pretrain_steps=0),
+                               eval=dataclasses.replace(base.eval, path=None))
+  trainer = Trainer(config, write_logs=False, verbose=False)
+  trainer.run()
+  nll = [h["sft/nll"] for h in trainer.history if h["stage"] == "sft"]
+  assert len(nll) == 2 and all(np.isfinite(nll))

@@ -21,7 +21,7 @@ from flax import nnx
 from vapo_jax import advantages as adv_lib, algorithm, data, distributed, generation, losses, masked, problems
 from vapo_jax import rollout
 from vapo_jax import train_step
-from vapo_jax.config import ExperimentConfig
+from vapo_jax.config import ConfigError, ExperimentConfig
 from vapo_jax.models import sharding
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.state import TrainState
@@ -57,18 +57,33 @@ class Experience:
     settings, dtype = self.config.rollout, jnp.dtype(self.config.model.dtype)
     tokens, mask = rollout.pad_prompts([problems.encode_prompt(x, self.tokenizer, self.config) for x in records],
                                        pad_id=self.tokenizer.pad_token_id)
-    engine = generation.engine_for(settings, self.model_cfg, sequences=len(records) * group,
-                                   prompt_tokens=tokens.shape[1], dtype=dtype, devices=self.steps.shards)
-    if engine.kind == "static":
-      per_round = min(settings.prompts_per_generation or len(records), len(records))
-      rollout.check_cache_fits(self.model_cfg, batch=per_round * group, prompt_tokens=tokens.shape[1],
-                               max_new_tokens=settings.max_response_tokens, dtype=dtype, devices=self.steps.shards,
-                               budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+    engine = self.engine(len(records), group, tokens.shape[1])
     sampling = rollout.Sampling(max_new_tokens=settings.max_response_tokens, stop_token_ids=self.stop_ids,
                                 temperature=temperature, top_p=top_p, top_k=top_k)
     return generation.sample(nnx.merge(self.steps.actor_def, state.actor), tokens, mask, key, sampling=sampling,
                              samples_per_prompt=group, engine=engine, pad_id=self.tokenizer.pad_token_id,
                              cache_dtype=dtype, jit=self.steps.jit, place=self.place)
+
+  def engine(self, prompts: int, group: int, prompt_tokens: int) -> generation.Engine:
+    """The rollout engine for `prompts` × `group` sequences of `prompt_tokens`-token prompts; a KV
+    cache over `rollout.kv_cache_budget_gib` per device is a `ConfigError` naming what to change."""
+    settings, dtype = self.config.rollout, jnp.dtype(self.config.model.dtype)
+    try:
+      engine = generation.engine_for(settings, self.model_cfg, sequences=prompts * group, prompt_tokens=prompt_tokens,
+                                     dtype=dtype, devices=self.steps.shards)
+      if engine.kind == "static":
+        rollout.check_cache_fits(self.model_cfg, batch=min(settings.prompts_per_generation or prompts, prompts) * group,
+                                 prompt_tokens=prompt_tokens, max_new_tokens=settings.max_response_tokens,
+                                 dtype=dtype, devices=self.steps.shards,
+                                 budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+    except MemoryError as e:
+      raise ConfigError(str(e)) from None
+    return engine
+
+  def check_cache_budget(self) -> None:
+    """At start-up: the KV cache of a training rollout with the longest prompts allowed fits."""
+    settings = self.config.rollout
+    self.engine(settings.prompts_per_step, settings.samples_per_prompt, rollout.prompt_bucket(settings.max_prompt_tokens))
 
   def verify(self, out: rollout.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids

@@ -94,6 +94,9 @@ class Trainer:
            (("actor", config.optim.actor_lr), ("critic", config.optim.critic_lr), ("sft", config.sft.lr))}
     self.steps = train_step.Steps(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def,
                                   actor_tx=txs["actor"], critic_tx=txs["critic"], sft_tx=txs["sft"])
+    self.experience = Experience(config, steps=self.steps, model_cfg=self.model_cfg, tokenizer=self.tokenizer,
+                                 pool=self.pool)
+    self.experience.check_cache_budget()  # Now, not when the first rollout (after the warm start) needs it.
     stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
     init_opt = lambda name, params: train_step.init_optimizer(txs[name], params, self.mesh)
     self.state = TrainState(actor=actor_params, critic=critic_params, actor_opt=init_opt("actor", actor_params),
@@ -121,8 +124,6 @@ class Trainer:
     for name, result in (("eval_before_rl", self.progress.eval_before), ("eval_after_rl", self.progress.eval_after)):
       if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
         self.writer.write(0, name, result, global_step=self.progress.global_step, jsonl=False)
-    self.experience = Experience(config, steps=self.steps, model_cfg=self.model_cfg, tokenizer=self.tokenizer,
-                                 pool=self.pool)
     self.preemption = checkpointing.PreemptionFlag()
     self.history: list[dict] = []
 
