@@ -72,7 +72,8 @@ def test_each_ablation_changes_exactly_one_technique():
       "no_clip_higher": {"algo.eps_high"},
       "no_token_level_loss": {"algo.loss_agg"},
       "no_positive_nll": {"algo.positive_nll_coef"},
-      "no_group_sampling": {"rollout.prompts_per_step", "rollout.samples_per_prompt"},
+      # With the generation rounds rescaled to as many sequences (a memory layout, not a technique).
+      "no_group_sampling": {"rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.prompts_per_generation"},
   }
   sweep = aime.ablations()
   assert len(sweep) == 7
