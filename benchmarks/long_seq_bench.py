@@ -15,6 +15,8 @@ Sections:
               causal), and `chunked` with and without causal block skipping.
   logprobs    log-probs + entropy + gradient of the Qwen2.5-0.5B output layer (V = 151,936, D = 896)
               at T = 2,048: vocabulary-blocked against dense logits (`benchmarks/logprob_bench.py`).
+  actor_update  compiled memory of one actor update of the `small` preset at T = 4,096, before
+              (reference attention, whole-response logits) and after (chunked, 512-position blocks).
 """
 
 import argparse
@@ -144,10 +146,53 @@ def attention_section(args) -> tuple[list[Table], list[Target]]:
   return [memory_table, time_table], targets
 
 
+# ------------------------------------------------------------------------------ actor update
+
+def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, length: int = 4096,
+                         response: int = 4032) -> tuple[int, int]:
+  """(temp, temp + arguments + outputs) bytes of one compiled actor update of the `small` preset
+  (remat on) on `batch` sequences of `length` tokens, the last `response` of them the response."""
+  import functools
+  import numpy as np
+  import optax
+  from flax import nnx
+  from vapo_jax import train_step
+  from vapo_jax.config import AlgoConfig, OptimizerConfig
+  from vapo_jax.models.config import preset
+  from vapo_jax.models.transformer import CausalLM
+  graphdef, params = nnx.split(CausalLM(preset("small"), remat=True, attention=attention_impl, rngs=nnx.Rngs(0)))
+  tx = train_step.make_optimizer(OptimizerConfig(), 1e-6)
+  rng = np.random.default_rng(0)
+  f32 = lambda shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  batch_ = train_step.TrainBatch(
+      jnp.asarray(rng.integers(3, 259, (batch, length)), jnp.int32), jnp.ones((batch, length), bool),
+      jnp.ones((batch, response), bool), returns=f32((batch, response)), old_values=f32((batch, response)),
+      is_positive=jnp.ones(batch, bool), old_logprobs=f32((batch, response)), advantages=f32((batch, response)))
+  fn = jax.jit(functools.partial(train_step.actor_update, graphdef, tx, algo=AlgoConfig(mini_batch_responses=batch),
+                                 micro=batch, chunk=chunk))
+  analysis = fn.lower(params, tx.init(params), batch_).compile().memory_analysis()
+  total = analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+  return analysis.temp_size_in_bytes, total
+
+
+def actor_update_section(args) -> tuple[list[Table], list[Target]]:
+  """The `small` preset's actor update at T = 4,096: dense attention and whole-response logits (the
+  layout before the long-sequence work) against flash attention and 512-position logit blocks."""
+  mib = lambda n: n / 2**20
+  before = _actor_update_memory("reference", 4032)
+  after = _actor_update_memory("chunked", 512)
+  rows = [("before: reference attention, logits of the whole response", mib(before[0]), mib(before[1])),
+          ("after: chunked attention, logits_chunk=512", mib(after[0]), mib(after[1]))]
+  table = Table("actor update, small preset, B=2, T=4,096 (4,032 response), remat: compiled memory (MiB)",
+                ("layout", "temp MiB", "peak MiB (temp + args + outputs)"), rows)
+  return [table], [Target("actor update temp @4096: after / before", after[0] / before[0], "<=", 1 / 4)]
+
+
 # Each section: (name, function(args) -> (tables, targets)). Later sections append here.
 SECTIONS: list[tuple[str, Callable]] = [
     ("attention", attention_section),
     ("logprobs", logprob_bench.logprob_section),  # benchmarks/logprob_bench.py
+    ("actor_update", actor_update_section),
 ]
 
 
