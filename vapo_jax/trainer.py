@@ -14,6 +14,7 @@ boundary; a new Trainer on the same run directory continues from the newest comp
 SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpointing.Preempted`.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -382,10 +383,8 @@ class Trainer:
       if part is not None:
         part.close()
     if failed and self.checkpoints is not None:
-      try:
+      with contextlib.suppress(OSError):  # Not empty: it holds a run's checkpoints, which stay.
         os.rmdir(self.checkpoints.directory)
-      except OSError:
-        pass  # Not empty: it holds a run's checkpoints.
     self.pool = self.writer = self.checkpoints = None
     if self.lock is not None:
       self.lock.release()
