@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from vapo_jax import data
+from vapo_jax import data, problems
 from vapo_jax.paths import DATA_DIR as DATA
 
 AIME25_ANSWERS = ("70 588 16 117 279 504 821 77 62 81 259 510 204 60 735 "
@@ -179,15 +179,15 @@ def test_dapo_template_matches_dapo_prompts():
 
   rows = pq.read_table(DATA / "aime24/dapo_aime-2024.parquet").to_pylist()
   for row in rows:
-    assert data.format_prompt(row["extra_info"]["raw_problem"], template="dapo") == row["prompt"][0]["content"]
-  assert data.format_prompt("What is {x}?", template="boxed") == (
+    assert problems.format_prompt(row["extra_info"]["raw_problem"], template="dapo") == row["prompt"][0]["content"]
+  assert problems.format_prompt("What is {x}?", template="boxed") == (
       "What is {x}?\nPlease reason step by step, and put your final answer within \\boxed{}.")
 
 
 def test_chat_template_from_qwen_tokenizer():
   transformers = pytest.importorskip("transformers")
   tokenizer = transformers.AutoTokenizer.from_pretrained(str(DATA / "qwen2.5_tokenizer"), local_files_only=True)
-  prompt = data.format_prompt("What is 1+1?", template="raw", tokenizer=tokenizer)
+  prompt = problems.format_prompt("What is 1+1?", template="raw", tokenizer=tokenizer)
   assert prompt == ("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
                     "assistant.<|im_end|>\n<|im_start|>user\nWhat is 1+1?<|im_end|>\n<|im_start|>assistant\n")
 

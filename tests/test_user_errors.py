@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from model_utils import FIXTURES
-from vapo_jax import config, data, preflight, tokenizer as tok_lib
+from vapo_jax import config, data, preflight, problems, tokenizer as tok_lib
 from vapo_jax.errors import (CheckpointError, ConfigError, DataError, MissingFileError, SetupError, TokenizerError,
                              UserError)
 from vapo_jax.models import checkpoint, safetensors_io, sharding
@@ -188,31 +188,31 @@ def test_over_long_prompts_are_found_at_load_time():
   with pytest.raises(DataError, match=r"train.jsonl, problem id 'id2': the prompt \(template 'raw'\) has 11 tokens, "
                                       r"over rollout.max_prompt_tokens=10. Raise rollout.max_prompt_tokens, shorten "
                                       r"the problem, or set data.skip_bad_rows=true .* \(2 of 5 are too long\)"):
-    data.check_prompt_lengths(rows, tokenizer, **kwargs)
+    problems.check_prompt_lengths(rows, tokenizer, **kwargs)
   with pytest.warns(UserWarning, match=r"train.jsonl: skipped 2 of 5 problems whose prompt is over "
                                        r"rollout.max_prompt_tokens=10; first: .*'id2'.* 11 tokens"):
-    kept = data.check_prompt_lengths(rows, tokenizer, skip_bad_rows=True, **kwargs)
+    kept = problems.check_prompt_lengths(rows, tokenizer, skip_bad_rows=True, **kwargs)
   assert [r.id for r in kept] == ["id0", "id1", "id3"]
   with pytest.raises(DataError, match=r"every prompt is over rollout.max_prompt_tokens=10"):
-    data.check_prompt_lengths(_rows([11, 12]), tokenizer, skip_bad_rows=True, **kwargs)
+    problems.check_prompt_lengths(_rows([11, 12]), tokenizer, skip_bad_rows=True, **kwargs)
   dicts = [{"problem": "x" * 12, "id": 7, "answer": "1"}]  # The trainer's rows.
   with pytest.raises(DataError, match=r"problem id '7'.* 12 tokens"):
-    data.check_prompt_lengths(dicts, tokenizer, **kwargs)
+    problems.check_prompt_lengths(dicts, tokenizer, **kwargs)
 
 
 def test_prompt_length_check_counts_tokens_as_the_rollout_does():
   """Qwen2.5's chat template and BPE: the kept rows are exactly those a per-row encoding keeps."""
   tokenizer = tok_lib.load(str(QWEN_TOKENIZER))
   records = data.load_records(str(DATA_DIR / "math500/test.jsonl"))[:200]
-  exact = [len(tokenizer.encode(data.format_prompt(r.prompt, template="dapo", tokenizer=tokenizer.tokenizer)))
+  exact = [len(tokenizer.encode(problems.format_prompt(r.prompt, template="dapo", tokenizer=tokenizer.tokenizer)))
            for r in records]
   limit = int(np.median(exact))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    kept = data.check_prompt_lengths(records, tokenizer, max_prompt_tokens=limit, template="dapo", chat_template=True,
+    kept = problems.check_prompt_lengths(records, tokenizer, max_prompt_tokens=limit, template="dapo", chat_template=True,
                                      path="math500", skip_bad_rows=True)
   assert kept == [r for r, n in zip(records, exact) if n <= limit]
-  assert data.check_prompt_lengths(records, tokenizer, max_prompt_tokens=max(exact), template="dapo",
+  assert problems.check_prompt_lengths(records, tokenizer, max_prompt_tokens=max(exact), template="dapo",
                                    chat_template=True, path="math500") == records
 
 

@@ -1,7 +1,6 @@
 """Problems for training and evaluation: loading, validation, templates and resumable sampling.
 
   records = load_records(paths.data_path("aime24/qwen25math_aime24_test.jsonl"))   # [Record]
-  prompt = format_prompt(records[0].prompt, template="dapo", tokenizer=tokenizer)
   batches = PromptIterator(records, prompts_per_step=P, seed=0, samples_per_prompt=G)
   batch = next(batches)                  # P·G records, each prompt G times in a row
   state = batches.state_dict()           # save with the checkpoint; `load_state_dict` resumes
@@ -18,7 +17,7 @@ A bad row (malformed line, text that is not UTF-8, missing or empty prompt or an
 is a `DataError` naming the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is
 skipped and counted in one warning. No valid row at all is always an error. Duplicate problems are
 dropped (the first is kept) and those with conflicting answers are reported in a warning.
-`check_prompt_lengths` finds, at load time, the problems whose prompt is over the token limit.
+Prompts (templates, token limits) are `problems.py`'s.
 """
 
 import collections
@@ -29,22 +28,11 @@ import math
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from vapo_jax.errors import DataError
-
-Template = Literal["raw", "boxed", "dapo"]
-TEMPLATES: dict[str, str] = {
-    "raw": "{problem}",
-    # Qwen2.5-Math / SimpleRL's instruction.
-    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
-    # DAPO's (and VAPO's) prompt, as in DAPO's eval/aime-2024.parquet.
-    "dapo": ("Solve the following math problem step by step. The last line of your response should "
-             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
-             "problem.\n\n{problem}\n\nRemember to put your answer on its own line after \"Answer:\"."),
-}
 
 
 class Record(NamedTuple):
@@ -337,67 +325,6 @@ def deduplicate(records: Sequence[Record], *, warn: bool = True) -> tuple[list[R
     warnings.warn(f"{len(conflicts)} problems appear with conflicting answers (the first row of each "
                   f"is kept): {examples}", stacklevel=2)
   return [group[0] for group in groups.values()], conflicts
-
-
-def format_prompt(problem: str, *, template: Template = "dapo", tokenizer: Any = None) -> str:
-  """The problem in `template`; with a tokenizer, as a user turn in its chat template."""
-  if template not in TEMPLATES:
-    raise ValueError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
-  text = TEMPLATES[template].replace("{problem}", problem)
-  if tokenizer is None:
-    return text
-  return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                       add_generation_prompt=True)
-
-
-def prompt_text(problem: str, tokenizer: Any, *, template: Template, chat_template: bool) -> str:
-  """The prompt the policy sees: `problem` in `template`, in the chat template of a transformers
-  tokenizer (an `HFTokenizer`'s `.tokenizer`) when `chat_template`."""
-  chat = getattr(tokenizer, "tokenizer", None) if chat_template else None
-  return format_prompt(problem, template=template, tokenizer=chat)
-
-
-def _problem_and_id(row: Any) -> tuple[str, str]:
-  return (row.prompt, row.id) if isinstance(row, Record) else (row["problem"], str(row["id"]))
-
-
-def check_prompt_lengths(rows: Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, template: Template,
-                         chat_template: bool, path: str, skip_bad_rows: bool = False) -> list[Any]:
-  """The rows whose prompt fits in `max_prompt_tokens` tokens; a longer one is a `DataError` naming
-  the file, the problem id, its token count and the settings to change, or with `skip_bad_rows` it
-  is left out and counted in one warning (none fitting is always an error).
-
-  `rows` are `Record`s or dicts with "problem" and "id" (as the trainer keeps them); the prompt is
-  made as `prompt_text` makes it. Only prompts longer in UTF-8 bytes than the limit are tokenised:
-  a byte-level BPE token (Qwen2.5, Llama 3) or a byte tokenizer's covers at least one byte, so a
-  shorter text cannot exceed it.
-  """
-  texts = [prompt_text(_problem_and_id(row)[0], tokenizer, template=template, chat_template=chat_template)
-           for row in rows]
-  long = [i for i, text in enumerate(texts) if len(text.encode("utf-8")) > max_prompt_tokens]
-  counts = dict(zip(long, _token_counts([texts[i] for i in long], tokenizer)))
-  over = [i for i in long if counts[i] > max_prompt_tokens]
-  if not over:
-    return list(rows)
-  chat = " in the chat template" if chat_template and hasattr(tokenizer, "tokenizer") else ""
-  first = (f"{path}, problem id {_problem_and_id(rows[over[0]])[1]!r}: the prompt (template {template!r}{chat}) "
-           f"has {counts[over[0]]} tokens, over rollout.max_prompt_tokens={max_prompt_tokens}")
-  if not skip_bad_rows:
-    raise DataError(f"{first}. Raise rollout.max_prompt_tokens, shorten the problem, or set data.skip_bad_rows=true "
-                    f"to leave such problems out ({len(over)} of {len(rows)} are too long)")
-  if len(over) == len(rows):
-    raise DataError(f"{path}: every prompt is over rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}")
-  warnings.warn(f"{path}: skipped {len(over)} of {len(rows)} problems whose prompt is over "
-                f"rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}", stacklevel=2)
-  dropped = set(over)
-  return [row for i, row in enumerate(rows) if i not in dropped]
-
-
-def _token_counts(texts: list[str], tokenizer: Any) -> list[int]:
-  """Token counts of `texts`, in one batched call for a transformers tokenizer."""
-  if texts and hasattr(tokenizer, "tokenizer"):
-    return [len(ids) for ids in tokenizer.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-  return [len(tokenizer.encode(text)) for text in texts]
 
 
 def permutation(num_records: int, *, seed: int, epoch: int) -> np.ndarray:
