@@ -17,6 +17,7 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "aime_grpo": aime.grpo,
     "aime_dapo": aime.dapo,
     "toy": toy.vapo,
+    "toy_warm_start": toy.warm_start,
 }
 
 SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
@@ -24,6 +25,10 @@ SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_ablations": aime.ablations,
     "toy": toy.table,
 }
+
+# A sweep's shared warm start: `make sweep` runs this experiment once per seed, before the members,
+# and starts each member of that seed from its exported policy (vapo_jax/sweep.py).
+WARM_STARTS: dict[str, str] = {"toy": "toy_warm_start"}
 
 
 def get_experiment(name: str) -> ExperimentConfig:

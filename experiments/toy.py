@@ -24,32 +24,34 @@ Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dap
 `toy_vapo_no_<technique>` for the seven techniques; any one runs alone with `make train EXP=<name>`.
 """
 
+import dataclasses
+
 from experiments import variants
 from vapo_jax.config import (AlgoConfig, CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig,
                              ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
 
 TRAIN = "synthetic:arithmetic?terms=2-11&count=4000&seed=0"
 HELD_OUT = "synthetic:arithmetic?terms=2-11&count=64&seed=1"
-DEMONSTRATIONS = "synthetic:arithmetic?terms=2-11&count=2000&seed=2"
+DEMONSTRATIONS = "synthetic:arithmetic?terms=2-11&count=8000&seed=2"
 
 
 def vapo() -> ExperimentConfig:
   """VAPO, every technique on: byte-level `small` model, 8 prompts × 8 samples, ≤ 176-token responses."""
   return ExperimentConfig(
       name="toy_vapo",
-      rl_steps=30,
+      rl_steps=16,
       model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
       # α scaled to 12-131-token responses (the paper's 0.05 targets thousands of tokens):
       # λ_actor = 1 − 1/l, from 0.92 to 0.99 here.
-      algo=AlgoConfig(value_pretrain_steps=5, mini_batch_responses=32, length_adaptive_alpha=1.0),
-      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_updates=5, weight_decay=0.0),
+      algo=AlgoConfig(value_pretrain_steps=5, mini_batch_responses=16, length_adaptive_alpha=1.0),
+      optim=OptimizerConfig(actor_lr=1e-4, critic_lr=1e-3, warmup_updates=5, weight_decay=0.0),
       # 176 tokens: room above the longest solution (131) for DAPO's overlong buffer (the last 35).
       rollout=RolloutConfig(prompts_per_step=8, samples_per_prompt=8, max_prompt_tokens=32,
                             max_response_tokens=176),
       reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=1),
       data=DataConfig(train_path=TRAIN, template="raw", chat_template=False),
-      eval=EvalConfig(path=HELD_OUT, samples_per_problem=4, temperature=1.0, top_p=0.7, every_steps=10),
-      sft=SFTConfig(path=DEMONSTRATIONS, steps=150, batch_size=16, lr=2e-3),
+      eval=EvalConfig(path=HELD_OUT, samples_per_problem=4, temperature=1.0, top_p=0.7, every_steps=8),
+      sft=SFTConfig(path=DEMONSTRATIONS, steps=1000, batch_size=32, lr=2e-3),
       mesh=MeshConfig(preset="dp"),
       checkpoint=CheckpointConfig(export_final=False),
   )
@@ -58,3 +60,14 @@ def vapo() -> ExperimentConfig:
 def table() -> dict[str, ExperimentConfig]:
   """The sweep: VAPO, PPO, GRPO, DAPO and the seven leave-one-out ablations."""
   return variants.table(vapo(), prefix="toy")
+
+
+def warm_start() -> ExperimentConfig:
+  """The supervised warm start alone, exported for the members: `make sweep SWEEP=toy` runs it once per
+  seed and starts that seed's 11 members from its policy (`model.checkpoint=`, `sft.steps=0`), as
+  every row of the paper starts from the same base model."""
+  base = vapo()
+  return dataclasses.replace(base, name="toy_warm_start", rl_steps=0,
+                             algo=dataclasses.replace(base.algo, value_pretrain_steps=0),
+                             eval=dataclasses.replace(base.eval, path=None),  # The members evaluate it before RL.
+                             checkpoint=dataclasses.replace(base.checkpoint, export_final=True))

@@ -10,6 +10,7 @@ logs and do not stop the others.
 
 import csv
 import io
+import json
 import os
 
 import numpy as np
@@ -44,10 +45,16 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
 
   code, out = run_sweep(tmp_path, "--members", MEMBERS, "--jobs", "2")
   assert code == 0, out
+  # One warm start (seed 0), exported; every run starts from it, without SFT of its own.
+  assert (sweep_dir / "toy_warm_start_seed0" / "export" / "model.safetensors").exists(), out
   for name in runs:
     assert (sweep_dir / name / "summary.json").exists(), out
     assert (sweep_dir / name / "metrics.jsonl").exists()
-    assert "=== " in (sweep_dir / "logs" / f"{name}.log").read_text()  # The command line, then its output.
+    log = (sweep_dir / "logs" / f"{name}.log").read_text()
+    assert "=== " in log  # The command line, then its output.
+    assert f"model.checkpoint={sweep_dir}/toy_warm_start_seed0/export sft.steps=0" in log
+    stages = {json.loads(line)["stage"] for line in open(sweep_dir / name / "metrics.jsonl")}
+    assert "sft" not in stages and "rl" in stages
   with open(sweep_dir / "runs.csv") as f:
     rows = list(csv.DictReader(f))
   assert [r["run"] for r in rows] == runs  # Seed by seed.
@@ -69,7 +76,8 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
   before = mtimes(sweep_dir)
   code, out = run_sweep(tmp_path, "--members", "toy_grpo," + MEMBERS)
   assert code == 1, out
-  for name in ("toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0", "toy_vapo_no_clip_higher_seed1"):
+  for name in ("toy_warm_start_seed0", "toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0",
+               "toy_vapo_no_clip_higher_seed1"):
     assert f"skip    {name}" in out
   assert mtimes(sweep_dir).keys() - before.keys() == {"toy_vapo_seed1"}  # Ran again after grpo failed.
   assert all(mtimes(sweep_dir)[name] == t for name, t in before.items())
@@ -83,7 +91,7 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
 
 
 def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
-  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo")
+  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo", "--no-warm-start")
   assert code == 1, out
   names = ["toy_grpo_seed0", "toy_dapo_seed0", "toy_grpo_seed1", "toy_dapo_seed1"]
   assert [line.split()[1] for line in out.splitlines() if line.startswith("FAILED")] == names
@@ -101,11 +109,17 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
   out = io.StringIO()
   assert sweep.main(["toy", "--seeds", "0,2", "--root", "runs/sweeps", "--print-commands", "rl_steps=5"], stream=out) == 0
   lines = out.getvalue().splitlines()
-  assert len(lines) == 11 * 2
-  assert lines[0] == ("make train EXP=toy_vapo ARGS='seed=0 model.init_seed=0 data.seed=0 name=toy_vapo_seed0 "
-                      "run_dir=runs/sweeps/toy rl_steps=5'")
+  assert len(lines) == 1 + 11 * 2  # The warm start, then each seed's 11 members starting from it.
+  assert lines[0] == ("make train EXP=toy_warm_start ARGS='seed=0 model.init_seed=0 data.seed=0 "
+                      "name=toy_warm_start_seed0 run_dir=runs/sweeps/toy rl_steps=5'")
+  assert lines[1] == ("make train EXP=toy_vapo ARGS='seed=0 model.init_seed=0 data.seed=0 name=toy_vapo_seed0 "
+                      "run_dir=runs/sweeps/toy model.checkpoint=runs/sweeps/toy/toy_warm_start_seed0/export "
+                      "sft.steps=0 rl_steps=5'")
+  assert lines[12].startswith("make train EXP=toy_vapo ARGS='seed=2 ") and lines[12].endswith(
+      "model.checkpoint=runs/sweeps/toy/toy_warm_start_seed0/export sft.steps=0 rl_steps=5'")
   out = io.StringIO()
-  assert sweep.main(["toy", "--seeds", "1", "--members", "toy_ppo", "--smoke", "--print-commands"], stream=out) == 0
+  assert sweep.main(["toy", "--seeds", "1", "--members", "toy_ppo", "--smoke", "--print-commands", "--no-warm-start"],
+                    stream=out) == 0
   assert out.getvalue() == ("make train EXP=toy_ppo ARGS='seed=1 model.init_seed=1 data.seed=1 name=toy_ppo_seed1 "
                             "run_dir=runs/sweeps/toy --smoke'\n")
   assert lines[-1].startswith("make train EXP=toy_vapo_no_group_sampling ARGS='seed=2 ")
@@ -114,6 +128,19 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
   assert "nope" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     sweep.main(["toy", "--seeds", "0,0"])
+
+
+def test_a_failed_warm_start_fails_its_members_without_starting_them(tmp_path):
+  sweep_dir = str(tmp_path / "toy")
+  start = sweep.Run("no_such_experiment", 0, sweep_dir)  # Exits 2 at once: unknown experiment.
+  runs = [start, sweep.Run("toy_vapo", 0, sweep_dir, start), sweep.Run("toy_ppo", 0, sweep_dir, start)]
+  out = io.StringIO()
+  status = sweep.execute(runs, jobs=2, stream=out)
+  assert status["no_such_experiment_seed0"] == "failed (exit 2)", out.getvalue()
+  for run in runs[1:]:
+    assert status[run.name] == "failed (warm start no_such_experiment_seed0: failed (exit 2))"
+    assert not os.path.exists(run.log)  # Never started, although two runs may run at once.
+  assert "unknown experiment 'no_such_experiment'" in open(start.log).read()
 
 
 def test_area_under_curve_is_the_mean_height():

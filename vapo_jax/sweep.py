@@ -10,7 +10,11 @@
 A sweep is data: `experiments.SWEEPS[name]()` returns {member name: ExperimentConfig}. Each member ×
 seed S runs as `python -m vapo_jax.main --exp <member> seed=S model.init_seed=S data.seed=S
 name=<member>_seed<S> run_dir=runs/sweeps/<sweep> [overrides]` (the `make train` command) in a
-subprocess, its console output appended to `logs/<member>_seed<S>.log`. Runs go seed by seed
+subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep with a warm start
+(`experiments.WARM_STARTS`, e.g. toy → toy_warm_start) first runs that experiment once
+(`<warm start>_seed0`: the supervised warm start, exported) and starts every run from its policy
+(`model.checkpoint=<its export> sft.steps=0`), as every row of the paper starts from one base model
+(the seeds vary the RL); `--no-warm-start` lets every run do its own. Runs go seed by seed
 (every member's seed 0 first), so a partial sweep already compares all members. A run whose
 directory holds `summary.json` is finished and skipped, so running the same command again resumes
 the sweep (an interrupted run resumes from its own checkpoint). A failed run is reported with its
@@ -63,6 +67,8 @@ class Run:
   member: str  # Experiment name (`--exp`).
   seed: int
   sweep_dir: str  # runs/sweeps/<sweep>: the runs' parent directory (`run_dir=`).
+  # The warm-start run whose exported policy this run starts from (`model.checkpoint=`, no SFT of its own).
+  warm_start: "Run | None" = None
 
   @property
   def name(self) -> str:
@@ -80,10 +86,15 @@ class Run:
   def finished(self) -> bool:
     return os.path.isfile(os.path.join(self.directory, "summary.json"))
 
+  @property
+  def export(self) -> str:
+    return os.path.join(self.directory, "export")
+
   def overrides(self, extra: Sequence[str] = ()) -> list[str]:
     seed = self.seed
+    start = [] if self.warm_start is None else [f"model.checkpoint={self.warm_start.export}", "sft.steps=0"]
     return [f"seed={seed}", f"model.init_seed={seed}", f"data.seed={seed}", f"name={self.name}",
-            f"run_dir={self.sweep_dir}", *extra]
+            f"run_dir={self.sweep_dir}", *start, *extra]
 
   def argv(self, extra: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "vapo_jax.main", "--exp", self.member, *self.overrides(extra)]
@@ -101,9 +112,19 @@ def members_of(sweep: str) -> list[str]:
   return list(experiments.SWEEPS[sweep]())
 
 
-def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str) -> list[Run]:
-  """Every member × seed, seed by seed."""
-  return [Run(member, seed, sweep_dir) for seed in seeds for member in members]
+def warm_start_of(sweep: str) -> str | None:
+  """The experiment that warm-starts every member of sweep `sweep` (experiments.WARM_STARTS), if any."""
+  import experiments
+
+  return experiments.WARM_STARTS.get(sweep)
+
+
+def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *, warm_start: str | None = None) -> list[Run]:
+  """Every member × seed, seed by seed; with `warm_start`, that experiment first (once, seed 0, whatever
+  the seeds), and every run starts from its exported policy, as every row of the paper starts from one
+  base model: the seeds vary the RL (sampling, data order, value head), not the starting policy."""
+  start = None if warm_start is None else Run(warm_start, 0, sweep_dir)
+  return [start] * (start is not None) + [Run(member, seed, sweep_dir, start) for seed in seeds for member in members]
 
 
 # ------------------------------------------------------------------------------------ running
@@ -129,8 +150,17 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
   total = len(pending)
   try:
     while pending or active:
-      while pending and len(active) < jobs:
-        run = pending.pop(0)
+      for run in [r for r in pending if r.warm_start is not None and status.get(r.warm_start.name, "").startswith(
+          ("failed", "stopped"))]:  # Its warm start did not finish: nothing to start from.
+        pending.remove(run)
+        status[run.name] = f"failed (warm start {run.warm_start.name}: {status[run.warm_start.name]})"
+        print(f"FAILED  {run.name} (its warm start {run.warm_start.name} did not finish)", file=stream, flush=True)
+      while len(active) < jobs:
+        ready = [r for r in pending if r.warm_start is None or r.warm_start.finished]
+        if not ready:
+          break
+        run = ready[0]
+        pending.remove(run)
         os.makedirs(os.path.dirname(run.log), exist_ok=True)
         log = open(run.log, "a")
         log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run.argv(extra))}\n")
@@ -301,6 +331,8 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   parser.add_argument("--members", help="comma-separated subset of the sweep's members (default: all)")
   parser.add_argument("--root", default=DEFAULT_ROOT, help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
   parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
+  parser.add_argument("--no-warm-start", action="store_true",
+                      help="each run does its own supervised warm start (default: one per seed, shared by the members)")
   parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
   parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
   args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.
@@ -325,22 +357,26 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
     return 2
   sweep_dir = os.path.join(args.root, args.sweep)
   extra = ["--smoke"] * args.smoke + args.overrides
-  if args.print_commands:
-    for run in plan(members, args.seeds, sweep_dir):
+  warm_start = None if args.no_warm_start else warm_start_of(args.sweep)
+  if args.print_commands:  # In order: a seed's warm start before its members.
+    for run in plan(members, args.seeds, sweep_dir, warm_start=warm_start):
       print(run.make_command(extra), file=stream)
     return 0
   status: dict[str, str] = {}
-  runs = plan(members, args.seeds, os.path.abspath(sweep_dir))  # Absolute: the runs start in the repository root.
+  # Absolute paths: the runs start in the repository root.
+  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), warm_start=warm_start)
+  runs = [run for run in everything if run.member != warm_start]  # The table's rows.
   if not args.report:
     start = time.perf_counter()
-    print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs, "
-          f"{args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
+    print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs"
+          + (f" from one warm start ({warm_start}_seed0)" if warm_start else "")
+          + f", {args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
     report = lambda _: write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
-    execute(runs, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
+    execute(everything, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
     print(f"sweep {args.sweep}: {time.perf_counter() - start:.0f}s", file=stream)
   written = write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
   print("\n".join(f"{what}: {path}" for what, path in written.items()), file=stream)
-  failed = [run for run in runs if status.get(run.name, "").startswith(("failed", "stopped"))]
+  failed = [run for run in everything if status.get(run.name, "").startswith(("failed", "stopped"))]
   for run in failed:
     print(f"failed: {run.name}: {status[run.name]}; log: {run.log}", file=stream)
   return 1 if failed else 0
