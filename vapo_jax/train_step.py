@@ -26,7 +26,8 @@ from flax import nnx
 
 from vapo_jax import algorithm, losses, masked
 from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig
-from vapo_jax.models import logprobs as logprobs_lib, sharding
+from vapo_jax.models import sharding
+from vapo_jax.models.logprobs import response_logprobs
 from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.state import TrainState
 
@@ -49,11 +50,6 @@ def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
   """`[B, Tp]` prompt and `[B, Tr]` response into `[B, S]` tokens and attention mask."""
   return (jnp.concatenate([prompt_tokens, response_tokens], axis=1).astype(jnp.int32),
           jnp.concatenate([prompt_mask, response_mask], axis=1).astype(bool))
-
-
-def response_logprobs(model, tokens, attention_mask, response_len: int, *, chunk: int, entropy: bool = False):
-  """log π(o_t) and (with `entropy`) H_t `[B, Tr]` of the response, `chunk` positions at a time."""
-  return logprobs_lib.response_logprobs(model, tokens, attention_mask, response_len, chunk=chunk, entropy=entropy)
 
 
 def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Array:
