@@ -57,8 +57,10 @@ def main(argv: list[str]) -> int:
     return 1
   if not distributed.is_main_process():
     return 0
-  print(f"done in {summary['seconds']:.0f}s. held-out accuracy: before RL {summary['accuracy_before_rl']}, "
-        f"after RL {summary['accuracy_after_rl']}")
+  before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
+  accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
+              f"held-out accuracy: before RL {before}, after RL {after}")
+  print(f"done in {summary['seconds']:.0f}s. {accuracy}")
   print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)")
   return 0
 
