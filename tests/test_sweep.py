@@ -12,6 +12,9 @@ import csv
 import io
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -149,3 +152,19 @@ def test_area_under_curve_is_the_mean_height():
   assert sweep.area_under_curve(x, y) == pytest.approx(19 / 40)
   assert sweep.area_under_curve(np.array([-2.0, 0.0, 4.0]), np.array([9.0, 0.5, 0.5])) == pytest.approx(0.5)
   assert sweep.area_under_curve(np.array([0.0]), np.array([0.3])) == pytest.approx(0.3)
+
+
+def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
+  """A scheduler's SIGTERM (or `kill`) stops the runs in progress, not only the sweep."""
+  argv = [sys.executable, "-m", "vapo_jax.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-warm-start",
+          "--root", str(tmp_path), *MICRO]
+  sweep_process = subprocess.Popen(argv, cwd=sweep.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=dict(os.environ, XLA_FLAGS=""))
+  assert sweep_process.stdout.readline().startswith("sweep toy:")
+  assert sweep_process.stdout.readline().startswith("start   toy_vapo_seed0")
+  sweep_process.send_signal(signal.SIGTERM)  # The run is starting: once under way, the trainer saves and exits 75
+  out, err = sweep_process.communicate(timeout=180)  # (test_resume's slow tests); before that, SIGTERM ends it.
+  assert sweep_process.returncode == 130, err
+  assert "stopped toy_vapo_seed0 (exit " in out, out + err
+  assert "the same command resumes it" in err
+  assert not subprocess.run(["pgrep", "-f", f"run_dir={tmp_path}"], capture_output=True).stdout  # Not left running.

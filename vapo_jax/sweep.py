@@ -17,7 +17,8 @@ subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep 
 (the seeds vary the RL); `--no-warm-start` lets every run do its own. Runs go seed by seed
 (every member's seed 0 first), so a partial sweep already compares all members. A run whose
 directory holds `summary.json` is finished and skipped, so running the same command again resumes
-the sweep (an interrupted run resumes from its own checkpoint). A failed run is reported with its
+the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep: the runs in
+progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once they have stopped. A failed run is reported with its
 log and the others go on; the exit status is 1 if any failed. The runs share one XLA compilation
 cache, `<sweep dir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR is set), so a run compiles only
 the programs that differ from those of the runs before it.
@@ -382,5 +383,14 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   return 1 if failed else 0
 
 
+def _terminate(signum, frame):
+  raise KeyboardInterrupt  # As Ctrl-C: `execute` passes SIGTERM on to the runs in progress and waits for them.
+
+
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  signal.signal(signal.SIGTERM, _terminate)  # A scheduler's or `kill`'s stop, like Ctrl-C.
+  try:
+    sys.exit(main(sys.argv[1:]))
+  except KeyboardInterrupt:
+    print("sweep stopped: the runs in progress saved checkpoints; the same command resumes it", file=sys.stderr)
+    sys.exit(130)
