@@ -26,10 +26,11 @@ install: $(STAMP)  ## Create .venv and install the package with its test depende
 train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
 	$(PY) -m vapo_jax.main --exp $(EXP) $(ARGS)
 
-test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded).
-	$(PY) -m pytest -q -m "not slow" --durations=15 tests
+TEST_JOBS ?= 2
+test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2).
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile --durations=15 tests
 
-test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1 (~8 min).
+test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
 	$(PY) -m pytest -q -m slow tests
 
 bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; decode vs transformers; long sequences (~20 min).

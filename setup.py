@@ -24,7 +24,7 @@ setuptools.setup(
     ],
     extras_require={
         # The optional features' tests run too: W&B offline logging and the plots.
-        "test": ["pytest>=8,<10", "hypothesis>=6.100,<7", "wandb>=0.19,<1", "matplotlib>=3.7,<4"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "wandb>=0.19,<1", "matplotlib>=3.7,<4"],
         "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
         "wandb": ["wandb>=0.19,<1"],  # log.wandb=true: Weights & Biases beside TensorBoard and metrics.jsonl.
         "plot": ["matplotlib>=3.7,<4"],  # make plot RUN=runs/<name>: PNG curves of a run.

@@ -37,6 +37,7 @@ def test_export_then_reload_is_exact(tmp_path, name):
   assert saved == original  # Same tensor names as transformers writes (no lm_head when tied).
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_sharded_export_with_index(tmp_path):
   model = CausalLM(preset("tiny"), rngs=nnx.Rngs(1))
   files = checkpoint.export(model, str(tmp_path), max_shard_bytes=40_000)

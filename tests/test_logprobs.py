@@ -116,6 +116,7 @@ def _dense_response(model, tokens, mask, tr):
   return jnp.take_along_axis(logp, tokens[:, start:, None], -1)[..., 0], losses.entropy_from_logits(logits)
 
 
+@pytest.mark.slow  # make test-slow, for time (the chunked-vs-dense tests above run in make test).
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_response_logprobs_equal_the_model_logits(tied):
   graphdef, params = nnx.split(_model(tied))
@@ -182,6 +183,7 @@ def test_no_full_vocabulary_logits_on_the_chunked_path():
   assert temp(chunked) < temp(dense) - 2 * full * 4
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   """The trainer's compiled programs (scoring, the actor update with an entropy term, the supervised
   update) hold no `[micro, Tr, V]` array; with a chunk of Tr positions they do."""
@@ -215,6 +217,7 @@ def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   assert vocab_arrays(programs(tr)["scoring"].compile(fast), 259, min_elements=full)  # The check can fail.
 
 
+@pytest.mark.slow  # make test-slow, for time (test_sharding checks every preset's model on 8 devices in make test).
 @pytest.mark.parametrize("name,tied", [("fsdp", False), ("fsdp_tp", True)])
 def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
   """Under each preset's rules on 8 devices (the gathered kernel, the FSDP-split kernel gradient)."""

@@ -122,6 +122,7 @@ def _planned_update_temp_bytes(plan) -> int:
   return sum(_item(plan, "actor update", k) for k in ("grads", "update", "gathered", "activations"))
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_actor_update_estimate_is_within_50_percent_of_xla():
   """At 96 and 4,096 tokens (flash attention, log-probs from logit blocks). In float32: XLA:CPU
   computes bfloat16 matmuls through float32 copies (measured: the same temp bytes in both dtypes),

@@ -149,6 +149,7 @@ def wandb_env(tmp_path, monkeypatch):
     monkeypatch.setenv(name, str(tmp_path / name.lower()))
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, wandb_env):
   import wandb
 

@@ -71,6 +71,7 @@ def test_left_padding_changes_nothing(parity_model):
   np.testing.assert_allclose(logits[:, 4:], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_remat_gives_same_values_and_gradients():
   cfg = model_config.preset("tiny")
   tokens = jnp.arange(1, 9)[None] * 7 % cfg.vocab_size

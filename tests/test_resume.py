@@ -72,6 +72,7 @@ def _comparable(records):
   return [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in records]
 
 
+@pytest.mark.slow  # make test-slow, for time (test_sweep's SIGTERM test stops a run the same way in make test).
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, checkpointing.PREEMPTED_EXIT_CODE),
                                       (signal.SIGINT, checkpointing.INTERRUPTED_EXIT_CODE)])
 def test_a_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, sig, code):

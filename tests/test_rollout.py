@@ -60,7 +60,8 @@ def test_greedy_equals_uncached_argmax(model):
   assert compared > 30
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 0.8)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [pytest.param(1.0, 0, 1.0, marks=pytest.mark.slow),
+                                                     pytest.param(0.7, 0, 1.0, marks=pytest.mark.slow), (1.3, 5, 0.8)])
 def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
   out = run(model, PROMPTS, temperature=temperature, top_k=top_k, top_p=top_p, key=3)
   for b, prompt in enumerate(PROMPTS):
@@ -137,7 +138,8 @@ def test_stops_early_when_all_done(model):
   assert int(out.response_lengths[0]) == 1 and out.response_tokens.shape == (1, 50)
 
 
-@pytest.mark.parametrize("preset_name,mesh_shape", [("dp", dict(data=8)), ("fsdp_tp", dict(data=2, fsdp=2, tensor=2))])
+@pytest.mark.parametrize("preset_name,mesh_shape", [pytest.param("dp", dict(data=8), marks=pytest.mark.slow),
+                                                    ("fsdp_tp", dict(data=2, fsdp=2, tensor=2))])
 def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
   expected = run(model, prompts, key=5, max_new_tokens=8)
@@ -170,6 +172,7 @@ def test_metrics(model):
   assert 0 < stopped < 1 and m["rollout/finish_stop_frac"] == stopped and m["rollout/finish_length_frac"] == 1 - stopped
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_rounds_sample_like_one_call(model):
   whole = run(model, PROMPTS, group=3, key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
   rounds = run(model, PROMPTS, group=3, key=7, engine=generation.Engine(kind="static", prompts_per_round=2))

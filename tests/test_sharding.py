@@ -41,8 +41,8 @@ def batch():
   return jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("name", list(MESHES))
-def test_golden_partition_specs(name):
+@pytest.mark.parametrize("name", [n if n == "fsdp" else pytest.param(n, marks=pytest.mark.slow) for n in MESHES])
+def test_golden_partition_specs(name):  # fsdp (the aime preset) in make test; the others in make test-slow.
   mesh = sharding.make_mesh(**MESHES[name])
   model = sharding.create_sharded(lambda: CausalLM(CFG, rngs=nnx.Rngs(0)), mesh, sharding.PRESETS[name])
   actual = {".".join(map(str, p)): str(v.get_value().sharding.spec)

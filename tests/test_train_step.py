@@ -26,6 +26,7 @@ def test_micro_split_round_trips_and_takes_a_part_of_every_block(b, micro, shard
       np.testing.assert_array_equal(np.bincount(rows[m] // block, minlength=shards), [micro // shards] * shards)
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_scoring_in_micro_batches_equals_the_whole_batch():
   cfg = preset("micro")
   actor_def, actor = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))

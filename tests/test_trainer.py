@@ -43,7 +43,9 @@ ALGORITHMS = {
 }
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
+# VAPO and DAPO (group advantages, dynamic sampling) in make test; PPO and GRPO in make test-slow, for time.
+@pytest.mark.parametrize("name", [n if n in ("vapo", "dapo") else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ALGORITHMS])
 def test_algorithm_runs_with_finite_losses(tmp_path, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
   full = dict(sft_steps=2, eval_path=SMOKE_EVAL) if name == "vapo" else {}
@@ -76,6 +78,7 @@ def _held_out_batch(trainer):
   return out, np.asarray(rewards), np.asarray(correct)
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_value_pretraining_raises_explained_variance(tmp_path):
   cfg = config(tmp_path, reward_fn=PROMPT_REWARD, value_pretrain_steps=10, mini_batch_responses=8)
   cfg = dataclasses.replace(cfg,
@@ -115,6 +118,7 @@ def test_dynamic_sampling_fills_the_batch_with_mixed_groups(tmp_path):
   trainer.pool.close()
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_losses_on_a_memorised_batch_fall(tmp_path):
   # μ = 0: the policy-gradient term itself must fall (not only the positive-example NLL).
   trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD, mini_batch_responses=32, positive_nll_coef=0.0),
@@ -131,6 +135,7 @@ def test_losses_on_a_memorised_batch_fall(tmp_path):
   trainer.pool.close()
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_one_and_eight_devices_give_the_same_losses_and_parameters(tmp_path):
   runs = []
   for devices in ([jax.devices()[0]], jax.devices()):

@@ -37,6 +37,7 @@ def test_a_checkpoint_with_nan_weights_is_refused_at_start(tmp_path):
   assert not (tmp_path / "fail").exists()  # The failed start left no run directory.
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_non_finite_updates_are_skipped_and_then_stop_the_run(tmp_path):
   config = smoke_config(tmp_path, log=dataclasses.replace(experiments.get_experiment("tiny").log, max_nonfinite_steps=2))
   config = dataclasses.replace(config, algo=dataclasses.replace(config.algo, value_pretrain_steps=0),
@@ -80,6 +81,7 @@ def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp
   assert not (tmp_path / "fail").exists()
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_supervised_warm_start_from_a_file(tmp_path):
   rows = [{"problem": f"{a}+{b}=", "answer": str(a + b), "solution": f"{a}+{b}={a + b}\nAnswer: {a + b}"}
           for a in range(1, 5) for b in range(1, 5)]

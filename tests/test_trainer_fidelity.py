@@ -42,6 +42,7 @@ def test_value_pretraining_stops_early_only_when_asked(case):
   assert LogConfig().value_pretrain_patience is None  # The default runs the paper's fixed number of steps.
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_the_actor_learns_from_the_policy_gradient_alone(tmp_path):
   # μ = 0: only the clipped policy-gradient term can move the policy. A random one-layer policy is
   # nearly uniform over bytes (chance ≈ 0.2: an even ASCII first byte); group-normalised advantages
@@ -73,6 +74,7 @@ def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_toke
   trainer.close()
 
 
+@pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_micro_batches_in_the_trainer_give_the_whole_mini_batch_parameters(tmp_path, loss_agg):
   params = []
