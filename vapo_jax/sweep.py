@@ -17,9 +17,10 @@ subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep 
 (the seeds vary the RL); `--no-warm-start` lets every run do its own. Runs go seed by seed
 (every member's seed 0 first), so a partial sweep already compares all members. A run whose
 directory holds `summary.json` is finished and skipped, so running the same command again resumes
-the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep: the runs in
-progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once they have stopped. A failed run is reported with its
-log and the others go on; the exit status is 1 if any failed. The runs share one XLA compilation
+the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep:
+the runs in progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once they have
+stopped. A failed run is reported with its log and the others go on; the exit status is 1 if any
+failed. The runs share one XLA compilation
 cache, `<sweep dir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR is set), so a run compiles only
 the programs that differ from those of the runs before it.
 
@@ -123,7 +124,7 @@ def warm_start_of(sweep: str) -> str | None:
 def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *, warm_start: str | None = None) -> list[Run]:
   """Every member × seed, seed by seed; with `warm_start`, that experiment first (once, seed 0, whatever
   the seeds), and every run starts from its exported policy, as every row of the paper starts from one
-  base model: the seeds vary the RL (sampling, data order, value head), not the starting policy."""
+  base model: the seeds vary the RL (its sampling and data order), not the starting policy."""
   start = None if warm_start is None else Run(warm_start, 0, sweep_dir)
   return [start] * (start is not None) + [Run(member, seed, sweep_dir, start) for seed in seeds for member in members]
 
