@@ -58,6 +58,7 @@ def test_algorithm_runs_with_finite_losses(tmp_path, name):
   for h in rl:
     for key in keys:
       assert math.isfinite(h[key]), (key, h[key])
+    assert h["rollout/logprob_gap"] < 1e-4  # float32: the trainer's log-probs are the sampler's.
   if name == "vapo":
     assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
     assert [h["stage"] for h in trainer.history] == ["sft"] * 2 + ["value_pretrain"] + ["rl"] * 2
