@@ -21,8 +21,8 @@ Sizing (seed 0, from that warm start, 16 RL steps, two runs at once on the 2 cor
     entropy rising, while PPO (0.35), GRPO (0.34) and DAPO (0.34) held; lr 5e-5 and mini-batches of
     32 alone: VAPO → 0.25 again;
   16 prompts × 8, lr 5e-5, mini-batches of 32, 10 value pretraining steps (below): VAPO 0.30 → 0.34
-    (step 8) → 0.35, training accuracy 0.23 → 0.27 by quarters, entropy flat; 456 s a run, so the
-    33-run sweep takes about 2 hours with JOBS=2.
+    (step 8) → 0.35, training accuracy 0.23 → 0.27 by quarters, entropy flat; 490-670 s a run with two at
+    once, so the 33-run sweep takes about 2.5 hours with JOBS=2 (seed 0's 11 runs: README).
 
 Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dapo` and
 `toy_vapo_no_<technique>` for the seven techniques; any one runs alone with `make train EXP=<name>`.
