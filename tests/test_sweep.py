@@ -144,6 +144,9 @@ def test_a_failed_warm_start_fails_its_members_without_starting_them(tmp_path):
     assert status[run.name] == "failed (warm start no_such_experiment_seed0: failed (exit 2))"
     assert not os.path.exists(run.log)  # Never started, although two runs may run at once.
   assert "unknown experiment 'no_such_experiment'" in open(start.log).read()
+  # A warm start that is not among the runs and has not finished: its runs fail at once, not wait forever.
+  status = sweep.execute(runs[1:], stream=io.StringIO())
+  assert status["toy_vapo_seed0"].startswith("failed (warm start no_such_experiment_seed0")
 
 
 def test_area_under_curve_is_the_mean_height():

@@ -152,8 +152,12 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
   total = len(pending)
   try:
     while pending or active:
-      for run in [r for r in pending if r.warm_start is not None and status.get(r.warm_start.name, "").startswith(
-          ("failed", "stopped"))]:  # Its warm start did not finish: nothing to start from.
+      # A run whose warm start failed, or can no longer finish (not among the runs): nothing to start from.
+      stuck = not active and not any(r.warm_start is None or r.warm_start.finished for r in pending)
+      unstartable = lambda r: r.warm_start is not None and (
+          stuck or status.get(r.warm_start.name, "").startswith(("failed", "stopped")))
+      for run in [r for r in pending if unstartable(r)]:
+        status.setdefault(run.warm_start.name, "not run")
         pending.remove(run)
         status[run.name] = f"failed (warm start {run.warm_start.name}: {status[run.warm_start.name]})"
         print(f"FAILED  {run.name} (its warm start {run.warm_start.name} did not finish)", file=stream, flush=True)
