@@ -110,3 +110,17 @@ def test_sample_tokens_bisection_equals_sort(temperature, top_k, top_p):
     z = np.where(keep, np.asarray(logits, np.float64) / temperature, -np.inf)
     log_probs = z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
     np.testing.assert_allclose(fast[1], log_probs[np.arange(32), tokens], atol=1e-5)
+
+
+def test_log_softmax_at_one_token_is_the_log_softmax_entry():
+  """The sampler's gathered log-softmax equals the entry of the full `[B, V]` log-softmax (same
+  arithmetic, so the same bits under jit), with removed (−∞) tokens in the row, and in float64."""
+  logits = np.random.default_rng(4).normal(size=(16, 3000)) * 4
+  logits[:, :50] = -np.inf
+  tokens = np.random.default_rng(5).integers(50, 3000, 16)
+  fast = jax.jit(sampling.log_softmax_at)(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens))
+  full = jax.jit(lambda x, t: jnp.take_along_axis(jax.nn.log_softmax(x, -1), t[:, None], -1)[:, 0])
+  np.testing.assert_array_equal(fast, full(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens)))
+  finite = logits[:, 50:]
+  exact = finite - finite.max(-1, keepdims=True) - np.log(np.exp(finite - finite.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  np.testing.assert_allclose(fast, exact[np.arange(16), tokens - 50], rtol=1e-6, atol=1e-6)

@@ -110,7 +110,6 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, *, temperature: float, top
   the filtered, renormalised distribution sampled from (0 for greedy, temperature 0) and under the
   plain log-softmax of the logits. `sorted_filter` uses the sort-based filter (tests)."""
   logits = logits.astype(jnp.float32)
-  policy = jax.nn.log_softmax(logits, axis=-1)
   if temperature == 0:
     tokens = jnp.argmax(logits, axis=-1)
     sampler = jnp.zeros(tokens.shape, jnp.float32)
@@ -120,6 +119,13 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, *, temperature: float, top
     # `jax.random.categorical` per row (same Gumbel noise, same tokens) with a faster argmax.
     noise = jax.vmap(lambda k: jax.random.gumbel(k, processed.shape[-1:]))(keys)
     tokens = argmax(processed + noise)
-    sampler = jnp.take_along_axis(jax.nn.log_softmax(processed, axis=-1), tokens[:, None], axis=-1)[:, 0]
-  policy = jnp.take_along_axis(policy, tokens[:, None], axis=-1)[:, 0]
-  return tokens.astype(jnp.int32), sampler, policy
+    sampler = log_softmax_at(processed, tokens)
+  return tokens.astype(jnp.int32), sampler, log_softmax_at(logits, tokens)
+
+
+def log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+  """`jax.nn.log_softmax(logits)` `[B, V]` at one token per row `[B]`, with the same arithmetic
+  (x − max − log Σ exp(x − max), hence the same bits) without writing out the `[B, V]` result."""
+  top = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+  log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+  return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - top[:, 0] - log_sum
