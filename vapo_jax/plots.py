@@ -121,7 +121,10 @@ def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path
   matplotlib.use("Agg")  # Files only; no display needed.
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+  many = len(curves) > 6  # A sweep's members: distinct colours, lighter bands, the legend beside the axes.
+  fig, ax = plt.subplots(figsize=(10, 4.6) if many else (7, 4.2), dpi=110)
+  if len(curves) > 10:  # The default cycle repeats after 10 colours.
+    ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
   banded = 0
   for label, runs in curves.items():
     runs = [(np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in runs if len(x)]
@@ -136,7 +139,7 @@ def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path
     (line,) = ax.plot(x, mean, marker=marker, markersize=3.5, linewidth=1.4,
                       label=label if lo is None else f"{label} (mean of {len(runs)})")
     if lo is not None:
-      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.08 if many else 0.2, linewidth=0)
   if below_zero and any(len(line.get_xdata()) and min(line.get_xdata()) < 0 for line in ax.get_lines()):
     xlim = ax.get_xlim()
     ax.axvspan(xlim[0], -0.5, color="0.5", alpha=0.12, linewidth=0, label=below_zero)
@@ -146,7 +149,7 @@ def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else {}))
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   fig.savefig(path)
