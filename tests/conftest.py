@@ -4,9 +4,9 @@ programs (the trainer tests' models, samplers and updates) compile each of them 
 
 The suite is bound by compiling (most tests run tiny programs once), so XLA's backend compiles
 them without LLVM's optimisation passes (`--xla_backend_optimization_level=0`: `make test` 445 →
-421 s idle, 10 % less CPU time). The programs are the same and so are their floating-point semantics (XLA:CPU does not
-reassociate without fast-math, which is off either way); only the machine code is slower, which
-no test measures (`make bench` runs at the default level)."""
+421 s idle, 10 % less CPU time). The programs are the same and so are their floating-point
+semantics (XLA:CPU does not reassociate without fast-math, which is off either way); only the
+machine code is slower, which no test measures (`make bench` runs at the default level)."""
 
 import atexit
 import os
