@@ -125,7 +125,7 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, *, temperature: float, top
 
 def log_softmax_at(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   """`jax.nn.log_softmax(logits)` `[B, V]` at one token per row `[B]`, with the same arithmetic
-  (x − max − log Σ exp(x − max), hence the same bits) without writing out the `[B, V]` result."""
+  (x − max − log Σ exp(x − max): the same bits under jit) without writing out the `[B, V]` result."""
   top = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
   log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
   return jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - top[:, 0] - log_sum
