@@ -45,6 +45,23 @@ def queue_steps(lengths, slots: int) -> int:
   return max(free)
 
 
+def queue_row_steps(lengths, slots: int, min_slots: int) -> int:
+  """Σ rows × iterations of that queue when the rows shrink in its tail: sizes are min_slots·2^k;
+  after an iteration that leaves the queue empty and at most the largest size ≤ rows / 2 live, the
+  rows become the smallest size holding the live sequences. Step by step, from the definition."""
+  sizes = [min_slots * 2**k for k in range(16)] if min_slots else []
+  queue, remaining, rows, total = list(map(int, lengths)), [], slots, 0
+  while queue or remaining:
+    while queue and len(remaining) < rows:
+      remaining.append(queue.pop(0))
+    total += rows
+    remaining = [r - 1 for r in remaining if r > 1]
+    below_half = [size for size in sizes if 2 * size <= rows]
+    if not queue and remaining and below_half and len(remaining) <= max(below_half):
+      rows = min(size for size in sizes if size >= len(remaining))
+  return total
+
+
 @jax.jit
 def _first_greedy_token(model, tokens, mask):
   return jnp.argmax(model(tokens, positions_from_mask(mask), mask)[0][:, -1], -1)
@@ -75,7 +92,13 @@ def test_refill_equals_static(model, case):
   if case.startswith("top"):
     assert 0 < np.mean(lengths < 10) < 1
   assert metrics["rollout/decode_steps"] == queue_steps(lengths, 5) and metrics["rollout/slots"] == 5
-  assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (5 * queue_steps(lengths, 5)))
+  # The default engine shrinks 5 slots to 2, then 1 (min_slots 1) in the tail.
+  row_steps = queue_row_steps(lengths, 5, 1)
+  assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)
+  assert row_steps < 5 * queue_steps(lengths, 5) or np.all(lengths == lengths[0])
+  fixed, fixed_metrics = sample(model, PROMPTS, engine._replace(min_slots=0), group=3, key=3, **settings)
+  assert_same(fixed, static)
+  assert fixed_metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (5 * queue_steps(lengths, 5)))
   for name in ("rollout/response_len_p50", "rollout/response_len_p90", "rollout/finish_stop_frac"):
     assert metrics[name] == static_metrics[name]
 
@@ -87,20 +110,30 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = rollout.make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
-  refilled, steps = refill.generate(model, tokens, mask, jax.random.key(9), sampling=spec, samples_per_prompt=1,
-                                    slots=6, steps_per_call=4, length_limits=limits)
+  refilled, steps, row_steps = refill.generate(model, tokens, mask, jax.random.key(9), sampling=spec,
+                                               samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
+                                               length_limits=limits)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
   assert np.all(lengths <= np.asarray(limits)) and lengths[2] == 1 and steps == lengths.max()
+  assert row_steps == queue_row_steps(lengths, 6, 1) < 6 * steps
   at_limit = lengths == np.asarray(limits)
   assert np.all(np.asarray(static.finish_reason)[at_limit & ~np.isin(np.asarray(static.response_tokens)[
       np.arange(4), lengths - 1], [EOS])] == rollout.FINISH_LENGTH)
 
 
-def test_sharded_refill_equals_unsharded(model):
-  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
-  engine = generation.Engine(kind="refill", slots=8, steps_per_call=4)  # 16 sequences in 8 slots, one per device.
-  expected, _ = sample(model, prompts, engine, group=2, key=5, max_new_tokens=8)
+@pytest.mark.parametrize("slots", [8, 16])
+def test_sharded_refill_equals_unsharded(model, slots):
+  """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking
+  to 8 in the tail."""
+  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]] + [[4, 5], [6]] * (4 if slots == 16 else 0)
+  limits = None if slots == 8 else np.arange(2 * len(prompts), dtype=np.int32) % 8 + 1
+  engine = generation.Engine(kind="refill", slots=slots, steps_per_call=4, min_slots=8)
+  expected, metrics = sample(model, prompts, engine, group=2, key=5, max_new_tokens=8, limits=limits)
+  lengths = np.asarray(expected.response_lengths)
+  row_steps = queue_row_steps(lengths, slots, 8)
+  assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)
+  assert (row_steps < slots * metrics["rollout/decode_steps"]) == (slots == 16)  # 16 slots shrink to 8.
   mesh = sharding.make_mesh(data=8)
   rules = sharding.PRESETS["dp"]
   sharded_model = sharding.shard_module(model, mesh, rules)
@@ -110,11 +143,12 @@ def test_sharded_refill_equals_unsharded(model):
   tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    out, _ = generation.sample(sharded_model, tokens, mask, jax.random.key(5), sampling=spec, samples_per_prompt=2,
-                            engine=engine, pad_id=0, jit=lambda fn, **kw: sharding.jit(fn, mesh, rules, **kw),
-                            place=place)
+    out, sharded_metrics = generation.sample(
+        sharded_model, tokens, mask, jax.random.key(5), sampling=spec, samples_per_prompt=2, engine=engine, pad_id=0,
+        jit=lambda fn, **kw: sharding.jit(fn, mesh, rules, **kw), place=place, length_limits=limits)
   assert len(out.response_tokens.sharding.device_set) == 8
   assert_same(out, expected)
+  assert sharded_metrics["rollout/slot_utilization"] == metrics["rollout/slot_utilization"]
 
 
 def test_engine_from_config_fits_slots_to_the_budget():
@@ -132,7 +166,9 @@ def test_engine_from_config_fits_slots_to_the_budget():
   assert small.slots == 512  # Every sequence fits: 2 per device (300 rounded up), nothing to refill.
   fixed = generation.engine_for(RolloutConfig(slots=64, decode_steps_per_call=32, decode_block=128), cfg,
                                 sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
-  assert fixed == generation.Engine(kind="refill", slots=64, steps_per_call=32, decode_block=128)
+  assert fixed == generation.Engine(kind="refill", slots=64, steps_per_call=32, min_slots=256, decode_block=128)
+  assert generation.engine_for(RolloutConfig(slots=64, shrink_slots=False), cfg, sequences=8192, prompt_tokens=1024,
+                               dtype=jnp.bfloat16, devices=256).min_slots == 0
   static = generation.engine_for(RolloutConfig(engine="static", prompts_per_generation=8), cfg, sequences=8192,
                                  prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
   assert static == generation.Engine(kind="static", prompts_per_round=8)

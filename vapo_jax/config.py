@@ -165,6 +165,9 @@ class RolloutConfig:
   engine: Literal["static", "refill"] = "refill"
   slots: int | None = None  # refill: decode slots (rows); None: as many as kv_cache_budget_gib holds.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
+  # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
+  # while at most half are live, so stragglers decode in a small batch (one program per size).
+  shrink_slots: bool = True
   # KV-cache slots per block read by decode attention; None: 64 on CPU, 512 on GPU/TPU; 0: every slot.
   decode_block: int | None = None
 

@@ -12,8 +12,9 @@ call draws from `fold_in(key, n)`), so the engine is a speed setting, never a ch
 
 Metrics (`rollout_metrics`): `time/rollout_s` (prefill + decode, until the lengths reach the host),
 `perf/rollout_tokens_per_s` (response tokens / that time), `rollout/decode_steps`,
-`rollout/slots` (rows decoded per step), `rollout/slot_utilization` (response tokens / (rows ×
-decode steps): the share of decoded rows that were a live sequence), `rollout/response_len_p50`,
+`rollout/slots` (rows decoded per step at the start; the refill engine shrinks them in the tail),
+`rollout/slot_utilization` (response tokens / Σ rows × decode steps: the share of decoded rows
+that were a live sequence), `rollout/response_len_p50`,
 `_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`.
 """
 
@@ -33,6 +34,9 @@ class Engine(NamedTuple):
   kind: Literal["static", "refill"] = "refill"
   slots: int = 0  # refill: decode slots (rows); 0 or ≥ the sequences of a call: the static engine runs.
   steps_per_call: int = 256  # refill: decode steps on the device per host call, at most.
+  # refill: in the tail (queue empty), halve the slots while at most half are live, down to this many
+  # (a multiple of the data-parallel devices); 0: never.
+  min_slots: int = 1
   prompts_per_round: int | None = None  # static: generate in rounds of this many prompts (None: one).
   decode_block: int | None = None  # KV-cache slots per block of decode attention (0: all; None: per platform).
 
@@ -46,7 +50,8 @@ def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int,
   slots = r.slots or rollout.slots_that_fit(
       model_cfg, sequences=sequences, prompt_tokens=prompt_tokens, max_new_tokens=r.max_response_tokens,
       budget_bytes=int(r.kv_cache_budget_gib * 2**30), dtype=dtype, devices=devices)
-  return Engine(kind="refill", slots=slots, steps_per_call=r.decode_steps_per_call, decode_block=r.decode_block)
+  return Engine(kind="refill", slots=slots, steps_per_call=r.decode_steps_per_call,
+                min_slots=devices if r.shrink_slots else 0, decode_block=r.decode_block)
 
 
 def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: float, decode_steps: int,
@@ -83,10 +88,11 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   start = time.perf_counter()
   refilled = engine.kind == "refill" and 0 < engine.slots < sequences
   if refilled:
-    out, decode_steps = refill.generate(
+    out, decode_steps, row_steps = refill.generate(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
         slots=engine.slots, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
-        decode_block=engine.decode_block, jit=jit, length_limits=None if limits is None else place(limits))
+        decode_block=engine.decode_block, min_slots=engine.min_slots, jit=jit,
+        length_limits=None if limits is None else place(limits))
     rows = engine.slots
   else:
     fn = rollout.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
@@ -104,9 +110,7 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     rows = per_round * group
   lengths, finish = distributed.to_host((out.response_lengths, out.finish_reason))  # Waits for the rollout.
   seconds = time.perf_counter() - start
-  if refilled:
-    row_steps = rows * decode_steps
-  else:  # Each round runs until its longest response ends.
+  if not refilled:  # Each round runs until its longest response ends.
     rounds = [lengths[i:i + rows] for i in range(0, sequences, rows)]
     decode_steps, row_steps = sum(int(r.max()) for r in rounds), sum(int(r.max()) * len(r) for r in rounds)
   return out, rollout_metrics(lengths, finish, seconds=seconds, decode_steps=decode_steps, rows=rows,

@@ -11,21 +11,28 @@ step as a queue, as JetStream / maxtext insert prefilled requests into free deco
      from the prefill; then all R slots decode one token (one length per slot in the KV cache:
      each writes at its own slot and attends to its own filled part);
   3. a slot whose sequence sampled a stop token or reached its length is free again;
-  4. the step ends when the queue is empty and no slot is live.
+  4. the step ends when the queue is empty and no slot is live;
+  5. the tail: once the queue is empty and at most half the slots are live, the live sequences
+     are compacted into fewer slots (`min_slots`·2^k, the fewest that hold them) and decoding goes
+     on with the smaller program, so a straggler no longer decodes R rows — of which R − 1 idle —
+     reading every idle row's cache up to its own length.
 
 Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving
-early when everything has finished); the host only reads one flag per call. One set of weights
+early when everything has finished or the slots can shrink); the host reads four integers per call. One set of weights
 serves the whole step (on-policy). Sequence n samples its step t with
 `fold_in(fold_in(key, n), t)`, as the static engine does, so both sample the same tokens; outputs
 are written by sequence index, so the `Rollout` has the static engine's row order.
 
 Cost: a free slot's refill copies Tp cache slots per layer (inside a `lax.cond`: iterations
-without a refill copy nothing). Sharded, the slots are split over the batch axes; the prompt
+without a refill copy nothing). A shrink gathers the kept rows of each cache array in its own call
+that donates the old array (peak: the R-row cache plus one array's kept rows), and compiles one
+decode program per slot count (at most log2(R / min_slots) of them, cached). Sharded, the slots are split over the batch axes; the prompt
 caches are read by whichever slot takes a sequence, which XLA resolves with a gather across the
 data-parallel devices.
 """
 
 import functools
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -114,10 +121,30 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
   return lax.cond(jnp.any(take), insert, lambda s: s, s)
 
 
+def shrink_threshold(slots: int, min_slots: int) -> int:
+  """The live count at or below which R = `slots` slots shrink: the largest min_slots·2^k ≤ R / 2
+  (0: never, also when `min_slots` is 0)."""
+  size, candidate = 0, min_slots
+  while 0 < candidate and 2 * candidate <= slots:
+    size, candidate = candidate, 2 * candidate
+  return size
+
+
+def shrunk_slots(live: int, min_slots: int) -> int:
+  """The fewest slots of the form min_slots·2^k that hold `live` sequences."""
+  size = min_slots
+  while size < live:
+    size *= 2
+  return size
+
+
 def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
-           sampling: rollout.Sampling, group: int, steps: int, pad_id: int) -> tuple[Slots, jax.Array]:
-  """Up to `steps` iterations of (refill free slots, decode one token in every slot); returns the
-  state and whether every sequence has finished."""
+           sampling: rollout.Sampling, group: int, steps: int, pad_id: int,
+           shrink_at: int = 0) -> tuple[Slots, jax.Array]:
+  """Up to `steps` iterations of (refill free slots, decode one token in every slot), leaving early
+  when every sequence has finished or the slots can shrink (the queue is empty and at most
+  `shrink_at` > 0 slots are live). Returns the state and its status `[4]` int32: finished, can
+  shrink, live slots, decode iterations run so far."""
   n, max_new = state.tokens.shape
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
   limits = jnp.full((n,), max_new, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
@@ -139,12 +166,40 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
                  s.decode_steps + 1, write(s.tokens, tokens), write(s.sampler, sampler), write(s.policy, policy),
                  s.lengths.at[end_at].set(s.step + 1, mode="drop"), s.stopped.at[end_at].set(stop, mode="drop"))
 
+  def can_shrink(s: Slots) -> jax.Array:
+    return (shrink_at > 0) & (s.queued >= n) & (jnp.sum(s.live, dtype=jnp.int32) <= shrink_at)
+
   def cond(carry):
     i, s = carry
-    return (i < steps) & ~finished(s)
+    return (i < steps) & ~finished(s) & ~can_shrink(s)
 
   _, state = lax.while_loop(cond, lambda carry: (carry[0] + 1, one_step(carry[1])), (jnp.zeros((), jnp.int32), state))
-  return state, finished(state)
+  status = jnp.stack([finished(state).astype(jnp.int32), can_shrink(state).astype(jnp.int32),
+                      jnp.sum(state.live, dtype=jnp.int32), state.decode_steps])
+  return state, status
+
+
+@functools.lru_cache(maxsize=32)
+def _row_programs(rows: int, jit: Callable) -> tuple[Callable, Callable]:
+  """(order: live slots first, `rows` of them; take: those rows of one array, donating it)."""
+  order = jit(lambda live: jnp.argsort(~live, stable=True)[:rows])
+  take = jit(lambda x, index: constrain(x[index], ("batch",) + (None,) * (x.ndim - 1)), donate_argnums=0)
+  return order, take
+
+
+def compact(state: Slots, rows: int, *, jit: Callable = jax.jit) -> Slots:
+  """The state with `rows` slots: the live ones (at most `rows`) first, in slot order; the
+  outputs (by sequence) unchanged. Each array is gathered in its own call that donates it."""
+  order, take = _row_programs(rows, jit)
+  index = order(state.live)
+  with warnings.catch_warnings():  # The donated arrays are freed, not reused: the shapes differ.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    gather = lambda x: take(x, index)
+    c = state.cache
+    cache = KVCache(tuple(map(gather, c.keys)), tuple(map(gather, c.values)), gather(c.mask), gather(c.length),
+                    c.decode_block)
+    return state._replace(cache=cache, logits=gather(state.logits), sequence=gather(state.sequence),
+                          step=gather(state.step), live=gather(state.live))
 
 
 class Programs(NamedTuple):
@@ -155,28 +210,38 @@ class Programs(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def programs(*, sampling: rollout.Sampling, group: int, slots: int, steps_per_call: int, pad_id: int, cache_dtype,
-             decode_block: int | None, jit: Callable = jax.jit) -> Programs:
+             decode_block: int | None, min_slots: int = 0, jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
       start=jit(functools.partial(start, group=group, slots=slots, max_new_tokens=sampling.max_new_tokens,
                                   pad_id=pad_id, cache_dtype=cache_dtype, decode_block=decode_block)),
-      decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id),
-                 donate_argnums=(2,)),
-      finish=jit(lambda tokens, mask, s: rollout.finished_rollout(
-          tokens, mask, s.tokens, s.sampler, s.policy, s.lengths, s.stopped, group=group, pad_id=pad_id)))
+      decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id,
+                                   shrink_at=shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
+      finish=jit(functools.partial(rollout.finished_rollout, group=group, pad_id=pad_id)))
 
 
 def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *, sampling: rollout.Sampling,
              samples_per_prompt: int, slots: int, steps_per_call: int = 256, pad_id: int = 0,
-             cache_dtype=jnp.float32, decode_block: int | None = None, jit: Callable = jax.jit,
-             length_limits: jax.Array | None = None) -> tuple[rollout.Rollout, int]:
+             cache_dtype=jnp.float32, decode_block: int | None = None, min_slots: int = 0,
+             jit: Callable = jax.jit, length_limits: jax.Array | None = None) -> tuple[rollout.Rollout, int, int]:
   """`rollout.generate`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots,
-  and the number of decode iterations run. `length_limits` `[P·G]`, in [1, max_new_tokens]."""
-  fns = programs(sampling=sampling, group=samples_per_prompt, slots=slots, steps_per_call=steps_per_call,
-                 pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block, jit=jit)
+  the decode iterations run and the rows decoded (Σ slots × iterations). `min_slots` > 0: shrink
+  the slots in the tail down to this many (a multiple of the data-parallel devices); 0: never.
+  `length_limits` `[P·G]`, in [1, max_new_tokens]."""
+  settings = dict(sampling=sampling, group=samples_per_prompt, steps_per_call=steps_per_call, pad_id=pad_id,
+                  cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block, min_slots=min_slots, jit=jit)
+  fns = programs(slots=slots, **settings)
   prompts, state = fns.start(model, prompt_tokens, prompt_mask)
+  rows, steps, row_steps = slots, 0, 0
   while True:
-    state, done = fns.decode(model, prompts, state, key, length_limits)
-    if bool(np.asarray(distributed.to_host(done))):
+    state, status = fns.decode(model, prompts, state, key, length_limits)
+    done, shrink, live, total = np.asarray(distributed.to_host(status)).tolist()
+    row_steps, steps = row_steps + rows * (total - steps), total
+    if done:
       break
-  return fns.finish(prompt_tokens, prompt_mask, state), int(np.asarray(distributed.to_host(state.decode_steps)))
+    if shrink:
+      rows = shrunk_slots(live, min_slots)
+      state = compact(state, rows, jit=jit)
+      fns = programs(slots=rows, **settings)
+  out = fns.finish(prompt_tokens, prompt_mask, state.tokens, state.sampler, state.policy, state.lengths, state.stopped)
+  return out, steps, row_steps
