@@ -34,3 +34,16 @@ def maybe_jit(request):
   if not request.param:
     return lambda f, **static: (lambda *a: f(*a, **static))
   return lambda f, **static: jax.jit(lambda *a: f(*a, **static))
+
+
+# The test files that take longest (idle durations of `make test`, most first). `make test` hands
+# whole files to its two processes in collection order (`--dist loadfile`); starting with the
+# longest keeps one process from running a long file alone at the end (longest-first scheduling).
+LONGEST_FILES = ("test_trainer.py", "test_train_step.py", "test_trainer_fidelity.py", "test_refill.py",
+                 "test_rollout.py", "test_losses.py", "test_advantages.py", "test_memory.py", "test_logprobs.py",
+                 "test_decode_attention.py", "test_verifier_data.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: file order otherwise kept.
