@@ -18,16 +18,16 @@ step as a queue, as JetStream / maxtext insert prefilled requests into free deco
      reading every idle row's cache up to its own length.
 
 Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving
-early when everything has finished or the slots can shrink); the host reads four integers per call. One set of weights
-serves the whole step (on-policy). Sequence n samples its step t with
+early when everything has finished or the slots can shrink); the host reads four integers per
+call. One set of weights serves the whole step (on-policy). Sequence n samples its step t with
 `fold_in(fold_in(key, n), t)`, as the static engine does, so both sample the same tokens; outputs
 are written by sequence index, so the `Rollout` has the static engine's row order.
 
 Cost: a free slot's refill copies Tp cache slots per layer (inside a `lax.cond`: iterations
 without a refill copy nothing). A shrink gathers the kept rows of each cache array in its own call
 that donates the old array (peak: the R-row cache plus one array's kept rows), and compiles one
-decode program per slot count (at most log2(R / min_slots) of them, cached). Sharded, the slots are split over the batch axes; the prompt
-caches are read by whichever slot takes a sequence, which XLA resolves with a gather across the
+decode program per slot count (at most log2(R / min_slots) of them, cached). Sharded, the slots
+are split over the batch axes; the prompt caches are read by whichever slot takes a sequence, which XLA resolves with a gather across the
 data-parallel devices.
 """
 
