@@ -27,8 +27,8 @@ Cost: a free slot's refill copies Tp cache slots per layer (inside a `lax.cond`:
 without a refill copy nothing). A shrink gathers the kept rows of each cache array in its own call
 that donates the old array (peak: the R-row cache plus one array's kept rows), and compiles one
 decode program per slot count (at most log2(R / min_slots) of them, cached). Sharded, the slots
-are split over the batch axes; the prompt caches are read by whichever slot takes a sequence, which XLA resolves with a gather across the
-data-parallel devices.
+are split over the batch axes; the prompt caches are read by whichever slot takes a sequence,
+which XLA resolves with a gather across the data-parallel devices.
 """
 
 import functools
