@@ -24,7 +24,7 @@ $(STAMP): setup.py
 install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
 
 train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
-	$(PY) -m vapo_jax.main --exp $(EXP) $(ARGS)
+	$(PY) -m vapo_jax.cli.train --exp $(EXP) $(ARGS)
 
 TEST_JOBS ?= 2
 test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2).
@@ -40,7 +40,7 @@ bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/
 	$(PY) -m benchmarks.long_seq_bench
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
-	$(PY) -m vapo_jax.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 PLOT_STAMP := $(VENV)/.stamp-plot
 $(PLOT_STAMP): setup.py $(STAMP)
@@ -51,7 +51,7 @@ $(PLOT_STAMP): setup.py $(STAMP)
 plot:  ## PNG curves of a run's metrics.jsonl: RUN=runs/<name> (written to RUN/plots/).
 	@test -n "$(RUN)" || { echo "make plot needs RUN=runs/<name> (a run directory holding metrics.jsonl)"; exit 2; }
 	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
-	$(PY) -m vapo_jax.plots $(RUN) $(if $(OUT),--out $(OUT))
+	$(PY) -m vapo_jax.cli.plots $(RUN) $(if $(OUT),--out $(OUT))
 
 SEEDS ?= 0,1,2
 JOBS ?= 1
@@ -59,11 +59,11 @@ JOBS ?= 1
 sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/sweeps/SWEEP/ (table.md, runs.csv, plots/); PRINT=1: list the runs.
 	@test -n "$(SWEEP)" || { echo "make sweep needs SWEEP=<name>, e.g. make sweep SWEEP=toy SEEDS=0,1,2 (registered: experiments/__init__.py SWEEPS)"; exit 2; }
 	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
-	$(if $(PRINT),@)$(PY) -m vapo_jax.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
+	$(if $(PRINT),@)$(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
 memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=64,tensor=4) with DEVICE_GIB per chip; exit 1 if over.
-	$(PY) -m vapo_jax.memory_plan --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
+	$(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
 
 clean:  ## Remove .venv, caches and runs/.
 	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info

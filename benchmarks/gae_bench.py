@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vapo_jax import advantages as adv
+from vapo_jax.rl import advantages as adv
 
 
 def make_batch(batch, steps, seed=0):

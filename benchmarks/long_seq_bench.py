@@ -156,19 +156,19 @@ def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, len
   import numpy as np
   import optax
   from flax import nnx
-  from vapo_jax import train_step
+  from vapo_jax.train import optim, steps
   from vapo_jax.config import AlgoConfig, OptimizerConfig
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM
   graphdef, params = nnx.split(CausalLM(preset("small"), remat=True, attention=attention_impl, rngs=nnx.Rngs(0)))
-  tx = train_step.make_optimizer(OptimizerConfig(), 1e-6)
+  tx = optim.make_optimizer(OptimizerConfig(), 1e-6)
   rng = np.random.default_rng(0)
   f32 = lambda shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
-  batch_ = train_step.TrainBatch(
+  batch_ = steps.TrainBatch(
       jnp.asarray(rng.integers(3, 259, (batch, length)), jnp.int32), jnp.ones((batch, length), bool),
       jnp.ones((batch, response), bool), returns=f32((batch, response)), old_values=f32((batch, response)),
       is_positive=jnp.ones(batch, bool), old_logprobs=f32((batch, response)), advantages=f32((batch, response)))
-  fn = jax.jit(functools.partial(train_step.actor_update, graphdef, tx, algo=AlgoConfig(mini_batch_responses=batch),
+  fn = jax.jit(functools.partial(steps.actor_update, graphdef, tx, algo=AlgoConfig(mini_batch_responses=batch),
                                  micro=batch, chunk=chunk))
   analysis = fn.lower(params, tx.init(params), batch_).compile().memory_analysis()
   total = analysis.temp_size_in_bytes + analysis.argument_size_in_bytes + analysis.output_size_in_bytes

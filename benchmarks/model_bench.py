@@ -24,7 +24,7 @@ TOKENIZER = paths.data_path("qwen2.5_tokenizer")
 
 def tokens_for(batch: int, length: int) -> np.ndarray:
   if os.path.isdir(TOKENIZER):
-    from vapo_jax.tokenizer import load_tokenizer
+    from vapo_jax.data.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(TOKENIZER)
     text = " ".join(f"Step {i}: multiply {i} by {i + 3} and add the previous total." for i in range(length))
     ids = np.asarray(tokenizer(text).input_ids[:length])

@@ -13,7 +13,7 @@ runs once before it is timed). Five measurements, each a ratio measured side by 
      slots (shrinking in the tail, and without) against the static batch of 64; useful tokens/s,
      target ≥ 2×, identical tokens;
   3. top-p 0.7 on `[16, 151936]` float32 logits: threshold bisection against the sort, target ≥ 3×;
-  4. against transformers' `generate` on the same weights (`checkpoint.export`): a small Qwen2
+  4. against transformers' `generate` on the same weights (`huggingface.export`): a small Qwen2
      (4 layers, width 256, 32k vocabulary), batch 16, greedy, no stop tokens, at 64→256 (target
      ≥ 2×) and 512→512 (target ≥ 1.2×); and the Qwen2.5-0.5B shape at 4 × 32→32 (target ≥ 1×;
      skipped by --quick);
@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from vapo_jax import generation, rollout, sampling
-from vapo_jax.models import checkpoint, decode_attention
+from vapo_jax import rollout
+from vapo_jax.models import decode_attention, huggingface
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, KVCache
+from vapo_jax.rollout import common, sampling
 
 PAD = 0
 # Response lengths of the long-tail case: 64 draws of a log-normal (σ 0.7, numpy seed 2) scaled to a
@@ -73,7 +74,7 @@ def verdict(ratio: float, target: float, *, at_most: bool = False) -> str:
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int = 0):
   rng = np.random.default_rng(seed)
-  return rollout.pad_prompts([list(rng.integers(3, vocab_size, length)) for _ in range(count)], pad_id=PAD)
+  return common.pad_prompts([list(rng.integers(3, vocab_size, length)) for _ in range(count)], pad_id=PAD)
 
 
 def decode_step(repeats: int):
@@ -116,13 +117,13 @@ def long_tail(repeats: int):
   model = CausalLM(TransformerConfig.from_hf(SMALL_QWEN2), rngs=nnx.Rngs(0))
   tokens, mask = random_prompts(model.cfg.vocab_size, 16, 32, seed=3)
   limits = np.asarray(LONG_TAIL, np.int32)
-  spec = rollout.Sampling(max_new_tokens=max(LONG_TAIL), stop_token_ids=(), temperature=1.0)
-  engines = {"static, batch 64": generation.Engine(kind="static"),
-             "refill, 16 slots": generation.Engine(kind="refill", slots=16),
-             "(without shrink)": generation.Engine(kind="refill", slots=16, min_slots=0)}
+  spec = common.Sampling(max_new_tokens=max(LONG_TAIL), stop_token_ids=(), temperature=1.0)
+  engines = {"static, batch 64": rollout.Engine(kind="static"),
+             "refill, 16 slots": rollout.Engine(kind="refill", slots=16),
+             "(without shrink)": rollout.Engine(kind="refill", slots=16, min_slots=0)}
   results = {}
   for name, engine in engines.items():
-    call = lambda i, engine=engine: generation.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec,
+    call = lambda i, engine=engine: rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec,
                                                    samples_per_prompt=4, engine=engine, length_limits=limits)
     call(0)  # Compiles.
     seconds, runs, (_, metrics) = timed(call, repeats=repeats, budget_s=40)
@@ -165,7 +166,7 @@ def load_transformers(model, directory: str):
   torch.set_num_threads(2)
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
-  checkpoint.export(model, directory)
+  huggingface.export(model, directory)
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
   return hf, torch
 
@@ -183,8 +184,8 @@ def versus_transformers(quick: bool, repeats: int, budget_s: float):
       cfg = preset("qwen2.5-0.5b") if hf_config is None else TransformerConfig.from_hf(hf_config)
       model = CausalLM(cfg, rngs=nnx.Rngs(0))
       tokens, mask = random_prompts(cfg.vocab_size, batch, prompt_len, seed=1)
-      spec = rollout.Sampling(max_new_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
-      call = lambda i: generation.sample(model, tokens, mask, jax.random.key(i), sampling=spec, samples_per_prompt=1)
+      spec = common.Sampling(max_new_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
+      call = lambda i: rollout.sample(model, tokens, mask, jax.random.key(i), sampling=spec, samples_per_prompt=1)
       call(0)  # Compiles.
       ours, runs, (out, _) = timed(call, repeats=repeats, budget_s=budget_s / 2)
       hf, torch = load_transformers(model, os.path.join(directory, f"{name}-{prompt_len}"))

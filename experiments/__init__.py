@@ -7,8 +7,8 @@
 from collections.abc import Callable
 
 from experiments import aime, tiny, toy
-from experiments.smoke import smoke  # noqa: F401  (re-exported)
-from vapo_jax.config import ConfigError, ExperimentConfig
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.errors import ConfigError
 
 EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "tiny": tiny.tiny,

@@ -1,6 +1,6 @@
 """`smoke(config)`: any experiment at smoke-test size, for tests and a first look on a laptop.
 
-  python -m vapo_jax.main --exp aime_dapo --smoke        (big_vision's `runlocal`, for any config)
+  python -m vapo_jax.cli.train --exp aime_dapo --smoke        (big_vision's `runlocal`, for any config)
 
 A one-layer model from random weights, the byte tokenizer, synthetic arithmetic, 8 prompts of
 16-token responses and two steps of each stage that the experiment has. Everything else (the

@@ -12,8 +12,8 @@ current code); with session 2's code (other sampling keys, 5 min each on 2 idle 
 code path of the 32B experiment, with small numbers.
 """
 
-from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
-                             OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
+from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig
+from vapo_jax.run_config import DataConfig, EvalConfig, MeshConfig, ModelConfig
 
 
 def tiny() -> ExperimentConfig:

@@ -1,13 +1,17 @@
-"""Test setup: 8 virtual CPU devices, set before JAX is first imported, and one XLA compilation
-cache for the session (this process and the runs its tests start): tests that build the same
-programs (the trainer tests' models, samplers and updates) compile each of them once.
+"""Test setup: 8 virtual CPU devices, set before JAX is first imported; one XLA compilation cache for
+the session (this process and the runs its tests start), so tests that build the same programs (the
+trainer tests' models, samplers and updates) compile each of them once; the one builder of the
+trainer tests' configs (`smoke_config`); and the order `make test` hands test files out in.
 
 XLA's backend runs at its default optimisation level: at `--xla_backend_optimization_level=0` (tried in
 session 5, 5 % faster) LLVM's code differs in floating-point rounding, and 1 device against 8 then
 differed by 1.6e-6 in one parameter, over the test's 1e-6 (`test_one_and_eight_devices_...`)."""
 
 import atexit
+import collections
+import json
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -22,6 +26,12 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 import jax  # noqa: E402  (must come after the environment is set)
 import pytest  # noqa: E402
 
+import experiments  # noqa: E402
+from experiments import variants  # noqa: E402
+from experiments.smoke import smoke  # noqa: E402
+from vapo_jax import overrides  # noqa: E402
+from vapo_jax.config import ExperimentConfig  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
@@ -33,14 +43,59 @@ def maybe_jit(request):
   return lambda f, **static: jax.jit(lambda *a: f(*a, **static))
 
 
-# The test files that take longest (idle durations of `make test`, most first). `make test` hands
-# whole files to its two processes in collection order (`--dist loadfile`); starting with the
-# longest keeps one process from running a long file alone at the end (longest-first scheduling).
-LONGEST_FILES = ("test_trainer.py", "test_train_step.py", "test_trainer_fidelity.py", "test_refill.py",
-                 "test_rollout.py", "test_losses.py", "test_advantages.py", "test_memory.py", "test_logprobs.py",
-                 "test_decode_attention.py", "test_verifier_data.py")
+def build_smoke_config(run_dir, fields: dict | None = None, *, algorithm: str = "vapo",
+                       name: str = "test") -> ExperimentConfig:
+  """The default experiment (`tiny`) as `algorithm` ("vapo", or a baseline of experiments/variants.py:
+  "ppo", "grpo", "dapo"), at smoke-test size (experiments/smoke.py, as `--smoke` makes it), run in
+  `run_dir`, with `fields` ({"algo.eps_high": 0.3, ...}: the overrides' syntax) applied."""
+  base = experiments.get_experiment("tiny")
+  if algorithm != "vapo":
+    base = getattr(variants, algorithm)(base, name=name)
+  return overrides.replace_fields(smoke(base), {"name": name, "run_dir": str(run_dir)} | (fields or {}))
 
 
-def pytest_collection_modifyitems(items):
-  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: file order otherwise kept.
+@pytest.fixture
+def smoke_config(tmp_path):
+  """`build_smoke_config` in the test's `tmp_path` (or `run_dir=`): the one builder of the trainer tests."""
+  def build(fields: dict | None = None, *, run_dir=None, **options) -> ExperimentConfig:
+    return build_smoke_config(tmp_path if run_dir is None else run_dir, fields, **options)
+  return build
+
+
+# ----------------------------------------------------------------------------------- test order
+# `make test` hands whole files to its two processes in collection order (`--dist loadfile`); starting
+# with the longest keeps one process from running a long file alone at the end (longest-first
+# scheduling). The seconds each file took are measured: `--record-durations` writes them, per marker
+# expression, to tests/durations.json (committed, so CI orders its run the same way).
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+_seconds: collections.Counter = collections.Counter()
+
+
+def pytest_addoption(parser):
+  parser.addoption("--record-durations", action="store_true",
+                   help="write each test file's measured seconds to tests/durations.json (the order of make test)")
+
+
+def _measured(config) -> dict[str, float]:
+  table = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+  return table.get(config.getoption("markexpr") or "all", {})
+
+
+def pytest_collection_modifyitems(config, items):
+  measured = _measured(config)
+  new = max(measured.values(), default=0.0)  # A file not measured yet goes first: it may be long.
+  items.sort(key=lambda item: -measured.get(item.path.name, new))  # Stable: file order otherwise kept.
+
+
+def pytest_runtest_logreport(report):
+  _seconds[pathlib.Path(report.location[0]).name] += report.duration
+
+
+def pytest_sessionfinish(session):
+  config = session.config
+  if not config.getoption("record_durations") or hasattr(config, "workerinput"):  # The controller records.
+    return
+  table = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+  key = config.getoption("markexpr") or "all"
+  table[key] = dict(sorted(({**table.get(key, {}), **{k: round(v, 1) for k, v in _seconds.items()}}).items()))
+  DURATIONS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

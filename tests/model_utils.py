@@ -1,15 +1,32 @@
 """Shared helpers for the model tests."""
 
+import dataclasses
 import pathlib
 
+import jax
 import numpy as np
+from flax import nnx
 
-from vapo_jax.paths import DATA_DIR  # noqa: F401  The repository's data/ folder, for the model tests.
+from vapo_jax.models import sharding
+from vapo_jax.models.config import preset
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "parity"
 PARITY_MODELS = ("qwen2_untied", "qwen2_tied", "llama3")
+# The sharding tests' model (a vocabulary that 8 devices split) and meshes, one per preset.
+SHARDED_CFG = dataclasses.replace(preset("tiny"), vocab_size=262, num_layers=2)
+MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data=2, fsdp=2, tensor=2)}
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
   with np.load(FIXTURES / name / "reference.npz") as f:
     return dict(f)
+
+
+def place_module(module: nnx.Module, mesh, rules) -> nnx.Module:
+  """A copy of an existing module with each parameter placed by its logical axes (the trainer creates or
+  loads its models sharded from the start; tests shard one they already hold, to compare the two)."""
+  graphdef, state = nnx.split(module)
+  specs = sharding.state_partition_specs(state, rules, mesh)
+  state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), jax.sharding.NamedSharding(mesh, s))),
+                       state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)

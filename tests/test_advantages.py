@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax import advantages as adv
+from vapo_jax.rl import advantages as adv
 
 
 def reference_gae(rewards, values, mask, gamma, lam):
@@ -193,6 +193,18 @@ def test_monte_carlo_returns():
     for i, t in enumerate(steps):
       expected[b, t] = sum(0.9**k * rewards[b, steps[i + k]] for k in range(len(steps) - i))
   np.testing.assert_allclose(g, expected, atol=1e-5)
+
+
+def test_last_token_rewards(maybe_jit):
+  """The score sits on each row's last valid token (holes included); a row with none gets nothing."""
+  mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]], bool)
+  scores = np.array([1.0, -1.0, 5.0, 2.0, 3.0], np.float32)
+  expected = np.zeros(mask.shape, np.float32)
+  for b, row in enumerate(mask):  # The definition, as a loop.
+    valid = [t for t in range(mask.shape[1]) if row[t]]
+    if valid:
+      expected[b, valid[-1]] = scores[b]
+  np.testing.assert_array_equal(maybe_jit(adv.last_token_rewards)(scores, mask), expected)
 
 
 @st.composite

@@ -10,8 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vapo_jax import algorithm
 from vapo_jax.config import AlgoConfig
+from vapo_jax.train import algorithm
 
 # Two prompts × G = 3 samples; right-padded responses of 6, 3, 1, 4, 5 and 2 tokens in T = 6.
 G = 3

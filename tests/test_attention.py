@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from vapo_jax.config import ConfigError
+from vapo_jax.errors import ConfigError
 from vapo_jax.models import attention
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM

@@ -6,9 +6,11 @@ import pytest
 
 import experiments
 from experiments import aime
-from vapo_jax import cli, main, overrides
-from vapo_jax.config import (AlgoConfig, ConfigError, EvalConfig, ExperimentConfig, MeshConfig,
-                             OptimizerConfig, RewardConfig, RolloutConfig)
+from vapo_jax import overrides
+from vapo_jax.cli import resolve, train as train_cli
+from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.run_config import EvalConfig, MeshConfig
 
 
 @pytest.mark.parametrize("factory,field,value,message", [
@@ -126,18 +128,18 @@ def test_bad_overrides(item, message):
 
 
 def test_main_without_a_model_fails_at_once(capsys):
-  assert main.main(["--exp", "aime"]) == 2
+  assert train_cli.main(["--exp", "aime"]) == 2
   err = capsys.readouterr().err
   assert "needs a model: pass model.checkpoint=/path/to/qwen2.5-32b" in err and "make train" in err
 
 
 def test_main_rejects_unknown_field(capsys):
-  assert main.main(["--exp", "tiny", "algo.nope=1"]) == 2
+  assert train_cli.main(["--exp", "tiny", "algo.nope=1"]) == 2
   assert "unknown config field 'algo.nope'" in capsys.readouterr().err
 
 
 def test_main_help_lists_fields(capsys):
-  assert main.main(["--exp", "aime", "--help"]) == 0
+  assert train_cli.main(["--exp", "aime", "--help"]) == 0
   assert "algo.eps_high = 0.28" in capsys.readouterr().out
 
 
@@ -151,4 +153,4 @@ def test_overrides_that_must_change_together_validate_together():
 def test_an_empty_experiment_name_is_an_error_not_the_default():
   for argv in (["--exp="], ["--exp"]):
     with pytest.raises(ConfigError, match="--exp needs an experiment name"):
-      cli.resolve(argv)
+      resolve.resolve(argv)

@@ -4,9 +4,13 @@ import collections
 import json
 import warnings
 
+import numpy as np
 import pytest
 
-from vapo_jax import data, problems
+from vapo_jax.data import problems
+from vapo_jax.data.prompt_iterator import PromptIterator, permutation
+from vapo_jax.data.records import Conflict, Record, deduplicate, load_records
+from vapo_jax.errors import DataError
 from vapo_jax.paths import DATA_DIR as DATA
 
 AIME25_ANSWERS = ("70 588 16 117 279 504 821 77 62 81 259 510 204 60 735 "
@@ -14,7 +18,7 @@ AIME25_ANSWERS = ("70 588 16 117 279 504 821 77 62 81 259 510 204 60 735 "
 
 
 def load(path, **kw):
-  return data.load_records(str(DATA / path), **kw)
+  return load_records(str(DATA / path), **kw)
 
 
 @pytest.mark.parametrize("path,count,first_id,first_answer,source", [
@@ -57,7 +61,7 @@ def test_dapo_math_17k_both_formats_and_conflicts(tmp_path):
   write_jsonl(tmp_path / "dapo_math_17k.jsonl", [json.dumps(
       {"index": r["extra_info"]["index"], "problem": r["prompt"][0]["content"],
        "answer": r["reward_model"]["ground_truth"]}, ensure_ascii=False) for r in rows])
-  raw_jsonl = data.load_records(str(tmp_path / "dapo_math_17k.jsonl"), dedup=False)
+  raw_jsonl = load_records(str(tmp_path / "dapo_math_17k.jsonl"), dedup=False)
   raw_parquet = load("dapo_math_17k/dapo_math_17k.parquet", dedup=False)
   assert len(raw_jsonl) == len(raw_parquet) == 17917
   assert [(r.prompt, r.answer, r.id) for r in raw_jsonl] == [(r.prompt, r.answer, r.id) for r in raw_parquet]
@@ -65,7 +69,7 @@ def test_dapo_math_17k_both_formats_and_conflicts(tmp_path):
   # whitespace-normalised, 17,188 problems and 12 conflicts.
   assert len({r.prompt for r in raw_jsonl}) == 17290
   with pytest.warns(UserWarning, match="12 problems appear with conflicting answers"):
-    kept, conflicts = data.deduplicate(raw_jsonl)
+    kept, conflicts = deduplicate(raw_jsonl)
   assert len(kept) == 17188 and len(conflicts) == 12
   assert ("35", "179") in [c.ids[:2] for c in conflicts]
   assert all(len(set(c.answers)) > 1 for c in conflicts)
@@ -74,11 +78,11 @@ def test_dapo_math_17k_both_formats_and_conflicts(tmp_path):
 def test_real_bad_rows_in_simplelr_train():
   """Two rows of SimpleRL's training parquet have an empty ground truth."""
   path = str(DATA / "math_level3to5_simplelr/train.parquet")
-  with pytest.raises(data.DataError, match=r"train\.parquet, row 5055, field 'reward_model\.ground_truth': "
+  with pytest.raises(DataError, match=r"train\.parquet, row 5055, field 'reward_model\.ground_truth': "
                      "empty answer"):
-    data.load_records(path)
+    load_records(path)
   with pytest.warns(UserWarning, match=r"skipped 2 bad rows of 8523"):
-    records = data.load_records(path, skip_bad_rows=True, dedup=False)
+    records = load_records(path, skip_bad_rows=True, dedup=False)
   assert len(records) == 8521
 
 
@@ -105,10 +109,10 @@ GOOD = {"problem": "1+1?", "answer": "2", "id": "a"}
 ])
 def test_bad_rows_name_file_line_and_field(tmp_path, bad_line, message):
   path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, bad_line, GOOD | {"id": "c", "problem": "3+3?"}])
-  with pytest.raises(data.DataError, match=str(tmp_path / "bad.jsonl").replace(".", r"\.") + ", " + message):
-    data.load_records(path)
+  with pytest.raises(DataError, match=str(tmp_path / "bad.jsonl").replace(".", r"\.") + ", " + message):
+    load_records(path)
   with pytest.warns(UserWarning, match=r"bad\.jsonl: skipped 1 bad lines of 3; first: .*" + message):
-    records = data.load_records(path, skip_bad_rows=True)
+    records = load_records(path, skip_bad_rows=True)
   assert [r.id for r in records] == ["a", "c"]
 
 
@@ -118,37 +122,37 @@ def test_bad_rows_in_json_and_parquet_are_numbered(tmp_path):
 
   rows = [GOOD, GOOD | {"problem": "2+2?", "answer": ""}]
   (tmp_path / "d.json").write_text(json.dumps(rows))
-  with pytest.raises(data.DataError, match=r"d\.json, row 2, field 'answer': empty answer"):
-    data.load_records(str(tmp_path / "d.json"))
+  with pytest.raises(DataError, match=r"d\.json, row 2, field 'answer': empty answer"):
+    load_records(str(tmp_path / "d.json"))
   columns = {"problem": ["1+1?", "2+2?"], "answer": ["2", "4"]}
   (tmp_path / "cols.json").write_text(json.dumps(columns))
-  assert [r.answer for r in data.load_records(str(tmp_path / "cols.json"))] == ["2", "4"]
+  assert [r.answer for r in load_records(str(tmp_path / "cols.json"))] == ["2", "4"]
   pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
-  with pytest.raises(data.DataError, match=r"d\.parquet, row 2, field 'answer': empty answer"):
-    data.load_records(str(tmp_path / "d.parquet"))
+  with pytest.raises(DataError, match=r"d\.parquet, row 2, field 'answer': empty answer"):
+    load_records(str(tmp_path / "d.parquet"))
   (tmp_path / "broken.json").write_text('[{"problem": "1+1?",\n "answer": }]')
-  with pytest.raises(data.DataError, match=r"broken\.json, line 2: malformed JSON"):
-    data.load_records(str(tmp_path / "broken.json"))
+  with pytest.raises(DataError, match=r"broken\.json, line 2: malformed JSON"):
+    load_records(str(tmp_path / "broken.json"))
 
 
 def test_empty_and_unusable_datasets(tmp_path):
-  with pytest.raises(data.DataError, match=r"empty\.jsonl: empty dataset \(0 lines"):
-    data.load_records(write_jsonl(tmp_path / "empty.jsonl", [""]))
+  with pytest.raises(DataError, match=r"empty\.jsonl: empty dataset \(0 lines"):
+    load_records(write_jsonl(tmp_path / "empty.jsonl", [""]))
   all_bad = write_jsonl(tmp_path / "allbad.jsonl", [{"problem": "x", "answer": ""}] * 2)
-  with pytest.raises(data.DataError, match=r"empty dataset \(2 lines, none valid\)"):
+  with pytest.raises(DataError, match=r"empty dataset \(2 lines, none valid\)"):
     with pytest.warns(UserWarning):
-      data.load_records(all_bad, skip_bad_rows=True)
-  with pytest.raises(data.DataError, match="no known schema has the keys \\['a', 'b'\\]"):
-    data.load_records(write_jsonl(tmp_path / "keys.jsonl", [{"a": 1, "b": 2}]))
-  with pytest.raises(data.DataError, match="no such file"):
-    data.load_records(str(tmp_path / "missing.jsonl"))
-  with pytest.raises(data.DataError, match=r"unknown file type '\.csv'"):
+      load_records(all_bad, skip_bad_rows=True)
+  with pytest.raises(DataError, match="no known schema has the keys \\['a', 'b'\\]"):
+    load_records(write_jsonl(tmp_path / "keys.jsonl", [{"a": 1, "b": 2}]))
+  with pytest.raises(DataError, match="no such file"):
+    load_records(str(tmp_path / "missing.jsonl"))
+  with pytest.raises(DataError, match=r"unknown file type '\.csv'"):
     (tmp_path / "x.csv").write_text("a,b\n")
-    data.load_records(str(tmp_path / "x.csv"))
+    load_records(str(tmp_path / "x.csv"))
   gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "so 5\n#### 1,200"},
                                              {"question": "q2", "answer": "no marker"}])
-  with pytest.raises(data.DataError, match=r"line 2, field 'answer': no '####' marker"):
-    data.load_records(gsm, schema="gsm8k")
+  with pytest.raises(DataError, match=r"line 2, field 'answer': no '####' marker"):
+    load_records(gsm, schema="gsm8k")
 
 
 def test_field_mapping_and_answer_types(tmp_path):
@@ -156,22 +160,22 @@ def test_field_mapping_and_answer_types(tmp_path):
           {"q": {"text": "What is 1/2?"}, "sol": {"final": 0.5}, "uid": 8},
           {"q": {"text": "AMC style?"}, "sol": {"final": 27.0}, "uid": 9}]
   path = write_jsonl(tmp_path / "custom.jsonl", rows)
-  records = data.load_records(path, prompt_field="q.text", answer_field="sol.final", id_field="uid",
+  records = load_records(path, prompt_field="q.text", answer_field="sol.final", id_field="uid",
                               source="mine")
-  assert records == [data.Record("What is 2+2?", "4", "7", "mine"),
-                     data.Record("What is 1/2?", "0.5", "8", "mine"),
-                     data.Record("AMC style?", "27", "9", "mine")]
+  assert records == [Record("What is 2+2?", "4", "7", "mine"),
+                     Record("What is 1/2?", "0.5", "8", "mine"),
+                     Record("AMC style?", "27", "9", "mine")]
   gsm = write_jsonl(tmp_path / "gsm.jsonl", [{"question": "q", "answer": "so 5\n#### 1,200"}])
-  assert data.load_records(gsm)[0][:3] == ("q", "1200", "1")
+  assert load_records(gsm)[0][:3] == ("q", "1200", "1")
 
 
 def test_deduplicate_reports_conflicts():
-  records = [data.Record("Find  x.", "025", "1", "s"), data.Record("Find x.", "25", "2", "s"),
-             data.Record("Find y.", "3", "3", "s"), data.Record(" Find y. ", "4", "4", "s")]
+  records = [Record("Find  x.", "025", "1", "s"), Record("Find x.", "25", "2", "s"),
+             Record("Find y.", "3", "3", "s"), Record(" Find y. ", "4", "4", "s")]
   with pytest.warns(UserWarning, match=r"1 problems appear with conflicting answers.*ids \['3', '4'\]"):
-    kept, conflicts = data.deduplicate(records)
+    kept, conflicts = deduplicate(records)
   assert [r.id for r in kept] == ["1", "3"]
-  assert conflicts == [data.Conflict("Find y.", ("3", "4"), ("3", "4"))]
+  assert conflicts == [Conflict("Find y.", ("3", "4"), ("3", "4"))]
 
 
 def test_dapo_template_matches_dapo_prompts():
@@ -193,52 +197,50 @@ def test_chat_template_from_qwen_tokenizer():
 
 
 def _records(n):
-  return [data.Record(f"p{i}", str(i), str(i), "s") for i in range(n)]
+  return [Record(f"p{i}", str(i), str(i), "s") for i in range(n)]
 
 
-def test_shuffle_is_deterministic_and_repeat_is_contiguous():
-  records = _records(50)
-  a, b = data.shuffled(records, seed=3), data.shuffled(records, seed=3)
-  assert a == b and sorted(a) == sorted(records) and a != records
-  assert data.shuffled(records, seed=4) != a
-  assert data.shuffled(records, seed=3, epoch=1) != a
-  assert [r.id for r in data.repeat_records(records[:2], 3)] == ["0", "0", "0", "1", "1", "1"]
+def test_epoch_orders_are_fixed_by_seed_and_epoch():
+  a, b = permutation(50, seed=3, epoch=0), permutation(50, seed=3, epoch=0)
+  np.testing.assert_array_equal(a, b)
+  assert sorted(a) == list(range(50)) and list(a) != list(range(50))
+  assert list(permutation(50, seed=4, epoch=0)) != list(a)
+  assert list(permutation(50, seed=3, epoch=1)) != list(a)
 
 
 def test_iterator_covers_each_epoch_and_resumes_exactly():
   records = _records(10)
-  it = data.PromptIterator(records, prompts_per_step=4, seed=1, samples_per_prompt=2)
+  it = PromptIterator(records, prompts_per_step=4, seed=1)
   batches = [next(it) for _ in range(5)]  # 20 prompts: two full epochs.
-  assert all(len(b) == 8 and b[0::2] == b[1::2] for b in batches)
-  drawn = [r.id for b in batches for r in b[0::2]]
+  assert all(len(b) == 4 for b in batches)
+  drawn = [r.id for b in batches for r in b]
   assert sorted(drawn[:10]) == sorted(drawn[10:]) == sorted(r.id for r in records)
   assert drawn[:10] != drawn[10:]  # Each epoch reshuffled.
-  fresh = data.PromptIterator(records, prompts_per_step=4, seed=1, samples_per_prompt=2)
+  fresh = PromptIterator(records, prompts_per_step=4, seed=1)
   next(fresh), next(fresh)
   state = json.loads(json.dumps(fresh.state_dict()))  # Saved with a checkpoint.
   assert state["epoch"] == 0 and state["position"] == 8
-  resumed = data.PromptIterator(records, prompts_per_step=4, seed=1, samples_per_prompt=2)
+  resumed = PromptIterator(records, prompts_per_step=4, seed=1)
   resumed.load_state_dict(state)
   assert [next(resumed) for _ in range(3)] == batches[2:]
-  with pytest.raises(data.DataError, match="saved seed=1, but the data now has seed=2"):
-    data.PromptIterator(records, prompts_per_step=4, seed=2).load_state_dict(state)
-  with pytest.raises(data.DataError, match="fingerprint"):
-    data.PromptIterator(_records(9) + [data.Record("p", "x", "9", "s")], prompts_per_step=4,
-                        seed=1).load_state_dict(state)
+  with pytest.raises(DataError, match="saved seed=1, but the data now has seed=2"):
+    PromptIterator(records, prompts_per_step=4, seed=2).load_state_dict(state)
+  with pytest.raises(DataError, match="fingerprint"):
+    PromptIterator(_records(9) + [Record("p", "x", "9", "s")], prompts_per_step=4, seed=1).load_state_dict(state)
 
 
 def test_huggingface_datasets(tmp_path):
   datasets = pytest.importorskip("datasets", reason="the optional `datasets` package is not installed")
   rows = [{"problem": "1+1?", "answer": "2", "id": "a"}, {"problem": "2+2?", "answer": "", "id": "b"}]
   datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-  with pytest.raises(data.DataError, match=r"saved, row 2, field 'answer': empty answer"):
-    data.load_records(str(tmp_path / "saved"))
+  with pytest.raises(DataError, match=r"saved, row 2, field 'answer': empty answer"):
+    load_records(str(tmp_path / "saved"))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    assert data.load_records(str(tmp_path / "saved"), skip_bad_rows=True) == [
-        data.Record("1+1?", "2", "a", f"{tmp_path.name}/saved")]
+    assert load_records(str(tmp_path / "saved"), skip_bad_rows=True) == [
+        Record("1+1?", "2", "a", f"{tmp_path.name}/saved")]
   (tmp_path / "local").mkdir()
   write_jsonl(tmp_path / "local" / "test.jsonl", rows[:1])
-  assert len(data.load_records(str(tmp_path / "local"), split="test")) == 1
-  with pytest.raises(data.DataError, match="cannot load split 'train'"):
-    data.load_records(str(tmp_path / "local"))
+  assert len(load_records(str(tmp_path / "local"), split="test")) == 1
+  with pytest.raises(DataError, match="cannot load split 'train'"):
+    load_records(str(tmp_path / "local"))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from model_utils import FIXTURES
-from vapo_jax.models import checkpoint, decode_attention
+from vapo_jax.models import decode_attention, huggingface
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 
 
@@ -64,7 +64,7 @@ def test_reads_only_filled_blocks(case):
 
 @pytest.fixture(scope="module")
 def model():
-  return checkpoint.load_causal_lm(str(FIXTURES / "qwen2_untied"))
+  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
 _step = jax.jit(lambda model, tokens, positions, cache: model(tokens, positions, jnp.ones_like(tokens, bool), cache))

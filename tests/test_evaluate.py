@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from vapo_jax import data, evaluate
+from vapo_jax.cli import evaluate
+from vapo_jax.data.records import Record, load_records
+from vapo_jax.errors import DataError
 from vapo_jax.paths import DATA_DIR as DATA
-from vapo_jax.rewards import equivalence
+from vapo_jax.rewards import accuracy, equivalence
 
 LIGHTEVAL = DATA / "verifier_cases" / "lighteval_metric_cases"
 
@@ -25,19 +27,19 @@ def test_pass_at_k_matches_closed_form_and_definition():
   for n in range(1, 8):
     for c in range(n + 1):
       for k in range(1, n + 1):
-        got = evaluate.pass_at_k(n, c, k)
+        got = accuracy.pass_at_k(n, c, k)
         assert got == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
         assert got == pytest.approx(pass_at_k_by_enumeration(n, c, k), abs=1e-12)
-  assert evaluate.pass_at_k(32, 8, 1) == pytest.approx(8 / 32)
-  assert evaluate.pass_at_k(1024, 3, 512) == pytest.approx(1 - math.comb(1021, 512) / math.comb(1024, 512))
+  assert accuracy.pass_at_k(32, 8, 1) == pytest.approx(8 / 32)
+  assert accuracy.pass_at_k(1024, 3, 512) == pytest.approx(1 - math.comb(1021, 512) / math.comb(1024, 512))
   with pytest.raises(ValueError):
-    evaluate.pass_at_k(4, 5, 1)
-  assert evaluate.pass_ks(32) == [1, 2, 4, 8, 16, 32] and evaluate.pass_ks(6) == [1, 2, 4, 6]
+    accuracy.pass_at_k(4, 5, 1)
+  assert accuracy.pass_ks(32) == [1, 2, 4, 8, 16, 32] and accuracy.pass_ks(6) == [1, 2, 4, 6]
 
 
 def _samples(problem_id, source, answers, gold):
   correct = [a is not None and equivalence.is_equivalent(a, gold) for a in answers]
-  return [evaluate.Sample(problem_id, source, i, f"\\boxed{{{a}}}", gold, a, "boxed" if a else "none", ok, "ok")
+  return [accuracy.Sample(problem_id, source, i, f"\\boxed{{{a}}}", gold, a, "boxed" if a else "none", ok, "ok")
           for i, (a, ok) in enumerate(zip(answers, correct))]
 
 
@@ -45,23 +47,23 @@ def test_avg_pass_maj_on_a_hand_example():
   # Problem A: 3 of 4 correct; B: 1 of 4 correct and the majority ("8") wrong.
   samples = (_samples("A", "s1", ["7", "07", "7.0", "6"], "7")
              + _samples("B", "s2", ["7", "8", "8", None], "7"))
-  summary = evaluate.summarize(samples)
+  summary = accuracy.summarize(samples)
   assert summary["avg@4"] == pytest.approx((3 / 4 + 1 / 4) / 2)
   assert summary["pass@1"] == pytest.approx(0.5)
   assert summary["pass@2"] == pytest.approx((1.0 + (1 - 3 / 6)) / 2)
   assert summary["pass@4"] == pytest.approx(1.0)
   assert summary["maj@4"] == pytest.approx(0.5)  # A's "7" (as 7, 07, 7.0) wins; B's "8" loses.
   assert summary["no_answer_frac"] == pytest.approx(1 / 8)
-  by_source = evaluate.summarize_by_source(samples)
+  by_source = accuracy.summarize_by_source(samples)
   assert by_source["per_source"]["s1"]["avg@4"] == pytest.approx(0.75)
   assert by_source["per_source"]["s2"]["maj@4"] == 0.0
 
 
 def test_majority_vote_ties_and_no_answers():
-  assert evaluate.majority_correct(["3", "4"], [False, True]) is False  # Tie: earliest wins.
-  assert evaluate.majority_correct([None, None, "4"], [False, False, True]) is True
-  assert evaluate.majority_correct([None, None], [False, False]) is False
-  assert evaluate.majority_correct([r"\frac12", "0.5", r"\dfrac{1}{2}", "1"], [True, False, True, False]) is True
+  assert accuracy.majority_correct(["3", "4"], [False, True]) is False  # Tie: earliest wins.
+  assert accuracy.majority_correct([None, None, "4"], [False, False, True]) is True
+  assert accuracy.majority_correct([None, None], [False, False]) is False
+  assert accuracy.majority_correct([r"\frac12", "0.5", r"\dfrac{1}{2}", "1"], [True, False, True, False]) is True
 
 
 @pytest.mark.parametrize("name", ["pass_at_k_math", "avg_at_k_math", "g_pass_at_k_latex"])
@@ -75,11 +77,11 @@ def test_lighteval_metric_cases(name):
     k = case["metric_params"]["k"]
     for key, expected in case["expected_output"].items():
       if key.startswith("pass@k"):
-        got = evaluate.pass_at_k(len(texts), c, k)
+        got = accuracy.pass_at_k(len(texts), c, k)
       elif key.startswith("avg@k"):
         got = c / len(texts)
       elif key.endswith("_0.0"):
-        got = evaluate.pass_at_k(len(texts), c, k)
+        got = accuracy.pass_at_k(len(texts), c, k)
       else:
         continue
       assert got == pytest.approx(expected, abs=case["tolerance"]), (case["name"], key)
@@ -87,8 +89,8 @@ def test_lighteval_metric_cases(name):
 
 def test_evaluate_responses_file(tmp_path):
   """AIME 2024 + AMC 2023 problems, 4 samples each for 3 problems per source, one hanging sample."""
-  problems = (data.load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
-              + data.load_records(str(DATA / "amc23/qwen25math_amc23_test.jsonl")))
+  problems = (load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
+              + load_records(str(DATA / "amc23/qwen25math_amc23_test.jsonl")))
   aime, amc = problems[:3], problems[30:33]
   lines = []
   for p in aime:  # 2 of 4 correct each; gold "025" style answered without the zero.
@@ -120,22 +122,22 @@ def test_evaluate_responses_file(tmp_path):
 
 
 def test_bad_responses_file(tmp_path):
-  problems = [data.Record("1+1?", "2", "p1", "s")]
+  problems = [Record("1+1?", "2", "p1", "s")]
   bad = tmp_path / "bad.jsonl"
   for line, message in [('{"id": "p1"}', r"line 1, field 'response': expected a string, got NoneType"),
                         ('{"id": "p9", "response": "x"}', r"line 1, field 'id': 'p9': no problem has this id"),
                         ('{"id": "p1", "response": "x", "answer": ""}', r"line 1, field 'answer'"),
                         ('{"id": "p1", "response": ', r"line 1, field \(line\): malformed JSON")]:
     bad.write_text(line + "\n")
-    with pytest.raises(data.DataError, match=message):
+    with pytest.raises(DataError, match=message):
       evaluate.read_responses(str(bad), problems)
   bad.write_text('{"id": "p1", "response": "x"}\n')
-  with pytest.raises(data.DataError, match="no problem file is set"):
+  with pytest.raises(DataError, match="no problem file is set"):
     evaluate.read_responses(str(bad), None)
 
 
 def test_cli(tmp_path, capsys):
-  problems = data.load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
+  problems = load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))
   responses = tmp_path / "r.jsonl"
   responses.write_text("".join(json.dumps({"id": p.id, "response": f"Answer: {p.answer}"}) + "\n"
                                for p in problems))
@@ -154,10 +156,10 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
   from flax import nnx
-  from vapo_jax.models import checkpoint
+  from vapo_jax.models import huggingface
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM
-  checkpoint.export(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)), str(tmp_path / "ckpt"))
+  huggingface.export(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)), str(tmp_path / "ckpt"))
   args = ["--exp", "tiny", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o"),
           "eval.max_problems=3", "eval.samples_per_problem=2", "rollout.max_response_tokens=6"]
   assert evaluate.main(args) == 0
@@ -165,3 +167,27 @@ def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
   assert len(lines) == 6 and all(set(json.loads(line)) == {"id", "answer", "source", "response"} for line in lines)
   summary = json.loads((tmp_path / "o" / "summary.json").read_text())
   assert summary["overall"]["problems"] == 3 and summary["overall"]["samples"] == 6
+
+
+def test_make_eval_reads_the_problems_as_the_trainer_does(tmp_path, smoke_config, capsys):
+  """One file with its own field names, a repeated problem and a cap on the problems: `make eval`
+  and the trainer's held-out evaluation read the same records (the data settings apply to both)."""
+  from vapo_jax.train.trainer import Trainer
+  rows = [{"q": {"text": f"{a}+{a}="}, "sol": str(2 * a), "uid": f"u{a}"} for a in range(5)]
+  rows.insert(2, dict(rows[1], uid="again"))  # The same problem again: dropped as a duplicate.
+  path = tmp_path / "held_out.jsonl"
+  path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  fields = {"eval.path": str(path), "data.prompt_field": "q.text", "data.answer_field": "sol",
+            "data.id_field": "uid", "eval.max_problems": 4}
+  trainer = Trainer(smoke_config(fields), write_logs=False, verbose=False)
+  trainer.close()
+  assert [(r.id, r.prompt, r.answer) for r in trainer.eval_rows] == [(f"u{a}", f"{a}+{a}=", str(2 * a))
+                                                                      for a in range(4)]
+  responses = tmp_path / "responses.jsonl"
+  responses.write_text("".join(json.dumps({"id": r.id, "response": f"Answer: {r.answer}"}) + "\n"
+                               for r in trainer.eval_rows))
+  args = ["--exp", "tiny", "--smoke", *(f"{k}={v}" for k, v in fields.items()), "--responses", str(responses),
+          "--out", str(tmp_path / "out")]
+  assert evaluate.main(args) == 0, capsys.readouterr().err
+  summary = json.loads((tmp_path / "out" / "summary.json").read_text())["overall"]
+  assert summary["problems"] == 4 and summary["avg@1"] == 1.0

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.hlo_buffers import array_shapes, vocab_arrays
-from vapo_jax import losses
+from hlo_buffers import array_shapes, vocab_arrays
+from model_utils import MESHES, SHARDED_CFG, place_module
 from vapo_jax.models import logprobs as lp
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
+from vapo_jax.rl import losses
 
 B, T, D, V = 3, 37, 24, 101  # T = 37 is not a multiple of any chunk below.
 
@@ -187,26 +188,26 @@ def test_no_full_vocabulary_logits_on_the_chunked_path():
 def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   """The trainer's compiled programs (scoring, the actor update with an entropy term, the supervised
   update) hold no `[micro, Tr, V]` array; with a chunk of Tr positions they do."""
-  from vapo_jax import train_step
+  from vapo_jax.train import optim, steps
   from vapo_jax.config import AlgoConfig, OptimizerConfig
 
   b, micro, s, tr = 4, 2, 80, 64
   graphdef, params = nnx.split(nnx.eval_shape(lambda: _model(False)))
-  tx = train_step.make_optimizer(OptimizerConfig(), 1e-3)
+  tx = optim.make_optimizer(OptimizerConfig(), 1e-3)
   opt = jax.eval_shape(tx.init, params)
   shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
-  batch = train_step.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
+  batch = steps.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
                                 shape(b, tr), None, shape(b, dtype=bool), shape(b, tr), shape(b, tr), None)
 
   def programs(chunk):
     algo = lambda coef: AlgoConfig(mini_batch_responses=b, micro_batch_responses=micro, entropy_coef=coef)
     return {
-        "scoring": jax.jit(lambda p, t, m: train_step.logprobs_and_entropy(
+        "scoring": jax.jit(lambda p, t, m: steps.logprobs_and_entropy(
             graphdef, p, t, m, response_len=tr, chunk=chunk, micro=micro)).lower(params, batch.tokens,
                                                                                  batch.attention_mask),
-        "actor": jax.jit(lambda p, o, mb: train_step.actor_update(  # With an entropy term; sft has none.
+        "actor": jax.jit(lambda p, o, mb: steps.actor_update(  # With an entropy term; sft has none.
             graphdef, tx, p, o, mb, algo=algo(0.01), micro=micro, chunk=chunk)).lower(params, opt, batch),
-        "sft": jax.jit(lambda p, o, mb: train_step.sft_update(graphdef, tx, p, o, mb, micro=micro, chunk=chunk)).lower(
+        "sft": jax.jit(lambda p, o, mb: steps.sft_update(graphdef, tx, p, o, mb, micro=micro, chunk=chunk)).lower(
             params, opt, batch),
     }
 
@@ -221,12 +222,11 @@ def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
 @pytest.mark.parametrize("name,tied", [("fsdp", False), ("fsdp_tp", True)])
 def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
   """Under each preset's rules on 8 devices (the gathered kernel, the FSDP-split kernel gradient)."""
-  from tests.test_sharding import CFG, MESHES
   from vapo_jax.models import sharding
 
-  model = CausalLM(dataclasses.replace(CFG, tie_word_embeddings=tied), rngs=nnx.Rngs(0))
+  model = CausalLM(dataclasses.replace(SHARDED_CFG, tie_word_embeddings=tied), rngs=nnx.Rngs(0))
   rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (8, 13)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, SHARDED_CFG.vocab_size, (8, 13)), jnp.int32)
   mask = jnp.asarray(np.arange(13)[None] >= rng.integers(0, 4, (8, 1)))
   g_lp, g_h = (jnp.asarray(rng.normal(size=(8, 9)), jnp.float32) for _ in range(2))
 
@@ -238,7 +238,7 @@ def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
   want_loss, want_grads = jax.jit(step)(model, tokens, mask)
   mesh, rules = sharding.make_mesh(**MESHES[name]), sharding.PRESETS[name]
   rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
-  got_loss, got_grads = sharding.jit(step, mesh, rules)(sharding.shard_module(model, mesh, rules),
+  got_loss, got_grads = sharding.jit(step, mesh, rules)(place_module(model, mesh, rules),
                                                          *(jax.device_put(x, rows) for x in (tokens, mask)))
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for (path, a), (_, b) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from vapo_jax import masked
+from vapo_jax.rl import masked
 
 
 def test_masked_statistics():

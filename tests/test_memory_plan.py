@@ -14,11 +14,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import get_experiment
-from vapo_jax import memory_plan, rollout, train_step
-from vapo_jax.config import AlgoConfig, ConfigError, ExperimentConfig, MeshConfig, ModelConfig, RolloutConfig
-from vapo_jax.models import memory, sharding
+from vapo_jax.cli import memory as memory_cli
+from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.models import footprint, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
+from vapo_jax.rollout import common
+from vapo_jax.run_config import MeshConfig, ModelConfig
+from vapo_jax.train import memory_check, memory_plan, optim, steps
 
 GIB = 2**30
 # XLA:CPU's default scheduler orders for concurrency and loses what remat saves (measured: the same
@@ -78,7 +82,7 @@ def test_parameter_and_optimizer_bytes_equal_the_real_shards(mesh_preset, shape)
   assert _resident(plan, "reference") == _device0_bytes(actor)  # kl_coef > 0 holds a copy.
   assert _device0_bytes(actor) < 4 * cfg.num_parameters() / 2  # Sharded, not replicated.
   # optax's own AdamW state, each moment sharded like its parameter.
-  tx = train_step.make_optimizer(config.optim, 1e-3)
+  tx = optim.make_optimizer(config.optim, 1e-3)
   replicated = NamedSharding(mesh, PartitionSpec())
   out = optax.tree_map_params(tx, lambda _, p: p.sharding, jax.eval_shape(tx.init, critic), critic,
                               transform_non_params=lambda _: replicated)
@@ -91,8 +95,8 @@ def test_layer_extrapolation_equals_a_full_trace():
   cfg = dataclasses.replace(preset("tiny"), num_layers=5)
   for rules, shape in ((sharding.PRESETS["fsdp"], {"data": 1, "fsdp": 8, "tensor": 1}),
                        (sharding.PRESETS["fsdp_tp"], {"data": 1, "fsdp": 4, "tensor": 2})):
-    full = memory.parameter_memory(lambda: ValueModel(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=shape)
-    layered = memory.layered_parameter_memory(lambda c: ValueModel(c, rngs=nnx.Rngs(0)), cfg, rules=rules,
+    full = footprint.parameter_memory(lambda: ValueModel(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=shape)
+    layered = footprint.layered_parameter_memory(lambda c: ValueModel(c, rngs=nnx.Rngs(0)), cfg, rules=rules,
                                               mesh_shape=shape)
     assert layered == full
 
@@ -103,14 +107,14 @@ def _xla_actor_update_temp_bytes(config) -> int:
   m = config.model
   graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=m.dtype, remat=m.remat,
                                                                 attention=m.attention, rngs=nnx.Rngs(0))))
-  tx = train_step.make_optimizer(config.optim, 1e-3)
+  tx = optim.make_optimizer(config.optim, 1e-3)
   r = config.rollout
   b, tr = config.algo.mini_batch_responses, r.max_response_tokens
-  s = rollout.prompt_bucket(r.max_prompt_tokens) + tr
+  s = common.prompt_bucket(r.max_prompt_tokens) + tr
   shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
-  batch = train_step.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
+  batch = steps.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
                                 shape(b, tr), shape(b, tr), shape(b, dtype=bool), shape(b, tr), shape(b, tr), None)
-  update = jax.jit(lambda p, o, mb: train_step.actor_update(
+  update = jax.jit(lambda p, o, mb: steps.actor_update(
       graphdef, tx, p, o, mb, algo=config.algo, micro=config.algo.micro_batch_responses, chunk=m.logits_chunk),
       donate_argnums=(0, 1))
   lowered = update.lower(params, jax.eval_shape(tx.init, params), batch)
@@ -164,25 +168,25 @@ def test_the_reference_attention_is_planned_with_its_scores():
 def test_kv_cache_is_rollout_cache_bytes():
   cfg = preset("tiny")
   plan = memory_plan.plan(_config(prompts=8, samples=4, mini=32), {"data": 2, "fsdp": 4, "tensor": 1})
-  expected = rollout.cache_bytes(cfg, batch=32, prompt_tokens=32, max_new_tokens=64, dtype=jnp.float32, devices=8)
+  expected = common.cache_bytes(cfg, batch=32, prompt_tokens=32, max_new_tokens=64, dtype=jnp.float32, devices=8)
   assert _item(plan, "rollout", "kv_cache") == expected
   # 3 · 2 = 6 sequences do not split over 8 devices: each holds all of them (the batch is replicated).
   plan = memory_plan.plan(_config(prompts=3, samples=2, mini=6), {"data": 2, "fsdp": 4, "tensor": 1})
-  assert _item(plan, "rollout", "kv_cache") == rollout.cache_bytes(cfg, batch=6, prompt_tokens=32, max_new_tokens=64)
+  assert _item(plan, "rollout", "kv_cache") == common.cache_bytes(cfg, batch=6, prompt_tokens=32, max_new_tokens=64)
   assert "6 sequences per device" in plan.format()
 
 
 def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
-  """The refill engine decodes in as many slots as `kv_cache_budget_gib` holds (`generation.engine_for`)
+  """The refill engine decodes in as many slots as `kv_cache_budget_gib` holds (`rollout.engine_for`)
   and keeps every prompt's prefilled cache besides."""
-  from vapo_jax import generation
+  from vapo_jax import rollout
   from vapo_jax.models.transformer import KVCache
   cfg, mesh = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
   config = _config(prompts=16, samples=8, mini=128, response_tokens=992)
-  per_sequence = rollout.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992)
+  per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992)
   config = dataclasses.replace(config, rollout=dataclasses.replace(
       config.rollout, engine="refill", kv_cache_budget_gib=5.5 * per_sequence / GIB))
-  engine = generation.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.float32, devices=8)
+  engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.float32, devices=8)
   assert engine.kind == "refill" and engine.slots == 40  # 5 per device, fewer than the 128 sequences.
   plan = memory_plan.plan(config, mesh)
   assert _item(plan, "rollout", "kv_cache") == 5 * per_sequence
@@ -200,15 +204,15 @@ def test_check_accepts_a_fitting_plan_and_skips_an_unknown_device():
   plan = memory_plan.plan(_config(), {"data": 8})
   group = memory_plan.plan(_config(estimator="group"), {"data": 8})  # GRPO: no critic update, critic still held.
   assert "critic update" not in group.phase_bytes() and _resident(group, "critic_params") > 0
-  memory_plan.check(plan, plan.peak_bytes)
-  memory_plan.check(plan, None)
+  memory_check.check(plan, plan.peak_bytes)
+  memory_check.check(plan, None)
   with pytest.raises(ConfigError):
-    memory_plan.check(plan, plan.peak_bytes - 1)
+    memory_check.check(plan, plan.peak_bytes - 1)
 
 
 def _refusal(plan, budget) -> str:
   with pytest.raises(ConfigError) as error:
-    memory_plan.check(plan, budget)
+    memory_check.check(plan, budget)
   return str(error.value)
 
 
@@ -262,17 +266,17 @@ def test_the_aime_plan_on_256_chips():
   assert config.mesh.preset == "fsdp" and config.mesh.tensor == 1 and config.algo.micro_batch_responses is None
   mesh = {"data": 1, "fsdp": 256, "tensor": 1}
   shipped = memory_plan.plan(config, mesh)
-  memory_plan.check(shipped, 95 * GIB)
+  memory_check.check(shipped, 95 * GIB)
   cfg = preset("qwen2.5-32b")
   assert math.isclose(_resident(shipped, "actor_params"), 4 * cfg.num_parameters() / 256, rel_tol=0.01)
   text = shipped.format(95 * GIB)
   assert "micro-batch 512 sequences, 2 per device" in text and "fits" in text
   slots = memory_plan.refill_slots(config, cfg, 256)
-  assert slots == 16 * 256 and _item(shipped, "rollout", "kv_cache") == rollout.cache_bytes(
+  assert slots == 16 * 256 and _item(shipped, "rollout", "kv_cache") == common.cache_bytes(
       cfg, batch=slots, prompt_tokens=2048, max_new_tokens=20480, dtype=jnp.bfloat16, devices=256)
   # The static engine's rounds of 256 prompts fit as well.
   static = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine="static"))
-  memory_plan.check(memory_plan.plan(static, mesh), 95 * GIB)
+  memory_check.check(memory_plan.plan(static, mesh), 95 * GIB)
   # With the dense reference attention (float32 [N, T, T] scores) the same layout is refused, naming
   # tensor parallelism: why the layout before flash attention split the heads over 4 chips.
   dense = dataclasses.replace(config, model=dataclasses.replace(config.model, attention="reference"))
@@ -289,12 +293,14 @@ def test_device_memory_and_the_command_line(capsys):
   assert memory_plan.device_memory_bytes(config) is None  # CPU devices report no limit.
   sized = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, device_memory_gib=95.0))
   assert memory_plan.device_memory_bytes(sized) == 95 * GIB
-  assert memory_plan.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "95"]) == 0
+  assert memory_cli.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "95"]) == 0
   out = capsys.readouterr().out
   assert "mesh data=1 fsdp=256 tensor=1" in out and "fits" in out
-  assert memory_plan.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "60"]) == 1
+  assert memory_cli.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "60"]) == 1
   assert "refused:" in capsys.readouterr().out
-  assert memory_plan.main(["--exp", "tiny", "--mesh", "data=8", "--device-gib", "1"]) == 0
+  assert memory_cli.main(["--exp", "tiny", "--mesh", "data=8", "--device-gib", "1"]) == 0
   assert "fits" in capsys.readouterr().out
-  assert memory_plan.main(["--exp", "tiny", "--mesh", "dp=8"]) == 2
-  assert memory.main(["tiny", "fsdp", "fsdp=8"]) == 0
+  assert memory_cli.main(["--exp", "tiny", "--mesh", "dp=8"]) == 2
+  assert memory_cli.main(["--model", "tiny", "--sharding", "fsdp", "--mesh", "fsdp=8"]) == 0
+  assert "policy:" in capsys.readouterr().out
+  assert memory_cli.main(["--model", "tiny", "--sharding", "nope"]) == 2

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import DATA_DIR, FIXTURES, PARITY_MODELS, reference
-from vapo_jax.models import checkpoint, config as model_config
+from model_utils import FIXTURES, PARITY_MODELS, reference
+from vapo_jax.models import config as model_config, huggingface
 from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
+from vapo_jax.paths import DATA_DIR
 
 
 @pytest.fixture(scope="module", params=PARITY_MODELS)
 def parity_model(request):
-  return request.param, checkpoint.load_causal_lm(str(FIXTURES / request.param))
+  return request.param, huggingface.load_causal_lm(str(FIXTURES / request.param))
 
 
 def test_logits_match_transformers(parity_model):
@@ -90,7 +91,7 @@ def test_remat_gives_same_values_and_gradients():
 
 
 def test_bfloat16_compute_with_float32_params():
-  model = checkpoint.load_causal_lm(str(FIXTURES / "qwen2_untied"), dtype="bfloat16", param_dtype="float32")
+  model = huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"), dtype="bfloat16", param_dtype="float32")
   ref = reference("qwen2_untied")
   logits, _ = model(ref["input_ids"], ref["position_ids"], ref["attention_mask"])
   assert logits.dtype == jnp.float32
@@ -102,8 +103,8 @@ def test_bfloat16_compute_with_float32_params():
 
 def test_value_model_from_policy_checkpoint():
   directory = str(FIXTURES / "qwen2_untied")
-  policy = checkpoint.load_causal_lm(directory)
-  critic = checkpoint.load_value_model(directory, from_policy=True)
+  policy = huggingface.load_causal_lm(directory)
+  critic = huggingface.load_value_model(directory, from_policy=True)
   np.testing.assert_array_equal(critic.model.layers[1].mlp.up_proj[...], policy.model.layers[1].mlp.up_proj[...])
   assert not np.any(critic.value_head[...]) and critic.value_head[...].shape == (policy.cfg.hidden_size, 1)
   ref = reference("qwen2_untied")
@@ -112,8 +113,8 @@ def test_value_model_from_policy_checkpoint():
 
 
 def test_value_model_needs_its_head_from_its_own_checkpoint():
-  with pytest.raises(checkpoint.CheckpointError, match="missing tensors.*value_head.weight"):
-    checkpoint.load_value_model(str(FIXTURES / "qwen2_untied"), from_policy=False)
+  with pytest.raises(huggingface.CheckpointError, match="missing tensors.*value_head.weight"):
+    huggingface.load_value_model(str(FIXTURES / "qwen2_untied"), from_policy=False)
 
 
 def test_hf_config_forms():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from multiprocess_launch import launch
-from test_resume import ROOT, TINY_ARGS, VARYING
+from smoke_runs import ROOT, TINY_ARGS, VARYING
 
 ARGS = [a for a in TINY_ARGS if not a.startswith(("mesh.", "checkpoint.", "rl_steps", "eval.every"))]
 ARGS += ["mesh.data=8", "rl_steps=3", "eval.every_steps=0", "checkpoint.every_steps=2"]
@@ -23,12 +23,12 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow  # Three processes each compile the run: ~2-3 min on 2 cores.
 def test_two_processes_match_one_process_with_eight_devices(tmp_path):
-  single = subprocess.run([sys.executable, "-m", "vapo_jax.main", *ARGS, f"run_dir={tmp_path / 'single'}"],
+  single = subprocess.run([sys.executable, "-m", "vapo_jax.cli.train", *ARGS, f"run_dir={tmp_path / 'single'}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                                    XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
-  results = launch("vapo_jax.main", [*ARGS, f"run_dir={tmp_path / 'multi'}"], num_processes=2,
+  results = launch("vapo_jax.cli.train", [*ARGS, f"run_dir={tmp_path / 'multi'}"], num_processes=2,
                    devices_per_process=4, timeout_s=400, cwd=ROOT, env={"PYTHONPATH": ROOT})
   assert "held-out accuracy after RL" in results[0].stdout
   assert "held-out accuracy" not in results[1].stdout  # Only process 0 reports and writes.

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from vapo_jax import metrics, plots
+from vapo_jax.cli import plots
+from vapo_jax.train import metrics
 
 pytest.importorskip("matplotlib", reason="matplotlib is in the test and plot extras")
 

@@ -1,6 +1,6 @@
 """Checkpoints and resume: a run stopped by SIGTERM or SIGKILL continues exactly where it was.
 
-The end-to-end tests run `python -m vapo_jax.main` (the `make train` entry point) on a one-layer
+The end-to-end tests run `python -m vapo_jax.cli.train` (the `make train` entry point) on a one-layer
 model in subprocesses, as a preempted pod would: stop it, start it again, compare metrics.jsonl
 with an uninterrupted run of the same seed.
 """
@@ -19,19 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax import checkpointing, cli
-from vapo_jax.config import ConfigError
+from smoke_runs import ROOT, TINY_ARGS, VARYING
+from vapo_jax.cli import resolve
+from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The default experiment at smoke size (`--smoke`, experiments/smoke.py): 20 training prompts, 8 per step, so the data's epoch
-# boundary falls inside the RL stage; every stage runs (warm start, evaluation, value pretraining, RL).
-TINY_ARGS = ["--exp", "tiny", "--smoke", "name=resume", "seed=3", "model.init_seed=3", "rl_steps=5", "sft.steps=3",
-             "algo.value_pretrain_steps=3",
-             "data.train_path=synthetic:arithmetic?terms=2-3&count=20&seed=0", "eval.every_steps=2",
-             "checkpoint.every_steps=1", "mesh.data=2"]
-VARYING = ("time/", "perf/")  # Wall-clock figures differ between runs; everything else must not.
-
+from vapo_jax.train import checkpoints
 
 def _env(devices: int = 2) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -41,7 +33,7 @@ def _env(devices: int = 2) -> dict:
 
 
 def _start(run_dir, *extra):
-  return subprocess.Popen([sys.executable, "-m", "vapo_jax.main", *TINY_ARGS, f"run_dir={run_dir}", *extra],
+  return subprocess.Popen([sys.executable, "-m", "vapo_jax.cli.train", *TINY_ARGS, f"run_dir={run_dir}", *extra],
                           cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -73,21 +65,21 @@ def _comparable(records):
 
 
 @pytest.mark.slow  # make test-slow, for time (test_sweep's SIGTERM test stops a run the same way in make test).
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, checkpointing.PREEMPTED_EXIT_CODE),
-                                      (signal.SIGINT, checkpointing.INTERRUPTED_EXIT_CODE)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, checkpoints.PREEMPTED_EXIT_CODE),
+                                      (signal.SIGINT, checkpoints.INTERRUPTED_EXIT_CODE)])
 def test_a_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, sig, code):
   proc = _start(tmp_path)
   if sig == signal.SIGTERM:  # While the run holds its directory, the same command again is refused.
     while not _records(tmp_path) and proc.poll() is None:
       time.sleep(0.05)
-    second = subprocess.run([sys.executable, "-m", "vapo_jax.main", *TINY_ARGS, f"run_dir={tmp_path}"], cwd=ROOT,
+    second = subprocess.run([sys.executable, "-m", "vapo_jax.cli.train", *TINY_ARGS, f"run_dir={tmp_path}"], cwd=ROOT,
                             env=_env(), capture_output=True, text=True, timeout=300)
     assert second.returncode == 2 and "run.lock" in second.stderr and f"pid {proc.pid}" in second.stderr, second.stderr
   returncode, output = _stop_after(proc, tmp_path, lambda r: len(r) >= 1, sig)
   assert returncode == code, output[-3000:]
   assert f"stopped by {'SIGTERM' if sig == signal.SIGTERM else 'Ctrl-C'}" in output, output[-3000:]
   assert "Run the same command again" in output and "Traceback" not in output, output[-3000:]
-  found = checkpointing.RunCheckpoints(str(tmp_path / "resume" / "checkpoints"), cli.resolve(TINY_ARGS)[0].checkpoint)
+  found = checkpoints.RunCheckpoints(str(tmp_path / "resume" / "checkpoints"), resolve.resolve(TINY_ARGS)[0].checkpoint)
   step, meta = found.latest_meta()
   # Saved at a step boundary after the first record (the second start's refusal may let the warm start end first).
   assert meta["progress"]["global_step"] >= 1 and meta["progress"]["stage"] in ("sft", "value_pretrain", "rl"), \
@@ -97,9 +89,9 @@ def test_a_signal_saves_a_checkpoint_and_exits_with_its_code(tmp_path, sig, code
   if sig == signal.SIGINT:
     return
   # Resuming with a different config is refused before any model is built, naming the fields.
-  changed, _ = cli.resolve(TINY_ARGS + [f"run_dir={tmp_path}", "algo.eps_high=0.3", "rl_steps=6"])
+  changed, _ = resolve.resolve(TINY_ARGS + [f"run_dir={tmp_path}", "algo.eps_high=0.3", "rl_steps=6"])
   with pytest.raises(ConfigError, match=r"(?s)algo\.eps_high: 0\.28 → 0\.3.*rl_steps: 5 → 6"):
-    from vapo_jax.trainer import Trainer
+    from vapo_jax.train.trainer import Trainer
     Trainer(changed, verbose=False)
 
 
@@ -137,8 +129,8 @@ def _small_state(mesh):
 
 def test_a_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
   mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
-  config = cli.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
-  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  config = resolve.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
+  found = checkpoints.RunCheckpoints(str(tmp_path), config)
   state = _small_state(mesh)
   found.save(1, state, {"stage": "rl", "n": 1}, wait=True)
   found.save(2, jax.tree.map(lambda x: x + 1, state), {"stage": "rl", "n": 2}, wait=True)
@@ -150,9 +142,9 @@ def test_a_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
       path.unlink()
   (tmp_path / "3.orbax-checkpoint-tmp-1234").mkdir()
   found.close()
-  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  found = checkpoints.RunCheckpoints(str(tmp_path), config)
   with pytest.warns(UserWarning, match=r"checkpoint .*/2 is incomplete or unreadable.*skipping it"):
-    step, restored, meta = found.restore_latest(lambda meta: checkpointing.abstract(state))
+    step, restored, meta = found.restore_latest(lambda meta: checkpoints.abstract(state))
   assert step == 1 and meta["n"] == 1
   np.testing.assert_array_equal(restored["w"], state["w"])
   assert restored["w"].sharding == state["w"].sharding
@@ -160,29 +152,29 @@ def test_a_truncated_checkpoint_is_skipped_with_a_warning(tmp_path):
 
 
 def test_config_differences_name_each_changed_field():
-  base, _ = cli.resolve(["--exp", "tiny"])
-  changed, _ = cli.resolve(["--exp", "tiny", "algo.eps_high=0.3", "checkpoint.keep=7", "data.seed=4"])
+  base, _ = resolve.resolve(["--exp", "tiny"])
+  changed, _ = resolve.resolve(["--exp", "tiny", "algo.eps_high=0.3", "checkpoint.keep=7", "data.seed=4"])
   import dataclasses
-  diffs = checkpointing.config_differences(dataclasses.asdict(base), changed)
+  diffs = checkpoints.config_differences(dataclasses.asdict(base), changed)
   assert diffs == ["algo.eps_high: 0.28 → 0.3", "data.seed: 0 → 4"]  # checkpoint.* may change.
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    checkpointing.check_resumable(base, dataclasses.asdict(base), "somewhere")
+    checkpoints.check_resumable(base, dataclasses.asdict(base), "somewhere")
 
 
 def test_saving_after_skipping_an_unreadable_checkpoint_continues_the_numbering(tmp_path):
   # Restoring step 1 because step 2 is unreadable must not make the next save collide with 2.
   mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
-  config = cli.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
-  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  config = resolve.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0].checkpoint
+  found = checkpoints.RunCheckpoints(str(tmp_path), config)
   state = _small_state(mesh)
   found.save(1, state, {"n": 1}, wait=True)
   found.save(2, state, {"n": 2}, wait=True)
   (tmp_path / "2" / "meta" / "metadata").unlink()
   found.close()
-  found = checkpointing.RunCheckpoints(str(tmp_path), config)
+  found = checkpoints.RunCheckpoints(str(tmp_path), config)
   with pytest.warns(UserWarning, match="skipping it"):
-    step, _, meta = found.restore_latest(lambda meta: checkpointing.abstract(state))
+    step, _, meta = found.restore_latest(lambda meta: checkpoints.abstract(state))
   assert (step, meta["n"]) == (1, 1)
   found.save(max(found.steps()) + 1, state, {"n": 3}, wait=True)  # What Trainer does.
   assert found.steps()[-1] == 3

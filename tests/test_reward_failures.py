@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vapo_jax import config, evaluate
-from vapo_jax.errors import RewardFunctionError, UserError
+from vapo_jax import config
+from vapo_jax.cli import evaluate
+from vapo_jax.errors import ConfigError, RewardFunctionError, UserError
 from vapo_jax.rewards import reward
 from vapo_jax.rewards.pool import VerifierPool, load_function
 
@@ -179,7 +180,7 @@ def test_invalid_values_and_time_outs_name_what_went_wrong():
 
 def test_max_error_frac_is_validated():
   assert config.RewardConfig().max_error_frac == 0.5
-  with pytest.raises(config.ConfigError, match=r"RewardConfig.max_error_frac must be in \[0.0, 1.0\], got 1.5"):
+  with pytest.raises(ConfigError, match=r"RewardConfig.max_error_frac must be in \[0.0, 1.0\], got 1.5"):
     config.RewardConfig(max_error_frac=1.5)
 
 

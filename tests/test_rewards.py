@@ -224,13 +224,10 @@ def test_overlong_penalty_closed_form():
       reward.overlong_penalty(lengths, max_response_tokens=100, buffer_tokens=0), np.zeros(7))
 
 
-def test_verifier_format_and_token_rewards():
+def test_verifier_and_format_rewards():
   np.testing.assert_array_equal(reward.verifier_reward(np.array([True, False]), correct_reward=2.0,
                                                        incorrect_reward=0.0), [2.0, 0.0])
   np.testing.assert_array_equal(reward.format_penalty(np.array([True, False]), penalty=-0.5), [0.0, -0.5])
-  mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)
-  np.testing.assert_array_equal(reward.last_token_rewards(np.array([1.0, -1.0, 5.0]), mask),
-                                [[0, 0, 1, 0], [-1, 0, 0, 0], [0, 0, 0, 0]])
 
 
 def test_combined_rewards(verifier_pool):

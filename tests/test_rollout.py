@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_utils import FIXTURES
-from vapo_jax import generation, rollout
-from vapo_jax.models import checkpoint, sharding
+from model_utils import FIXTURES, place_module
+from vapo_jax import rollout
+from vapo_jax.models import huggingface, sharding
 from vapo_jax.models.config import preset
-from vapo_jax.models.transformer import positions_from_mask
+from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.rollout import common, sampling, static
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
 EOS = 2
@@ -20,13 +21,13 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def model():
-  return checkpoint.load_causal_lm(str(FIXTURES / "qwen2_untied"))
+  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
-def run(model, prompts, *, key=0, group=1, engine=generation.Engine(kind="static"), metrics=False, **sampling):
-  sampling = rollout.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
-  tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
-  out, stats = generation.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, samples_per_prompt=group,
+def run(model, prompts, *, key=0, group=1, engine=rollout.Engine(kind="static"), metrics=False, **sampling):
+  sampling = common.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
+  tokens, mask = common.pad_prompts(prompts, pad_id=0)
+  out, stats = rollout.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, samples_per_prompt=group,
                               engine=engine, pad_id=0)
   return (out, stats) if metrics else out
 
@@ -70,7 +71,7 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     logits = full_logits(model, prompt + response)[len(prompt) - 1:len(prompt) - 1 + n]
     policy = jax.nn.log_softmax(logits, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.policy_logprobs[b, :n], policy, atol=1e-4)
-    processed = rollout.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
+    processed = sampling.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
     sampler = jax.nn.log_softmax(processed, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.sampler_logprobs[b, :n], sampler, atol=1e-4)
     assert np.all(np.isfinite(sampler))  # A sampled token is never one the filter removed.
@@ -79,7 +80,7 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     np.testing.assert_allclose(out.sampler_logprobs, out.policy_logprobs, atol=1e-6)
 
 
-@pytest.mark.parametrize("filter_fn", [rollout.filter_logits, rollout.filter_logits_sorted], ids=["bisection", "sort"])
+@pytest.mark.parametrize("filter_fn", [sampling.filter_logits, sampling.filter_logits_sorted], ids=["bisection", "sort"])
 def test_filter_logits_reference(filter_fn):
   logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32)
   top_k = np.asarray(filter_fn(jnp.asarray(logits), temperature=1.0, top_k=3, top_p=1.0))
@@ -120,11 +121,11 @@ def test_padding_and_batchmates_change_nothing(model):
 
 def test_stop_at_first_step_and_length_limit(model):
   greedy = run(model, PROMPTS, temperature=0.0, stop_token_ids=())
-  assert np.all(greedy.finish_reason == rollout.FINISH_LENGTH) and np.all(greedy.response_lengths == 10)
+  assert np.all(greedy.finish_reason == common.FINISH_LENGTH) and np.all(greedy.response_lengths == 10)
   assert np.all(greedy.response_mask)
   first = int(greedy.response_tokens[1, 0])  # Make prompt 1's first greedy token a stop token.
   out = run(model, PROMPTS, temperature=0.0, stop_token_ids=(first,))
-  assert int(out.response_lengths[1]) == 1 and int(out.finish_reason[1]) == rollout.FINISH_STOP
+  assert int(out.response_lengths[1]) == 1 and int(out.finish_reason[1]) == common.FINISH_STOP
   assert out.response_mask[1].tolist() == [True] + [False] * 9
   assert int(out.response_tokens[1, 0]) == first and not np.any(out.response_tokens[1, 1:])
   for b in (0, 2, 3):  # Other rows run on; each stops at its own first stop token or at the limit.
@@ -147,10 +148,10 @@ def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   rules = sharding.PRESETS[preset_name]
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fsdp_tp replicates the 97-entry vocabulary (not divisible by 2).
-    sharded_model = sharding.shard_module(model, mesh, rules)
-  tokens, mask = rollout.pad_prompts(prompts, pad_id=0)
+    sharded_model = place_module(model, mesh, rules)
+  tokens, mask = common.pad_prompts(prompts, pad_id=0)
   data = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
-  fn = rollout.make_generate(sampling=rollout.Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+  fn = static.make_generate(sampling=common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
                              samples_per_prompt=1, pad_id=0)
   with sharding.use_rules(mesh, rules), warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -168,28 +169,28 @@ def test_metrics(model):
   assert m["perf/rollout_tokens_per_s"] == pytest.approx(lengths.sum() / m["time/rollout_s"])
   assert m["rollout/response_len_p50"] == np.median(lengths) and m["rollout/response_len_max"] == lengths.max()
   assert m["rollout/response_len_p90"] == pytest.approx(np.percentile(lengths, 90))
-  stopped = np.mean(np.asarray(out.finish_reason) == rollout.FINISH_STOP)
+  stopped = np.mean(np.asarray(out.finish_reason) == common.FINISH_STOP)
   assert 0 < stopped < 1 and m["rollout/finish_stop_frac"] == stopped and m["rollout/finish_length_frac"] == 1 - stopped
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_rounds_sample_like_one_call(model):
   whole = run(model, PROMPTS, group=3, key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
-  rounds = run(model, PROMPTS, group=3, key=7, engine=generation.Engine(kind="static", prompts_per_round=2))
+  rounds = run(model, PROMPTS, group=3, key=7, engine=rollout.Engine(kind="static", prompts_per_round=2))
   np.testing.assert_array_equal(rounds.response_tokens, whole.response_tokens)
   np.testing.assert_allclose(rounds.policy_logprobs, whole.policy_logprobs, atol=1e-5)
 
 
 def test_cache_memory_is_reported_and_refused():
   cfg = preset("qwen2.5-32b")
-  needed = rollout.cache_bytes(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+  needed = common.cache_bytes(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
                                dtype=jnp.bfloat16, devices=256)
   # 2 (k, v) · 64 layers · 32 rows · 21504 slots · 8 kv heads · 128 dims · 2 bytes, plus the slot mask.
   assert needed == 2 * 64 * 32 * 21504 * 8 * 128 * 2 + 32 * 21504
   with pytest.raises(MemoryError, match=r"needs 168\.\d\d GiB per device .* lower rollout.prompts_per_step"):
-    rollout.check_cache_fits(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+    common.check_cache_fits(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
                              budget_bytes=40 * 2**30, dtype=jnp.bfloat16, devices=256)
   tiny = preset("tiny")
-  cache = jax.eval_shape(lambda: rollout.KVCache.zeros(tiny, 4, 48, jnp.float32))
+  cache = jax.eval_shape(lambda: KVCache.zeros(tiny, 4, 48, jnp.float32))
   allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) - 4  # minus the length scalar
-  assert rollout.cache_bytes(tiny, batch=4, prompt_tokens=16, max_new_tokens=32) == allocated
+  assert common.cache_bytes(tiny, batch=4, prompt_tokens=16, max_new_tokens=32) == allocated

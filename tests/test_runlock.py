@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from vapo_jax.runlock import LOCK_FILE, RunLock, RunLockError, read_holder
+from vapo_jax.train.runlock import LOCK_FILE, RunLock, RunLockError
 
 REPO = str(Path(__file__).resolve().parents[1])
-# A start in another process: imports only vapo_jax.runlock (no JAX), holds the lock, then waits.
+# A start in another process: imports only vapo_jax.train.runlock (no JAX), holds the lock, then waits.
 HOLD = """
 import sys
-from vapo_jax.runlock import RunLock, RunLockError
+from vapo_jax.train.runlock import RunLock, RunLockError
 try:
   lock = RunLock(sys.argv[1]).acquire()
 except RunLockError as e:
@@ -37,7 +37,7 @@ def test_a_second_start_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_p
   holder = _start(run_dir)
   try:
     assert holder.stdout.readline() == "held\n"
-    record = read_holder(str(run_dir))
+    record = json.loads((run_dir / LOCK_FILE).read_text())  # The holder's record.
     assert record["pid"] == holder.pid and record["host"] == socket.gethostname()
     second = _start(run_dir)  # The same command started again.
     out, _ = second.communicate(timeout=60)
@@ -49,7 +49,7 @@ def test_a_second_start_is_refused_and_a_killed_holders_lock_is_taken_over(tmp_p
   finally:
     holder.send_signal(signal.SIGKILL)  # A crash: the kernel drops the flock, the file stays.
     holder.wait(timeout=60)
-  assert read_holder(str(run_dir))["pid"] == holder.pid
+  assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == holder.pid
   with pytest.warns(UserWarning, match=rf"took over the lock left by pid {holder.pid} on .*no longer holds it"):
     lock = RunLock(str(run_dir)).acquire()
   assert lock.took_over["pid"] == holder.pid

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax import sampling
+from vapo_jax.rollout import sampling
 
 
 def kept_by_definition(logits: np.ndarray, *, temperature: float, top_k: int, top_p: float) -> np.ndarray:

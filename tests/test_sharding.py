@@ -3,7 +3,6 @@
 Regenerate the golden files after a deliberate change with `UPDATE_GOLDEN=1 make test`.
 """
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -14,14 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from model_utils import MESHES, SHARDED_CFG as CFG, place_module
 from vapo_jax.models import sharding
-from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 # Distinct sizes that every preset below divides (vocab 262 = 2·131).
-CFG = dataclasses.replace(preset("tiny"), vocab_size=262, num_layers=2)
-MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data=2, fsdp=2, tensor=2)}
 
 
 def scaled_model(cls=CausalLM):
@@ -72,7 +69,7 @@ def test_sharded_forward_equals_single_device(name, cls):
   expected = jax.jit(forward)(model, tokens, positions, mask)
   mesh = sharding.make_mesh(**MESHES[name])
   rules = sharding.PRESETS[name]
-  sharded_model = sharding.shard_module(model, mesh, rules)
+  sharded_model = place_module(model, mesh, rules)
   data = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
   with sharding.use_rules(mesh, rules):
     out = jax.jit(forward)(sharded_model, *(jax.device_put(x, data) for x in (tokens, positions, mask)))

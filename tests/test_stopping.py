@@ -7,13 +7,15 @@ import signal
 
 import pytest
 
-from vapo_jax import checkpointing
-from vapo_jax.config import ConfigError, DataConfig, ExperimentConfig
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.run_config import DataConfig
+from vapo_jax.train import checkpoints
 
 
 @pytest.fixture
 def flag():
-  flag = checkpointing.PreemptionFlag()
+  flag = checkpoints.PreemptionFlag()
   flag.install()
   yield flag
   flag.uninstall()
@@ -23,7 +25,7 @@ def test_ctrl_c_stops_after_the_step_and_a_second_one_aborts(flag, capfd):
   """Ctrl-C used to raise KeyboardInterrupt wherever the run was (a traceback inside Orbax)."""
   os.kill(os.getpid(), signal.SIGINT)  # Handled here, in the main thread, before kill returns.
   assert flag.event.is_set() and flag.is_set()
-  assert flag.signum == signal.SIGINT and flag.exit_code == checkpointing.INTERRUPTED_EXIT_CODE == 130
+  assert flag.signum == signal.SIGINT and flag.exit_code == checkpoints.INTERRUPTED_EXIT_CODE == 130
   assert flag.signal_name == "Ctrl-C (SIGINT)"
   assert "Ctrl-C (SIGINT) received: finishing the current step" in capfd.readouterr().err
   with pytest.raises(KeyboardInterrupt):
@@ -34,7 +36,7 @@ def test_ctrl_c_stops_after_the_step_and_a_second_one_aborts(flag, capfd):
 def test_sigterm_still_means_preempted(flag):
   os.kill(os.getpid(), signal.SIGTERM)
   os.kill(os.getpid(), signal.SIGTERM)  # A scheduler repeating itself: still just stopping.
-  assert flag.is_set() and flag.signum == signal.SIGTERM and flag.exit_code == checkpointing.PREEMPTED_EXIT_CODE
+  assert flag.is_set() and flag.signum == signal.SIGTERM and flag.exit_code == checkpoints.PREEMPTED_EXIT_CODE
   assert flag.signal_name == "SIGTERM"
   with pytest.raises(KeyboardInterrupt):  # Ctrl-C after a SIGTERM: abort at once.
     os.kill(os.getpid(), signal.SIGINT)
@@ -42,13 +44,13 @@ def test_sigterm_still_means_preempted(flag):
 
 def test_uninstall_restores_the_handlers():
   before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-  flag = checkpointing.PreemptionFlag()
+  flag = checkpoints.PreemptionFlag()
   flag.install()
   assert signal.getsignal(signal.SIGINT) == flag._handle
   flag.uninstall()
   assert {s: signal.getsignal(s) for s in before} == before
-  error = checkpointing.Preempted("stopped", exit_code=flag.exit_code)
-  assert error.exit_code == 75 and checkpointing.Preempted("x").exit_code == 75
+  error = checkpoints.Preempted("stopped", exit_code=flag.exit_code)
+  assert error.exit_code == 75 and checkpoints.Preempted("x").exit_code == 75
 
 
 def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
@@ -60,10 +62,10 @@ def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
   saved = dataclasses.asdict(ExperimentConfig(name="x", run_dir="runs", data=DataConfig(train_path="train.jsonl")))
   for run_dir, train_path in [(str(tmp_path / "runs"), str(tmp_path / "train.jsonl")), ("./runs/", "link.jsonl")]:
     now = ExperimentConfig(name="x", run_dir=run_dir, data=DataConfig(train_path=train_path))
-    assert checkpointing.config_differences(saved, now) == []
-    checkpointing.check_resumable(now, saved, "runs/x/checkpoints")
+    assert checkpoints.config_differences(saved, now) == []
+    checkpoints.check_resumable(now, saved, "runs/x/checkpoints")
   elsewhere = ExperimentConfig(name="x", run_dir=str(tmp_path / "other"), data=DataConfig(train_path="train.jsonl"))
-  assert checkpointing.config_differences(saved, elsewhere) == [f"run_dir: 'runs' → '{tmp_path / 'other'}'"]
+  assert checkpoints.config_differences(saved, elsewhere) == [f"run_dir: 'runs' → '{tmp_path / 'other'}'"]
   with pytest.raises(ConfigError, match="refusing to resume"):
-    checkpointing.check_resumable(elsewhere, saved, "runs/x/checkpoints")
-  assert not checkpointing.same_path(None, "runs") and checkpointing.same_path("bytes", "bytes")
+    checkpoints.check_resumable(elsewhere, saved, "runs/x/checkpoints")
+  assert not checkpoints.same_path(None, "runs") and checkpoints.same_path("bytes", "bytes")

@@ -1,4 +1,4 @@
-"""`make sweep`: runs are real `python -m vapo_jax.main` subprocesses (one CPU device each).
+"""`make sweep`: runs are real `python -m vapo_jax.cli.train` subprocesses (one CPU device each).
 
 The micro sweep (two members of the toy sweep × two seeds × two RL steps, at smoke-test size) checks
 the files written (runs, logs, runs.csv, table.md, plots), that a rerun skips finished runs and
@@ -19,7 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-from vapo_jax import sweep
+from vapo_jax import paths
+from vapo_jax.cli import sweep, sweep_report
 
 pytest.importorskip("matplotlib")
 
@@ -152,16 +153,16 @@ def test_a_failed_warm_start_fails_its_members_without_starting_them(tmp_path):
 def test_area_under_curve_is_the_mean_height():
   x, y = np.array([0.0, 10.0, 20.0, 40.0]), np.array([0.2, 0.4, 0.4, 0.8])
   # Trapezoids: 10·0.3 + 10·0.4 + 20·0.6 = 19 over 40 steps.
-  assert sweep.area_under_curve(x, y) == pytest.approx(19 / 40)
-  assert sweep.area_under_curve(np.array([-2.0, 0.0, 4.0]), np.array([9.0, 0.5, 0.5])) == pytest.approx(0.5)
-  assert sweep.area_under_curve(np.array([0.0]), np.array([0.3])) == pytest.approx(0.3)
+  assert sweep_report.area_under_curve(x, y) == pytest.approx(19 / 40)
+  assert sweep_report.area_under_curve(np.array([-2.0, 0.0, 4.0]), np.array([9.0, 0.5, 0.5])) == pytest.approx(0.5)
+  assert sweep_report.area_under_curve(np.array([0.0]), np.array([0.3])) == pytest.approx(0.3)
 
 
 def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
   """A scheduler's SIGTERM (or `kill`) stops the runs in progress, not only the sweep."""
-  argv = [sys.executable, "-m", "vapo_jax.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-warm-start",
+  argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-warm-start",
           "--root", str(tmp_path), *MICRO]
-  sweep_process = subprocess.Popen(argv, cwd=sweep.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+  sweep_process = subprocess.Popen(argv, cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=dict(os.environ, XLA_FLAGS=""))
   assert sweep_process.stdout.readline().startswith("sweep toy:")
   assert sweep_process.stdout.readline().startswith("start   toy_vapo_seed0")

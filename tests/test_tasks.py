@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from vapo_jax import tasks
-from vapo_jax.tokenizer import ByteTokenizer
+from vapo_jax.data import tasks
+from vapo_jax.data.tokenizer import ByteTokenizer
 
 
 def test_arithmetic_problems_are_fixed_by_their_seed():

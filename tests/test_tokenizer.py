@@ -2,8 +2,8 @@
 
 import pytest
 
+from vapo_jax.data.tokenizer import load_tokenizer
 from vapo_jax.paths import DATA_DIR
-from vapo_jax.tokenizer import load_tokenizer
 
 QWEN = DATA_DIR / "qwen2.5_tokenizer"
 

@@ -2,54 +2,32 @@
 sampling fills the batch, a memorised batch's losses fall, 1 and 8 devices agree, and one RL step
 moves only its declared host transfers.
 
-Every run is `experiments.smoke` of the default experiment; programs they share (model, sampler,
-scoring) compile once per session through the compilation cache that tests/conftest.py sets up."""
+Every run is the default experiment at smoke size (`smoke_config`, tests/conftest.py), its baselines
+from experiments/variants.py; programs they share (model, sampler, scoring) compile once per session
+through the compilation cache that tests/conftest.py sets up."""
 
-import dataclasses
 import math
 
 import jax
 import numpy as np
 import pytest
 
-import experiments
-from experiments.smoke import EVAL as SMOKE_EVAL
-from vapo_jax import advantages, losses, train_step
-from vapo_jax.config import AlgoConfig
-from vapo_jax.rewards import reward
-from vapo_jax.trainer import Trainer
+from vapo_jax.rl import advantages, losses
+from vapo_jax.train import steps
+from vapo_jax.train.trainer import Trainer
 
 PARITY_REWARD = "rewards_for_tests:even_first_byte"  # Random per sample: mixed groups.
 PROMPT_REWARD = "rewards_for_tests:answer_at_least_five"  # Decided by the prompt: learnable by a critic.
-
-
-def config(tmp_path, *, reward_fn=None, sft_steps=0, eval_path=None, **algo):
-  base = experiments.smoke(experiments.get_experiment("tiny"))
-  return dataclasses.replace(
-      base, name="test", run_dir=str(tmp_path), seed=0,
-      algo=AlgoConfig(**({"value_pretrain_steps": 1, "mini_batch_responses": 16} | algo)),
-      reward=dataclasses.replace(base.reward, reward_fn=reward_fn),
-      eval=dataclasses.replace(base.eval, path=eval_path), sft=dataclasses.replace(base.sft, steps=sft_steps))
-
-
-ALGORITHMS = {
-    "vapo": {},
-    "ppo": dict(lam_actor=0.95, lam_critic=0.95, decoupled_gae=False, length_adaptive_alpha=None,
-                value_pretrain_steps=0, eps_high=0.2, loss_agg="seq-mean-token-mean", positive_nll_coef=0.0),
-    "grpo": dict(estimator="group", value_pretrain_steps=0, eps_high=0.2, loss_agg="seq-mean-token-mean",
-                 positive_nll_coef=0.0, kl_coef=0.001),
-    "dapo": dict(estimator="group", value_pretrain_steps=0, positive_nll_coef=0.0, dynamic_sampling=True,
-                 dynamic_sampling_max_rounds=1, overlong_buffer_tokens=4),
-}
+ALGORITHMS = ("vapo", "ppo", "grpo", "dapo")  # VAPO and experiments/variants.py's baselines.
+QUICK = {"sft.steps": 0, "eval.path": None}  # No warm start and no held-out evaluation.
 
 
 # VAPO and DAPO (group advantages, dynamic sampling) in make test; PPO and GRPO in make test-slow, for time.
 @pytest.mark.parametrize("name", [n if n in ("vapo", "dapo") else pytest.param(n, marks=pytest.mark.slow)
                                   for n in ALGORITHMS])
-def test_algorithm_runs_with_finite_losses(tmp_path, name):
+def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
-  full = dict(sft_steps=2, eval_path=SMOKE_EVAL) if name == "vapo" else {}
-  trainer = Trainer(config(tmp_path, **full, **ALGORITHMS[name]), write_logs=True, verbose=False)
+  trainer = Trainer(smoke_config(None if name == "vapo" else QUICK, algorithm=name), write_logs=True, verbose=False)
   summary = trainer.run()
   rl = [h for h in trainer.history if h["stage"] == "rl"]
   assert len(rl) == 2
@@ -80,20 +58,19 @@ def _held_out_batch(trainer):
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_value_pretraining_raises_explained_variance(tmp_path):
-  cfg = config(tmp_path, reward_fn=PROMPT_REWARD, value_pretrain_steps=10, mini_batch_responses=8)
-  cfg = dataclasses.replace(cfg,
-                            data=dataclasses.replace(cfg.data, train_path="synthetic:arithmetic?terms=1-1&count=50"),
-                            rollout=dataclasses.replace(cfg.rollout, prompts_per_step=16, samples_per_prompt=2))
+def test_value_pretraining_raises_explained_variance(smoke_config):
+  cfg = smoke_config(QUICK | {"reward.reward_fn": PROMPT_REWARD, "algo.value_pretrain_steps": 10,
+                              "algo.mini_batch_responses": 8, "data.train_path": "synthetic:arithmetic?terms=1-1&count=50",
+                              "rollout.prompts_per_step": 16, "rollout.samples_per_prompt": 2})
   trainer = Trainer(cfg, write_logs=False, verbose=False)
   # A held-out batch from the same fixed policy, scored before and after value pretraining.
   out, rewards, _ = _held_out_batch(trainer)
   mask = np.asarray(out.response_mask)
-  returns = advantages.monte_carlo_returns(reward.last_token_rewards(rewards, mask), mask)
-  tokens, attention = train_step.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
+  returns = advantages.monte_carlo_returns(advantages.last_token_rewards(rewards, mask), mask)
+  tokens, attention = steps.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
 
   def explained_variance():
-    v = train_step.values(trainer.steps.critic_def, trainer.state.critic, tokens, attention, response_len=16)
+    v = steps.values(trainer.steps.critic_def, trainer.state.critic, tokens, attention, response_len=16)
     return float(losses.explained_variance(v, returns, mask))
 
   actor_before = jax.tree.map(np.asarray, trainer.state.actor)
@@ -107,8 +84,9 @@ def test_value_pretraining_raises_explained_variance(tmp_path):
   trainer.pool.close()
 
 
-def test_dynamic_sampling_fills_the_batch_with_mixed_groups(tmp_path):
-  cfg = config(tmp_path, reward_fn=PARITY_REWARD, **ALGORITHMS["dapo"] | {"dynamic_sampling_max_rounds": 10})
+def test_dynamic_sampling_fills_the_batch_with_mixed_groups(smoke_config):
+  cfg = smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "algo.dynamic_sampling_max_rounds": 10},
+                     algorithm="dapo")
   trainer = Trainer(cfg, write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   out, _, correct, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
@@ -120,13 +98,13 @@ def test_dynamic_sampling_fills_the_batch_with_mixed_groups(tmp_path):
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_losses_on_a_memorised_batch_fall(tmp_path):
+def test_losses_on_a_memorised_batch_fall(smoke_config):
   # μ = 0: the policy-gradient term itself must fall (not only the positive-example NLL).
-  trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD, mini_batch_responses=32, positive_nll_coef=0.0),
-                    write_logs=False, verbose=False)
+  trainer = Trainer(smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "algo.mini_batch_responses": 32,
+                                          "algo.positive_nll_coef": 0.0}), write_logs=False, verbose=False)
   out, rewards, correct = _held_out_batch(trainer)
   state = trainer.state
-  batch, _ = trainer.experience.score(state, out, *trainer.experience.place((rewards, correct)))
+  batch, _ = trainer.steps.score(state, out, *trainer.steps.place((rewards, correct)))
   history = []
   for _ in range(15):
     state, m = trainer.steps.ppo_update(state, batch, actor=True, critic=True)
@@ -137,12 +115,12 @@ def test_losses_on_a_memorised_batch_fall(tmp_path):
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_one_and_eight_devices_give_the_same_losses_and_parameters(tmp_path):
+def test_one_and_eight_devices_give_the_same_losses_and_parameters(smoke_config):
   runs = []
   for devices in ([jax.devices()[0]], jax.devices()):
-    cfg = config(tmp_path, reward_fn=PARITY_REWARD, value_pretrain_steps=1, mini_batch_responses=16,
-                 micro_batch_responses=8)
-    trainer = Trainer(dataclasses.replace(cfg, rl_steps=1), devices=devices, write_logs=False, verbose=False)
+    cfg = smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "algo.value_pretrain_steps": 1,
+                                "algo.mini_batch_responses": 16, "algo.micro_batch_responses": 8, "rl_steps": 1})
+    trainer = Trainer(cfg, devices=devices, write_logs=False, verbose=False)
     assert trainer.mesh.size == len(devices)
     trainer.run()
     metrics = {f"{h['stage']}:{k}": v for h in trainer.history for k, v in h.items()
@@ -156,14 +134,14 @@ def test_one_and_eight_devices_give_the_same_losses_and_parameters(tmp_path):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_an_rl_step_moves_only_its_declared_host_transfers(tmp_path, monkeypatch):
+def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeypatch):
   """Host→device: the prompts and the verifier's rewards and verdicts, placed by `distributed`'s two
   placement functions (any other transfer raises under the guard). Device→host: the rollout's
   lengths and finish reasons, the verifier's token ids and lengths, then the step's metrics in one
   fetch (counted where arrays reach numpy)."""
   from jax._src import array as jax_array
   from vapo_jax import distributed
-  trainer = Trainer(config(tmp_path, reward_fn=PARITY_REWARD), write_logs=False, verbose=False)
+  trainer = Trainer(smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD}), write_logs=False, verbose=False)
   trainer.state, _ = trainer.step(trainer.state)  # Compiles every program once.
   placed, fetched = [], []
   for name in ("global_array", "global_array_from_share"):

@@ -2,7 +2,6 @@
 are skipped with a warning and stop the run after a few steps, a failed start leaves no empty run
 directory behind, and a second trainer on a busy run directory is refused."""
 
-import dataclasses
 import json
 
 import jax
@@ -11,44 +10,35 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import experiments
-from vapo_jax import runlock
 from vapo_jax.errors import CheckpointError, UserError
-from vapo_jax.models import checkpoint
+from vapo_jax.models import huggingface
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
-from vapo_jax.trainer import Diverged, Trainer
+from vapo_jax.train import runlock
+from vapo_jax.train.trainer import Diverged, Trainer
 
 
-def smoke_config(tmp_path, **changes):
-  base = experiments.smoke(experiments.get_experiment("tiny"))
-  return dataclasses.replace(base, name="fail", run_dir=str(tmp_path), **changes)
-
-
-def test_a_checkpoint_with_nan_weights_is_refused_at_start(tmp_path):
+def test_a_checkpoint_with_nan_weights_is_refused_at_start(tmp_path, smoke_config):
   model = CausalLM(preset("micro"), rngs=nnx.Rngs(0))
   model.model.norm.weight[...] = model.model.norm.weight[...].at[3].set(jnp.nan)
-  checkpoint.export(model, str(tmp_path / "ckpt"))
-  base = smoke_config(tmp_path)
-  config = dataclasses.replace(base, model=dataclasses.replace(base.model, checkpoint=str(tmp_path / "ckpt"),
-                                                               random_init=False))
+  huggingface.export(model, str(tmp_path / "ckpt"))
+  config = smoke_config({"model.checkpoint": str(tmp_path / "ckpt"), "model.random_init": False})
   with pytest.raises(CheckpointError, match=r"(?s)ckpt.*NaN or infinite.*norm"):
     Trainer(config, verbose=False)
-  assert not (tmp_path / "fail").exists()  # The failed start left no run directory.
+  assert not (tmp_path / "test").exists()  # The failed start left no run directory.
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_non_finite_updates_are_skipped_and_then_stop_the_run(tmp_path):
-  config = smoke_config(tmp_path, log=dataclasses.replace(experiments.get_experiment("tiny").log, max_nonfinite_steps=2))
-  config = dataclasses.replace(config, algo=dataclasses.replace(config.algo, value_pretrain_steps=0),
-                               sft=dataclasses.replace(config.sft, steps=0), eval=dataclasses.replace(config.eval, path=None))
+def test_non_finite_updates_are_skipped_and_then_stop_the_run(smoke_config):
+  config = smoke_config({"optim.max_nonfinite_steps": 2, "algo.value_pretrain_steps": 0, "sft.steps": 0,
+                         "eval.path": None})
   trainer = Trainer(config, write_logs=False, verbose=False)
   actor = nnx.merge(trainer.steps.actor_def, trainer.state.actor)
   actor.model.norm.weight[...] = jnp.full_like(actor.model.norm.weight[...], jnp.nan)  # Every log-prob NaN.
   trainer.state = trainer.state._replace(actor=nnx.state(actor))
   before = jax.tree.map(np.asarray, trainer.state.actor)
   with pytest.warns(UserWarning, match=r"rl step 0: non-finite loss or gradient, updates skipped \(actor 100%"):
-    with pytest.raises(Diverged, match=r"rl step 1: .*2 step\(s\) in a row.*log.max_nonfinite_steps=2"):
+    with pytest.raises(Diverged, match=r"rl step 1: .*2 step\(s\) in a row.*optim.max_nonfinite_steps=2"):
       trainer.run()
   assert [h["actor/skipped_frac"] for h in trainer.history] == [1.0, 1.0]
   assert all(h["critic/skipped_frac"] == 0.0 for h in trainer.history)  # The critic still learns.
@@ -56,41 +46,35 @@ def test_non_finite_updates_are_skipped_and_then_stop_the_run(tmp_path):
     np.testing.assert_array_equal(a, b)  # Skipped: the parameters are unchanged (not NaN-poisoned).
 
 
-def test_a_failed_start_leaves_no_empty_run_directory(tmp_path):
-  base = smoke_config(tmp_path)
-  config = dataclasses.replace(base, eval=dataclasses.replace(base.eval, path=str(tmp_path / "missing.jsonl")))
+def test_a_failed_start_leaves_no_empty_run_directory(tmp_path, smoke_config):
   with pytest.raises(UserError, match="missing.jsonl"):
-    Trainer(config, verbose=False)
-  assert not (tmp_path / "fail").exists()
+    Trainer(smoke_config({"eval.path": str(tmp_path / "missing.jsonl")}), verbose=False)
+  assert not (tmp_path / "test").exists()
 
 
-def test_a_second_trainer_on_a_busy_run_directory_is_refused(tmp_path):
-  first = Trainer(smoke_config(tmp_path), verbose=False)
+def test_a_second_trainer_on_a_busy_run_directory_is_refused(smoke_config):
+  first = Trainer(smoke_config(), verbose=False)
   with pytest.raises(runlock.RunLockError, match=r"in use by another run: pid \d+"):
-    Trainer(smoke_config(tmp_path), verbose=False)
+    Trainer(smoke_config(), verbose=False)
   first.close()
-  Trainer(smoke_config(tmp_path), verbose=False).close()  # Released: the next start takes it.
+  Trainer(smoke_config(), verbose=False).close()  # Released: the next start takes it.
 
 
-def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp_path):
-  base = smoke_config(tmp_path)
-  config = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, engine="static",
-                                                                 kv_cache_budget_gib=1e-6))
+def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp_path, smoke_config):
+  config = smoke_config({"rollout.engine": "static", "rollout.kv_cache_budget_gib": 1e-6})
   with pytest.raises(UserError, match=r"KV cache .* over the budget .* rollout\."):
     Trainer(config, verbose=False)
-  assert not (tmp_path / "fail").exists()
+  assert not (tmp_path / "test").exists()
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_supervised_warm_start_from_a_file(tmp_path):
+def test_supervised_warm_start_from_a_file(tmp_path, smoke_config):
   rows = [{"problem": f"{a}+{b}=", "answer": str(a + b), "solution": f"{a}+{b}={a + b}\nAnswer: {a + b}"}
           for a in range(1, 5) for b in range(1, 5)]
   path = tmp_path / "sft.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  base = smoke_config(tmp_path)
-  config = dataclasses.replace(base, rl_steps=0, sft=dataclasses.replace(base.sft, path=str(path), steps=2),
-                               algo=dataclasses.replace(base.algo, value_pretrain_steps=0),
-                               eval=dataclasses.replace(base.eval, path=None))
+  config = smoke_config({"rl_steps": 0, "sft.path": str(path), "sft.steps": 2, "algo.value_pretrain_steps": 0,
+                         "eval.path": None})
   trainer = Trainer(config, write_logs=False, verbose=False)
   trainer.run()
   nll = [h["sft/nll"] for h in trainer.history if h["stage"] == "sft"]

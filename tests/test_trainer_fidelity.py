@@ -3,71 +3,64 @@ trainer's log-probs match the sampler's, values are read before each token, grad
 accumulation is exact in the trainer, value pretraining stops only when asked, and dynamic
 sampling at its cap warns or raises."""
 
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-import experiments
-from vapo_jax import train_step
-from vapo_jax.config import AlgoConfig, LogConfig
-from vapo_jax.experience import DynamicSamplingCapReached
+from vapo_jax.config import AlgoConfig
 from vapo_jax.models.transformer import positions_from_mask
-from vapo_jax.trainer import Trainer, value_pretraining_converged
+from vapo_jax.train import steps
+from vapo_jax.train.experience import DynamicSamplingCapReached
+from vapo_jax.train.trainer import Trainer, value_pretraining_converged
 
 EVEN_FIRST_BYTE = "rewards_for_tests:even_first_byte"  # Learnable from the response: its first token.
 BY_PROMPT = "rewards_for_tests:answer_at_least_five"  # Decided by the prompt: groups never mixed.
 
 
-def config(tmp_path, *, reward_fn, rl_steps=2, **algo):
-  base = experiments.smoke(experiments.get_experiment("tiny"))
-  return dataclasses.replace(
-      base, name="fidelity", run_dir=str(tmp_path), rl_steps=rl_steps,
-      algo=AlgoConfig(**({"value_pretrain_steps": 0, "mini_batch_responses": 16} | algo)),
-      reward=dataclasses.replace(base.reward, reward_fn=reward_fn), eval=dataclasses.replace(base.eval, path=None),
-      sft=dataclasses.replace(base.sft, steps=0))
+def config(smoke_config, reward_fn: str, fields: dict | None = None, **options):
+  """The smoke config without warm start, evaluation or value pretraining, scored by `reward_fn`."""
+  return smoke_config({"reward.reward_fn": reward_fn, "algo.value_pretrain_steps": 0, "sft.steps": 0,
+                       "eval.path": None} | (fields or {}), **options)
 
 
 @pytest.mark.parametrize("case", [
-    dict(steps=3, best=0.9, since=9, log={}, stop=False),  # No patience: never early.
-    dict(steps=3, best=0.9, since=2, log=dict(value_pretrain_patience=2, value_pretrain_min_steps=10), stop=False),
-    dict(steps=10, best=0.3, since=5, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
-    dict(steps=10, best=0.6, since=1, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
-    dict(steps=10, best=0.6, since=2, log=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=True),
+    dict(steps=3, best=0.9, since=9, algo={}, stop=False),  # No patience: never early.
+    dict(steps=3, best=0.9, since=2, algo=dict(value_pretrain_patience=2, value_pretrain_min_steps=10), stop=False),
+    dict(steps=10, best=0.3, since=5, algo=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
+    dict(steps=10, best=0.6, since=1, algo=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=False),
+    dict(steps=10, best=0.6, since=2, algo=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=True),
 ])
 def test_value_pretraining_stops_early_only_when_asked(case):
-  assert value_pretraining_converged(case["steps"], case["best"], case["since"], LogConfig(**case["log"])) == case["stop"]
-  assert LogConfig().value_pretrain_patience is None  # The default runs the paper's fixed number of steps.
+  assert value_pretraining_converged(case["steps"], case["best"], case["since"], AlgoConfig(**case["algo"])) == case["stop"]
+  assert AlgoConfig().value_pretrain_patience is None  # The default runs the paper's fixed number of steps.
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
-def test_the_actor_learns_from_the_policy_gradient_alone(tmp_path):
+def test_the_actor_learns_from_the_policy_gradient_alone(smoke_config):
   # μ = 0: only the clipped policy-gradient term can move the policy. A random one-layer policy is
   # nearly uniform over bytes (chance ≈ 0.2: an even ASCII first byte); group-normalised advantages
   # (no critic to learn first) and a high learning rate make 16 steps enough.
-  base = config(tmp_path, reward_fn=EVEN_FIRST_BYTE, rl_steps=16, estimator="group", positive_nll_coef=0.0,
-                mini_batch_responses=8)
-  trainer = Trainer(dataclasses.replace(base, optim=dataclasses.replace(base.optim, actor_lr=3e-2)),
-                    write_logs=False, verbose=False)
+  trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE, {"rl_steps": 16, "algo.estimator": "group",
+                                                           "algo.positive_nll_coef": 0.0, "algo.mini_batch_responses": 8,
+                                                           "optim.actor_lr": 3e-2}), write_logs=False, verbose=False)
   trainer.run()
   accuracy = [h["rollout/accuracy"] for h in trainer.history if h["stage"] == "rl"]
   assert np.mean(accuracy[-4:]) > max(0.45, np.mean(accuracy[:4]) + 0.15), accuracy
 
 
-def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(tmp_path):
-  trainer = Trainer(config(tmp_path, reward_fn=EVEN_FIRST_BYTE), write_logs=False, verbose=False)
+def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(smoke_config):
+  trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE), write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
-  batch, stats = trainer.experience.score(state, out, rewards, correct)
+  batch, stats = trainer.steps.score(state, out, rewards, correct)
   assert float(stats["rollout/logprob_gap"]) < 1e-4
   # V(s_t) is the critic's output at position prompt_len − 1 + t (the state before response token t).
   critic = nnx.merge(trainer.steps.critic_def, state.critic)
   critic.value_head[...] = jax.random.normal(jax.random.key(1), critic.value_head[...].shape)  # Zero at init.
   tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
   full, _ = critic(tokens, positions_from_mask(attention), attention)
-  values = train_step.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
+  values = steps.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
   prompt_len = tokens.shape[1] - 16
   for t in range(16):
     np.testing.assert_allclose(np.asarray(values)[:, t], np.asarray(full)[:, prompt_len - 1 + t], rtol=1e-6)
@@ -76,27 +69,28 @@ def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_toke
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_micro_batches_in_the_trainer_give_the_whole_mini_batch_parameters(tmp_path, loss_agg):
+def test_micro_batches_in_the_trainer_give_the_whole_mini_batch_parameters(tmp_path, smoke_config, loss_agg):
   params = []
   for micro in (16, 4):  # On 8 devices; actor and critic under AdamW.
-    trainer = Trainer(config(tmp_path / str(micro), reward_fn=EVEN_FIRST_BYTE, rl_steps=1, loss_agg=loss_agg,
-                             micro_batch_responses=micro), write_logs=False, verbose=False)
+    fields = {"rl_steps": 1, "algo.loss_agg": loss_agg, "algo.micro_batch_responses": micro}
+    trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE, fields, run_dir=tmp_path / str(micro)), write_logs=False,
+                      verbose=False)
     trainer.run()
     params.append(jax.tree.map(np.asarray, (trainer.state.actor, trainer.state.critic)))
   for a, b in zip(*(jax.tree.leaves(p) for p in params)):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path):
-  dapo = dict(estimator="group", dynamic_sampling=True, dynamic_sampling_max_rounds=1, positive_nll_coef=0.0)
-  trainer = Trainer(config(tmp_path, reward_fn=BY_PROMPT, **dapo), write_logs=False, verbose=False)
+def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path, smoke_config):
+  trainer = Trainer(config(smoke_config, BY_PROMPT, algorithm="dapo"), write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   with pytest.warns(UserWarning, match=r"found 0 groups with mixed verdicts of the 8 a step needs in 2 rounds"):
     out, _, _, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
   assert stats["rollout/unmixed_groups"] == 8 and stats["rollout/mixed_group_frac"] == 0.0
   assert out.response_tokens.shape[0] == 32
   trainer.close()
-  strict = config(tmp_path / "strict", reward_fn=BY_PROMPT, **dapo, dynamic_sampling_on_cap="raise")
+  strict = config(smoke_config, BY_PROMPT, {"algo.dynamic_sampling_on_cap": "raise"}, algorithm="dapo",
+                  run_dir=tmp_path / "strict")
   trainer = Trainer(strict, write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   with pytest.raises(DynamicSamplingCapReached, match="dynamic_sampling_on_cap=warn"):
@@ -104,13 +98,12 @@ def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path):
   trainer.close()
 
 
-def test_trainer_logprobs_are_of_the_untempered_policy(tmp_path):
-  base = config(tmp_path, reward_fn=EVEN_FIRST_BYTE)
-  trainer = Trainer(dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, temperature=0.5)),
-                    write_logs=False, verbose=False)
+def test_trainer_logprobs_are_of_the_untempered_policy(smoke_config):
+  trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE, {"rollout.temperature": 0.5}), write_logs=False,
+                    verbose=False)
   state, key = trainer.state.split_key()
   out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
-  batch, stats = trainer.experience.score(state, out, rewards, correct)
+  batch, stats = trainer.steps.score(state, out, rewards, correct)
   mask = np.asarray(out.response_mask)
   tempered_gap = np.abs(np.asarray(out.sampler_logprobs) - np.asarray(batch.old_logprobs))[mask].mean()
   assert float(stats["rollout/logprob_gap"]) < 1e-4 < 1e-2 < tempered_gap  # Plain log-softmax, not logits / T.

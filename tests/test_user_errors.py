@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from model_utils import FIXTURES
-from vapo_jax import config, data, preflight, problems, tokenizer as tok_lib
+from vapo_jax import run_config
+from vapo_jax.cli import preflight
+from vapo_jax.data import problems, tokenizer as tok_lib
+from vapo_jax.data.records import Record, load_records
 from vapo_jax.errors import (CheckpointError, ConfigError, DataError, MissingFileError, SetupError, TokenizerError,
                              UserError)
-from vapo_jax.models import checkpoint, safetensors_io, sharding
+from vapo_jax.models import huggingface, safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.paths import DATA_DIR
 
@@ -45,7 +48,7 @@ def test_a_truncated_safetensors_file_names_the_file_and_the_tensor(model_dir):
   with pytest.raises(CheckpointError, match=rf"{weights}: tensor '{name}' needs bytes up to "
                                             rf"{8 + header_len + info['data_offsets'][1]}, but the file has "
                                             rf"{len(raw) - 1000}: it is truncated"):
-    checkpoint.load_causal_lm(str(model_dir))
+    huggingface.load_causal_lm(str(model_dir))
 
 
 def test_a_corrupt_header_length_is_not_a_memory_error(model_dir):
@@ -78,7 +81,7 @@ def test_an_invalid_config_json_names_the_file_and_position(model_dir):
   path = model_dir / "config.json"
   path.write_text(path.read_text()[:-20])
   with pytest.raises(CheckpointError, match=rf"{path}: not valid JSON \(.* at line \d+, column \d+\)"):
-    checkpoint.load_causal_lm(str(model_dir))
+    huggingface.load_causal_lm(str(model_dir))
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -95,11 +98,11 @@ def test_config_json_problems_name_the_file(model_dir, edit, message):
 
 def test_missing_files_and_tensors_are_named(model_dir, tmp_path):
   with pytest.raises(MissingFileError, match="checkpoint directory '/no/such/dir' does not exist"):
-    checkpoint.load_causal_lm("/no/such/dir")
+    huggingface.load_causal_lm("/no/such/dir")
   index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
   (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(MissingFileError, match=r"names 'model-00001-of-00002.safetensors', which is not in"):
-    checkpoint.load_causal_lm(str(model_dir))
+    huggingface.load_causal_lm(str(model_dir))
   file = safetensors_io.SafetensorsFile(str(model_dir / "model.safetensors"))
   tensors = {name: np.array(file.get(name)) for name in file.keys()}
   del file
@@ -107,12 +110,12 @@ def test_missing_files_and_tensors_are_named(model_dir, tmp_path):
   (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
   safetensors_io.write(str(model_dir / "model.safetensors"), [(k, v) for k, v in tensors.items() if k != "model.norm.weight"])
   with pytest.raises(CheckpointError, match=r"model.safetensors: no tensor 'model.norm.weight' in this file"):
-    checkpoint.load_causal_lm(str(model_dir))
+    huggingface.load_causal_lm(str(model_dir))
 
 
 def test_unknown_model_preset_names_the_setting():
   with pytest.raises(ConfigError, match=r"ModelConfig.preset must be one of tiny, .*qwen2.5-32b, got 'qwen3-8b'"):
-    config.ModelConfig(preset="qwen3-8b")
+    run_config.ModelConfig(preset="qwen3-8b")
   with pytest.raises(ConfigError, match=r"unknown model preset 'qwen3-8b' \(model.preset\)"):
     preset("qwen3-8b")
 
@@ -146,17 +149,17 @@ def test_non_utf8_lines_are_named_and_skipped_when_asked(tmp_path):
   path.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n'
                    b'{"problem": "b", "answer": "3"}\n')
   with pytest.raises(DataError, match=rf"{path}, line 2, field \(line\): not UTF-8 text \(byte 0xe9 at column 17\)"):
-    data.load_records(str(path))
+    load_records(str(path))
   with pytest.warns(UserWarning, match=r"skipped 1 bad lines of 3; first: .*line 2.*not UTF-8"):
-    records = data.load_records(str(path), skip_bad_rows=True)
+    records = load_records(str(path), skip_bad_rows=True)
   assert [r.answer for r in records] == ["1", "3"]
   as_json = tmp_path / "latin1.json"
   as_json.write_bytes(b'[{"problem": "a", "answer": "1"},\n {"problem": "caf\xe9", "answer": "2"}]')
   with pytest.raises(DataError, match=rf"{as_json}, line 2: not UTF-8 text \(byte 0xe9 at column 18\)"):
-    data.load_records(str(as_json))
+    load_records(str(as_json))
   bom = tmp_path / "bom.jsonl"
   bom.write_bytes(b'\xef\xbb\xbf{"problem": "a", "answer": "1"}\n')
-  assert data.load_records(str(bom))[0].prompt == "a"
+  assert load_records(str(bom))[0].prompt == "a"
 
 
 def test_solutions_are_kept_for_supervised_warm_start(tmp_path):
@@ -167,18 +170,18 @@ def test_solutions_are_kept_for_supervised_warm_start(tmp_path):
           {"problem": "3+3?", "answer": "6", "solution": "  "},
           {"problem": "4+4?", "answer": "8"}]
   path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-  records = data.load_records(str(path))
+  records = load_records(str(path))
   assert [r.solution for r in records] == ["1+1=2. Answer: 2", "2+2=4. Answer: 4", None, None]
   assert records[0][:4] == ("1+1?", "2", "1", f"{tmp_path.name}/sft")
   path.write_text(json.dumps({"problem": "1+1?", "answer": "2", "solution": ["1", "+"]}) + "\n")
   with pytest.raises(DataError, match=r"line 1, field 'solution': expected a string solution, got list"):
-    data.load_records(str(path))
-  math500 = data.load_records(str(DATA_DIR / "math500/test.jsonl"))
+    load_records(str(path))
+  math500 = load_records(str(DATA_DIR / "math500/test.jsonl"))
   assert all(r.solution and "boxed" in r.solution for r in math500)
 
 
 def _rows(lengths):
-  return [data.Record("x" * n, "1", f"id{i}", "s") for i, n in enumerate(lengths)]
+  return [Record("x" * n, "1", f"id{i}", "s") for i, n in enumerate(lengths)]
 
 
 def test_over_long_prompts_are_found_at_load_time():
@@ -203,7 +206,7 @@ def test_over_long_prompts_are_found_at_load_time():
 def test_prompt_length_check_counts_tokens_as_the_rollout_does():
   """Qwen2.5's chat template and BPE: the kept rows are exactly those a per-row encoding keeps."""
   tokenizer = tok_lib.load(str(QWEN_TOKENIZER))
-  records = data.load_records(str(DATA_DIR / "math500/test.jsonl"))[:200]
+  records = load_records(str(DATA_DIR / "math500/test.jsonl"))[:200]
   exact = [len(tokenizer.encode(problems.format_prompt(r.prompt, template="dapo", tokenizer=tokenizer.tokenizer)))
            for r in records]
   limit = int(np.median(exact))
@@ -220,8 +223,8 @@ def test_eval_max_problems_must_be_positive():
   """-1 used to drop the last problem silently (`rows[:-1]`)."""
   for value in (-1, 0):
     with pytest.raises(ConfigError, match=rf"EvalConfig.max_problems must be an integer >= 1, got {value}"):
-      config.EvalConfig(max_problems=value)
-  assert config.EvalConfig(max_problems=None).max_problems is None and config.EvalConfig(max_problems=3).max_problems == 3
+      run_config.EvalConfig(max_problems=value)
+  assert run_config.EvalConfig(max_problems=None).max_problems is None and run_config.EvalConfig(max_problems=3).max_problems == 3
 
 
 # ------------------------------------------------------------------------------------- machine
@@ -236,7 +239,7 @@ def test_a_mesh_needing_more_devices_names_the_settings():
 @pytest.mark.parametrize("platforms", ["tpu", "nosuchplatform"])
 def test_an_absent_jax_backend_names_jax_platforms(platforms):
   env = dict(os.environ, JAX_PLATFORMS=platforms)
-  script = ("from vapo_jax import preflight\ntry:\n  preflight.check_backend()\n"
+  script = ("from vapo_jax.cli import preflight\ntry:\n  preflight.check_backend()\n"
             "except Exception as e:\n  print(type(e).__name__, e)")
   out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120).stdout
   assert out.startswith(f"SetupError JAX cannot start the platform(s) JAX_PLATFORMS='{platforms}': ")

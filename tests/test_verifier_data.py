@@ -8,10 +8,10 @@ the two answers are the same. Run with `-s` to see the agreement table.
 
 import pytest
 
-from vapo_jax import data
-from vapo_jax.evaluate import answer_key
+from vapo_jax.data.records import load_records
 from vapo_jax.paths import DATA_DIR as DATA
 from vapo_jax.rewards import reward
+from vapo_jax.rewards.accuracy import answer_key
 from vapo_jax.rewards.pool import VerifierPool
 
 DATASETS = {
@@ -37,7 +37,7 @@ def agreement():
   """Per dataset: (accepted gold responses, gold responses, rejected wrong, wrong, failures)."""
   tasks, meta = [], []
   for name, path in DATASETS.items():
-    records = data.load_records(str(DATA / path), dedup=False)
+    records = load_records(str(DATA / path), dedup=False)
     for i, record in enumerate(records):
       for form in ("boxed", "answer_line"):
         tasks.append((_response(record.prompt, record.answer, form), record.answer))

@@ -1,9 +1,12 @@
 """Configuration dataclasses: every setting of a run, declared once.
 
 All configs are frozen, keyword-only dataclasses. Invalid values are rejected at construction
-with a message naming the field and its valid range; derived values are properties. Each VAPO
-technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the
-section of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
+with a message naming the field and its valid range; derived values are properties. An
+`ExperimentConfig` is the whole run: the algorithm and what it samples and learns from are here
+(`AlgoConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's
+surroundings (model, mesh, data, evaluation, checkpoints, logs) in `run_config.py`. Each VAPO
+technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the section
+of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 
   1. value pretraining (§4.1)        `value_pretrain_steps` (0 disables)
   2. decoupled GAE (§4.1)            `decoupled_gae` (critic targets use `lam_critic`, else λ_actor)
@@ -14,47 +17,31 @@ section of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
   7. group sampling (§4.3)           `RolloutConfig.samples_per_prompt` (1 disables)
 """
 
-import dataclasses
+import os
 from typing import Literal
 
-from vapo_jax.errors import ConfigError  # noqa: F401 (re-exported: `config.ConfigError`)
-from vapo_jax.kinds import KLEstimator, LossAggregation
-from vapo_jax.models.config import PRESETS as MODEL_PRESETS
-from vapo_jax.rewards.extract import AnswerForm
-
-frozen = dataclasses.dataclass(frozen=True, kw_only=True)
-
-
-def _require(ok: bool, owner: object, field: str, message: str, value: object) -> None:
-  if not ok:
-    raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}")
-
-
-def _in_range(owner, field: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> None:
-  value = getattr(owner, field)
-  above = value > lo if lo_open else value >= lo
-  below = value < hi if hi_open else value <= hi
-  interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-  _require(above and below, owner, field, f"must be in {interval}", value)
-
-
-def _positive_int(owner, field: str, *, allow_zero: bool = False) -> None:
-  value = getattr(owner, field)
-  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-  _require(ok, owner, field, "must be an integer " + (">= 0" if allow_zero else ">= 1"), value)
+from vapo_jax.checks import frozen, in_range, positive_int, require
+from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine
+from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
 
 
 @frozen
 class AlgoConfig:
   """The RL algorithm: advantage estimation, losses and update schedule. Defaults are VAPO's."""
 
-  estimator: Literal["gae", "group"] = "gae"  # "gae": critic + GAE (PPO, VAPO); "group": GRPO/DAPO.
+  estimator: Estimator = "gae"  # "gae": critic + GAE (PPO, VAPO); "group": GRPO/DAPO.
   gamma: float = 1.0  # Discount γ per response token.
   lam_actor: float = 0.95  # Actor λ when `length_adaptive_alpha` is None.
   lam_critic: float = 1.0  # Critic λ for value targets when `decoupled_gae` (VAPO: 1.0).
   decoupled_gae: bool = True  # Technique 2: critic targets with λ_critic; False uses λ_actor.
   length_adaptive_alpha: float | None = 0.05  # Technique 3: λ_actor = 1 − 1/(α·l); None: fixed.
   value_pretrain_steps: int = 50  # Technique 1: critic-only steps on λ=1 returns before RL.
+  # Value pretraining runs all `value_pretrain_steps` steps (the paper: 50) unless early stopping is
+  # asked for: then it stops once `value_pretrain_min_steps` are done, the explained variance has
+  # reached `value_pretrain_min_ev` and has not risen by 0.01 for `value_pretrain_patience` steps.
+  value_pretrain_patience: int | None = None  # None: no early stopping.
+  value_pretrain_min_steps: int = 10  # Early stopping never before this many steps.
+  value_pretrain_min_ev: float = 0.5  # Early stopping never below this explained variance.
   eps_low: float = 0.2  # Lower PPO clip: ratio ≥ 1 − eps_low.
   eps_high: float = 0.28  # Technique 4 (clip-higher): ratio ≤ 1 + eps_high.
   dual_clip: float | None = None  # Dual-clip constant c > 1 for negative advantages; None: off.
@@ -78,34 +65,38 @@ class AlgoConfig:
   micro_batch_responses: int | None = None  # Gradient-accumulation chunk; None: whole mini-batch.
 
   def __post_init__(self):
-    _in_range(self, "gamma", 0.0, 1.0)
-    _in_range(self, "lam_actor", 0.0, 1.0)
-    _in_range(self, "lam_critic", 0.0, 1.0)
+    in_range(self, "gamma", 0.0, 1.0)
+    in_range(self, "lam_actor", 0.0, 1.0)
+    in_range(self, "lam_critic", 0.0, 1.0)
     if self.length_adaptive_alpha is not None:
-      _require(self.length_adaptive_alpha > 0, self, "length_adaptive_alpha", "must be > 0 or None",
+      require(self.length_adaptive_alpha > 0, self, "length_adaptive_alpha", "must be > 0 or None",
                self.length_adaptive_alpha)
-    _positive_int(self, "value_pretrain_steps", allow_zero=True)
-    _in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
-    _in_range(self, "eps_high", 0.0, 10.0)
+    positive_int(self, "value_pretrain_steps", allow_zero=True)
+    if self.value_pretrain_patience is not None:
+      positive_int(self, "value_pretrain_patience")
+    positive_int(self, "value_pretrain_min_steps", allow_zero=True)
+    in_range(self, "value_pretrain_min_ev", -1e9, 1.0)
+    in_range(self, "eps_low", 0.0, 1.0, hi_open=True)
+    in_range(self, "eps_high", 0.0, 10.0)
     if self.dual_clip is not None:
-      _require(self.dual_clip > 1, self, "dual_clip", "must be > 1 or None", self.dual_clip)
-    _in_range(self, "positive_nll_coef", 0.0, 100.0)
+      require(self.dual_clip > 1, self, "dual_clip", "must be > 1 or None", self.dual_clip)
+    in_range(self, "positive_nll_coef", 0.0, 100.0)
     if self.value_clip is not None:
-      _require(self.value_clip > 0, self, "value_clip", "must be > 0 or None", self.value_clip)
-    _positive_int(self, "dynamic_sampling_max_rounds", allow_zero=True)
-    _positive_int(self, "overlong_buffer_tokens", allow_zero=True)
-    _in_range(self, "overlong_penalty_factor", 0.0, 100.0)
-    _in_range(self, "kl_coef", 0.0, 100.0)
-    _in_range(self, "entropy_coef", 0.0, 100.0)
-    _positive_int(self, "ppo_epochs")
-    _positive_int(self, "mini_batch_responses")
+      require(self.value_clip > 0, self, "value_clip", "must be > 0 or None", self.value_clip)
+    positive_int(self, "dynamic_sampling_max_rounds", allow_zero=True)
+    positive_int(self, "overlong_buffer_tokens", allow_zero=True)
+    in_range(self, "overlong_penalty_factor", 0.0, 100.0)
+    in_range(self, "kl_coef", 0.0, 100.0)
+    in_range(self, "entropy_coef", 0.0, 100.0)
+    positive_int(self, "ppo_epochs")
+    positive_int(self, "mini_batch_responses")
     if self.micro_batch_responses is not None:
-      _positive_int(self, "micro_batch_responses")
-      _require(self.mini_batch_responses % self.micro_batch_responses == 0, self,
+      positive_int(self, "micro_batch_responses")
+      require(self.mini_batch_responses % self.micro_batch_responses == 0, self,
                "micro_batch_responses", f"must divide mini_batch_responses={self.mini_batch_responses}",
                self.micro_batch_responses)
     if self.estimator == "group":
-      _require(self.value_pretrain_steps == 0, self, "value_pretrain_steps",
+      require(self.value_pretrain_steps == 0, self, "value_pretrain_steps",
                "must be 0 with estimator='group' (there is no critic to pretrain)",
                self.value_pretrain_steps)
 
@@ -130,17 +121,20 @@ class OptimizerConfig:
   b2: float = 0.999  # Adam β2.
   eps: float = 1e-8  # Adam ε.
   max_grad_norm: float | None = 1.0  # Global-norm gradient clipping; None: off.
+  # A non-finite loss or gradient skips its update; this many RL steps in a row with skipped updates stop the run.
+  max_nonfinite_steps: int = 3
 
   def __post_init__(self):
-    _in_range(self, "actor_lr", 0.0, 1.0, lo_open=True)
-    _in_range(self, "critic_lr", 0.0, 1.0, lo_open=True)
-    _positive_int(self, "warmup_updates", allow_zero=True)
-    _in_range(self, "weight_decay", 0.0, 1.0)
-    _in_range(self, "b1", 0.0, 1.0, hi_open=True)
-    _in_range(self, "b2", 0.0, 1.0, hi_open=True)
-    _in_range(self, "eps", 0.0, 1.0, lo_open=True)
+    in_range(self, "actor_lr", 0.0, 1.0, lo_open=True)
+    in_range(self, "critic_lr", 0.0, 1.0, lo_open=True)
+    positive_int(self, "warmup_updates", allow_zero=True)
+    in_range(self, "weight_decay", 0.0, 1.0)
+    in_range(self, "b1", 0.0, 1.0, hi_open=True)
+    in_range(self, "b2", 0.0, 1.0, hi_open=True)
+    in_range(self, "eps", 0.0, 1.0, lo_open=True)
     if self.max_grad_norm is not None:
-      _require(self.max_grad_norm > 0, self, "max_grad_norm", "must be > 0 or None", self.max_grad_norm)
+      require(self.max_grad_norm > 0, self, "max_grad_norm", "must be > 0 or None", self.max_grad_norm)
+    positive_int(self, "max_nonfinite_steps")
 
 
 @frozen
@@ -162,7 +156,7 @@ class RolloutConfig:
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
   # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
   # batching); "static": one batch per round that runs until its longest response ends. Same tokens.
-  engine: Literal["static", "refill"] = "refill"
+  engine: RolloutEngine = "refill"
   slots: int | None = None  # refill: decode slots (rows); None: as many as kv_cache_budget_gib holds.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
   # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
@@ -172,23 +166,22 @@ class RolloutConfig:
   decode_block: int | None = None
 
   def __post_init__(self):
-    _positive_int(self, "prompts_per_step")
+    positive_int(self, "prompts_per_step")
     if self.prompts_per_generation is not None:
-      _positive_int(self, "prompts_per_generation")
-      _require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
+      positive_int(self, "prompts_per_generation")
+      require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
                f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
-    _require(self.engine in ("static", "refill"), self, "engine", "must be 'static' or 'refill'", self.engine)
     if self.slots is not None:
-      _positive_int(self, "slots")
-    _positive_int(self, "decode_steps_per_call")
+      positive_int(self, "slots")
+    positive_int(self, "decode_steps_per_call")
     if self.decode_block is not None:
-      _positive_int(self, "decode_block", allow_zero=True)
-    _positive_int(self, "samples_per_prompt")
-    _positive_int(self, "max_prompt_tokens")
-    _positive_int(self, "max_response_tokens")
-    _in_range(self, "temperature", 0.0, 100.0)
-    _in_range(self, "top_p", 0.0, 1.0, lo_open=True)
-    _positive_int(self, "top_k", allow_zero=True)
+      positive_int(self, "decode_block", allow_zero=True)
+    positive_int(self, "samples_per_prompt")
+    positive_int(self, "max_prompt_tokens")
+    positive_int(self, "max_response_tokens")
+    in_range(self, "temperature", 0.0, 100.0)
+    in_range(self, "top_p", 0.0, 1.0, lo_open=True)
+    positive_int(self, "top_k", allow_zero=True)
 
   @property
   def responses_per_step(self) -> int:
@@ -210,57 +203,17 @@ class RewardConfig:
   max_error_frac: float = 0.5  # Warn when more of a batch's responses fail to score; all failing stops the run.
 
   def __post_init__(self):
-    _require(len(self.answer_forms) > 0, self, "answer_forms", "must name at least one form",
+    require(len(self.answer_forms) > 0, self, "answer_forms", "must name at least one form",
              self.answer_forms)
-    _in_range(self, "format_penalty", -100.0, 0.0)
-    _positive_int(self, "verifier_workers", allow_zero=True)
-    _in_range(self, "verifier_timeout_s", 0.0, 3600.0, lo_open=True)
-    _in_range(self, "max_error_frac", 0.0, 1.0)
+    in_range(self, "format_penalty", -100.0, 0.0)
+    positive_int(self, "verifier_workers", allow_zero=True)
+    in_range(self, "verifier_timeout_s", 0.0, 3600.0, lo_open=True)
+    in_range(self, "max_error_frac", 0.0, 1.0)
     if self.reward_fn is not None:
-      _require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",
+      require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",
                self.reward_fn)
-    _require(self.correct > self.incorrect, self, "correct", f"must exceed incorrect={self.incorrect}",
+    require(self.correct > self.incorrect, self, "correct", f"must exceed incorrect={self.incorrect}",
              self.correct)
-
-
-@frozen
-class DataConfig:
-  """Training prompts."""
-
-  train_path: str | None = None  # jsonl / json / parquet file, or "hf:NAME[:CONFIG]" / a dataset dir.
-  schema: Literal["auto", "verl", "problem_answer", "gsm8k", "question_answer", "svs"] = "auto"  # Row layout.
-  prompt_field: str | None = None  # Dotted path of the problem text (e.g. "prompt.0.content").
-  answer_field: str | None = None  # Dotted path of the reference answer.
-  id_field: str | None = None  # Dotted path of the row id (default: the row number).
-  split: str = "train"  # Hugging Face datasets split.
-  template: Literal["raw", "boxed", "dapo"] = "dapo"  # Instruction wrapped around each problem.
-  chat_template: bool = True  # Wrap the prompt in the tokenizer's chat template.
-  dedup: bool = True  # Drop repeated problems (conflicting answers are reported).
-  seed: int = 0  # Shuffling seed.
-  skip_bad_rows: bool = False  # Warn and skip malformed rows instead of failing.
-
-  def __post_init__(self):
-    _positive_int(self, "seed", allow_zero=True)
-
-
-@frozen
-class EvalConfig:
-  """Held-out evaluation (the paper: AIME 2024 avg@32 at temperature 1.0, top-p 0.7)."""
-
-  path: str | None = None  # Evaluation problems; None: no evaluation.
-  max_problems: int | None = None  # Evaluate on the first N problems only (None: all).
-  samples_per_problem: int = 32  # k of avg@k.
-  temperature: float = 1.0  # Sampling temperature.
-  top_p: float = 0.7  # Nucleus sampling mass.
-  every_steps: int = 50  # Evaluate every this many RL steps (0: only at the end).
-
-  def __post_init__(self):
-    if self.max_problems is not None:
-      _positive_int(self, "max_problems")
-    _positive_int(self, "samples_per_problem")
-    _in_range(self, "temperature", 0.0, 100.0)
-    _in_range(self, "top_p", 0.0, 1.0, lo_open=True)
-    _positive_int(self, "every_steps", allow_zero=True)
 
 
 @frozen
@@ -273,105 +226,9 @@ class SFTConfig:
   lr: float = 1e-5  # Peak learning rate (AdamW, same warm-up as RL).
 
   def __post_init__(self):
-    _positive_int(self, "steps", allow_zero=True)
-    _positive_int(self, "batch_size")
-    _in_range(self, "lr", 0.0, 1.0, lo_open=True)
-
-
-@frozen
-class LogConfig:
-  """What a run reports, and when it warns."""
-
-  collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
-  collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
-  # Value pretraining runs all `algo.value_pretrain_steps` steps (the paper: 50) unless early
-  # stopping is asked for: then it stops once at least `value_pretrain_min_steps` steps are done,
-  # the explained variance has reached `value_pretrain_min_ev` and has not risen by 0.01 for
-  # `value_pretrain_patience` steps.
-  value_pretrain_patience: int | None = None  # None: no early stopping.
-  value_pretrain_min_steps: int = 10  # Early stopping never before this many steps.
-  value_pretrain_min_ev: float = 0.5  # Early stopping never below this explained variance.
-  max_nonfinite_steps: int = 3  # Stop the run after this many steps in a row with skipped (non-finite) updates.
-  wandb: bool = False  # Also log to Weights & Biases (`pip install -e ".[wandb]"`).
-  wandb_project: str = "vapo_jax"  # W&B project.
-  wandb_entity: str | None = None  # W&B entity (team or user); None: the account's default.
-  # "auto": online when an API key is found (WANDB_API_KEY or `wandb login`), else offline into
-  # <run_dir>/wandb (upload later with `wandb sync`). The WANDB_MODE variable, when set, wins.
-  wandb_mode: Literal["auto", "online", "offline"] = "auto"
-
-  def __post_init__(self):
-    _in_range(self, "collapse_length_frac", 0.0, 1.0)
-    _in_range(self, "collapse_entropy", 0.0, 100.0)
-    if self.value_pretrain_patience is not None:
-      _positive_int(self, "value_pretrain_patience")
-    _positive_int(self, "value_pretrain_min_steps", allow_zero=True)
-    _in_range(self, "value_pretrain_min_ev", -1e9, 1.0)
-    _positive_int(self, "max_nonfinite_steps")
-    _require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
-
-
-@frozen
-class ModelConfig:
-  """Policy and critic networks."""
-
-  checkpoint: str | None = None  # Hugging Face checkpoint directory of the initial policy.
-  # The critic's own checkpoint: a value model, or a reward model (a one-output `score` head) as the
-  # paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
-  critic_checkpoint: str | None = None
-  preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
-  dtype: Literal["float32", "bfloat16"] = "bfloat16"  # Compute dtype.
-  param_dtype: Literal["float32", "bfloat16"] = "float32"  # Parameter storage dtype.
-  remat: bool = True  # Rematerialise each layer's activations in the backward pass.
-  # Attention kernel (models/attention.py): "auto" = splash on TPU, cudnn on GPU in bf16, else chunked.
-  attention: Literal["auto", "chunked", "cudnn", "splash", "reference"] = "auto"
-  tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
-  random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
-  init_seed: int = 0  # Seed of the random initialisation.
-  # Log-probs, entropy and SFT hold at most B·logits_chunk·V float32 logits at once (models/logprobs.py).
-  logits_chunk: int = 512
-
-  def __post_init__(self):
-    _require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
-             self.preset)
-    _positive_int(self, "logits_chunk")
-
-
-@frozen
-class MeshConfig:
-  """Device mesh (data, fsdp, tensor) and the sharding preset mapping logical axes onto it."""
-
-  preset: Literal["dp", "fsdp", "fsdp_tp"] = "fsdp"  # Logical-axis → mesh-axis rules.
-  data: int = -1  # Data-parallel size; -1 fills the devices left over.
-  fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
-  tensor: int = 1  # Tensor-parallel size.
-  device_memory_gib: float | None = None  # Memory per device for the plan; None: the device's own report.
-  check_memory: bool = True  # Refuse (before compiling) a configuration whose plan exceeds the memory.
-
-  def __post_init__(self):
-    if self.device_memory_gib is not None:
-      _in_range(self, "device_memory_gib", 0.0, 1e6, lo_open=True)
-    for name in ("data", "fsdp", "tensor"):
-      value = getattr(self, name)
-      _require(isinstance(value, int) and (value >= 1 or value == -1), self, name,
-               "must be a positive integer or -1 (fill)", value)
-    _require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
-             "allows at most one axis of -1", (self.data, self.fsdp, self.tensor))
-
-
-@frozen
-class CheckpointConfig:
-  """Orbax checkpoints of the whole training state, automatic resume and preemption."""
-
-  every_steps: int = 50  # Save after every this many steps of a stage (and at each stage's end); 0: never.
-  keep: int = 3  # Keep the last this many checkpoints.
-  async_save: bool = True  # Write in the background (arrays are copied to host first).
-  resume: bool = True  # Resume from the newest complete checkpoint of the run directory.
-  allow_config_change: bool = False  # Resume even when the resolved config differs (the fields are listed).
-  export_final: bool = True  # Write the final policy as a Hugging Face directory (`<run>/export`).
-
-  def __post_init__(self):
-    _positive_int(self, "every_steps", allow_zero=True)
-    _positive_int(self, "keep")
+    positive_int(self, "steps", allow_zero=True)
+    positive_int(self, "batch_size")
+    in_range(self, "lr", 0.0, 1.0, lo_open=True)
 
 
 @frozen
@@ -395,22 +252,27 @@ class ExperimentConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()
 
   def __post_init__(self):
-    _require(bool(self.name), self, "name", "must be non-empty", self.name)
-    _positive_int(self, "seed", allow_zero=True)
-    _positive_int(self, "rl_steps", allow_zero=True)
+    require(bool(self.name), self, "name", "must be non-empty", self.name)
+    positive_int(self, "seed", allow_zero=True)
+    positive_int(self, "rl_steps", allow_zero=True)
     responses = self.rollout.responses_per_step
-    _require(responses % self.algo.mini_batch_responses == 0, self, "algo.mini_batch_responses",
+    require(responses % self.algo.mini_batch_responses == 0, self, "algo.mini_batch_responses",
              f"must divide the responses per step ({self.rollout.prompts_per_step} prompts × "
              f"{self.rollout.samples_per_prompt} samples = {responses})", self.algo.mini_batch_responses)
     if self.algo.estimator == "group":
-      _require(self.rollout.samples_per_prompt > 1, self, "rollout.samples_per_prompt",
+      require(self.rollout.samples_per_prompt > 1, self, "rollout.samples_per_prompt",
                "must be > 1 with algo.estimator='group' (advantages are relative to the group)",
                self.rollout.samples_per_prompt)
     if self.algo.overlong_buffer_tokens:
-      _require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
+      require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
                "algo.overlong_buffer_tokens",
                f"must be below rollout.max_response_tokens={self.rollout.max_response_tokens}",
                self.algo.overlong_buffer_tokens)
+
+  @property
+  def run_directory(self) -> str:
+    """`<run_dir>/<name>`, absolute: the same run however the directory is spelled."""
+    return os.path.abspath(os.path.join(self.run_dir, self.name))
 
   @property
   def updates_per_step(self) -> int:

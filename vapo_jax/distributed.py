@@ -13,7 +13,7 @@ means asking the metadata server. Without any of these, a run is single-process 
 `initialize()` does nothing.
 
 Every process must make the same calls in the same order with the same host values: collectives
-(`to_host` of a sharded array, `sync`, `broadcast_from_main`, Orbax saves) are rendezvous points,
+(`to_host` of a sharded array, `gather_rows`, `any_process`, Orbax saves) are rendezvous points,
 and a process that skips one leaves the others waiting until a time-out.
 """
 
@@ -86,16 +86,6 @@ def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeo
   return True
 
 
-def process_index() -> int:
-  """This process's index (0 in a single-process run)."""
-  return jax.process_index()
-
-
-def process_count() -> int:
-  """How many processes take part (1 in a single-process run)."""
-  return jax.process_count()
-
-
 def is_main_process() -> bool:
   """Whether this process is the one that writes logs, metrics and exported files."""
   return jax.process_index() == 0
@@ -105,7 +95,7 @@ def global_array(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """A global array placed by `sharding` from a host array that is the same on every process.
 
   Each process copies only the blocks its own devices hold; nothing checks that the processes
-  agree (`check_same` does, at the cost of a collective). A declared host-to-device transfer:
+  agree. A declared host-to-device transfer:
   allowed under `jax.transfer_guard("disallow")`, which catches every undeclared one.
   """
   x = np.asarray(x)
@@ -151,7 +141,7 @@ def local_share(n_items: int, sharding: NamedSharding | None = None) -> slice:
   """The rows of a batch of `n_items` that this process's devices hold, as one slice.
 
   With `sharding` (the batch's sharding; only its first dimension matters), the rows are read
-  from where it places them. Without, the batch is split into `process_count()` equal
+  from where it places them. Without, the batch is split into `jax.process_count()` equal
   contiguous parts in process order, which is what a batch sharded over the data-like axes of a
   mesh built from `jax.devices()` in order does (`sharding.make_mesh`): every process's devices
   come after the previous process's. A process holding replicated rows shares them with others.
@@ -185,30 +175,11 @@ def global_array_from_share(local: np.ndarray, sharding: NamedSharding, n_items:
     return jax.make_array_from_process_local_data(sharding, local, (n_items, *local.shape[1:]))
 
 
-def broadcast_from_main(tree: Any) -> Any:
-  """Process 0's values of a pytree of arrays and scalars, on every process (same shapes everywhere)."""
-  if jax.process_count() == 1:
-    return tree
-  return multihost_utils.broadcast_one_to_all(tree)
-
-
-def sync(name: str) -> None:
-  """Waits until every process reaches `sync(name)` (for example before reading a file process 0 wrote)."""
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(name)
-
-
 def any_process(flag: bool) -> bool:
   """Whether `flag` is true on any process (a collective), e.g. "a process got SIGTERM"."""
   if jax.process_count() == 1:
     return bool(flag)
   return bool(np.any(multihost_utils.process_allgather(np.asarray(bool(flag)))))
-
-
-def check_same(tree: Any, what: str) -> None:
-  """Raises if the processes hold different values of `tree` (a debugging aid; a collective)."""
-  if jax.process_count() > 1:
-    multihost_utils.assert_equal(tree, f"{what} differs between processes")
 
 
 def _exit_at_once_on_error():

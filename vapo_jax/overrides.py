@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from vapo_jax.config import ConfigError
+from vapo_jax.errors import ConfigError
 
 _NONE = ("none", "null")
 _TRUE = ("true", "1", "yes")
@@ -73,15 +73,13 @@ def _replace(config: Any, changes: dict[str, Any]) -> Any:
   return dataclasses.replace(config, **flat, **nested)
 
 
-def apply_overrides(config: Any, overrides: list[str]) -> Any:
-  """Returns `config` with each `path=value` (a leading `--` is allowed) applied; later wins."""
+def replace_fields(config: Any, values: dict[str, Any]) -> Any:
+  """`config` with each dotted `field.path` set to its (typed) value, checked as a whole: the one
+  override syntax, shared by the command line (`apply_overrides`) and the code (the memory plan's
+  alternatives). An unknown path is a `ConfigError` naming it."""
   known = field_paths(config)
   changes: dict[str, Any] = {}
-  for item in overrides:
-    key, sep, text = item.removeprefix("--").partition("=")
-    key = key.replace("-", "_")
-    if not sep:
-      raise ConfigError(f"override {item!r} is not of the form field.path=value")
+  for key, value in values.items():
     if key not in known:
       close = difflib.get_close_matches(key, known, n=3)
       hint = f" (did you mean {', '.join(close)}?)" if close else ""
@@ -90,5 +88,18 @@ def apply_overrides(config: Any, overrides: list[str]) -> Any:
     node = changes
     for parent in parents:
       node = node.setdefault(parent, {})
-    node[leaf] = _parse(text, known[key][0], key)
+    node[leaf] = value
   return _replace(config, changes) if changes else config
+
+
+def apply_overrides(config: Any, overrides: list[str]) -> Any:
+  """Returns `config` with each `path=value` (a leading `--` is allowed) applied; later wins."""
+  known = field_paths(config)
+  values: dict[str, Any] = {}
+  for item in overrides:
+    key, sep, text = item.removeprefix("--").partition("=")
+    key = key.replace("-", "_")
+    if not sep:
+      raise ConfigError(f"override {item!r} is not of the form field.path=value")
+    values[key] = _parse(text, known[key][0], key) if key in known else text
+  return replace_fields(config, values)

@@ -30,16 +30,16 @@ offset from the keys) always run `chunked`. When a kernel rejects a call, `auto`
 
 import functools
 import warnings
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vapo_jax.errors import ConfigError  # Also `vapo_jax.config.ConfigError`.
+from vapo_jax import kinds
+from vapo_jax.errors import ConfigError
+from vapo_jax.kinds import Attention
 
-Implementation = Literal["auto", "chunked", "cudnn", "splash", "reference"]
-IMPLEMENTATIONS = ("auto", "chunked", "cudnn", "splash", "reference")
 BLOCK_Q = 256  # Default query block of `chunked` (tokens).
 BLOCK_K = 256  # Default key/value block of `chunked` (tokens).
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -47,7 +47,7 @@ _WARNED: set[str] = set()
 
 
 def attend(q, k, v, *, key_start, key_end, query_offset=0, causal: bool = True,
-           impl: Implementation = "auto", platform: str | None = None, **chunked_options) -> jax.Array:
+           impl: Attention = "auto", platform: str | None = None, **chunked_options) -> jax.Array:
   """Attention of q `[B, T, N, H]` over k, v `[B, S, K, H]` → `[B, T, N, H]` (see the module doc).
 
   key_start, key_end: `[B]` int, each row's real key slots [start, end). query_offset: slot of
@@ -94,7 +94,7 @@ def select(impl: str, dtype, platform: str | None = None) -> str:
                         "use 'auto' or 'chunked'")
     case "chunked" | "reference" | "cudnn" | "splash":
       return impl
-  raise ConfigError(f"model.attention must be one of {IMPLEMENTATIONS}, got {impl!r}")
+  raise ConfigError(f"model.attention must be one of {kinds.names(Attention)}, got {impl!r}")
 
 
 def key_ranges(key_mask: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from vapo_jax import kinds
 from vapo_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -34,6 +35,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "mlp": "tensor", "vocab": "tensor", "act_heads": "tensor", "act_kv_heads": "tensor",
                 "act_mlp": "tensor", "act_vocab": "tensor"},
 }
+
+kinds.check_table(kinds.MeshPreset, PRESETS, "models/sharding.py PRESETS")
 
 _CONTEXT: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvars.ContextVar(
     "vapo_jax_sharding", default=None)
@@ -126,16 +129,6 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[st
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
   state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
-
-
-def shard_module(module: nnx.Module, mesh: Mesh, rules: dict[str, Any]) -> nnx.Module:
-  """Places an existing module's parameters by their logical axes (a copy, for tests and loading)."""
-  graphdef, state = nnx.split(module)
-  specs = state_partition_specs(state, rules, mesh)
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), NamedSharding(mesh, s))),
-                       state, specs, is_leaf=is_variable)
   return nnx.merge(graphdef, state)
 
 

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from vapo_jax import kinds
 from vapo_jax.models import decode_attention
-from vapo_jax.models.attention import Implementation, attend, key_ranges, select
+from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.sharding import constrain
 
@@ -108,7 +109,7 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: Implementation = "auto",
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: kinds.Attention = "auto",
                rngs: nnx.Rngs):
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     self.q_proj = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), param_dtype)
@@ -175,7 +176,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: Implementation = "auto",
+  def __init__(self, cfg: TransformerConfig, *, param_dtype: str, attention: kinds.Attention = "auto",
                rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.self_attn = Attention(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
@@ -197,7 +198,7 @@ class Backbone(nnx.Module):
   """Embedding, decoder layers and final norm: `[B, T]` ids to `[B, T, D]` hidden states."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
     select(attention, _DTYPES[dtype])  # An implementation that cannot run here fails now, not at compile.
     self.cfg = cfg
     self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
@@ -240,7 +241,7 @@ class CausalLM(nnx.Module):
   """The policy: backbone and output projection to `[B, T, V]` logits (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
     self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
@@ -281,7 +282,7 @@ class ValueModel(nnx.Module):
   """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: Implementation = "auto", rngs: nnx.Rngs):
+               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
     self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
     self.value_head = _param(rngs, (cfg.hidden_size, 1), ("embed", None), param_dtype, init="zeros")
 

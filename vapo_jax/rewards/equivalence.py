@@ -19,7 +19,8 @@ from typing import NamedTuple
 import math_verify
 from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
-from vapo_jax.rewards.extract import DEFAULT_FORMS, AnswerForm, extract_answer, unwrap
+from vapo_jax.kinds import AnswerForm
+from vapo_jax.rewards.extract import DEFAULT_FORMS, extract_answer, unwrap
 
 # We deliberately pass timeout=None (the pool enforces time-outs); silence the warning about it.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -36,7 +37,7 @@ class Verdict(NamedTuple):
 
   correct: bool
   answer: str | None  # The extracted answer (None: no answer found).
-  form: str  # How it was found: an `extract.AnswerForm`, or "none".
+  form: str  # How it was found: a `kinds.AnswerForm`, or "none".
 
 
 def as_integer(text: str) -> int | None:

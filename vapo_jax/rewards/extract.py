@@ -21,7 +21,8 @@ form is found, and a response answered only by a fallback is not "formatted"
 import re
 from typing import Literal, NamedTuple
 
-AnswerForm = Literal["boxed", "answer_line", "last_number", "math_verify"]
+from vapo_jax.kinds import AnswerForm
+
 EXPLICIT_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line")
 DEFAULT_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line")
 ALL_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line", "last_number", "math_verify")

@@ -64,14 +64,6 @@ def format_penalty(formatted: np.ndarray, *, penalty: float) -> np.ndarray:
   return np.where(np.asarray(formatted, bool), 0.0, penalty).astype(np.float32)
 
 
-def last_token_rewards(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
-  """`[B, T]` token rewards: `scores` `[B]` on each response's last valid token, 0 elsewhere."""
-  mask = np.asarray(response_mask, bool)
-  lengths = mask.sum(-1)
-  last = np.arange(mask.shape[-1])[None] == (lengths - 1)[:, None]
-  return np.where(last & (lengths[:, None] > 0), np.asarray(scores, np.float32)[:, None], 0.0)
-
-
 class RewardBatch(NamedTuple):
   """Rewards of a batch of B responses and what the verifier saw."""
 
@@ -96,6 +88,33 @@ def _user_score(value, *, correct_reward: float, incorrect_reward: float) -> tup
   if isinstance(value, (int, float, np.integer, np.floating)) and math.isfinite(value):
     return float(value), float(value) >= correct_reward
   return None
+
+
+def _verdicts(outcomes, *, builtin: bool, correct_reward: float, incorrect_reward: float):
+  """Per response: a user function's score (None: the verdict decides), the verdict, the extracted
+  answer, how it was found, the task's status; and what went wrong with the first failure."""
+  user_scores, correct, extracted, found_forms, statuses, first_error = [], [], [], [], [], None
+  for outcome in outcomes:
+    status, score, ok, answer, form = outcome.status, None, False, None, "none"
+    if status == "ok" and builtin:
+      verdict: Verdict = outcome.value
+      ok, answer, form = verdict.correct, verdict.answer, verdict.form
+    elif status == "ok":
+      form = "user"
+      parsed = _user_score(outcome.value, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
+      if parsed is None:
+        status = "error"
+        first_error = first_error or f"response {len(statuses)}: {_invalid_value(outcome.value)}"
+      else:
+        score, ok = parsed
+    if status != "ok":
+      first_error = first_error or f"response {len(statuses)}: {status}: {outcome.value}"
+    user_scores.append(score)
+    correct.append(ok)
+    extracted.append(answer)
+    found_forms.append(form)
+    statuses.append(status)
+  return user_scores, correct, extracted, found_forms, statuses, first_error
 
 
 def compute_rewards(
@@ -128,29 +147,11 @@ def compute_rewards(
   start = time.perf_counter()
   outcomes = pool.map(tasks)
   elapsed = time.perf_counter() - start
-  scores, correct, extracted, found_forms, statuses, first_error = [], [], [], [], [], None
-  for outcome in outcomes:
-    status, score, ok, answer, form = outcome.status, incorrect_reward, False, None, "none"
-    if status == "ok" and builtin:
-      verdict: Verdict = outcome.value
-      ok, answer, form = verdict.correct, verdict.answer, verdict.form
-      score = correct_reward if ok else incorrect_reward
-    elif status == "ok":
-      form = "user"
-      parsed = _user_score(outcome.value, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
-      if parsed is None:
-        status = "error"
-        first_error = first_error or f"response {len(statuses)}: {_invalid_value(outcome.value)}"
-      else:
-        score, ok = parsed
-    if status != "ok":
-      first_error = first_error or f"response {len(statuses)}: {status}: {outcome.value}"
-    scores.append(score)
-    correct.append(ok)
-    extracted.append(answer)
-    found_forms.append(form)
-    statuses.append(status)
-  rewards = np.asarray(scores, np.float32)
+  user_scores, correct, extracted, found_forms, statuses, first_error = _verdicts(
+      outcomes, builtin=builtin, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
+  rewards = verifier_reward(np.asarray(correct, bool), correct_reward=correct_reward, incorrect_reward=incorrect_reward)
+  scored = [i for i, value in enumerate(user_scores) if value is not None]  # A user function's own numbers.
+  rewards[scored] = np.asarray([user_scores[i] for i in scored], np.float32)
   if overlong_buffer_tokens > 0:
     if response_lengths is None or max_response_tokens is None:
       raise ValueError("the overlong penalty needs response_lengths and max_response_tokens")

@@ -1,0 +1,27 @@
+"""Validation of config fields: each failure is one `ConfigError` naming the class, the field, what it
+must be and the value it got (`AlgoConfig.eps_low must be in [0.0, 1.0), got 1.5`)."""
+
+import dataclasses
+
+from vapo_jax.errors import ConfigError
+
+frozen = dataclasses.dataclass(frozen=True, kw_only=True)
+
+
+def require(ok: bool, owner: object, field: str, message: str, value: object) -> None:
+  if not ok:
+    raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}")
+
+
+def in_range(owner, field: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> None:
+  value = getattr(owner, field)
+  above = value > lo if lo_open else value >= lo
+  below = value < hi if hi_open else value <= hi
+  interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+  require(above and below, owner, field, f"must be in {interval}", value)
+
+
+def positive_int(owner, field: str, *, allow_zero: bool = False) -> None:
+  value = getattr(owner, field)
+  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+  require(ok, owner, field, "must be an integer " + (">= 0" if allow_zero else ">= 1"), value)

@@ -1,0 +1,99 @@
+"""`make memory`: the per-device memory plan of an experiment, before anything is allocated.
+
+  python -m vapo_jax.cli.memory --exp NAME [--mesh data=1,fsdp=256,tensor=1] [--device-gib 95] [field=value ...]
+  python -m vapo_jax.cli.memory --model qwen2.5-32b [--sharding fsdp] [--mesh fsdp=256]
+
+The first plans a run (`train/memory_plan.py`) for `--mesh` (axes not named: 1), else for the
+configured mesh on this machine's devices, prints the plan and refuses it when a phase exceeds
+the device memory (`train/memory_check.py`), naming what to change. The second prints only the
+parameters, gradients and AdamW moments per device of a model preset's policy and critic.
+Exit status 1 when the plan does not fit, 2 on a bad argument.
+"""
+
+import dataclasses
+import math
+import sys
+
+from vapo_jax.cli import resolve
+from vapo_jax.errors import ConfigError
+
+
+def _take(args: list[str], flags: dict[str, str]) -> dict[str, str]:
+  """Removes `--flag value` pairs of `flags` from `args`; their values (the defaults where absent)."""
+  values = dict(flags)
+  for flag in flags:
+    if flag in args:
+      i = args.index(flag)
+      values[flag] = args[i + 1] if i + 1 < len(args) else ""
+      del args[i:i + 2]
+  return values
+
+
+def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
+  """`data=1,fsdp=256` → {"data": 1, "fsdp": 256, "tensor": 1}: axes not named are 1."""
+  sizes = dict.fromkeys(axes, 1)
+  for item in filter(None, text.split(",")):
+    axis, _, size = item.partition("=")
+    if axis not in sizes or not size.isdigit():
+      raise ConfigError(f"--mesh takes axis=size pairs of {', '.join(axes)}, got {item!r}")
+    sizes[axis] = int(size)
+  return sizes
+
+
+def parameters(model: str, rules_name: str, mesh_text: str) -> int:
+  """Prints the parameter memory per device of preset `model`'s policy and critic."""
+  from flax import nnx
+
+  from vapo_jax.models import footprint, sharding
+  from vapo_jax.models.config import preset
+  from vapo_jax.models.transformer import CausalLM, ValueModel
+
+  if rules_name not in sharding.PRESETS:
+    raise ConfigError(f"--sharding {rules_name!r} is not one of {', '.join(sharding.PRESETS)}")
+  cfg, rules = preset(model), sharding.PRESETS[rules_name]
+  mesh_shape = mesh_sizes(mesh_text, sharding.MESH_AXES)
+  print(f"{model} on mesh {mesh_shape} ({math.prod(mesh_shape.values())} devices), preset {rules_name}, "
+        "float32 parameters and AdamW moments")
+  for name, cls in (("policy", CausalLM), ("critic", ValueModel)):
+    report = footprint.parameter_memory(lambda cls=cls: cls(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=mesh_shape)
+    print("  " + report.format(name))
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  args = list(argv)
+  options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp"})
+  try:
+    if options["--model"]:
+      return parameters(options["--model"], options["--sharding"], options["--mesh"])
+    config, _ = resolve.resolve(args)
+    import jax
+
+    from vapo_jax.models import sharding
+    from vapo_jax.train import memory_check, memory_plan
+
+    if options["--device-gib"]:
+      config = dataclasses.replace(config, mesh=dataclasses.replace(
+          config.mesh, device_memory_gib=float(options["--device-gib"])))
+    if options["--mesh"]:
+      sizes = mesh_sizes(options["--mesh"], sharding.MESH_AXES)
+    else:  # The configured mesh on this machine's devices.
+      sizes = {a: getattr(config.mesh, a) for a in sharding.MESH_AXES}
+      known = math.prod(s for s in sizes.values() if s != -1)
+      sizes = {a: max(1, jax.device_count() // known) if s == -1 else s for a, s in sizes.items()}
+    plan = memory_plan.plan(config, sizes)
+  except (ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  device_bytes = memory_plan.device_memory_bytes(config)
+  print(plan.format(device_bytes))
+  try:
+    memory_check.check(plan, device_bytes)
+  except ConfigError as e:
+    print(f"refused: {e}")
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,283 @@
+"""`make sweep`: every member of a sweep × every seed as its own training run, then a table and plots.
+
+  make sweep SWEEP=toy SEEDS=0,1,2                  (one run after another)
+  make sweep SWEEP=toy SEEDS=0,1,2 JOBS=2           (two at once)
+  make sweep SWEEP=toy PRINT=1                      (print one `make train` line per run, run nothing)
+  make sweep SWEEP=toy SEEDS=0 SMOKE=1              (every member at smoke-test size: a minute a run)
+  python -m vapo_jax.cli.sweep toy --seeds 0,1 --members toy_vapo,toy_ppo --jobs 2 [field.path=value ...]
+  python -m vapo_jax.cli.sweep toy --report             (rebuild the table and plots from finished runs)
+
+A sweep is data: `experiments.SWEEPS[name]()` returns {member name: ExperimentConfig}. Each member ×
+seed S runs as `python -m vapo_jax.cli.train --exp <member> seed=S model.init_seed=S data.seed=S
+name=<member>_seed<S> run_dir=runs/sweeps/<sweep> [overrides]` (the `make train` command) in a
+subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep with a warm start
+(`experiments.WARM_STARTS`, e.g. toy → toy_warm_start) first runs that experiment once
+(`<warm start>_seed0`: the supervised warm start, exported) and starts every run from its policy
+(`model.checkpoint=<its export> sft.steps=0`), as every row of the paper starts from one base model
+(the seeds vary the RL); `--no-warm-start` lets every run do its own. Runs go seed by seed
+(every member's seed 0 first), so a partial sweep already compares all members. A run whose
+directory holds `summary.json` is finished and skipped, so running the same command again resumes
+the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep:
+the runs in progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once they have
+stopped. A failed run is reported with its log and the others go on; the exit status is 1 if any
+failed. The runs share one XLA compilation
+cache, `<sweep dir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR is set), so a run compiles only
+the programs that differ from those of the runs before it.
+
+Written under runs/sweeps/<sweep>/ (after every finished run, so a long sweep can be read early):
+  runs.csv      one row per run: held-out accuracy before RL, final, best during RL, and the area
+                under the held-out accuracy curve over the RL steps divided by their number (the
+                mean accuracy during training), wall time, log
+  table.md      per member: mean ± sample std over seeds, and each mean's difference to the full
+                method (the sweep's first member), beside the paper's AIME 2024 score for that row
+  plots/*.png   held-out accuracy, response length, entropy and explained variance against the RL
+                step: one line per member (mean over seeds) with a band from the seeds' min to max
+"""
+
+import argparse
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import experiments
+from vapo_jax import paths
+from vapo_jax.cli import sweep_report
+
+DEFAULT_ROOT = os.path.join("runs", "sweeps")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """One member × seed of a sweep."""
+
+  member: str  # Experiment name (`--exp`).
+  seed: int
+  sweep_dir: str  # runs/sweeps/<sweep>: the runs' parent directory (`run_dir=`).
+  # The warm-start run whose exported policy this run starts from (`model.checkpoint=`, no SFT of its own).
+  warm_start: "Run | None" = None
+
+  @property
+  def name(self) -> str:
+    return f"{self.member}_seed{self.seed}"
+
+  @property
+  def directory(self) -> str:
+    return os.path.join(self.sweep_dir, self.name)
+
+  @property
+  def log(self) -> str:
+    return os.path.join(self.sweep_dir, "logs", f"{self.name}.log")
+
+  @property
+  def finished(self) -> bool:
+    return os.path.isfile(os.path.join(self.directory, "summary.json"))
+
+  @property
+  def export(self) -> str:
+    return os.path.join(self.directory, "export")
+
+  def overrides(self, extra: Sequence[str] = ()) -> list[str]:
+    seed = self.seed
+    start = [] if self.warm_start is None else [f"model.checkpoint={self.warm_start.export}", "sft.steps=0"]
+    return [f"seed={seed}", f"model.init_seed={seed}", f"data.seed={seed}", f"name={self.name}",
+            f"run_dir={self.sweep_dir}", *start, *extra]
+
+  def argv(self, extra: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "vapo_jax.cli.train", "--exp", self.member, *self.overrides(extra)]
+
+  def make_command(self, extra: Sequence[str] = ()) -> str:
+    return f"make train EXP={self.member} ARGS={shlex.quote(' '.join(self.overrides(extra)))}"
+
+
+def members_of(sweep: str) -> list[str]:
+  """The member names of registered sweep `sweep`, in its order (the first is the full method)."""
+  if sweep not in experiments.SWEEPS:
+    raise KeyError(f"unknown sweep {sweep!r}; known: {', '.join(sorted(experiments.SWEEPS))}")
+  return list(experiments.SWEEPS[sweep]())
+
+
+def warm_start_of(sweep: str) -> str | None:
+  """The experiment that warm-starts every member of sweep `sweep` (experiments.WARM_STARTS), if any."""
+  return experiments.WARM_STARTS.get(sweep)
+
+
+def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *, warm_start: str | None = None) -> list[Run]:
+  """Every member × seed, seed by seed; with `warm_start`, that experiment first (once, seed 0, whatever
+  the seeds), and every run starts from its exported policy, as every row of the paper starts from one
+  base model: the seeds vary the RL (its sampling and data order), not the starting policy."""
+  start = None if warm_start is None else Run(warm_start, 0, sweep_dir)
+  return [start] * (start is not None) + [Run(member, seed, sweep_dir, start) for seed in seeds for member in members]
+
+
+# ------------------------------------------------------------------------------------ running
+def _launch(run: Run, extra: Sequence[str], env: dict) -> subprocess.Popen:
+  """Starts `run` as `make train` would, its output appended to its log (kept open as `.log`)."""
+  os.makedirs(os.path.dirname(run.log), exist_ok=True)
+  log = open(run.log, "a")
+  log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(run.argv(extra))}\n")
+  log.flush()
+  process = subprocess.Popen(run.argv(extra), cwd=paths.REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL)
+  process.log = log
+  return process
+
+
+def _outcome(run: Run, returncode: int, seconds: float, stream) -> str:
+  """The status of a run that ended with `returncode`, printed."""
+  if returncode == 0 and run.finished:
+    print(f"done    {run.name} in {seconds:.0f}s", file=stream, flush=True)
+    return "done"
+  if returncode in (75, 130):  # SIGTERM / Ctrl-C: checkpointed (`train/checkpoints.py`).
+    print(f"stopped {run.name} (exit {returncode}): checkpointed, run the sweep again to resume; log: {run.log}",
+          file=stream, flush=True)
+    return f"stopped (exit {returncode})"
+  why = f"exit {returncode}" if returncode else "exit 0 without summary.json"
+  print(f"FAILED  {run.name} ({why}) after {seconds:.0f}s; log: {run.log}", file=stream, flush=True)
+  return f"failed ({why})"
+
+
+def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on_done=None,
+            status: dict[str, str] | None = None, stream=sys.stdout) -> dict[str, str]:
+  """Runs the unfinished `runs`, `jobs` at a time; returns {run name: status}.
+
+  Status: "skipped" (finished before), "done", or "failed (exit N)", entered into `status` (when
+  given) as each run ends; then `on_done(run)` is called. Ctrl-C sends SIGTERM to the runs in
+  progress (each saves a checkpoint and stops) and waits for them.
+  """
+  status = {} if status is None else status
+  pending, active = [], {}
+  env = dict(os.environ)
+  if runs and "JAX_COMPILATION_CACHE_DIR" not in env:
+    env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.abspath(runs[0].sweep_dir), "xla_cache")
+  for run in runs:
+    if run.finished:
+      status[run.name] = "skipped"
+      print(f"skip    {run.name} (finished: {run.directory}/summary.json)", file=stream, flush=True)
+    else:
+      pending.append(run)
+  total = len(pending)
+  try:
+    while pending or active:
+      # A run whose warm start failed, or can no longer finish (not among the runs): nothing to start from.
+      stuck = not active and not any(r.warm_start is None or r.warm_start.finished for r in pending)
+      unstartable = lambda r: r.warm_start is not None and (
+          stuck or status.get(r.warm_start.name, "").startswith(("failed", "stopped")))
+      for run in [r for r in pending if unstartable(r)]:
+        status.setdefault(run.warm_start.name, "not run")
+        pending.remove(run)
+        status[run.name] = f"failed (warm start {run.warm_start.name}: {status[run.warm_start.name]})"
+        print(f"FAILED  {run.name} (its warm start {run.warm_start.name} did not finish)", file=stream, flush=True)
+      while len(active) < jobs:
+        ready = [r for r in pending if r.warm_start is None or r.warm_start.finished]
+        if not ready:
+          break
+        run = ready[0]
+        pending.remove(run)
+        active[_launch(run, extra, env)] = (run, time.perf_counter())
+        print(f"start   {run.name} [{total - len(pending)}/{total}] (log: {run.log})", file=stream, flush=True)
+      time.sleep(0.2)
+      for process in [p for p in active if p.poll() is not None]:
+        run, start = active.pop(process)
+        process.log.close()
+        status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
+        if on_done is not None:
+          on_done(run)
+  except KeyboardInterrupt:
+    for process in active:
+      process.send_signal(signal.SIGTERM)  # The trainer checkpoints and exits 75; rerun to resume.
+    for process, (run, _) in active.items():
+      process.wait()
+      process.log.close()
+      print(f"stopped {run.name} (exit {process.returncode}); run the sweep again to resume", file=stream)
+    raise
+  return status
+
+
+# --------------------------------------------------------------------------------------- main
+def _seeds(text: str) -> list[int]:
+  try:
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}")
+  if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    raise argparse.ArgumentTypeError(f"--seeds needs distinct non-negative integers, got {text!r}")
+  return seeds
+
+
+def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
+  parser = argparse.ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
+  parser.add_argument("sweep", help="a registered sweep (experiments.SWEEPS), e.g. toy")
+  parser.add_argument("overrides", nargs="*", help="field.path=value overrides for every run")
+  parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
+  parser.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
+  parser.add_argument("--members", help="comma-separated subset of the sweep's members (default: all)")
+  parser.add_argument("--root", default=DEFAULT_ROOT, help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
+  parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
+  parser.add_argument("--no-warm-start", action="store_true",
+                      help="each run does its own supervised warm start (default: one per seed, shared by the members)")
+  parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
+  parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
+  args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.
+  try:
+    members = members_of(args.sweep)
+  except KeyError as e:
+    print(f"error: {e.args[0]}", file=sys.stderr)
+    return 2
+  if args.members:
+    chosen = [m.strip() for m in args.members.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in members]
+    if unknown:
+      print(f"error: {', '.join(unknown)} not in sweep {args.sweep!r} (members: {', '.join(members)})", file=sys.stderr)
+      return 2
+    members = [m for m in members if m in chosen]  # The sweep's order: its first member is the reference.
+  if args.jobs < 1:
+    print(f"error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+    return 2
+  bad = [o for o in args.overrides if "=" not in o]
+  if bad:
+    print(f"error: overrides look like field.path=value, got {', '.join(bad)}", file=sys.stderr)
+    return 2
+  sweep_dir = os.path.join(args.root, args.sweep)
+  extra = ["--smoke"] * args.smoke + args.overrides
+  warm_start = None if args.no_warm_start else warm_start_of(args.sweep)
+  if args.print_commands:  # In order: a seed's warm start before its members.
+    for run in plan(members, args.seeds, sweep_dir, warm_start=warm_start):
+      print(run.make_command(extra), file=stream)
+    return 0
+  status: dict[str, str] = {}
+  # Absolute paths: the runs start in the repository root.
+  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), warm_start=warm_start)
+  runs = [run for run in everything if run.member != warm_start]  # The table's rows.
+  if not args.report:
+    start = time.perf_counter()
+    print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs"
+          + (f" from one warm start ({warm_start}_seed0)" if warm_start else "")
+          + f", {args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
+    report = lambda _: sweep_report.write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
+    execute(everything, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
+    print(f"sweep {args.sweep}: {time.perf_counter() - start:.0f}s", file=stream)
+  written = sweep_report.write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
+  print("\n".join(f"{what}: {path}" for what, path in written.items()), file=stream)
+  failed = [run for run in everything if status.get(run.name, "").startswith(("failed", "stopped"))]
+  for run in failed:
+    print(f"failed: {run.name}: {status[run.name]}; log: {run.log}", file=stream)
+  return 1 if failed else 0
+
+
+def _terminate(signum, frame):
+  raise KeyboardInterrupt  # As Ctrl-C: `execute` passes SIGTERM on to the runs in progress and waits for them.
+
+
+if __name__ == "__main__":
+  signal.signal(signal.SIGTERM, _terminate)  # A scheduler's or `kill`'s stop, like Ctrl-C.
+  try:
+    sys.exit(main(sys.argv[1:]))
+  except KeyboardInterrupt:
+    print("sweep stopped: the runs in progress saved checkpoints; the same command resumes it", file=sys.stderr)
+    sys.exit(130)

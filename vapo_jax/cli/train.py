@@ -1,0 +1,71 @@
+"""`make train` entry point: resolve an experiment, write its config, run it.
+
+  python -m vapo_jax.cli.train --exp tiny [field.path=value ...]
+  python -m vapo_jax.cli.train --exp aime --help      (every field with its current value)
+  python -m vapo_jax.cli.train --exp aime --smoke     (the same experiment at smoke-test size)
+
+Runs the experiment's stages (supervised warm start, value pretraining, RL) with
+`trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
+Running the same command again resumes from the run directory's newest checkpoint. Exit codes:
+0 done; 1 the run diverged (non-finite updates) or crashed; 2 a user error (configuration,
+data, checkpoint, reward function, machine, a second start on a busy run directory: one line
+names what to fix); 75 stopped by SIGTERM after saving a checkpoint, 130 stopped by Ctrl-C after
+saving (run again to resume).
+"""
+
+import sys
+
+from vapo_jax.cli import resolve
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def main(argv: list[str]) -> int:
+  try:
+    config, want_help = resolve.resolve(argv)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return USER_ERROR_EXIT_CODE
+  if want_help:
+    print(resolve.usage(config))
+    return 0
+  from vapo_jax import distributed  # Imports JAX: kept off the `--help` path.
+  from vapo_jax.cli import preflight
+  from vapo_jax.train import checkpoints
+  from vapo_jax.train.experience import DynamicSamplingCapReached
+  from vapo_jax.train.trainer import Diverged, Trainer
+
+  run_dir = config.run_directory
+  try:
+    distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
+    preflight.check_backend()
+    preflight.check_run_dir(run_dir)
+    trainer = Trainer(config)
+    if distributed.is_main_process():
+      resolve.write_resolved_config(config)
+      print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
+    summary = trainer.run()
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return USER_ERROR_EXIT_CODE
+  except checkpoints.Preempted as e:
+    print(f"stopped: {e}. Run the same command again to resume.", file=sys.stderr)
+    return e.exit_code
+  except KeyboardInterrupt:
+    print("interrupted (a second Ctrl-C): stopped without saving; the newest checkpoint is intact. Run the same "
+          "command again to resume from it.", file=sys.stderr)
+    return checkpoints.INTERRUPTED_EXIT_CODE
+  except (Diverged, DynamicSamplingCapReached) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  if not distributed.is_main_process():
+    return 0
+  before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
+  accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
+              f"held-out accuracy: before RL {before}, after RL {after}")
+  print(f"done in {summary['seconds']:.0f}s. {accuracy}")
+  print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

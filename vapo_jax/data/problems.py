@@ -1,0 +1,126 @@
+"""Problems for training and evaluation: `Record` rows from a file or a synthetic spec, and
+their prompts (the instruction template, the chat template, the token limit) as token ids. One row
+type (`Record`) from loading to scoring.
+
+  prompt = format_prompt(records[0].prompt, template="dapo", tokenizer=tokenizer)
+"""
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from vapo_jax import kinds
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.data import tasks
+from vapo_jax.data.records import Record, load_records
+from vapo_jax.errors import DataError
+from vapo_jax.kinds import Template
+
+TEMPLATES: dict[str, str] = {
+    "raw": "{problem}",
+    # Qwen2.5-Math / SimpleRL's instruction.
+    "boxed": "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    # DAPO's (and VAPO's) prompt, as in DAPO's eval/aime-2024.parquet.
+    "dapo": ("Solve the following math problem step by step. The last line of your response should "
+             "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+             "problem.\n\n{problem}\n\nRemember to put your answer on its own line after \"Answer:\"."),
+}
+kinds.check_table(Template, TEMPLATES, "data/problems.py TEMPLATES")
+
+
+def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup: bool | None = None) -> list[Record]:
+  """The records of `path` (a jsonl / json / parquet file, `hf:NAME`, or `synthetic:...`). With a
+  tokenizer, prompts over `rollout.max_prompt_tokens` are found now, not when a batch draws them:
+  an error naming the row, or with `data.skip_bad_rows` left out and counted."""
+  d = config.data
+  if tasks.is_spec(path):
+    records = tasks.to_records(tasks.from_spec(path))
+  else:
+    records = load_records(path, schema=d.schema, prompt_field=d.prompt_field, answer_field=d.answer_field,
+                                id_field=d.id_field, split=d.split, skip_bad_rows=d.skip_bad_rows,
+                                dedup=d.dedup if dedup is None else dedup)
+  if tokenizer is None:
+    return records
+  return check_prompt_lengths(records, tokenizer, max_prompt_tokens=config.rollout.max_prompt_tokens,
+                                   template=d.template, chat_template=d.chat_template, path=path,
+                                   skip_bad_rows=d.skip_bad_rows)
+
+
+def eval_problems(config: ExperimentConfig, tokenizer=None) -> list[Record]:
+  """The held-out problems of `eval.path` (the first `eval.max_problems`; none without a path), read
+  as the training data is read (`data.schema`, the field settings, deduplication): the trainer's
+  evaluation and `make eval` both load them here."""
+  if not config.eval.path:
+    return []
+  return load_problems(config.eval.path, config, tokenizer)[:config.eval.max_problems]
+
+
+def encode_prompt(record: Record, tokenizer, config: ExperimentConfig) -> list[int]:
+  """Token ids of a problem's prompt; over `rollout.max_prompt_tokens` is an error naming the row."""
+  d = config.data
+  ids = tokenizer.encode(prompt_text(record.prompt, tokenizer, template=d.template, chat_template=d.chat_template))
+  if len(ids) > config.rollout.max_prompt_tokens:
+    raise DataError(f"prompt of problem id {record.id!r} ({record.source}) has {len(ids)} tokens, over "
+                         f"rollout.max_prompt_tokens={config.rollout.max_prompt_tokens}")
+  return ids
+
+
+def format_prompt(problem: str, *, template: Template = "dapo", tokenizer: Any = None) -> str:
+  """The problem in `template`; with a tokenizer, as a user turn in its chat template."""
+  if template not in TEMPLATES:
+    raise ValueError(f"unknown template {template!r}; known: {', '.join(TEMPLATES)}")
+  text = TEMPLATES[template].replace("{problem}", problem)
+  if tokenizer is None:
+    return text
+  return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                       add_generation_prompt=True)
+
+
+def prompt_text(problem: str, tokenizer: Any, *, template: Template, chat_template: bool) -> str:
+  """The prompt the policy sees: `problem` in `template`, in the chat template of a transformers
+  tokenizer (an `HFTokenizer`'s `.tokenizer`) when `chat_template`."""
+  chat = getattr(tokenizer, "tokenizer", None) if chat_template else None
+  return format_prompt(problem, template=template, tokenizer=chat)
+
+
+def _problem_and_id(row: Any) -> tuple[str, str]:
+  return (row.prompt, row.id) if isinstance(row, Record) else (row["problem"], str(row["id"]))
+
+
+def check_prompt_lengths(rows: Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, template: Template,
+                         chat_template: bool, path: str, skip_bad_rows: bool = False) -> list[Any]:
+  """The rows whose prompt fits in `max_prompt_tokens` tokens; a longer one is a `DataError` naming
+  the file, the problem id, its token count and the settings to change, or with `skip_bad_rows` it
+  is left out and counted in one warning (none fitting is always an error).
+
+  `rows` are `Record`s or dicts with "problem" and "id" (as the trainer keeps them); the prompt is
+  made as `prompt_text` makes it. Only prompts longer in UTF-8 bytes than the limit are tokenised:
+  a byte-level BPE token (Qwen2.5, Llama 3) or a byte tokenizer's covers at least one byte, so a
+  shorter text cannot exceed it.
+  """
+  texts = [prompt_text(_problem_and_id(row)[0], tokenizer, template=template, chat_template=chat_template)
+           for row in rows]
+  long = [i for i, text in enumerate(texts) if len(text.encode("utf-8")) > max_prompt_tokens]
+  counts = dict(zip(long, _token_counts([texts[i] for i in long], tokenizer)))
+  over = [i for i in long if counts[i] > max_prompt_tokens]
+  if not over:
+    return list(rows)
+  chat = " in the chat template" if chat_template and hasattr(tokenizer, "tokenizer") else ""
+  first = (f"{path}, problem id {_problem_and_id(rows[over[0]])[1]!r}: the prompt (template {template!r}{chat}) "
+           f"has {counts[over[0]]} tokens, over rollout.max_prompt_tokens={max_prompt_tokens}")
+  if not skip_bad_rows:
+    raise DataError(f"{first}. Raise rollout.max_prompt_tokens, shorten the problem, or set data.skip_bad_rows=true "
+                    f"to leave such problems out ({len(over)} of {len(rows)} are too long)")
+  if len(over) == len(rows):
+    raise DataError(f"{path}: every prompt is over rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}")
+  warnings.warn(f"{path}: skipped {len(over)} of {len(rows)} problems whose prompt is over "
+                f"rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}", stacklevel=2)
+  dropped = set(over)
+  return [row for i, row in enumerate(rows) if i not in dropped]
+
+
+def _token_counts(texts: list[str], tokenizer: Any) -> list[int]:
+  """Token counts of `texts`, in one batched call for a transformers tokenizer."""
+  if texts and hasattr(tokenizer, "tokenizer"):
+    return [len(ids) for ids in tokenizer.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+  return [len(tokenizer.encode(text)) for text in texts]

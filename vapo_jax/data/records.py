@@ -1,0 +1,325 @@
+"""Problem files → `Record`s: loading, validation and de-duplication.
+
+  records = load_records(paths.data_path("aime24/qwen25math_aime24_test.jsonl"))   # [Record]
+
+Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`,
+and Hugging Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when
+that package is installed. Each row becomes a `Record(prompt, answer, id, source, solution)`; the
+fields come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field
+paths (`"reward_model.ground_truth"`, `"prompt.0.content"`). A worked solution, for the supervised
+warm start (`sft.path`), is read from a `solution` field, else a `response` field (the first that
+is present and non-empty; None otherwise).
+
+A bad row (malformed line, text that is not UTF-8, missing or empty prompt or answer, wrong type)
+is a `DataError` naming the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is
+skipped and counted in one warning. No valid row at all is always an error. Duplicate problems are
+dropped (the first is kept) and those with conflicting answers are reported in a warning.
+Prompts (templates, token limits) are `problems.py`'s; the prompt sampler is `prompt_iterator.py`.
+"""
+
+import collections
+import dataclasses
+import json
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from vapo_jax import kinds
+from vapo_jax.errors import DataError
+
+
+class Record(NamedTuple):
+  prompt: str  # The problem text, without a template.
+  answer: str  # The reference answer (integers as written: "025" stays "025").
+  id: str  # The row's id field, or its line / row number.
+  source: str  # The dataset: the row's source field, or "<folder>/<file stem>".
+  solution: str | None = None  # A worked solution (supervised warm start), when the row has one.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FieldMap:
+  """Where a row's fields are: dotted paths, the first one present is used."""
+
+  prompt: tuple[str, ...]  # Candidates for the problem text.
+  answer: tuple[str, ...]  # Candidates for the reference answer.
+  id: tuple[str, ...] = ("id", "unique_id", "index", "idx")  # Optional; default: row number.
+  source: tuple[str, ...] = ()  # Optional; default: "<folder>/<file stem>".
+  solution: tuple[str, ...] = ("solution", "response")  # Optional worked solution; default: None.
+  answer_after: str | None = None  # Keep the text after the last occurrence of this marker.
+
+
+SCHEMAS: dict[str, FieldMap] = {
+    # verl parquet (DAPO-Math-17k, DAPO's AIME 2024, SimpleRL): the chat prompt holds the raw
+    # problem (DAPO-17k) or a templated one, whose raw text is in extra_info.
+    "verl": FieldMap(prompt=("extra_info.raw_problem", "extra_info.question", "prompt.0.content"),
+                     answer=("reward_model.ground_truth",), id=("extra_info.index",),
+                     source=("data_source",)),
+    # Qwen2.5-Math AIME 2024 / AMC 2023, MathArena AIME, MATH-500, DAPO-17k jsonl.
+    "problem_answer": FieldMap(prompt=("problem",), answer=("answer",)),
+    # GSM8K: the answer is a worked solution ending in "#### <number>".
+    "gsm8k": FieldMap(prompt=("question",), answer=("answer",), answer_after="####"),
+    "question_answer": FieldMap(prompt=("question",), answer=("answer", "gt_answer")),
+    # SvS's MATH-500 + AIME evaluation file.
+    "svs": FieldMap(prompt=("question",), answer=("ref_answer",), source=("data_source",)),
+}
+kinds.check_table(kinds.Schema, SCHEMAS, "data/records.py SCHEMAS")
+_MISSING = object()
+
+
+def detect_schema(row: dict) -> str:
+  """The schema of a row, from its keys."""
+  if "reward_model" in row:
+    return "verl"
+  if "ref_answer" in row:
+    return "svs"
+  if "problem" in row and "answer" in row:
+    return "problem_answer"
+  if "question" in row and ("answer" in row or "gt_answer" in row):
+    return "gsm8k" if "####" in str(row.get("answer", "")) else "question_answer"
+  raise ValueError(f"no known schema has the keys {sorted(row)}")
+
+
+def field_map(row: dict, *, schema: str = "auto", prompt_field: str | None = None,
+              answer_field: str | None = None, id_field: str | None = None) -> FieldMap:
+  """The schema's `FieldMap` with explicit field paths in place of its candidates."""
+  if schema == "auto" and prompt_field and answer_field:
+    base = FieldMap(prompt=(prompt_field,), answer=(answer_field,))
+  elif (base := SCHEMAS.get(detect_schema(row) if schema == "auto" else schema)) is None:
+    raise ValueError(f"unknown schema {schema!r}; known: auto, {', '.join(SCHEMAS)}")
+  explicit = {k: (v,) for k, v in (("prompt", prompt_field), ("answer", answer_field), ("id", id_field)) if v}
+  return dataclasses.replace(base, **explicit)
+
+
+def _get(row: Any, path: str) -> Any:
+  for part in path.split("."):
+    if isinstance(row, dict):
+      row = row.get(part, _MISSING)
+    elif isinstance(row, (list, tuple)) and part.lstrip("-").isdigit() and -len(row) <= int(part) < len(row):
+      row = row[int(part)]
+    else:
+      return _MISSING
+    if row is _MISSING:
+      return _MISSING
+  return row
+
+
+def _first(row: dict, paths: tuple[str, ...]) -> tuple[str, Any]:
+  for path in paths:
+    if (value := _get(row, path)) is not _MISSING and value is not None:
+      return path, value
+  return " or ".join(repr(p) for p in paths), _MISSING
+
+
+def answer_text(value: Any) -> str | None:
+  """A reference answer as a string: ints as written, integer-valued floats (AMC's 27.0) as ints."""
+  if isinstance(value, str):
+    return value.strip()
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, (int, np.integer)):
+    return str(int(value))
+  if isinstance(value, (float, np.floating)) and math.isfinite(value):
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+  return None
+
+
+def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
+  """One row as a Record; raises ValueError("field 'x': problem") on a bad row."""
+  if not isinstance(row, dict):
+    raise ValueError(f"field (row): expected an object, got {type(row).__name__}")
+  name, prompt = _first(row, fields.prompt)
+  if prompt is _MISSING:
+    raise ValueError(f"field {name}: missing")
+  if not isinstance(prompt, str):
+    raise ValueError(f"field {name!r}: expected a string, got {type(prompt).__name__}")
+  if not prompt.strip():
+    raise ValueError(f"field {name!r}: empty prompt")
+  name, raw = _first(row, fields.answer)
+  if raw is _MISSING:
+    raise ValueError(f"field {name}: missing")
+  answer = answer_text(raw)
+  if answer is None:
+    raise ValueError(f"field {name!r}: expected a string or a number, got {type(raw).__name__}")
+  if fields.answer_after is not None:
+    if fields.answer_after not in answer:
+      raise ValueError(f"field {name!r}: no {fields.answer_after!r} marker before the final answer")
+    answer = answer.rsplit(fields.answer_after, 1)[1].strip().replace(",", "")
+  if not answer:
+    raise ValueError(f"field {name!r}: empty answer")
+  id_name, id_value = _first(row, fields.id)
+  if id_value is _MISSING:
+    id_value = number
+  elif isinstance(id_value, bool) or not isinstance(id_value, (str, int, np.integer)):
+    raise ValueError(f"field {id_name!r}: expected a string or an integer id, got {type(id_value).__name__}")
+  _, row_source = _first(row, fields.source)
+  solution = None
+  for path in fields.solution:
+    if (value := _get(row, path)) is _MISSING or value is None:
+      continue
+    if not isinstance(value, str):
+      raise ValueError(f"field {path!r}: expected a string solution, got {type(value).__name__}")
+    if value.strip():
+      solution = value
+      break
+  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution)
+
+
+def _not_utf8(raw: bytes, position: int) -> str:
+  """What is wrong with the `raw` line's byte at `position` (0-based)."""
+  return (f"not UTF-8 text (byte 0x{raw[position]:02x} at column {position + 1}); re-save the file as "
+          "UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  with open(path, "rb") as f:  # Bytes: a line that is not UTF-8 is that line's error, not the file's.
+    for number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        yield number, ValueError(f"field (line): {_not_utf8(raw, e.start)}")
+        continue
+      if not line.strip():
+        continue
+      try:
+        yield number, json.loads(line.rstrip("\r\n"))
+      except json.JSONDecodeError as e:
+        yield number, ValueError(f"field (line): malformed JSON: {e.msg} at column {e.colno}")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  raw = path.read_bytes()
+  try:
+    text = raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line_start = raw.rfind(b"\n", 0, e.start) + 1
+    line = raw.count(b"\n", 0, line_start) + 1
+    raise DataError(f"{path}, line {line}: {_not_utf8(raw[line_start:], e.start - line_start)}") from None
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
+  if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+    lengths = {len(v) for v in data.values()}
+    if len(lengths) != 1:
+      raise DataError(f"{path}: columns of unequal lengths {sorted(lengths)}")
+    data = [dict(zip(data, values)) for values in zip(*data.values())]
+  if not isinstance(data, list):
+    raise DataError(f"{path}: expected a list of objects or an object of columns, got {type(data).__name__}")
+  yield from enumerate(data, 1)
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  import pyarrow.parquet as pq
+
+  yield from enumerate(pq.read_table(path).to_pylist(), 1)
+
+
+def _hf_rows(spec: str, split: str) -> Iterator[tuple[int, Any]]:
+  """Rows of a hub dataset (`hf:NAME[:CONFIG]`) or a local dataset directory, loaded eagerly."""
+  try:
+    import datasets
+  except ImportError:
+    raise DataError(f"{spec}: loading a Hugging Face dataset needs `pip install datasets`") from None
+  try:
+    if spec.startswith("hf:"):
+      name, _, config = spec[3:].partition(":")
+      dataset = datasets.load_dataset(name, config or None, split=split)
+    elif (Path(spec) / "dataset_info.json").exists() or (Path(spec) / "dataset_dict.json").exists():
+      dataset = datasets.load_from_disk(spec)
+      if isinstance(dataset, datasets.DatasetDict):
+        dataset = dataset[split]
+    else:
+      dataset = datasets.load_dataset(spec, split=split)
+  except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
+    raise DataError(f"{spec}: cannot load split {split!r}: {e}") from None
+  return enumerate(dataset, 1)
+
+
+def read_rows(path: str, *, split: str = "train") -> tuple[Iterator[tuple[int, Any]], str]:
+  """`(number, row)` pairs of a file or dataset, and the unit its numbers count ("line", "row")."""
+  p = Path(path)
+  if path.startswith("hf:") or p.is_dir():
+    return _hf_rows(path, split), "row"
+  if not p.is_file():
+    raise DataError(f"{path}: no such file")
+  match p.suffix:
+    case ".jsonl":
+      return _jsonl_rows(p), "line"
+    case ".json":
+      return _json_rows(p), "row"
+    case ".parquet":
+      return _parquet_rows(p), "row"
+  raise DataError(f"{path}: unknown file type {p.suffix!r} (expected .jsonl, .json or .parquet)")
+
+
+def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = None,
+                 answer_field: str | None = None, id_field: str | None = None,
+                 skip_bad_rows: bool = False, dedup: bool = True, split: str = "train",
+                 source: str | None = None) -> list[Record]:
+  """The problems in `path` (see the module docstring)."""
+  rows, unit = read_rows(path, split=split)
+  source = source or (path[3:] if path.startswith("hf:") else f"{Path(path).parent.name}/{Path(path).stem}")
+  records, bad, fields, total = [], [], None, 0
+  for number, row in rows:
+    total += 1
+    try:
+      if isinstance(row, Exception):
+        raise row
+      if fields is None:
+        try:
+          fields = field_map(row, schema=schema, prompt_field=prompt_field, answer_field=answer_field,
+                             id_field=id_field)
+        except ValueError as e:
+          raise DataError(f"{path}: {e}; set the field paths (data.prompt_field, "
+                          "data.answer_field)") from None
+      records.append(_record(row, fields, number, source))
+    except DataError:
+      raise
+    except ValueError as e:
+      message = f"{path}, {unit} {number}, {e}"
+      if not skip_bad_rows:
+        raise DataError(message) from None
+      bad.append(message)
+  if bad:
+    warnings.warn(f"{path}: skipped {len(bad)} bad {unit}s of {total}; first: {bad[0]}", stacklevel=2)
+  if not records:
+    raise DataError(f"{path}: empty dataset ({total} {unit}s, none valid)")
+  if dedup:
+    records, _ = deduplicate(records)
+  return records
+
+
+class Conflict(NamedTuple):
+  prompt: str  # The shared problem text.
+  ids: tuple[str, ...]
+  answers: tuple[str, ...]
+
+
+def _problem_key(prompt: str) -> str:
+  return " ".join(prompt.split())
+
+
+def _answer_key(answer: str) -> str:
+  compact = "".join(answer.split())
+  return str(int(compact)) if compact.lstrip("+-").isdigit() else compact
+
+
+def deduplicate(records: Sequence[Record], *, warn: bool = True) -> tuple[list[Record], list[Conflict]]:
+  """Keeps the first record of each problem text (whitespace-normalised).
+
+  Returns the kept records and the problems seen with different answers, which are warned about.
+  """
+  groups: dict[str, list[Record]] = collections.defaultdict(list)
+  for record in records:
+    groups[_problem_key(record.prompt)].append(record)
+  conflicts = [Conflict(group[0].prompt, tuple(r.id for r in group), tuple(r.answer for r in group))
+               for group in groups.values() if len({_answer_key(r.answer) for r in group}) > 1]
+  if conflicts and warn:
+    examples = "; ".join(f"ids {list(c.ids)} answers {list(c.answers)}" for c in conflicts[:3])
+    warnings.warn(f"{len(conflicts)} problems appear with conflicting answers (the first row of each "
+                  f"is kept): {examples}", stacklevel=2)
+  return [group[0] for group in groups.values()], conflicts

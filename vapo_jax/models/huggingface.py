@@ -1,0 +1,273 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors (single file or sharded).
+
+Loading reads one tensor at a time from memory-mapped files and places it directly in the target
+parameter's sharding (`jax.make_array_from_callback` asks only for the slices this process's
+devices hold), so the host never needs the whole model in memory. Errors name the tensor.
+"""
+
+import glob
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from vapo_jax.errors import CheckpointError, MissingFileError
+from vapo_jax.models import safetensors_io, sharding
+from vapo_jax.models.config import TransformerConfig
+from vapo_jax.models.transformer import CausalLM, ValueModel
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _to_ours(hf_suffix: str, array: np.ndarray, cfg: TransformerConfig) -> tuple[str, np.ndarray]:
+  """Maps a per-layer HF tensor (name after `model.layers.{i}.`) to our name and layout."""
+  n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+  heads = {"q": n, "k": k, "v": k}
+  match hf_suffix.split("."):
+    case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "weight"]:
+      return f"self_attn.{proj}", array.T.reshape(d, heads[proj[0]], h)
+    case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "bias"]:
+      return f"self_attn.{proj[0]}_bias", array.reshape(heads[proj[0]], h)
+    case ["self_attn", "o_proj", "weight"]:
+      return "self_attn.o_proj", array.T.reshape(n, h, d)
+    case ["mlp", proj, "weight"]:
+      return f"mlp.{proj}", array.T
+    case ["mlp", proj, "bias"]:
+      return f"mlp.{proj.removesuffix('_proj')}_bias", array
+    case [norm, "weight"]:
+      return f"{norm}.weight", array
+  raise CheckpointError(f"unexpected tensor 'model.layers.N.{hf_suffix}'")
+
+
+def _to_hf(our_suffix: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+  """Inverse of `_to_ours` for one per-layer parameter."""
+  match our_suffix.split("."):
+    case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj]:
+      return f"self_attn.{proj}.weight", array.reshape(array.shape[0], -1).T
+    case ["self_attn", bias] if bias.endswith("_bias"):
+      return f"self_attn.{bias[0]}_proj.bias", array.reshape(-1)
+    case ["self_attn", "o_proj"]:
+      return "self_attn.o_proj.weight", array.reshape(-1, array.shape[-1]).T
+    case ["mlp", bias] if bias.endswith("_bias"):
+      return f"mlp.{bias.removesuffix('_bias')}_proj.bias", array
+    case ["mlp", proj]:
+      return f"mlp.{proj}.weight", array.T
+    case [norm, "weight"]:
+      return f"{norm}.weight", array
+  raise ValueError(f"no Hugging Face name for parameter {our_suffix!r}")
+
+
+def hf_to_ours(name: str, array: np.ndarray, cfg: TransformerConfig) -> tuple[str, np.ndarray]:
+  """Our parameter path (dotted) and layout for a Hugging Face tensor."""
+  if m := _LAYER.match(name):
+    suffix, converted = _to_ours(m.group(2), array, cfg)
+    return f"model.layers.{m.group(1)}.{suffix}", converted
+  match name:
+    case "model.embed_tokens.weight":
+      return "model.embed_tokens", array
+    case "model.norm.weight":
+      return "model.norm.weight", array
+    case "lm_head.weight":
+      return "lm_head", array.T
+    case "value_head.weight" | "score.weight":
+      return "value_head", array.T
+  raise CheckpointError(f"unexpected tensor {name!r}")
+
+
+def ours_to_hf(path: str, array: np.ndarray) -> tuple[str, np.ndarray]:
+  """The Hugging Face name and layout of one of our parameters (dotted path)."""
+  if m := re.match(r"^model\.layers\.(\d+)\.(.+)$", path):
+    name, converted = _to_hf(m.group(2), array)
+    return f"model.layers.{m.group(1)}.{name}", converted
+  match path:
+    case "model.embed_tokens":
+      return "model.embed_tokens.weight", array
+    case "model.norm.weight":
+      return "model.norm.weight", array
+    case "lm_head" | "value_head":
+      return f"{path}.weight", array.T
+  raise ValueError(f"no Hugging Face name for parameter {path!r}")
+
+
+def _open_tensors(directory: str) -> dict[str, safetensors_io.SafetensorsFile]:
+  """tensor name -> the file holding it, from the index or the single file."""
+  if not os.path.isdir(directory):
+    raise MissingFileError(f"checkpoint directory {directory!r} does not exist")
+  index_path = os.path.join(directory, "model.safetensors.index.json")
+  if os.path.isfile(index_path):
+    try:
+      with open(index_path, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index_path}: not a safetensors index with a 'weight_map' ({type(e).__name__}: "
+                            f"{e}); restore the file from the model's original copy") from None
+    for name in sorted(set(weight_map.values())):
+      if not os.path.isfile(os.path.join(directory, name)):
+        raise MissingFileError(f"{index_path} names {name!r}, which is not in {directory!r}: copy the missing "
+                               "file (an incomplete download?)")
+    files = {name: safetensors_io.SafetensorsFile(os.path.join(directory, name))
+             for name in sorted(set(weight_map.values()))}
+    return {tensor: files[file] for tensor, file in weight_map.items()}
+  paths = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+  if not paths:
+    raise MissingFileError(f"no *.safetensors files in checkpoint directory {directory!r}")
+  tensors = {}
+  for path in paths:
+    file = safetensors_io.SafetensorsFile(path)
+    tensors |= {name: file for name in file.keys()}
+  return tensors
+
+
+def _param_paths(state: nnx.State) -> dict[str, nnx.Variable]:
+  return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)
+          if isinstance(v, nnx.Param)}
+
+
+def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None = None,
+         rules: dict | None = None, allow_missing: tuple[str, ...] = ()) -> nnx.Module:
+  """Builds `factory()`'s module with its parameters read from a Hugging Face checkpoint.
+
+  Args:
+    directory: holds config.json and `*.safetensors` (optionally `model.safetensors.index.json`).
+    factory: builds the module (CausalLM or ValueModel); it is only traced, never run.
+    mesh, rules: where to place each parameter; None keeps everything on the default device.
+    allow_missing: our parameter paths that may be absent (left at their initial value).
+  """
+  tensors = _open_tensors(directory)
+  graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+  params = _param_paths(abstract)
+  cfg = TransformerConfig.from_pretrained(directory)
+  loaded, unexpected = {}, []
+  for name, file in tensors.items():
+    if name == "lm_head.weight" and "lm_head" not in params:
+      continue  # Tied embeddings, or a value model built from a policy checkpoint.
+    tensor = file.get(name)  # A tensor the index names but its file lacks is an error here.
+    try:
+      path, array = hf_to_ours(name, tensor, cfg)
+    except CheckpointError:
+      unexpected.append(name)
+      continue
+    if path not in params:
+      unexpected.append(name)
+      continue
+    variable = params[path]
+    target = variable.get_value()
+    if array.shape != target.shape:
+      raise CheckpointError(f"{directory}: tensor {name!r} has shape {file.shape(name)}, which maps "
+                            f"to {array.shape}, but parameter {path!r} needs {target.shape}")
+    if mesh is not None:
+      spec = sharding.partition_spec(variable.get_metadata()["logical_axes"], rules, mesh.shape,
+                                    target.shape)
+    if mesh is not None:
+      loaded[path] = jax.make_array_from_callback(
+          target.shape, NamedSharding(mesh, spec),
+          lambda index, host=array, dtype=target.dtype: np.asarray(host[index], dtype))
+    else:
+      loaded[path] = jnp.asarray(np.asarray(array, target.dtype))
+  if unexpected:
+    raise CheckpointError(f"{directory}: unexpected tensors {sorted(unexpected)[:10]}"
+                          f"{' ...' if len(unexpected) > 10 else ''} (no parameter of the model maps to them)")
+  missing = sorted(set(params) - set(loaded) - set(allow_missing))
+  if missing:
+    hf_names = [ours_to_hf(p, np.zeros(params[p].get_value().shape))[0] for p in missing]
+    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
+                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
+  if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.
+    initial = _param_paths(nnx.state(factory()))
+    loaded |= {p: initial[p].get_value() for p in set(params) - set(loaded)}
+  state = nnx.from_flat_state([(path, v.replace(loaded[".".join(map(str, path))]))
+                               for path, v in nnx.to_flat_state(abstract)])
+  return nnx.merge(graphdef, state)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
+           tokenizer_dir: str | None = None) -> list[str]:
+  """Writes config.json and safetensors (sharded above `max_shard_bytes`) that transformers loads.
+
+  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype. The
+  tokenizer's files found in `tokenizer_dir` are copied alongside. Tensors are fetched one shard
+  file at a time (a 32B model never sits whole in host memory); with several processes every
+  process takes part in the gathers and process 0 writes. Returns the files written.
+  """
+  from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
+
+  main = distributed.is_main_process()
+  if main:
+    os.makedirs(directory, exist_ok=True)
+  cfg: TransformerConfig = module.cfg
+  hf_config = cfg.to_hf()
+  variables = list(_param_paths(nnx.state(module)).items())
+  out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
+  hf_config["torch_dtype"] = str(out_dtype(variables[0][1]))
+  shards, current, size = [], [], 0  # Planned from shapes alone.
+  for path, variable in variables:
+    nbytes = int(np.prod(variable.get_value().shape)) * out_dtype(variable).itemsize
+    if current and size + nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = [], 0
+    current.append((path, variable))
+    size += nbytes
+  shards.append(current)
+  files = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  weight_map, total = {}, 0
+  for file, shard in zip(files, shards):
+    tensors = []
+    for path, variable in shard:
+      array = distributed.to_host(variable.get_value())
+      tensors.append(ours_to_hf(path, array.astype(out_dtype(variable))))
+    if main:
+      safetensors_io.write(os.path.join(directory, file), tensors)
+    weight_map |= {name: file for name, _ in tensors}
+    total += sum(a.nbytes for _, a in tensors)
+  written = list(files)
+  if main and len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+      json.dump(index, f, indent=2)
+    written.append("model.safetensors.index.json")
+  if main:
+    with open(os.path.join(directory, "config.json"), "w") as f:
+      json.dump(hf_config, f, indent=2)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+      if os.path.isfile(os.path.join(tokenizer_dir, name)):
+        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(directory, name))
+        written.append(name)
+  return written + ["config.json"]
+
+
+def load_causal_lm(directory: str, *, dtype="float32", param_dtype="float32", remat=False,
+                   attention="auto", mesh=None, rules=None) -> CausalLM:
+  """The policy from a Hugging Face checkpoint directory."""
+  cfg = TransformerConfig.from_pretrained(directory)
+  return load(directory, lambda: CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                          attention=attention, rngs=nnx.Rngs(0)), mesh=mesh, rules=rules)
+
+
+def load_value_model(directory: str, *, from_policy: bool, dtype="float32", param_dtype="float32",
+                     remat=False, attention="auto", mesh=None, rules=None) -> ValueModel:
+  """The critic: from a policy checkpoint (backbone copied, value head zero) or its own."""
+  cfg = TransformerConfig.from_pretrained(directory)
+  return load(directory, lambda: ValueModel(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                            attention=attention, rngs=nnx.Rngs(0)),
+              mesh=mesh, rules=rules, allow_missing=("value_head",) if from_policy else ())
+
+
+def check_finite(path: str, module) -> None:
+  """Refuses a loaded checkpoint holding NaN or infinite weights, naming the tensors."""
+  flags = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree))(nnx.state(module))
+  bad = [jax.tree_util.keystr(k) for k, ok in jax.tree_util.tree_flatten_with_path(jax.device_get(flags))[0] if not ok]
+  if bad:
+    raise CheckpointError(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. {', '.join(bad[:3])}; "
+                          "this checkpoint cannot be trained from: use an earlier or a re-exported one")

@@ -1,0 +1,127 @@
+"""Rollout: G sampled responses for each of P prompts with the model being trained, on the devices.
+
+  engine = rollout.engine_for(config.rollout, model_cfg, sequences=P·G, prompt_tokens=Tp,
+                              dtype=cache_dtype, devices=data-parallel devices)
+  out, metrics = rollout.sample(model, prompt_tokens, prompt_mask, key, sampling=..., samples_per_prompt=G,
+                                engine=engine, pad_id=..., cache_dtype=..., jit=..., place=...)
+
+The package, one module a part:
+  sampling  the token sampler: temperature, top-k and top-p by threshold bisection (sort: oracle)
+  common    what both engines share: `Sampling`, the `Rollout`, prompt buckets, KV-cache sizing,
+            the prefill
+  static    the static engine: every sequence of a round in one batch (the reference)
+  refill    the refill engine: decode slots that take the next queued sequence as soon as theirs ends
+  here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
+
+`sample` runs the static engine (`static.generate`, optionally in rounds of prompts) or the refill
+engine (`refill.generate`); with at least as many slots as sequences there is nothing to refill
+and the static engine runs. Both sample the same tokens for the same key (sequence n of the call
+draws from `fold_in(key, n)`), so the engine is a speed setting, never a change of results.
+
+Metrics (`rollout_metrics`): `time/rollout_s` (prefill + decode, until the lengths reach the host),
+`perf/rollout_tokens_per_s` (response tokens / that time), `rollout/decode_steps`,
+`rollout/slots` (rows decoded per step at the start; the refill engine shrinks them in the tail),
+`rollout/slot_utilization` (response tokens / Σ rows × decode steps: the share of decoded rows
+that were a live sequence), `rollout/response_len_p50`,
+`_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`.
+"""
+
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vapo_jax import distributed
+from vapo_jax.kinds import RolloutEngine
+from vapo_jax.rollout import common, refill, static
+
+
+class Engine(NamedTuple):
+  """Which engine decodes and how (static: a change compiles new programs)."""
+
+  kind: RolloutEngine = "refill"
+  slots: int = 0  # refill: decode slots (rows); 0 or ≥ the sequences of a call: the static engine runs.
+  steps_per_call: int = 256  # refill: decode steps on the device per host call, at most.
+  # refill: in the tail (queue empty), halve the slots while at most half are live, down to this many
+  # (a multiple of the data-parallel devices); 0: never.
+  min_slots: int = 1
+  prompts_per_round: int | None = None  # static: generate in rounds of this many prompts (None: one).
+  decode_block: int | None = None  # KV-cache slots per block of decode attention (0: all; None: per platform).
+
+
+def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
+  """The `Engine` of a `RolloutConfig` for a call of `sequences` sequences of `prompt_tokens`-token
+  (bucketed) prompts: refill slots default to as many as `kv_cache_budget_gib` holds."""
+  r = rollout_config
+  if r.engine == "static":
+    return Engine(kind="static", prompts_per_round=r.prompts_per_generation, decode_block=r.decode_block)
+  slots = r.slots or common.slots_that_fit(
+      model_cfg, sequences=sequences, prompt_tokens=prompt_tokens, max_new_tokens=r.max_response_tokens,
+      budget_bytes=int(r.kv_cache_budget_gib * 2**30), dtype=dtype, devices=devices)
+  return Engine(kind="refill", slots=slots, steps_per_call=r.decode_steps_per_call,
+                min_slots=devices if r.shrink_slots else 0, decode_block=r.decode_block)
+
+
+def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: float, decode_steps: int,
+                    rows: int, row_steps: int) -> dict[str, float]:
+  """The metrics of one rollout (see the module docstring); `row_steps` = Σ rows × decode steps."""
+  lengths, finish_reason = np.asarray(lengths, np.float64), np.asarray(finish_reason)
+  tokens = float(lengths.sum())
+  return {"time/rollout_s": seconds, "perf/rollout_tokens_per_s": tokens / max(seconds, 1e-9),
+          "rollout/decode_steps": float(decode_steps), "rollout/slots": float(rows),
+          "rollout/slot_utilization": tokens / max(row_steps, 1),
+          "rollout/response_len_p50": float(np.percentile(lengths, 50)),
+          "rollout/response_len_p90": float(np.percentile(lengths, 90)),
+          "rollout/response_len_max": float(lengths.max()),
+          "rollout/finish_stop_frac": float(np.mean(finish_reason == common.FINISH_STOP)),
+          "rollout/finish_length_frac": float(np.mean(finish_reason == common.FINISH_LENGTH))}
+
+
+def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.Array, *,
+           sampling: common.Sampling, samples_per_prompt: int, engine: Engine = Engine(), pad_id: int = 0,
+           cache_dtype=jnp.float32, jit: Callable = jax.jit, place: Callable | None = None,
+           length_limits: np.ndarray | None = None) -> tuple[common.Rollout, dict[str, float]]:
+  """`samples_per_prompt` responses for each left-padded prompt (`common.pad_prompts`) with `engine`.
+
+  Returns the `Rollout` (device arrays; row n = p·G + g is sequence n of `key`) and its metrics.
+  `jit` builds the programs (the trainer's `Steps.jit` binds its mesh and sharding rules);
+  `place` puts host arrays on the devices (the trainer's `Steps.place`; default: the default
+  device). `length_limits` `[P·G]` in [1, max_new_tokens] ends sequence n at its own length
+  (finish reason "length"); the benchmark forces a length distribution with it.
+  """
+  place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
+  prompts, group = prompt_tokens.shape[0], samples_per_prompt
+  sequences = prompts * group
+  limits = None if length_limits is None else np.asarray(length_limits, np.int32)
+  start = time.perf_counter()
+  refilled = engine.kind == "refill" and 0 < engine.slots < sequences
+  if refilled:
+    out, decode_steps, row_steps = refill.generate(
+        model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
+        slots=engine.slots, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
+        decode_block=engine.decode_block, min_slots=engine.min_slots, jit=jit,
+        length_limits=None if limits is None else place(limits))
+    rows = engine.slots
+  else:
+    fn = static.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
+                               decode_block=engine.decode_block, jit=jit)
+    per_round = min(engine.prompts_per_round or prompts, prompts) if engine.kind == "static" else prompts
+    parts = []
+    for first in range(0, prompts, per_round):
+      seqs = slice(first * group, (first + per_round) * group)
+      tokens, mask = place((prompt_tokens[first:first + per_round], prompt_mask[first:first + per_round]))
+      # The first round's offset is the program's constant 0; later ones are placed (no implicit transfer).
+      offset = () if first == 0 else (place(np.asarray(first * group, np.int32)),)
+      parts.append(fn(model, tokens, mask, key, *offset) if limits is None else
+                   fn(model, tokens, mask, key, *(offset or (0,)), place(limits[seqs])))
+    out = parts[0] if len(parts) == 1 else common.Rollout(*(jnp.concatenate(fields) for fields in zip(*parts)))
+    rows = per_round * group
+  lengths, finish = distributed.to_host((out.response_lengths, out.finish_reason))  # Waits for the rollout.
+  seconds = time.perf_counter() - start
+  if not refilled:  # Each round runs until its longest response ends.
+    rounds = [lengths[i:i + rows] for i in range(0, sequences, rows)]
+    decode_steps, row_steps = sum(int(r.max()) for r in rounds), sum(int(r.max()) * len(r) for r in rounds)
+  return out, rollout_metrics(lengths, finish, seconds=seconds, decode_steps=decode_steps, rows=rows,
+                              row_steps=row_steps)

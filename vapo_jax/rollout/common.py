@@ -1,0 +1,132 @@
+"""What both rollout engines share: the sampling settings, the `Rollout` they return, prompt
+padding to bucket lengths, KV-cache sizing, the prefill and the finishing of a batch.
+
+Generation runs in-process with the model being trained. The P prompts are prefilled once
+(logits of the last position only), each prompt's cache shared by its G samples (prefill cost
+divided by G). Shapes are static: prompts are left-padded to a bucket length (`prompt_bucket`),
+responses are `max_new_tokens` long (masked after the stop).
+
+Log-probabilities. `sampler_logprobs` are under the distribution actually sampled from: logits
+divided by the temperature, then top-k, then top-p filtered and renormalised (0 for greedy, which
+is deterministic). `policy_logprobs` are the plain log-softmax of the model's logits at the chosen
+tokens — what the trainer recomputes, so their gap measures sampler/trainer mismatch.
+
+Randomness: sequence n of a call (row n = p·G + g of the output) samples its step t with
+`fold_in(fold_in(key, n), t)`, so its tokens depend only on the key, n, its prompt and the model —
+not on the engine, the slot it ran in, the rounds or the rest of the batch: the engines sample
+the same tokens.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vapo_jax.models.sharding import constrain
+from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.rollout import sampling as sampling_lib
+
+FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
+FINISH_LENGTH = 1  # Reached max_new_tokens (or the sequence's own length limit).
+
+
+class Sampling(NamedTuple):
+  """How to sample (static: a change compiles a new program)."""
+
+  max_new_tokens: int  # Response length limit.
+  stop_token_ids: tuple[int, ...]  # EOS and other stop tokens.
+  temperature: float = 1.0  # 0: greedy.
+  top_p: float = 1.0  # Nucleus mass (1: off).
+  top_k: int = 0  # 0: off.
+
+
+class Rollout(NamedTuple):
+  """Generated batch; B = P·G rows, each prompt's G samples contiguous."""
+
+  prompt_tokens: jax.Array  # [B, Tp] left-padded.
+  prompt_mask: jax.Array  # [B, Tp].
+  response_tokens: jax.Array  # [B, Tr] (pad_id after the end).
+  response_mask: jax.Array  # [B, Tr] true up to and including the stop token.
+  response_lengths: jax.Array  # [B] int32.
+  finish_reason: jax.Array  # [B] FINISH_STOP or FINISH_LENGTH.
+  sampler_logprobs: jax.Array  # [B, Tr] under the sampling distribution (0 where masked).
+  policy_logprobs: jax.Array  # [B, Tr] plain log-softmax of the logits (0 where masked).
+
+
+def prompt_bucket(length: int, *, minimum: int = 16) -> int:
+  """The padded prompt length for `length` tokens: the next power of two, at least `minimum`."""
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
+
+
+def cache_bytes(model_cfg, *, batch: int, prompt_tokens: int, max_new_tokens: int, dtype=jnp.float32,
+                devices: int = 1) -> int:
+  """Per-device memory of the KV cache for a rollout batch split over `devices`, before allocating."""
+  per_device = math.ceil(batch / devices)
+  return KVCache.bytes(model_cfg, per_device, prompt_tokens + max_new_tokens, dtype)
+
+
+def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_bytes, dtype=jnp.float32,
+                     devices=1) -> int:
+  """Raises with what to change when the KV cache will not fit `budget_bytes` per device."""
+  needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                       dtype=dtype, devices=devices)
+  if needed > budget_bytes:
+    raise MemoryError(
+        f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_new_tokens} new tokens needs "
+        f"{needed / 2**30:.2f} GiB per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), "
+        f"over the budget of {budget_bytes / 2**30:.2f} GiB: lower rollout.prompts_per_step or "
+        f"rollout.max_response_tokens, or use more data-parallel devices")
+  return needed
+
+
+def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tokens: int, budget_bytes: int,
+                   dtype=jnp.float32, devices: int = 1) -> int:
+  """The most decode slots, a multiple of `devices` and no more than `sequences` need (rounded up
+  to `devices`), whose KV cache fits `budget_bytes` per device; raises when not one slot per device fits."""
+  per_sequence = cache_bytes(model_cfg, batch=1, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                             dtype=dtype)
+  per_device = min(-(-sequences // devices), budget_bytes // per_sequence)
+  if per_device < 1:
+    check_cache_fits(model_cfg, batch=devices, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                     budget_bytes=budget_bytes, dtype=dtype, devices=devices)
+  return per_device * devices
+
+
+def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):
+  """One token per row from `[B, V]` logits with per-row keys `[B]`: (tokens, sampler, policy) `[B]`."""
+  return sampling_lib.sample_tokens(keys, logits, temperature=sampling.temperature, top_k=sampling.top_k,
+                                    top_p=sampling.top_p, sorted_filter=sorted_filter)
+
+
+def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype, decode_block: int | None):
+  """The P prompts through the model once: (last-position logits [P, V], cache [P, Tp])."""
+  cache = KVCache.zeros(model.cfg, *prompt_tokens.shape, cache_dtype, decode_block=decode_block)
+  return model.last_logits(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache)
+
+
+def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, lengths, stopped, *, group: int,
+                     pad_id: int) -> Rollout:
+  """The `Rollout` of `[B, Tr]` decoded tokens and log-probs, valid up to `lengths` `[B]`."""
+  expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
+  response_mask = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+  return Rollout(
+      prompt_tokens=expand(prompt_tokens), prompt_mask=expand(prompt_mask.astype(bool)),
+      response_tokens=jnp.where(response_mask, tokens, pad_id), response_mask=response_mask,
+      response_lengths=lengths.astype(jnp.int32),
+      finish_reason=jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32),
+      sampler_logprobs=jnp.where(response_mask, sampler, 0.0), policy_logprobs=jnp.where(response_mask, policy, 0.0))
+
+
+def pad_prompts(prompts: list[list[int]], *, pad_id: int, bucket_minimum: int = 16) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to their bucket length: (tokens [P, Tp], mask [P, Tp])."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token")
+  length = prompt_bucket(max(map(len, prompts)), minimum=bucket_minimum)
+  tokens = np.full((len(prompts), length), pad_id, np.int32)
+  mask = np.zeros((len(prompts), length), bool)
+  for i, prompt in enumerate(prompts):
+    tokens[i, length - len(prompt):] = prompt
+    mask[i, length - len(prompt):] = True
+  return tokens, mask

@@ -1,0 +1,96 @@
+"""The static engine: every sequence of a call in one batch, decoded in a jitted
+`lax.while_loop` that stops when every sequence has finished (the reference the refill engine is
+tested against; `rollout.sample` runs it in rounds of prompts when asked).
+
+The P prompts are prefilled once and each prompt's cache is repeated for its G samples, in a
+cache with room for the response; each decode step samples one token per row (`common`'s
+randomness: sequence n's step t draws from `fold_in(fold_in(key, n), t)`).
+"""
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from vapo_jax.models.sharding import constrain
+from vapo_jax.models.transformer import KVCache
+from vapo_jax.rollout.common import Rollout, Sampling, finished_rollout, prefill, sample_tokens
+
+
+class Loop(NamedTuple):
+  """The decode loop's carry: step, cache, next-token logits `[B, V]`, done `[B]`, and the outputs `[B, Tr]`."""
+
+  step: jax.Array
+  cache: KVCache
+  next_logits: jax.Array
+  done: jax.Array
+  tokens: jax.Array
+  sampler: jax.Array
+  policy: jax.Array
+
+
+def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+             sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0, cache_dtype=jnp.float32,
+             decode_block: int | None = None, first_sequence: jax.Array | int = 0,
+             length_limits: jax.Array | None = None) -> Rollout:
+  """The static engine: `samples_per_prompt` responses for each of the P left-padded prompts `[P, Tp]`.
+
+  Jit it with the keyword arguments static except `first_sequence` and `length_limits` (see
+  `make_generate`). Row b = p·G + g of the output is sample g of prompt p, sequence
+  `first_sequence + b` of the key. `length_limits` `[B]` (≤ max_new_tokens) ends row b at its own
+  length (finish reason "length"); None: max_new_tokens for every row.
+  """
+  prompts, prompt_len = prompt_tokens.shape
+  group, steps = samples_per_prompt, sampling.max_new_tokens
+  batch = prompts * group
+  prompt_mask = prompt_mask.astype(bool)
+  logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
+                                  decode_block=decode_block)
+  # Share each prompt's cache with its G samples, in a cache with room for the response.
+  expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
+  pad_slots = lambda x: jnp.pad(x, ((0, 0), (0, steps)) + ((0, 0),) * (x.ndim - 2))
+  cache = KVCache(tuple(pad_slots(expand(k)) for k in prefill_cache.keys),
+                  tuple(pad_slots(expand(v)) for v in prefill_cache.values),
+                  pad_slots(expand(prefill_cache.mask)), prefill_cache.length, decode_block)
+  next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
+  row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
+  stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
+  limits = jnp.full((batch,), steps, jnp.int32) if length_limits is None else jnp.asarray(length_limits, jnp.int32)
+
+  def body(s: Loop) -> Loop:
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(row_keys)
+    tokens, sampler, policy = sample_tokens(step_keys, s.next_logits, sampling)
+    live = ~s.done
+    tokens = jnp.where(live, tokens, pad_id)
+    done = s.done | jnp.isin(tokens, stop_ids) | (s.step + 1 >= limits)
+    write = lambda buffer, x: jax.lax.dynamic_update_slice(buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None], (0, s.step))
+    logits, cache = model(tokens[:, None], (next_position + s.step)[:, None], jnp.ones((batch, 1), bool), s.cache)
+    return Loop(s.step + 1, cache, logits[:, -1], done,
+                jax.lax.dynamic_update_slice(s.tokens, tokens[:, None], (0, s.step)),
+                write(s.sampler, sampler), write(s.policy, policy))
+
+  def cond(s: Loop):
+    return (s.step < steps) & ~jnp.all(s.done)
+
+  init = Loop(jnp.zeros((), jnp.int32), cache, expand(logits), jnp.zeros((batch,), bool),
+              jnp.full((batch, steps), pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+              jnp.zeros((batch, steps), jnp.float32))
+  final = jax.lax.while_loop(cond, body, init)
+  # A row is valid up to and including its first stop token, and at most up to its limit.
+  is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(steps)[None] < limits[:, None])
+  first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), steps)
+  lengths = jnp.minimum(first_stop + 1, limits)
+  return finished_rollout(prompt_tokens, prompt_mask, final.tokens, final.sampler, final.policy, lengths,
+                          first_stop < limits, group=group, pad_id=pad_id)
+
+
+@functools.lru_cache(maxsize=32)
+def make_generate(*, sampling: Sampling, samples_per_prompt: int, pad_id: int, cache_dtype=jnp.float32,
+                  decode_block: int | None = None, jit: Callable = jax.jit):
+  """The static `generate` jitted for one setting: `fn(model, prompt_tokens, prompt_mask, key,
+  first_sequence=0, length_limits=None)`."""
+  return jit(lambda model, tokens, mask, key, first_sequence=0, length_limits=None: generate(
+      model, tokens, mask, key, sampling=sampling, samples_per_prompt=samples_per_prompt, pad_id=pad_id,
+      cache_dtype=cache_dtype, decode_block=decode_block, first_sequence=first_sequence,
+      length_limits=length_limits))

@@ -1,0 +1,132 @@
+"""The run's surroundings: the model and its numerics, the device mesh, the data, the held-out
+evaluation, checkpoints and logs (the sections of `config.ExperimentConfig` besides the algorithm's).
+Frozen, keyword-only dataclasses, validated at construction like `config.py`'s."""
+
+from typing import Literal
+
+from vapo_jax.checks import frozen, in_range, positive_int, require
+from vapo_jax.kinds import Attention, DType, MeshPreset, Schema, Template
+from vapo_jax.models.config import PRESETS as MODEL_PRESETS
+
+
+@frozen
+class DataConfig:
+  """Training prompts."""
+
+  train_path: str | None = None  # jsonl / json / parquet file, or "hf:NAME[:CONFIG]" / a dataset dir.
+  schema: Literal["auto", Schema] = "auto"  # Row layout ("auto": detected from the first row's keys).
+  prompt_field: str | None = None  # Dotted path of the problem text (e.g. "prompt.0.content").
+  answer_field: str | None = None  # Dotted path of the reference answer.
+  id_field: str | None = None  # Dotted path of the row id (default: the row number).
+  split: str = "train"  # Hugging Face datasets split.
+  template: Template = "dapo"  # Instruction wrapped around each problem.
+  chat_template: bool = True  # Wrap the prompt in the tokenizer's chat template.
+  dedup: bool = True  # Drop repeated problems (conflicting answers are reported).
+  seed: int = 0  # Shuffling seed.
+  skip_bad_rows: bool = False  # Warn and skip malformed rows instead of failing.
+
+  def __post_init__(self):
+    positive_int(self, "seed", allow_zero=True)
+
+
+@frozen
+class EvalConfig:
+  """Held-out evaluation (the paper: AIME 2024 avg@32 at temperature 1.0, top-p 0.7)."""
+
+  path: str | None = None  # Evaluation problems; None: no evaluation.
+  max_problems: int | None = None  # Evaluate on the first N problems only (None: all).
+  samples_per_problem: int = 32  # k of avg@k.
+  temperature: float = 1.0  # Sampling temperature.
+  top_p: float = 0.7  # Nucleus sampling mass.
+  every_steps: int = 50  # Evaluate every this many RL steps (0: only at the end).
+
+  def __post_init__(self):
+    if self.max_problems is not None:
+      positive_int(self, "max_problems")
+    positive_int(self, "samples_per_problem")
+    in_range(self, "temperature", 0.0, 100.0)
+    in_range(self, "top_p", 0.0, 1.0, lo_open=True)
+    positive_int(self, "every_steps", allow_zero=True)
+
+
+@frozen
+class LogConfig:
+  """What a run reports, and when it warns."""
+
+  collapse_length_frac: float = 0.3  # Warn when the mean response length falls below this fraction of its first value.
+  collapse_entropy: float = 0.05  # Warn when the mean token entropy (nats) falls below this.
+  wandb: bool = False  # Also log to Weights & Biases (`pip install -e ".[wandb]"`).
+  wandb_project: str = "vapo_jax"  # W&B project.
+  wandb_entity: str | None = None  # W&B entity (team or user); None: the account's default.
+  # "auto": online when an API key is found (WANDB_API_KEY or `wandb login`), else offline into
+  # <run_dir>/wandb (upload later with `wandb sync`). The WANDB_MODE variable, when set, wins.
+  wandb_mode: Literal["auto", "online", "offline"] = "auto"
+
+  def __post_init__(self):
+    in_range(self, "collapse_length_frac", 0.0, 1.0)
+    in_range(self, "collapse_entropy", 0.0, 100.0)
+    require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
+
+
+@frozen
+class ModelConfig:
+  """Policy and critic networks."""
+
+  checkpoint: str | None = None  # Hugging Face checkpoint directory of the initial policy.
+  # The critic's own checkpoint: a value model, or a reward model (a one-output `score` head) as the
+  # paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
+  critic_checkpoint: str | None = None
+  preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
+  dtype: DType = "bfloat16"  # Compute dtype.
+  param_dtype: DType = "float32"  # Parameter storage dtype.
+  remat: bool = True  # Rematerialise each layer's activations in the backward pass.
+  # Attention kernel (models/attention.py): "auto" = splash on TPU, cudnn on GPU in bf16, else chunked.
+  attention: Attention = "auto"
+  tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
+  random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
+  init_seed: int = 0  # Seed of the random initialisation.
+  # Log-probs, entropy and SFT hold at most B·logits_chunk·V float32 logits at once (models/logprobs.py).
+  logits_chunk: int = 512
+
+  def __post_init__(self):
+    require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
+             self.preset)
+    positive_int(self, "logits_chunk")
+
+
+@frozen
+class MeshConfig:
+  """Device mesh (data, fsdp, tensor) and the sharding preset mapping logical axes onto it."""
+
+  preset: MeshPreset = "fsdp"  # Logical-axis → mesh-axis rules (models/sharding.py).
+  data: int = -1  # Data-parallel size; -1 fills the devices left over.
+  fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
+  tensor: int = 1  # Tensor-parallel size.
+  device_memory_gib: float | None = None  # Memory per device for the plan; None: the device's own report.
+  check_memory: bool = True  # Refuse (before compiling) a configuration whose plan exceeds the memory.
+
+  def __post_init__(self):
+    if self.device_memory_gib is not None:
+      in_range(self, "device_memory_gib", 0.0, 1e6, lo_open=True)
+    for name in ("data", "fsdp", "tensor"):
+      value = getattr(self, name)
+      require(isinstance(value, int) and (value >= 1 or value == -1), self, name,
+               "must be a positive integer or -1 (fill)", value)
+    require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
+             "allows at most one axis of -1", (self.data, self.fsdp, self.tensor))
+
+
+@frozen
+class CheckpointConfig:
+  """Orbax checkpoints of the whole training state, automatic resume and preemption."""
+
+  every_steps: int = 50  # Save after every this many steps of a stage (and at each stage's end); 0: never.
+  keep: int = 3  # Keep the last this many checkpoints.
+  async_save: bool = True  # Write in the background (arrays are copied to host first).
+  resume: bool = True  # Resume from the newest complete checkpoint of the run directory.
+  allow_config_change: bool = False  # Resume even when the resolved config differs (the fields are listed).
+  export_final: bool = True  # Write the final policy as a Hugging Face directory (`<run>/export`).
+
+  def __post_init__(self):
+    positive_int(self, "every_steps", allow_zero=True)
+    positive_int(self, "keep")

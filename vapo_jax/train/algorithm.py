@@ -1,0 +1,125 @@
+"""The algorithm's glue: which advantage estimator and losses a config selects.
+
+This module reads `AlgoConfig` and calls the pure functions in `advantages`, `losses` and
+`masked`; it is what the train step calls, and the one place where VAPO, PPO, GRPO and DAPO differ.
+
+The VAPO techniques it switches (Yue et al. 2025, arXiv 2504.05118): decoupled GAE (§4.1;
+value pretraining, also §4.1, is a trainer stage), length-adaptive λ_actor and the token-level
+loss (§4.2), clip-higher and the positive-example NLL (§4.3; group sampling, also §4.3, is the
+rollout's `samples_per_prompt`).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from vapo_jax.config import AlgoConfig
+from vapo_jax.rl import advantages as adv, losses, masked
+
+
+class Denominators(NamedTuple):
+  """Normalisers of a whole mini-batch, so micro-batch losses add up to the mini-batch loss."""
+
+  policy: jax.Array  # Valid tokens (token-mean) or non-empty sequences (sequence modes).
+  positive_tokens: jax.Array  # Valid tokens of positive (correct) responses.
+  value: jax.Array  # Valid tokens (the value loss is a token mean).
+
+  @classmethod
+  def of(cls, algo: AlgoConfig, response_mask: jax.Array, is_positive: jax.Array) -> "Denominators":
+    mask = jnp.asarray(response_mask).astype(bool)
+    tokens = jnp.sum(mask).astype(jnp.float32)
+    sequences = jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
+    positive = jnp.sum(mask & jnp.asarray(is_positive).astype(bool)[:, None]).astype(jnp.float32)
+    return cls(tokens if algo.loss_agg == "token-mean" else sequences, positive, tokens)
+
+
+class Advantages(NamedTuple):
+  advantages: jax.Array  # [B, T] actor advantages (whitened if configured).
+  returns: jax.Array  # [B, T] critic targets (zeros for the "group" estimator).
+  lam_actor: jax.Array  # [B] λ used for the actor.
+
+
+def compute_advantages(
+    algo: AlgoConfig,
+    rewards: jax.Array,
+    values: jax.Array,
+    response_mask: jax.Array,
+    scores: jax.Array,
+    *,
+    group_size: int,
+) -> Advantages:
+  """Advantages and value targets for a rollout batch.
+
+  Args:
+    algo: the algorithm config.
+    rewards: `[B, T]` token rewards (outcome reward on the last valid token).
+    values: `[B, T]` critic values V(s_t) (ignored by the "group" estimator).
+    response_mask: `[B, T]`.
+    scores: `[B]` outcome scores (the "group" estimator's input).
+    group_size: G, samples per prompt (contiguous in the batch).
+  """
+  lengths = masked.masked_count(response_mask, axis=-1)
+  batch = lengths.shape[0]
+  if algo.length_adaptive_alpha is not None:
+    lam_actor = adv.length_adaptive_lambda(lengths, alpha=algo.length_adaptive_alpha)
+  else:
+    lam_actor = jnp.full((batch,), algo.lam_actor, jnp.float32)
+  match algo.estimator:
+    case "gae":
+      lam_critic = algo.lam_critic if algo.decoupled_gae else lam_actor
+      result = adv.decoupled_gae(rewards, values, response_mask, gamma=algo.gamma,
+                                 lam_actor=lam_actor, lam_critic=lam_critic)
+      advantages, returns = result.advantages, result.returns
+      if algo.whiten_advantages:
+        advantages = masked.masked_whiten(advantages, response_mask)
+    case "group":
+      advantages = adv.group_normalized_advantages(
+          scores, response_mask, group_size=group_size, normalize_std=algo.group_std_normalize)
+      returns = jnp.zeros_like(advantages)
+    case _:
+      raise ValueError(f"unknown estimator {algo.estimator!r}")
+  return Advantages(advantages, returns, lam_actor)
+
+
+def actor_loss(
+    algo: AlgoConfig,
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    response_mask: jax.Array,
+    is_positive: jax.Array,
+    *,
+    ref_logprobs: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+    denominators: Denominators | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured).
+
+  `denominators` (of the whole mini-batch) make this a micro-batch's share of the mini-batch
+  loss; None normalises by this batch alone.
+  """
+  d = denominators or Denominators(None, None, None)
+  policy, metrics = losses.ppo_policy_loss(
+      logprobs, old_logprobs, advantages, response_mask, eps_low=algo.eps_low,
+      eps_high=algo.eps_high, dual_clip=algo.dual_clip, mode=algo.loss_agg, denominator=d.policy)
+  metrics = {f"actor/{k}": v for k, v in metrics.items()} | {"actor/pg_loss": policy}
+  total = policy
+  if algo.positive_nll_coef > 0:
+    nll, nll_metrics = losses.positive_example_nll_loss(logprobs, response_mask, is_positive,
+                                                        denominator=d.positive_tokens)
+    total = total + algo.positive_nll_coef * nll
+    metrics |= {"actor/nll_loss": nll} | {f"actor/{k}": v for k, v in nll_metrics.items()}
+  if algo.kl_coef > 0:
+    if ref_logprobs is None:
+      raise ValueError("algo.kl_coef > 0 needs ref_logprobs")
+    kl = losses.aggregate_loss(losses.kl_penalty(logprobs, ref_logprobs, estimator=algo.kl_estimator),
+                               response_mask, mode=algo.loss_agg, denominator=d.policy)
+    total = total + algo.kl_coef * kl
+    metrics["actor/ref_kl"] = kl
+  if entropy is not None:
+    mean_entropy = losses.aggregate_loss(entropy, response_mask, mode=algo.loss_agg, denominator=d.policy)
+    total = total - algo.entropy_coef * mean_entropy
+    metrics["actor/entropy"] = mean_entropy
+  metrics["actor/loss"] = total
+  return total, metrics

@@ -1,0 +1,229 @@
+"""Checkpoints of a whole run: one pytree of arrays plus a JSON record, with Orbax.
+
+A checkpoint holds everything a resume needs, so that a restarted run continues exactly where
+the saved one was:
+
+  state (arrays)  the run's `state.TrainState` (`state.to_checkpoint`): actor and critic
+                  parameters, both optimizer states (with optax's update counts), the supervised
+                  stage's optimizer state while it runs, the reference policy when a KL term is
+                  used, and the PRNG key (as its raw uint32 data);
+  meta (JSON)     the run's `state.Progress` (stage and steps done in it, the prompt iterator's
+                  position, the supervised stage's NumPy generator state, value-pretraining
+                  progress, the evaluations), the length of metrics.jsonl at save time, and the
+                  resolved config.
+
+Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
+half-written checkpoint is never listed; one that is listed but unreadable (truncated, files
+lost) is skipped with a warning and the next older one is used.
+"""
+
+import dataclasses
+import os
+import signal
+import threading
+import warnings
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from vapo_jax import distributed
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.run_config import CheckpointConfig
+
+from vapo_jax.errors import ConfigError
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
+NOT_COMPARED = ("checkpoint.", "log.wandb")  # Config fields that may change between a run and its resume.
+# Fields holding paths: the same file spelled differently ("runs" and "/home/me/runs") is no change.
+PATH_FIELDS = ("run_dir", "data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
+               "model.tokenizer")
+
+
+class Preempted(Exception):
+  """Raised after a SIGTERM or Ctrl-C once the current step has finished and a checkpoint is written;
+  `exit_code` is what the process should exit with (75 for SIGTERM, 130 for SIGINT)."""
+
+  def __init__(self, message: str, *, exit_code: int = PREEMPTED_EXIT_CODE):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """`{"algo.eps_high": 0.28, ...}` from a nested dict of config fields."""
+  if isinstance(tree, dict):
+    out = {}
+    for key, value in tree.items():
+      out |= flatten(value, f"{prefix}{key}.")
+    return out
+  return {prefix[:-1]: list(tree) if isinstance(tree, tuple) else tree}
+
+
+def same_path(a: Any, b: Any) -> bool:
+  """Whether two path settings name the same file: equal once made absolute (relative to the
+  working directory), or the same existing file (symbolic links followed)."""
+  if not isinstance(a, str) or not isinstance(b, str):
+    return False
+  if os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b)):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:
+    return False
+
+
+def config_differences(saved: dict, current: ExperimentConfig) -> list[str]:
+  """`field: saved → now` for every compared field that differs between two resolved configs
+  (a path field spelled differently for the same file does not differ)."""
+  old, new = flatten(saved), flatten(dataclasses.asdict(current))
+  defaults = flatten(dataclasses.asdict(ExperimentConfig(name=current.name)))
+  diffs = []
+  for key in sorted(old.keys() | new.keys()):
+    if key.startswith(NOT_COMPARED) or old.get(key, "<absent>") == new.get(key, "<absent>"):
+      continue
+    if key not in old and new[key] == defaults.get(key, "<absent>"):
+      continue  # A field added since the checkpoint was saved, at its default: the run is the same.
+    if key in PATH_FIELDS and same_path(old.get(key), new.get(key)):
+      continue
+    diffs.append(f"{key}: {old.get(key, '<absent>')!r} → {new.get(key, '<absent>')!r}")
+  return diffs
+
+
+def abstract(tree, mesh: jax.sharding.Mesh | None = None):
+  """Shapes, dtypes and shardings of a pytree of arrays: the restore target.
+
+  With a mesh, arrays not laid out on it (an optimizer's step count, placed on one device by
+  `jit`) are restored replicated over it, so that every restored array lives on the same devices.
+  """
+  def target(x):
+    sharding = x.sharding
+    if mesh is not None and not isinstance(sharding, jax.sharding.NamedSharding):
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  return jax.tree.map(target, tree)
+
+
+class RunCheckpoints:
+  """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one."""
+
+  def __init__(self, directory: str, config: CheckpointConfig):
+    self.directory, self.config = os.path.abspath(directory), config
+    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=config.async_save,
+                                           create=True, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
+    """Saves (in the background when configured: arrays are copied to host before this returns)."""
+    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                    meta=ocp.args.JsonSave(meta)), force=True)
+    if wait:
+      self.manager.wait_until_finished()
+
+  def latest_meta(self) -> tuple[int, dict] | None:
+    """The newest checkpoint whose JSON record reads, without its arrays."""
+    for step in reversed(self.steps()):
+      try:
+        return step, self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      except Exception as e:  # Orbax raises several types for missing or corrupt files.
+        self._skip(step, e)
+    return None
+
+  def restore(self, step: int, target) -> Any:
+    """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says."""
+    return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+
+  def restore_latest(self, make_target) -> tuple[int, Any, dict] | None:
+    """(step, state, meta) of the newest fully readable checkpoint; `make_target(meta)` gives the target."""
+    for step in reversed(self.steps()):
+      try:
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        target = make_target(meta)  # A refusal (changed config) is raised, not skipped.
+      except ConfigError:
+        raise
+      except Exception as e:  # Orbax raises several types for missing or corrupt files.
+        self._skip(step, e)
+        continue
+      try:
+        return step, self.restore(step, target), meta
+      except Exception as e:
+        self._skip(step, e)
+    return None
+
+  def _skip(self, step: int, error: Exception) -> None:
+    path = os.path.join(self.directory, str(step))
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    warnings.warn(f"checkpoint {path} is incomplete or unreadable ({type(error).__name__}: {first_line[:300]}); "
+                  "skipping it", stacklevel=3)
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+class PreemptionFlag:
+  """Set by SIGTERM (the signal a TPU VM or a scheduler sends before taking the machine away) or
+  SIGINT (Ctrl-C): the run finishes its step, saves and stops. A SIGINT after the first signal
+  raises KeyboardInterrupt at once (abort without saving). `signum` is the first signal received;
+  `exit_code` is 130 after SIGINT, else 75."""
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.event = threading.Event()
+    self.signum: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def install(self) -> None:
+    if threading.current_thread() is threading.main_thread():
+      for signum in self.SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+
+  def uninstall(self) -> None:
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}
+
+  def _handle(self, signum: int, frame) -> None:
+    if self.event.is_set():
+      if signum == signal.SIGINT:
+        os.write(2, b"\nsecond Ctrl-C: aborting now, without saving\n")
+        raise KeyboardInterrupt
+      return  # A repeated SIGTERM: already stopping.
+    self.signum = signum
+    self.event.set()
+    how = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
+    again = "; press Ctrl-C again to abort at once without saving" if signum == signal.SIGINT else ""
+    os.write(2, f"\n{how} received: finishing the current step, then saving a checkpoint and stopping "
+                f"(exit {self.exit_code}{again})\n".encode())
+
+  @property
+  def exit_code(self) -> int:
+    return INTERRUPTED_EXIT_CODE if self.signum == signal.SIGINT else PREEMPTED_EXIT_CODE
+
+  @property
+  def signal_name(self) -> str:
+    """What stopped the run, for messages: "SIGTERM", "Ctrl-C (SIGINT)" (a signal on another process: "SIGTERM")."""
+    return "Ctrl-C (SIGINT)" if self.signum == signal.SIGINT else "SIGTERM"
+
+  def is_set(self) -> bool:
+    """Whether any process of the run got the signal (all processes must then stop together)."""
+    return distributed.any_process(self.event.is_set())
+
+
+def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir: str) -> None:
+  """Refuses a resume whose resolved config differs from the saved one, unless allowed."""
+  diffs = config_differences(saved_config, config)
+  if diffs and not config.checkpoint.allow_config_change:
+    raise ConfigError(
+        f"the run in {checkpoint_dir} was saved with a different config; refusing to resume. Fields that differ "
+        f"(saved → now):\n  " + "\n  ".join(diffs) +
+        "\nUse the saved values, another experiment name, or pass checkpoint.allow_config_change=true.")
+  if diffs:
+    warnings.warn("resuming with a changed config (checkpoint.allow_config_change=true):\n  " + "\n  ".join(diffs))

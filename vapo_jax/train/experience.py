@@ -1,0 +1,209 @@
+"""Experience: prompts → sampled responses → verifier rewards, for training and evaluation.
+
+  experience = Experience(config, steps=steps, model_cfg=model_cfg, tokenizer=tokenizer, pool=pool)
+  out, rewards, correct, stats = experience.sample(state, prompts, key)     # then `steps.score`
+
+The rollout stays on the devices as global arrays. Crossing to the host, and nothing else:
+the prompts' token ids (in), the token ids and lengths of this process's share of the responses
+(out, for the verifier), and the verifier's rewards and verdicts (in). Dynamic sampling also
+brings every process the verdicts of the whole batch and sends back the rows it keeps.
+
+`generate` is the one path from problems to sampled responses: the trainer's rollouts, its
+held-out evaluation and `make eval` all call it.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vapo_jax import distributed, rollout
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.data import problems
+from vapo_jax.data.prompt_iterator import PromptIterator
+from vapo_jax.data.records import Record
+from vapo_jax.errors import ConfigError
+from vapo_jax.rewards import reward as reward_lib
+from vapo_jax.rollout import common
+from vapo_jax.train.state import TrainState
+from vapo_jax.train.steps import Steps, TrainBatch
+
+
+class DynamicSamplingCapReached(RuntimeError):
+  """Dynamic sampling hit `algo.dynamic_sampling_max_rounds` with `dynamic_sampling_on_cap="raise"`."""
+
+
+def stop_ids(config: ExperimentConfig, tokenizer) -> tuple[int, ...]:
+  """The tokens that end a response: the tokenizer's EOS and `rollout.stop_token_ids`."""
+  return tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
+
+
+def engine(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, prompt_tokens: int,
+           devices: int) -> rollout.Engine:
+  """The rollout engine for `prompts` × `group` sequences of `prompt_tokens`-token prompts split over
+  `devices` data-parallel devices; a KV cache over `rollout.kv_cache_budget_gib` per device is a
+  `ConfigError` naming what to change."""
+  settings, dtype = config.rollout, jnp.dtype(config.model.dtype)
+  try:
+    chosen = rollout.engine_for(settings, model_cfg, sequences=prompts * group, prompt_tokens=prompt_tokens,
+                                dtype=dtype, devices=devices)
+    if chosen.kind == "static":
+      common.check_cache_fits(model_cfg, batch=min(settings.prompts_per_generation or prompts, prompts) * group,
+                              prompt_tokens=prompt_tokens, max_new_tokens=settings.max_response_tokens, dtype=dtype,
+                              devices=devices, budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+  except MemoryError as e:
+    raise ConfigError(str(e)) from None
+  return chosen
+
+
+def generate(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer, group: int,
+             temperature: float, top_p: float, top_k: int = 0, jit=jax.jit, place=None,
+             devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
+  """`group` sampled responses for each record's prompt (B = len(records)·group; sequence n draws from
+  fold_in(key, n) whatever the engine) and the rollout's metrics, with the configured engine.
+  `jit`, `place` and `devices`: a run's mesh (`Steps.jit`, `Steps.place`, its data-parallel devices);
+  the defaults run on the default device."""
+  tokens, mask = common.pad_prompts([problems.encode_prompt(x, tokenizer, config) for x in records],
+                                    pad_id=tokenizer.pad_token_id)
+  dtype = jnp.dtype(config.model.dtype)
+  sampling = common.Sampling(max_new_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_ids(config, tokenizer),
+                             temperature=temperature, top_p=top_p, top_k=top_k)
+  chosen = engine(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1], devices=devices)
+  return rollout.sample(model, tokens, mask, key, sampling=sampling, samples_per_prompt=group, engine=chosen,
+                        pad_id=tokenizer.pad_token_id, cache_dtype=dtype, jit=jit, place=place)
+
+
+def demonstrations(rows: list[Record], tokenizer, config: ExperimentConfig) -> TrainBatch:
+  """The supervised warm start's host batch: each row's prompt, then its solution and EOS (cut at
+  `rollout.max_response_tokens`), as a `TrainBatch` of tokens, attention and response masks."""
+  eos, length, pad = tokenizer.eos_token_id, config.rollout.max_response_tokens, tokenizer.pad_token_id
+  prompt_tokens, prompt_mask = common.pad_prompts([problems.encode_prompt(r, tokenizer, config) for r in rows],
+                                                  pad_id=pad)
+  response = np.full((len(rows), length), pad, np.int32)
+  lengths = np.zeros(len(rows), np.int32)
+  for b, row in enumerate(rows):
+    ids = (tokenizer.encode(row.solution) + [eos])[:length]
+    response[b, :len(ids)], lengths[b] = ids, len(ids)
+  response_mask = np.arange(length)[None] < lengths[:, None]
+  tokens, attention = (np.concatenate(x, axis=1) for x in ((prompt_tokens, response), (prompt_mask, response_mask)))
+  return TrainBatch(tokens, attention, response_mask, None, None, np.zeros(len(rows), bool))
+
+class Experience:
+  """Sampling and verifying for one run (its config, programs, model shape, tokenizer and verifier)."""
+
+  def __init__(self, config: ExperimentConfig, *, steps: Steps, model_cfg, tokenizer, pool):
+    self.config, self.steps, self.model_cfg, self.tokenizer, self.pool = config, steps, model_cfg, tokenizer, pool
+
+  def generate(self, state: TrainState, records: list[Record], key: jax.Array, *, group: int, temperature: float,
+               top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
+    """`generate` with the run's policy, as global arrays on its mesh."""
+    return generate(nnx.merge(self.steps.actor_def, state.actor), records, key, config=self.config,
+                    tokenizer=self.tokenizer, group=group, temperature=temperature, top_p=top_p, top_k=top_k,
+                    jit=self.steps.jit, place=self.steps.place, devices=self.steps.shards)
+
+  def check_cache_budget(self) -> None:
+    """At start-up: the KV cache of a training rollout with the longest prompts allowed fits."""
+    settings = self.config.rollout
+    engine(self.config, self.model_cfg, prompts=settings.prompts_per_step, group=settings.samples_per_prompt,
+           prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens), devices=self.steps.shards)
+
+  def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
+    """Verifier rewards of this process's share of the responses (a host transfer of their token ids
+    and lengths); with several processes the per-response fields are this process's rows only and
+    the metrics are combined over processes."""
+    config = self.config
+    share, tokens = distributed.local_rows(out.response_tokens)
+    _, lengths = distributed.local_rows(out.response_lengths)
+    texts = [self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)]
+    scored = reward_lib.compute_rewards(
+        self.pool, texts, answers[share], lengths, correct_reward=config.reward.correct,
+        incorrect_reward=config.reward.incorrect, forms=config.reward.answer_forms,
+        max_response_tokens=config.rollout.max_response_tokens, overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
+        overlong_penalty_factor=config.algo.overlong_penalty_factor, format_penalty_value=config.reward.format_penalty)
+    scored = scored._replace(metrics=distributed.combine_metrics(scored.metrics))
+    reward_lib.check_errors(scored, self.pool, max_error_frac=config.reward.max_error_frac)  # Every process agrees.
+    return scored
+
+  def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array):
+    """A verified rollout of P prompts × G samples: (rollout, rewards, correct, stats), the rewards and
+    verdicts as global arrays. Under dynamic sampling, refilled with groups of mixed verdicts."""
+    config, settings = self.config, self.config.rollout
+    group = settings.samples_per_prompt
+    if not config.algo.dynamic_sampling:
+      records = next(prompts)
+      out, generated = self.generate(state, records, key, group=group, temperature=settings.temperature,
+                                     top_p=settings.top_p, top_k=settings.top_k)
+      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
+      rewards, correct = self._place_share(scored, out)
+      return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
+    kept, spare, parts, rounds, rollout_s = [], [], [], 0, 0.0
+    while True:
+      records = next(prompts)
+      key, sample_key = jax.random.split(key)
+      out, generated = self.generate(state, records, sample_key, group=group, temperature=settings.temperature,
+                                     top_p=settings.top_p, top_k=settings.top_k)
+      rollout_s += generated["time/rollout_s"]
+      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
+      correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
+      rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
+      offset = sum(len(p[0].response_lengths) for p in parts)
+      parts.append((out, rewards, correct))
+      for p, accuracy in enumerate(correct.mean(axis=1)):
+        (kept if 0 < accuracy < 1 else spare).append(offset // group + p)
+      rounds += 1
+      if len(kept) >= settings.prompts_per_step or rounds > config.algo.dynamic_sampling_max_rounds:
+        break
+    if len(kept) < settings.prompts_per_step:
+      message = (f"dynamic sampling found {len(kept)} groups with mixed verdicts of the {settings.prompts_per_step} "
+                 f"a step needs in {rounds} rounds (algo.dynamic_sampling_max_rounds="
+                 f"{config.algo.dynamic_sampling_max_rounds}); {settings.prompts_per_step - len(kept)} groups of "
+                 "all-equal verdicts (zero advantage) fill the batch")
+      if config.algo.dynamic_sampling_on_cap == "raise":
+        raise DynamicSamplingCapReached(message + ". Raise the cap, or set algo.dynamic_sampling_on_cap=warn")
+      warnings.warn(message, stacklevel=2)
+    groups = np.asarray((kept + spare)[:settings.prompts_per_step])
+    rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
+    out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+    out = _take(out, self.steps.place(rows.astype(np.int32)))
+    rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
+    stats = generated | scored.metrics | {"time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
+                              "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
+                              "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
+    return out, rewards, correct, stats
+
+  def _place_share(self, scored: reward_lib.RewardBatch, out: common.Rollout):
+    """This process's rewards and verdicts as global arrays laid out like the rollout's rows."""
+    n = out.response_lengths.shape[0]
+    place = lambda x: distributed.global_array_from_share(np.asarray(x), out.response_lengths.sharding, n)
+    return place(scored.rewards.astype(np.float32)), place(scored.correct.astype(bool))
+
+  def evaluate(self, state: TrainState, records: list[Record], key: jax.Array) -> dict:
+    """avg@k on held-out problems with the eval sampling settings (device scalars)."""
+    evaluation, settings = self.config.eval, self.config.rollout
+    per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
+    correct, lengths = [], []
+    for n, i in enumerate(range(0, len(records), per_call)):
+      part = records[i:i + per_call]
+      out, _ = self.generate(state, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
+                             temperature=evaluation.temperature, top_p=evaluation.top_p)
+      scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
+      correct.append(distributed.gather_rows(scored.correct))
+      lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
+    return {"eval/accuracy": float(np.concatenate(correct).mean()),
+            "eval/response_len_mean": float(np.concatenate(lengths).mean())}
+
+
+@jax.jit
+def _concat(parts: list[common.Rollout]) -> common.Rollout:
+  """Rollouts concatenated along the batch, prompts left-padded to the widest."""
+  width = max(p.prompt_tokens.shape[1] for p in parts)
+  pad = lambda x: jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))
+  parts = [p._replace(prompt_tokens=pad(p.prompt_tokens), prompt_mask=pad(p.prompt_mask)) for p in parts]
+  return common.Rollout(*(jnp.concatenate(fields) for fields in zip(*parts)))
+
+
+@jax.jit
+def _take(tree, rows):
+  return jax.tree.map(lambda x: x[rows], tree)

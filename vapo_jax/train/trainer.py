@@ -1,0 +1,395 @@
+"""VAPO end to end: supervised warm start, value pretraining, then PPO with the VAPO techniques.
+
+  trainer = Trainer(config); summary = trainer.run()
+
+A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after
+the warm start and after RL. Its state is one immutable pytree (`state.TrainState`: parameters,
+optimizer states, reference policy, PRNG key) passed through the jitted programs of
+`steps.Steps`, plus a host record (`state.Progress`). `step` is one RL (or value-pretraining)
+step from prompts to parameter update. The same loop runs VAPO, its ablations, vanilla PPO, GRPO
+and DAPO: only the config differs. The math is in `algorithm` / `advantages` / `losses`.
+
+A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
+boundary; a new Trainer on the same run directory continues from the newest complete one, and
+SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Preempted`.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from vapo_jax import distributed
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.data import problems, tokenizer as tok_lib
+from vapo_jax.data.prompt_iterator import PromptIterator
+from vapo_jax.errors import ConfigError, DataError
+from vapo_jax.models import huggingface, sharding
+from vapo_jax.models.config import TransformerConfig, preset as model_preset
+from vapo_jax.models.transformer import CausalLM, ValueModel
+from vapo_jax.rewards import reward as reward_lib
+from vapo_jax.train import checkpoints, memory_check, memory_plan, metrics as metrics_lib, optim, runlock
+from vapo_jax.train.experience import Experience, demonstrations
+from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
+from vapo_jax.train.steps import Steps
+
+class Diverged(RuntimeError):
+  """Updates kept failing on non-finite losses or gradients (`optim.max_nonfinite_steps` steps in a row)."""
+
+
+PROGRESS_KEYS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "len": "rollout/response_len_mean",
+                 "entropy": "actor/entropy", "EV": "critic/explained_variance"}
+
+
+class Trainer:
+  """A run's models, data, verifier and programs; `state` and `progress` are all that changes."""
+
+  def __init__(self, config: ExperimentConfig, *, devices=None, write_logs: bool = True, verbose: bool = True):
+    self.config, self.verbose = config, verbose
+    if config.model.checkpoint is None and not config.model.random_init:
+      raise ConfigError(f"experiment {config.name!r} needs a model: pass model.checkpoint=/path/to/"
+                        f"{config.model.preset} (a Hugging Face directory with config.json and *.safetensors), e.g. "
+                        f"make train EXP=... ARGS=\"model.checkpoint=/ckpt/{config.model.preset}\"")
+    self.run_dir = config.run_directory
+    self.lock = runlock.RunLock(self.run_dir) if write_logs and distributed.is_main_process() else None
+    if self.lock is not None:
+      self.lock.acquire()  # A second start on the same run directory is refused, naming the holder.
+    self.checkpoints = self.pool = self.writer = None
+    try:
+      self._start(devices, write_logs)
+    except BaseException:
+      self.close(failed=True)
+      raise
+
+  def _start(self, devices, write_logs: bool):
+    config = self.config
+    self.checkpoints = self._open_checkpoints() if write_logs else None
+    self.mesh = sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
+                                   devices=devices)
+    rules = sharding.PRESETS[config.mesh.preset]
+    self.memory = memory_plan.plan(config, dict(self.mesh.shape))
+    self.log(self.memory.format())
+    if config.mesh.check_memory:
+      memory_check.check(self.memory, memory_plan.device_memory_bytes(config))
+    self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
+    tok_lib.check_tokenizer_matches(TransformerConfig.from_pretrained(config.model.checkpoint) if config.model.checkpoint
+                                    else model_preset(config.model.preset), self.tokenizer, config.model.checkpoint)
+    self.pool = reward_lib.make_pool(reward_fn=config.reward.reward_fn, workers=config.reward.verifier_workers,
+                                     timeout_s=config.reward.verifier_timeout_s,
+                                     memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
+    train = problems.load_problems(config.data.train_path, config, self.tokenizer)
+    self.eval_rows = problems.eval_problems(config, self.tokenizer)
+    actor, critic = self._build_models(rules)
+    for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
+      if path:
+        huggingface.check_finite(path, module)
+    self.model_cfg = actor.cfg
+    actor_def, actor_params = nnx.split(actor)
+    critic_def, critic_params = nnx.split(critic)
+    txs = {name: optim.make_optimizer(config.optim, lr) for name, lr in
+           (("actor", config.optim.actor_lr), ("critic", config.optim.critic_lr), ("sft", config.sft.lr))}
+    self.steps = Steps(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
+                       critic_tx=txs["critic"], sft_tx=txs["sft"])
+    self.experience = Experience(config, steps=self.steps, model_cfg=self.model_cfg, tokenizer=self.tokenizer,
+                                 pool=self.pool)
+    self.experience.check_cache_budget()  # Now, not when the first rollout (after the warm start) needs it.
+    stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
+    init_opt = lambda name, params: optim.init_optimizer(txs[name], params, self.mesh)
+    self.state = TrainState(actor=actor_params, critic=critic_params, actor_opt=init_opt("actor", actor_params),
+                            critic_opt=init_opt("critic", critic_params),
+                            key=distributed.replicate_local(jax.random.key(config.seed), self.mesh),
+                            sft_opt=init_opt("sft", actor_params) if stage == "sft" else None)
+    if not config.model.critic_checkpoint:
+      self.state = self.critic_from_actor(self.state)
+    self.progress = Progress(stage=stage, prompts=PromptIterator(
+        train, prompts_per_step=config.rollout.prompts_per_step, seed=config.data.seed),
+        sft_rng=np.random.default_rng(config.seed), monitor=metrics_lib.CollapseMonitor(
+            length_frac=config.log.collapse_length_frac, min_entropy=config.log.collapse_entropy))
+    self._resume(write_logs)
+    self.preemption = checkpoints.PreemptionFlag()
+    self.history: list[dict] = []
+
+  def _resume(self, write_logs: bool):
+    """Continues from the newest readable checkpoint, if any, and opens the logs where it left them."""
+    config = self.config
+    restored = self.checkpoints.restore_latest(self._restore_target) if self.checkpoints else None
+    if restored:
+      self.state = from_checkpoint(restored[1], jax.random.key_impl(self.state.key))
+      self.progress.load_json(restored[2]["progress"])
+      self.log(f"resumed from {self.checkpoints.directory}/{restored[0]}: stage {self.progress.stage}, "
+               f"step {self.progress.stage_step}")
+    self.saves = max(self.checkpoints.steps(), default=0) if self.checkpoints else 0  # Numbered after every one.
+    logs = write_logs and distributed.is_main_process()
+    self.writer = metrics_lib.MetricsWriter(
+        self.run_dir, enabled=logs, keep_bytes=restored[2]["metrics_bytes"] if restored else 0,
+        purge_step=self.progress.global_step, wandb=metrics_lib.wandb_init_args(
+            config.log, name=config.name, config=dataclasses.asdict(config)) if logs else None)
+    for name, result in (("eval_before_rl", self.progress.eval_before), ("eval_after_rl", self.progress.eval_after)):
+      if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
+        self.writer.write(0, name, result, global_step=self.progress.global_step, jsonl=False)
+
+  # ----------------------------------------------------------------------------------- setup
+  def _open_checkpoints(self) -> checkpoints.RunCheckpoints:
+    directory = os.path.join(self.run_dir, "checkpoints")
+    found = checkpoints.RunCheckpoints(directory, self.config.checkpoint)
+    latest = found.latest_meta()
+    if latest and not self.config.checkpoint.resume:
+      raise ConfigError(f"{directory} holds checkpoints of an earlier run (newest: step {latest[0]}) and "
+                        "checkpoint.resume=false: choose another name= or run_dir=, or delete the directory")
+    if latest:
+      checkpoints.check_resumable(self.config, latest[1]["config"], directory)
+    return found
+
+  def _build_models(self, rules) -> tuple[CausalLM, ValueModel]:
+    model = self.config.model
+    kwargs = dict(dtype=model.dtype, param_dtype=model.param_dtype, remat=model.remat, attention=model.attention)
+    if model.checkpoint:
+      actor = huggingface.load_causal_lm(model.checkpoint, mesh=self.mesh, rules=rules, **kwargs)
+    else:
+      actor = sharding.create_sharded(lambda: CausalLM(model_preset(model.preset), rngs=nnx.Rngs(model.init_seed), **kwargs),
+                                      self.mesh, rules)
+    if model.critic_checkpoint:
+      critic = huggingface.load_value_model(model.critic_checkpoint, from_policy=False, mesh=self.mesh, rules=rules,
+                                           **kwargs)
+    else:
+      critic = sharding.create_sharded(lambda: ValueModel(actor.cfg, rngs=nnx.Rngs(model.init_seed), **kwargs),
+                                       self.mesh, rules)
+    return actor, critic
+
+  def critic_from_actor(self, state: TrainState) -> TrainState:
+    """The critic's backbone := the policy's; value head := 0 (VAPO initialises from the policy)."""
+    critic = nnx.merge(self.steps.critic_def, state.critic)
+    backbone = nnx.state(nnx.merge(self.steps.actor_def, state.actor).model)
+    nnx.update(critic.model, jax.tree.map(jnp.copy, backbone))  # A copy: updates donate their buffers.
+    critic.value_head[...] = jnp.zeros_like(critic.value_head[...])
+    return state._replace(critic=nnx.state(critic))
+
+  def log(self, message: str):
+    if self.verbose and distributed.is_main_process():
+      print(message, flush=True)
+
+  # ----------------------------------------------------------------------------- checkpoints
+  def _restore_target(self, meta: dict):
+    checkpoints.check_resumable(self.config, meta["config"], self.checkpoints.directory)
+    saved = meta["progress"]
+    target = self.state._replace(sft_opt=self.state.sft_opt if saved["stage"] == "sft" else None,
+                                 ref=self.state.actor if meta["has_ref"] else None)
+    return checkpoints.abstract(to_checkpoint(target), self.mesh)
+
+  def save(self, *, wait: bool = False):
+    """A checkpoint of (state, progress); Orbax numbers checkpoints by a save counter."""
+    if self.checkpoints is not None:
+      self.saves += 1
+      meta = {"progress": self.progress.to_json(), "metrics_bytes": self.writer.size(),
+              "has_ref": self.state.ref is not None, "config": dataclasses.asdict(self.config)}
+      self.checkpoints.save(self.saves, to_checkpoint(self.state), meta, wait=wait)
+
+  def _after_step(self, *, last: bool):
+    """Counts a finished step; saves every N steps; on SIGTERM saves and stops."""
+    self.progress.step_done()
+    every = self.config.checkpoint.every_steps
+    periodic = bool(every and not last and self.progress.stage_step % every == 0)
+    if periodic:
+      self.save()
+    if self.preemption.is_set():
+      if periodic and self.checkpoints is not None:
+        self.checkpoints.wait()
+      else:
+        self.save(wait=True)
+      raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} after {self.progress.stage} step "
+                                    f"{self.progress.stage_step}; checkpoint saved in "
+                                    f"{self.checkpoints and self.checkpoints.directory}",
+                                    exit_code=self.preemption.exit_code)
+
+  def _enter(self, stage: str, *, save: bool = True):
+    self.progress.enter(stage)
+    if save and self.config.checkpoint.every_steps:
+      self.save()
+    if save and stage != "done" and self.preemption.is_set():
+      if not self.config.checkpoint.every_steps:
+        self.save(wait=True)
+      raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} on entering {stage}; checkpoint saved",
+                                    exit_code=self.preemption.exit_code)
+
+  # ------------------------------------------------------------------------------------ steps
+  def step(self, state: TrainState, *, value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
+    """One RL step, prompts to parameter update (value pretraining: the critic alone, on λ = 1
+    returns). Host transfers: the prompts, the verifier's share of the responses and its verdicts,
+    and the metrics at the end."""
+    start = time.perf_counter()
+    state, key = state.split_key()
+    out, rewards, correct, stats = self.experience.sample(state, self.progress.prompts, key)
+    sampled = time.perf_counter()
+    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining)
+    jax.block_until_ready(batch)
+    scored = time.perf_counter()
+    state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
+                                                  critic=self.config.algo.uses_critic)
+    metrics = metrics_lib.fetch(stats | batch_stats | update_metrics)
+    end = time.perf_counter()
+    tokens = metrics["rollout/response_len_mean"] * out.response_lengths.shape[0]
+    metrics |= {"time/scoring_s": stats.get("time/verify_s", 0.0),
+                "time/logprobs_values_s": scored - sampled, "time/update_s": end - scored,
+                "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start)}
+    return state, metrics
+
+  def _record(self, stage: str, step: int, m: dict, progress=None, keys=None):
+    self.writer.write(step, stage, m, global_step=self.progress.global_step)
+    self.history.append({"stage": stage, **m})
+    if progress is not None and self.verbose and distributed.is_main_process():
+      progress.update(step, m, keys)
+    self._check_finite(stage, step, m)
+
+  def _check_finite(self, stage: str, step: int, m: dict) -> None:
+    """Warns about updates skipped for non-finite losses or gradients; stops after several steps of them."""
+    skipped = {k.split("/")[0]: v for k, v in m.items() if k.endswith("/skipped_frac") and v > 0}
+    self.progress.nonfinite_steps = self.progress.nonfinite_steps + 1 if skipped else 0
+    if not skipped:
+      return
+    which = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(skipped.items()))
+    message = (f"{stage} step {step}: non-finite loss or gradient, updates skipped ({which}; parameters unchanged "
+               f"by them), {self.progress.nonfinite_steps} step(s) in a row")
+    warnings.warn(message, stacklevel=2)
+    if self.progress.nonfinite_steps >= self.config.optim.max_nonfinite_steps:
+      raise Diverged(f"{message}: stopping (optim.max_nonfinite_steps={self.config.optim.max_nonfinite_steps}). Lower "
+                     "the learning rate, check the data and the last metrics in metrics.jsonl, and resume from the "
+                     "newest checkpoint (its parameters are finite) with the same command")
+
+  # ---------------------------------------------------------------------------------- stages
+  def sft_stage(self):
+    """Token-level NLL on demonstrations (`sft.path` rows with a `solution`)."""
+    config = self.config
+    rows = problems.load_problems(config.sft.path, config, self.tokenizer, dedup=False)  # Every demonstration.
+    missing = [r.id for r in rows if r.solution is None]
+    if missing:
+      raise DataError(f"{config.sft.path}: supervised warm start needs a 'solution' (or 'response') field on "
+                           f"every row; {len(missing)} of {len(rows)} have none, e.g. id {missing[0]!r}")
+    progress = metrics_lib.ProgressLine("sft", config.sft.steps)
+    for step in range(self.progress.stage_step, config.sft.steps):
+      picked = [rows[i] for i in self.progress.sft_rng.integers(0, len(rows), config.sft.batch_size)]
+      batch = self.steps.place(demonstrations(picked, self.tokenizer, config))
+      self.state, m = self.steps.sft_update(self.state, batch)
+      m = metrics_lib.fetch(m)
+      self._record("sft", step, m, progress if step % 20 == 0 or step == config.sft.steps - 1 else None, {"nll": "sft/nll"})
+      self._after_step(last=step == config.sft.steps - 1)
+    self.state = self.state._replace(sft_opt=None)
+    if not config.model.critic_checkpoint:
+      self.state = self.critic_from_actor(self.state)  # The critic starts from the warm-started policy.
+
+  def value_pretrain_stage(self):
+    """Critic only, on Monte-Carlo returns (λ = 1) of the fixed initial policy's samples."""
+    config, done = self.config, self.progress
+    steps = config.algo.value_pretrain_steps if config.algo.uses_critic else 0
+    progress = metrics_lib.ProgressLine("value-pretrain", steps)
+    while done.stage_step < steps and not value_pretraining_converged(done.stage_step, done.vp_best,
+                                                                      done.vp_since_best, config.algo):
+      step = done.stage_step
+      self.state, m = self.step(self.state, value_pretraining=True)
+      self._record("value_pretrain", step, m, progress, {"value_loss": "critic/value_loss",
+                                                         "EV": "critic/explained_variance"})
+      ev = m["critic/explained_variance"]
+      if done.vp_best is None or ev > done.vp_best + 0.01:
+        done.vp_best, done.vp_since_best = ev, 0
+      else:
+        done.vp_since_best += 1
+      converged = value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best, config.algo)
+      if converged:
+        self.log(f"value pretraining converged after {step + 1} steps (explained variance {done.vp_best:.3f})")
+      self._after_step(last=converged or step == steps - 1)
+    if steps and self.checkpoints is not None:
+      path = os.path.join(self.run_dir, "critic_pretrained")
+      huggingface.export(nnx.merge(self.steps.critic_def, self.state.critic), path)
+      self.log(f"pretrained critic saved to {path}")
+
+  def rl_stage(self):
+    config = self.config
+    if config.algo.kl_coef > 0 and self.state.ref is None:  # The reference policy: the RL starting point.
+      self.state = self.state._replace(ref=jax.tree.map(jnp.copy, self.state.actor))
+    progress = metrics_lib.ProgressLine("rl", config.rl_steps)
+    for step in range(self.progress.stage_step, config.rl_steps):
+      self.state, m = self.step(self.state)
+      if config.eval.every_steps and (step + 1) % config.eval.every_steps == 0 and step + 1 < config.rl_steps:
+        m |= self.evaluate()
+      self._record("rl", step, m, progress, PROGRESS_KEYS)
+      self.progress.monitor.check(step, m["rollout/response_len_mean"], m["actor/entropy"])
+      self._after_step(last=step == config.rl_steps - 1)
+
+  def evaluate(self) -> dict[str, float]:
+    """avg@k on the held-out problems with the eval sampling settings."""
+    if not self.eval_rows:
+      return {}
+    self.state, key = self.state.split_key()
+    return self.experience.evaluate(self.state, self.eval_rows, key)
+
+  def export(self, directory: str) -> None:
+    """The current policy as a Hugging Face directory, with the tokenizer's files beside it."""
+    huggingface.export(nnx.merge(self.steps.actor_def, self.state.actor), directory,
+                      tokenizer_dir=getattr(self.tokenizer, "directory", None))
+
+  def run(self) -> dict:
+    """SFT warm start → value pretraining → RL, with held-out evaluation before and after RL."""
+    config, done, start = self.config, self.progress, time.perf_counter()
+    self.preemption.install()
+    try:
+      if done.stage == "sft":
+        self.sft_stage()
+        self._enter("value_pretrain", save=False)
+      if done.eval_before is None:
+        done.eval_before = self.evaluate()
+        self.writer.write(0, "eval_before_rl", done.eval_before, global_step=done.global_step)
+        if done.eval_before:
+          self.log(f"held-out accuracy before RL: {done.eval_before['eval/accuracy']:.3f} "
+                   f"(avg@{config.eval.samples_per_problem} on {len(self.eval_rows)} problems)")
+        self._enter(done.stage, save=done.stage_step == 0)
+      if done.stage == "value_pretrain":
+        self.value_pretrain_stage()
+        self._enter("rl")
+      if done.stage == "rl":
+        self.rl_stage()
+        done.eval_after = self.evaluate()
+        self.writer.write(config.rl_steps, "eval_after_rl", done.eval_after, global_step=done.global_step)
+        if config.checkpoint.export_final and self.checkpoints is not None:  # Before "done" is saved.
+          self.export(os.path.join(self.run_dir, "export"))
+          self.log(f"final policy exported to {os.path.join(self.run_dir, 'export')} (Hugging Face format)")
+        self._enter("done")
+      before, after = done.eval_before or {}, done.eval_after or {}
+      summary = {"run_dir": self.run_dir, "seconds": time.perf_counter() - start,
+                 "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy")}
+      if after:
+        self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
+      if self.writer.enabled:
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+          json.dump(summary, f, indent=2)
+      return summary
+    finally:
+      self.preemption.uninstall()
+      self.close()
+
+  def close(self, *, failed: bool = False) -> None:
+    """Stops the verifier, flushes the logs and checkpoints and releases the run directory. After a
+    failed start, a checkpoint directory left empty is removed (nothing of the run is lost)."""
+    for part in (self.pool, self.writer, self.checkpoints):
+      if part is not None:
+        part.close()
+    if failed and self.checkpoints is not None:
+      with contextlib.suppress(OSError):  # Not empty: it holds a run's checkpoints, which stay.
+        os.rmdir(self.checkpoints.directory)
+    self.pool = self.writer = self.checkpoints = None
+    if self.lock is not None:
+      self.lock.release()
+
+
+def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int, algo) -> bool:
+  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: at least
+  `value_pretrain_min_steps` done, the best explained variance at least `value_pretrain_min_ev`, and
+  no rise of 0.01 over it for `value_pretrain_patience` steps."""
+  return (algo.value_pretrain_patience is not None and steps_done >= algo.value_pretrain_min_steps
+          and best_ev is not None and best_ev >= algo.value_pretrain_min_ev
+          and steps_since_best >= algo.value_pretrain_patience)
