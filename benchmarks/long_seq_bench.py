@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import logprob_bench
-from vapo_jax.models import attention
+from vapo_jax.models import attention, flash
 
 
 class Table(NamedTuple):
@@ -105,7 +105,7 @@ def _attention_step(impl: str, length: int, **options):
   """jit of (loss, dq, dk, dv) for Σ w ∘ attention(q, k, v): forward and backward."""
   ranges = dict(key_start=jnp.zeros(ATTENTION_SHAPE["batch"], jnp.int32),
                 key_end=jnp.full(ATTENTION_SHAPE["batch"], length, jnp.int32))
-  fn = attention.reference if impl == "reference" else attention.chunked
+  fn = attention.reference if impl == "reference" else flash.chunked
   loss = lambda q, k, v, w: jnp.sum(fn(q, k, v, **ranges, causal=True, **options) * w)
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -154,7 +154,6 @@ def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, len
   (remat on) on `batch` sequences of `length` tokens, the last `response` of them the response."""
   import functools
   import numpy as np
-  import optax
   from flax import nnx
   from vapo_jax.train import optim, steps
   from vapo_jax.config import AlgoConfig, OptimizerConfig

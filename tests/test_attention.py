@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from vapo_jax.errors import ConfigError
-from vapo_jax.models import attention
+from vapo_jax.models import attention, flash
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 
@@ -32,23 +32,35 @@ def _out_and_grads(fn, q, k, v, weights):
   return jax.jit(run)(q, k, v, weights)
 
 
-def _loop_attention(q, k, v, start, end, offset, causal):
-  """Attention written from its definition, one query row and head at a time (numpy, float64)."""
+def _loop_attention(q, k, v, sees):
+  """Attention written from its definition, one query row and head at a time (numpy, float64):
+  query i of row b attends to the keys s with sees(b, i, s)."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, t, n, h = q.shape
   groups = n // k.shape[2]
   out = np.zeros_like(q)
   for row in range(b):
     for i in range(t):
-      slot = offset + i
-      if not start[row] <= slot < end[row]:
-        continue
-      seen = [s for s in range(start[row], end[row]) if not causal or s <= slot]
-      for head in range(n):
+      seen = [s for s in range(k.shape[1]) if sees(row, i, s)]
+      for head in range(n if seen else 0):
         scores = np.array([q[row, i, head] @ k[row, s, head // groups] for s in seen]) / np.sqrt(h)
         weights = np.exp(scores - scores.max())
         out[row, i, head] = (weights / weights.sum()) @ v[row, seen, head // groups]
   return out
+
+
+def _range_sees(start, end, offset, causal):
+  real = lambda row, slot: start[row] <= slot < end[row]
+  return lambda row, i, s: real(row, offset + i) and real(row, s) and (not causal or s <= offset + i)
+
+
+def _segments(rows, length):
+  """`[B, T]` int32 segment ids: row b holds sequences of the lengths rows[b] end to end (ids 1, 2,
+  ...), then padding (0)."""
+  ids = np.zeros((len(rows), length), np.int32)
+  for b, lengths in enumerate(rows):
+    ids[b, :sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+  return ids
 
 
 def test_key_ranges_and_visibility():
@@ -64,7 +76,7 @@ def test_key_ranges_and_visibility():
 def test_reference_equals_the_definition(causal):
   q, k, v, _ = _inputs(3, 6, 9, kv_heads=2, groups=2, seed=1)
   start, end, offset = np.array([0, 4, 2]), np.array([9, 9, 8]), 3
-  expected = _loop_attention(q, k, v, start, end, offset, causal)
+  expected = _loop_attention(q, k, v, _range_sees(start, end, offset, causal))
   ranges = dict(key_start=jnp.asarray(start), key_end=jnp.asarray(end), query_offset=offset, causal=causal)
   np.testing.assert_allclose(jax.jit(lambda *a: attention.reference(*a, **ranges))(q, k, v), expected, atol=1e-5)
 
@@ -85,14 +97,120 @@ def test_chunked_equals_reference_in_values_and_gradients(case):
   start, end = (jnp.array(x, jnp.int32) for x in zip(*rows))
   ranges = dict(key_start=start, key_end=end, query_offset=offset, causal=causal)
   expected = _out_and_grads(lambda *a: attention.reference(*a, **ranges), q, k, v, weights)
-  got = _out_and_grads(lambda *a: attention.chunked(*a, **ranges, block_q=block, block_k=block), q, k, v, weights)
+  got = _out_and_grads(lambda *a: flash.chunked(*a, **ranges, block_q=block, block_k=block), q, k, v, weights)
   for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5, err_msg=name)
   if case == "left-right-padding-empty-row":
     assert not np.any(got[0][2]) and not np.any(got[1][2]), "an all-padding row attends to nothing"
-    every_block = jax.jit(lambda *a: attention.chunked(*a, **ranges, block_q=block, block_k=block,
+    every_block = jax.jit(lambda *a: flash.chunked(*a, **ranges, block_q=block, block_k=block,
                                                        skip_masked_blocks=False))
     np.testing.assert_allclose(every_block(q, k, v), got[0], atol=1e-6)
+
+
+def test_segment_visibility_and_key_intervals():
+  ids = jnp.array([[1, 1, 2, 2, 2, 0], [3, 3, 3, 3, 0, 0]])
+  visible = attention.segment_visibility(ids)
+  np.testing.assert_array_equal(visible[0, 3], [0, 0, 1, 1, 0, 0])
+  assert not np.any(visible[0, 5]) and not np.any(visible[1, 4:])
+  np.testing.assert_array_equal(attention.segment_visibility(ids, causal=False)[0, 2], [0, 0, 1, 1, 1, 0])
+  for causal in (True, False):
+    lo, hi = flash.key_intervals(queries=6, keys=6, segment_ids=ids, causal=causal)
+    by_interval = (jnp.arange(6) >= lo[..., None]) & (jnp.arange(6) < hi[..., None])
+    np.testing.assert_array_equal(by_interval, attention.segment_visibility(ids, causal=causal))
+  np.testing.assert_array_equal(lo, [[0, 0, 2, 2, 2, 6], [0, 0, 0, 0, 6, 6]])
+  np.testing.assert_array_equal(hi, [[2, 2, 5, 5, 5, 0], [4, 4, 4, 4, 0, 0]])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_with_segments_equals_the_definition(causal):
+  q, k, v, _ = _inputs(2, 11, 11, kv_heads=2, groups=2, seed=6)
+  ids = _segments([[4, 1, 5], [3, 6]], 11)
+  sees = lambda b, i, s: ids[b, i] != 0 and ids[b, i] == ids[b, s] and (not causal or s <= i)
+  got = jax.jit(lambda *a: attention.reference(*a, segment_ids=jnp.asarray(ids), causal=causal))(q, k, v)
+  np.testing.assert_allclose(got, _loop_attention(q, k, v, sees), atol=1e-5)
+
+
+# (each row's segment lengths (the rest is padding), T, kv heads, G, causal, block)
+SEGMENT_CASES = {
+    "spanning-blocks-and-end-padding": ([[5, 9, 3], [1, 1, 2, 13], [11, 2]], 21, 2, 2, True, 4),
+    "one-segment-per-row": ([[24], [19], [0]], 24, 1, 3, True, 8),
+    "many-short-and-an-empty-row": ([[2] * 9 + [1, 3], [], [7, 7, 7]], 22, 2, 1, True, 4),
+    "not-causal": ([[6, 10], [3, 3, 3, 7]], 17, 2, 2, False, 4),
+}
+
+
+@pytest.mark.parametrize("case,skip", [pytest.param(case, True, id=case) for case in SEGMENT_CASES] + [
+    pytest.param(case, False, id=f"{case}-every-block")
+    for case in ("spanning-blocks-and-end-padding", "many-short-and-an-empty-row")])
+def test_chunked_with_segments_equals_reference_in_values_and_gradients(case, skip):
+  rows, t, kv_heads, groups, causal, block = SEGMENT_CASES[case]
+  q, k, v, weights = _inputs(len(rows), t, t, kv_heads, groups, seed=7)
+  mask = dict(segment_ids=jnp.asarray(_segments(rows, t)), causal=causal)
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **mask), q, k, v, weights)
+  got = _out_and_grads(lambda *a: flash.chunked(*a, **mask, block_q=block, block_k=block,
+                                                    skip_masked_blocks=skip), q, k, v, weights)
+  for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5, err_msg=name)
+  padding = _segments(rows, t) == 0
+  assert not np.any(np.asarray(got[0])[padding]) and not np.any(np.asarray(got[1])[padding])
+
+
+def test_block_pairs_visited_grow_with_the_sum_of_squared_lengths():
+  t, block = 256, 8
+  pairs = lambda rows: [int(x) for x in jax.jit(lambda ids: flash.visited_block_pairs(
+      t, t, block_q=block, block_k=block, segment_ids=ids))(jnp.asarray(_segments(rows, t)))]
+  triangle = lambda lengths: sum((n // block) * (n // block + 1) // 2 for n in lengths)  # Block-aligned segments.
+  one, sixteen = [[256]], [[16] * 16]
+  assert pairs(one) == [triangle([256])] * 2 == [528, 528]  # 32 query blocks: Σ (i + 1).
+  assert pairs(sixteen) == [triangle([16] * 16)] * 2 == [48, 48]  # Σ length² is 16× smaller.
+  assert pairs([[64] * 4]) == [triangle([64] * 4)] * 2
+  short = pairs([[5] * 51])  # Unaligned: each query block reaches back at most one block.
+  assert short[0] == short[1] <= 2 * 32
+  every = jax.jit(lambda ids: flash.visited_block_pairs(t, t, block_q=block, block_k=block,
+                                                            skip_masked_blocks=False, segment_ids=ids))
+  assert [int(x) for x in every(jnp.asarray(_segments(sixteen, t)))] == [32 * 32] * 2
+  # The range form: a left-padded row of 200 real tokens (25 blocks), causal.
+  ranges = flash.visited_block_pairs(t, t, block_q=block, block_k=block, key_start=jnp.array([56]),
+                                         key_end=jnp.array([t]))
+  assert [int(x) for x in ranges] == [triangle([t - 56])] * 2
+
+
+def test_skipped_blocks_are_never_read():
+  """NaN in the first segment's keys and values and in the third segment's queries: a masked score
+  does not hide NaN in `P·V` or in `dS·Q`, so the middle segment's outputs and gradients stay finite
+  only if the loops (forward and backward) never visit a block pair across segments; without
+  skipping they turn NaN."""
+  t, block = 32, 4
+  q, k, v, weights = _inputs(1, t, t, kv_heads=1, groups=2, seed=8)
+  ids = jnp.asarray(_segments([[8, 12, 12]], t))  # Block-aligned: no block holds two segments.
+  k, v = (x.at[:, :8].set(jnp.nan) for x in (k, v))
+  q = q.at[:, 20:].set(jnp.nan)
+  run = lambda skip: _out_and_grads(lambda *a: flash.chunked(
+      *a, segment_ids=ids, block_q=block, block_k=block, skip_masked_blocks=skip), q, k, v, weights)
+  middle = lambda arrays: [np.asarray(x)[:, 8:20] for x in arrays]
+  assert all(np.all(np.isfinite(x)) for x in middle(run(True)))
+  out, dq, dk, _ = middle(run(False))  # (dv = Pᵀ·dO meets no NaN: P is zeroed where masked.)
+  assert np.all(np.isnan(out)) and np.all(np.isnan(dq)) and np.all(np.isnan(dk))
+
+
+def test_segments_fall_back_from_cudnn_and_are_refused_with_a_cache():
+  q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(2, 16, 16, kv_heads=2, groups=2, seed=9))
+  ids = jnp.asarray(_segments([[5, 11], [16]], 16))
+  attention._WARNED.clear()
+  auto = lambda *a: attention.attend(*a, segment_ids=ids, impl="auto", platform="gpu")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = jax.jit(auto)(q, k, v)
+    jax.eval_shape(auto, q, k, v)
+  assert len(caught) == 1 and "no segment ids" in str(caught[0].message)
+  want = jax.jit(lambda *a: flash.chunked(*a, segment_ids=ids))(q, k, v)
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ConfigError, match="model.attention='cudnn' cannot run here.*no segment ids"):
+    jax.eval_shape(lambda *a: attention.attend(*a, segment_ids=ids, impl="cudnn", platform="gpu"), q, k, v)
+  with pytest.raises(ValueError, match="whole-sequence calls"):
+    attention.attend(q[:, :4], k, v, segment_ids=ids, query_offset=12, impl="chunked")
+  with pytest.raises(ValueError, match="not both"):
+    attention.attend(q, k, v, segment_ids=ids, key_start=jnp.zeros(2, int), key_end=jnp.zeros(2, int))
 
 
 def test_chunked_bfloat16_is_as_close_to_float32_as_the_reference():
@@ -101,7 +219,7 @@ def test_chunked_bfloat16_is_as_close_to_float32_as_the_reference():
   reference = jax.jit(lambda *a: attention.reference(*a, **ranges))
   exact = reference(q, k, v)
   half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  chunked = jax.jit(lambda *a: attention.chunked(*a, **ranges, block_q=16, block_k=16))(*half)
+  chunked = jax.jit(lambda *a: flash.chunked(*a, **ranges, block_q=16, block_k=16))(*half)
   assert chunked.dtype == jnp.bfloat16
   err = lambda x: np.max(np.abs(np.asarray(x, np.float32) - np.asarray(exact)))
   assert err(chunked) <= 2 * err(reference(*half)) + 1e-3
@@ -118,11 +236,15 @@ def test_kernel_wrapper_rotation_equals_reference():
 
 
 @pytest.mark.slow
-def test_splash_in_the_pallas_interpreter_equals_reference():
+@pytest.mark.parametrize("form", ["ranges", "segments"])
+def test_splash_in_the_pallas_interpreter_equals_reference(form):
   q, k, v, weights = _inputs(2, 128, 128, kv_heads=2, groups=2, head_dim=16, seed=4)
-  ranges = dict(key_start=jnp.array([7, 0]), key_end=jnp.array([128, 100]))
-  expected = _out_and_grads(lambda *a: attention.reference(*a, **ranges), q, k, v, weights)
-  got = _out_and_grads(lambda *a: attention.splash(*a, **ranges, interpret=True), q, k, v, weights)
+  if form == "ranges":
+    mask = dict(key_start=jnp.array([7, 0]), key_end=jnp.array([128, 100]))
+  else:  # A segment across splash's 128-token block, one-token segments, padding at the row end.
+    mask = dict(segment_ids=jnp.asarray(_segments([[40, 1, 1, 70], [100]], 128)))
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **mask), q, k, v, weights)
+  got = _out_and_grads(lambda *a: attention.splash(*a, **mask, interpret=True), q, k, v, weights)
   for want, have in zip(expected, got):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
 
@@ -164,7 +286,7 @@ def test_chunked_never_holds_a_score_matrix():
   t = 2048
   q, k, v, weights = _inputs(1, t, t, kv_heads=2, groups=2, head_dim=32)
   ranges = dict(key_start=jnp.array([0]), key_end=jnp.array([t]))
-  loss = lambda q, k, v: jnp.sum(attention.chunked(q, k, v, **ranges) * weights)
+  loss = lambda q, k, v: jnp.sum(flash.chunked(q, k, v, **ranges) * weights)
   compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
   assert compiled.memory_analysis().temp_size_in_bytes < t * t * 4  # One head's [T, S] float32 scores.
 

@@ -1,5 +1,6 @@
 """Chunked log-probs and entropy equal the dense ones (values and gradients), the model-level helper
-equals the model's own logits, and no `[B, Tr, V]` logits tensor is compiled on the chunked path."""
+equals the model's own logits, packed rows give the padded batch's log-probs, and no `[B, Tr, V]`
+logits tensor is compiled on the chunked path."""
 
 import dataclasses
 
@@ -15,6 +16,7 @@ from vapo_jax.models import logprobs as lp
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
 from vapo_jax.rl import losses
+from vapo_jax.train import packing
 
 B, T, D, V = 3, 37, 24, 101  # T = 37 is not a multiple of any chunk below.
 
@@ -244,4 +246,57 @@ def test_sharded_log_probs_and_gradients_equal_single_device(name, tied):
   for (path, a), (_, b) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
     b = b.get_value()
     np.testing.assert_allclose(a.get_value(), b, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-9,
+                               err_msg=str(path))
+
+
+
+def _packed_case(tied: bool):
+  """A micro model, a batch (prompt lengths 6, 2, 1, 4; responses 5, 3, 0, 5 of Tr = 5) in the padded
+  layout and packed into rows of 12 (lengths 11, 5, 1, 9: rows (11, 1), (9), (5)), and loss weights."""
+  b, tp, tr = 4, 6, 5
+  rng = np.random.default_rng(1)
+  prompt_mask = np.arange(tp)[None] >= tp - np.array([6, 2, 1, 4])[:, None]
+  response_mask = np.arange(tr)[None] < np.array([5, 3, 0, 5])[:, None]
+  mask = np.concatenate([prompt_mask, response_mask], 1)
+  tokens = rng.integers(3, 259, (b, tp + tr)) * mask
+  packed = packing.pack(tokens[:, :tp], prompt_mask, tokens[:, tp:], response_mask, row_tokens=12)
+  assert packed.tokens.shape == (3, 12)
+  weights = tuple(jnp.asarray(rng.normal(size=(b, tr)) * response_mask, jnp.float32) for _ in range(2))
+  padded = lambda m: lp.response_logprobs(m, tokens, mask, tr, chunk=4, entropy=True)
+  packed_fn = lambda m: lp.packed_response_logprobs(m, packed.tokens, packed.segment_ids, packed.positions,
+                                                    packed.response_index, packed.response_mask, chunk=4,
+                                                    entropy=True)
+  return _model(tied, seed=2), padded, packed_fn, response_mask, weights
+
+
+def _assert_equal_at_real_tokens(got, want, response_mask):
+  for a, w in zip(got, want):
+    assert a.shape == response_mask.shape and not np.any(np.asarray(a)[~response_mask])
+    np.testing.assert_allclose(np.asarray(a)[response_mask], np.asarray(w)[response_mask], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_response_logprobs_equal_the_padded_ones():
+  model, padded, packed_fn, response_mask, _ = _packed_case(tied=False)
+  want, got = jax.jit(lambda m: (padded(m), packed_fn(m)))(model)
+  _assert_equal_at_real_tokens(got, want, response_mask)
+
+
+@pytest.mark.slow  # make test-slow, for time (the values alone run in make test).
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_packed_response_logprobs_gradients_equal_the_padded_ones(tied):
+  model, padded, packed_fn, response_mask, (g_lp, g_h) = _packed_case(tied)
+  graphdef, params = nnx.split(model)
+
+  def objective(fn):
+    def f(p):
+      logprobs, entropy = fn(nnx.merge(graphdef, p))
+      return jnp.sum(g_lp * logprobs) + jnp.sum(g_h * entropy), (logprobs, entropy)
+    return jax.value_and_grad(f, has_aux=True)
+
+  ((_, want), want_grads), ((_, got), got_grads) = jax.jit(lambda p: (objective(padded)(p),
+                                                                      objective(packed_fn)(p)))(params)
+  _assert_equal_at_real_tokens(got, want, response_mask)
+  for (path, a), (_, w) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
+    w = w.get_value()
+    np.testing.assert_allclose(a.get_value(), w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w))) + 1e-9,
                                err_msg=str(path))

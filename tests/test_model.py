@@ -1,4 +1,5 @@
-"""The transformer: parity with transformers, KV-cache decoding, causality, padding, value model."""
+"""The transformer: parity with transformers, KV-cache decoding, causality, padding, value model,
+packed rows."""
 
 import dataclasses
 
@@ -10,8 +11,9 @@ from flax import nnx
 
 from model_utils import FIXTURES, PARITY_MODELS, reference
 from vapo_jax.models import config as model_config, huggingface
-from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
+from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
 from vapo_jax.paths import DATA_DIR
+from vapo_jax.train import packing
 
 
 @pytest.fixture(scope="module", params=PARITY_MODELS)
@@ -145,3 +147,51 @@ def test_bad_architecture_config():
     model_config.TransformerConfig.from_hf({"model_type": "gpt2"})
   with pytest.raises(ValueError, match="unknown model preset"):
     model_config.preset("qwen9")
+
+
+def _random_model(cls, cfg, seed: int):
+  """A model with weights of scale 0.2 (numpy draws): attention and the heads matter at 1e-5."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+  rng = np.random.default_rng(seed)
+  return nnx.merge(graphdef, jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), state))
+
+
+def _packed_batch(seed: int = 0):
+  """Five sequences of 13, 9, 3, 5 and 6 tokens (one without a response) in rows of 16: first-fit
+  decreasing gives rows (13, 3), (9, 6), (5)."""
+  b, tp, tr = 5, 8, 6
+  prompt_mask = np.arange(tp)[None] >= tp - np.array([8, 3, 1, 5, 2])[:, None]
+  response_mask = np.arange(tr)[None] < np.array([5, 6, 2, 0, 4])[:, None]
+  tokens = np.random.default_rng(seed).integers(3, 259, (b, tp + tr))
+  prompt, response = tokens[:, :tp] * prompt_mask, tokens[:, tp:] * response_mask
+  return (prompt, prompt_mask, response, response_mask), packing.pack(prompt, prompt_mask, response, response_mask,
+                                                                      row_tokens=16)
+
+
+def test_packed_rows_equal_each_sequence_padded_alone():
+  cfg = model_config.preset("micro")
+  (prompt, prompt_mask, response, response_mask), packed = _packed_batch()
+  assert packed.tokens.shape == (3, 16) and packed.segment_ids.max() == 2
+  tokens, mask = np.concatenate([prompt, response], 1), np.concatenate([prompt_mask, response_mask], 1)
+  real = np.asarray(packed.segment_ids) > 0
+  for cls in (CausalLM, ValueModel):
+    model = _random_model(cls, cfg, seed=1)
+    both = lambda m, t, a, p: (packing.to_rows(m(t, positions_from_mask(a), a)[0], p.source, p.segment_ids),
+                               m(p.tokens, p.positions, None, segment_ids=p.segment_ids)[0])
+    want, rows = (np.asarray(x)[real] for x in jax.jit(both)(model, tokens, mask, packed))
+    np.testing.assert_allclose(rows, want, atol=1e-5, rtol=1e-5, err_msg=cls.__name__)
+    assert np.std(want) > 0.05  # Not vacuous.
+  with pytest.raises(ValueError, match="packed rows \\(segment_ids\\) take no attention_mask"):
+    model(packed.tokens, packed.positions, real, segment_ids=packed.segment_ids)
+
+
+def test_a_packed_sequence_sees_no_other():
+  model = _random_model(CausalLM, model_config.preset("micro"), seed=2)
+  _, packed = _packed_batch()
+  run = jax.jit(lambda m, t, p: m(t, p.positions, None, segment_ids=p.segment_ids)[0])
+  before = np.asarray(run(model, packed.tokens, packed))
+  segments = np.asarray(packed.segment_ids)
+  changed = (segments == 1) & (np.arange(3) == 0)[:, None]  # The 13-token sequence, sharing its row.
+  after = np.asarray(run(model, jnp.where(changed, (packed.tokens + 1) % 259, packed.tokens), packed))
+  np.testing.assert_array_equal(after[~changed & (segments > 0)], before[~changed & (segments > 0)])
+  assert np.all(np.abs(after[changed] - before[changed]).max(-1) > 1e-3)

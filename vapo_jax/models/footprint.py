@@ -123,7 +123,7 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
                     residual values; q, k, v and the attention output; the attention's float32
                     log-sum-exp per query and head
     backward extra  T·(2eF + 8D + 28NH)         MLP and norm gradients; the flash backward's float32
-                    copies of q, dO, out, dq, dk, dv (`models/attention.chunked`)
+                    copies of q, dO, out, dq, dk, dv (`models/flash.chunked`)
       + 4·4·N·bq·bk                             float32 tiles of one block pair (`attention_block`):
                                                 scores, probabilities and their gradients (forward: 2)
     policy head     (forward) 8·B·Tr·Vb + e·Tr·D   float32 logits of one vocabulary block and their

@@ -9,7 +9,10 @@ rematerialisation is applied per layer with `nnx.remat`. The cost is compile tim
 depth (about a minute for 64 layers), paid once per run.
 
 Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
-prompts) and `attention_mask` `[B, T]` (true on real tokens). With a `KVCache`, the new tokens'
+prompts) and `attention_mask` `[B, T]` (true on real tokens). Packed rows (several sequences end to
+end, `train/packing.py`) pass `segment_ids` `[B, T]` (1, 2, ... per sequence, 0 on padding) instead
+of the attention mask, with positions restarting at 0 per sequence: each token attends only within
+its own sequence, for whole-sequence calls without a cache. With a `KVCache`, the new tokens'
 keys and values are written at slots [cache.length, cache.length + T) and queries attend to every
 valid earlier slot: prefill is a call with the prompt, decoding a call with one token. A cache may
 instead hold one length per row (`[B]`, one-token calls only): row b then writes at its own slot,
@@ -124,9 +127,10 @@ class Attention(nnx.Module):
     self.groups = n // k
     self.attention = attention  # models/attention.py implementation.
 
-  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
+  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
     """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]` (`[B, 1]` with per-row cache lengths);
-    layer_cache (keys, values, length, decode_block) or None."""
+    layer_cache (keys, values, length, decode_block) or None; segment_ids `[B, T]` (packed rows, no
+    cache: replaces key_mask) or None."""
     dtype = x.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
@@ -143,11 +147,14 @@ class Attention(nnx.Module):
       if x.shape[1] == 1:  # One-token decode: read only the filled part of the cache.
         out = _decode_attention(q, keys, values, key_mask, query_slots, decode_block)
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), (keys, values)
-    # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
-    key_start, key_end = key_ranges(key_mask)
+    if segment_ids is not None:
+      validity = dict(segment_ids=segment_ids)
+    else:  # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
+      key_start, key_end = key_ranges(key_mask)
+      validity = dict(key_start=key_start, key_end=key_end)
     offset = 0 if layer_cache is None else layer_cache[2]  # Queries sit at [offset, offset + T).
-    out = attend(q, keys.astype(dtype), values.astype(dtype), key_start=key_start, key_end=key_end,
-                 query_offset=offset, causal=True, impl=self.attention)
+    out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
+                 impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
     return out, (keys, values)
 
@@ -183,15 +190,16 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache):
-    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots, layer_cache)
+  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
+    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots, layer_cache,
+                                         segment_ids)
     x = x + attended
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ("batch", "seq", "embed")), new_cache
 
 
-def _layer_call(layer, x, cos, sin, key_mask, query_slots, layer_cache):
-  return layer(x, cos, sin, key_mask, query_slots, layer_cache)
+def _layer_call(layer, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids):
+  return layer(x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
 
 
 class Backbone(nnx.Module):
@@ -208,13 +216,17 @@ class Backbone(nnx.Module):
     self.dtype = _DTYPES[dtype]
     self.remat = remat
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+    """Hidden states `[B, T, D]` and the updated cache (None without one). segment_ids: packed rows
+    (module doc), with attention_mask None and no cache."""
+    if segment_ids is not None and (attention_mask is not None or cache is not None):
+      raise ValueError("packed rows (segment_ids) take no attention_mask (pass None) and no KV cache")
     x = constrain(self.embed_tokens[...].astype(self.dtype)[tokens], ("batch", "seq", "embed"))
     inv_freq = jnp.asarray(self.cfg.inv_frequencies())  # A trace-time constant, not a parameter.
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles).astype(self.dtype), jnp.sin(angles).astype(self.dtype)
-    attention_mask = attention_mask.astype(bool)
+    attention_mask = segment_ids != 0 if segment_ids is not None else attention_mask.astype(bool)
     steps = tokens.shape[1]
     if cache is None:
       key_mask, query_slots = attention_mask, jnp.arange(steps)
@@ -228,7 +240,7 @@ class Backbone(nnx.Module):
     new_keys, new_values = [], []
     for i, layer in enumerate(self.layers):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i], cache.length, cache.decode_block)
-      x, (k, v) = call(layer, x, cos, sin, key_mask, query_slots, layer_cache)
+      x, (k, v) = call(layer, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
       new_keys.append(k)
       new_values.append(v)
     x = self.norm(x)
@@ -251,8 +263,8 @@ class CausalLM(nnx.Module):
   def cfg(self) -> TransformerConfig:
     return self.model.cfg
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
-    hidden, cache = self.model(tokens, positions, attention_mask, cache)
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+    hidden, cache = self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
     if self.tied:
       kernel = self.model.embed_tokens[...].astype(hidden.dtype)
       logits = jnp.einsum("BTD,VD->BTV", hidden, kernel)
@@ -260,9 +272,9 @@ class CausalLM(nnx.Module):
       logits = jnp.einsum("BTD,DV->BTV", hidden, self.lm_head[...].astype(hidden.dtype))
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab")), cache
 
-  def hidden_states(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+  def hidden_states(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
     """The final-norm hidden states `[B, T, D]` (compute dtype) without the output projection, and the cache."""
-    return self.model(tokens, positions, attention_mask, cache)
+    return self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
 
   def output_projection(self) -> tuple[jax.Array, bool]:
     """(kernel, transposed): the `[D, V]` lm_head, or the tied embedding `[V, D]` (transposed), as stored."""
@@ -290,7 +302,7 @@ class ValueModel(nnx.Module):
   def cfg(self) -> TransformerConfig:
     return self.model.cfg
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None):
-    hidden, cache = self.model(tokens, positions, attention_mask, cache)
+  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+    hidden, cache = self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
     values = jnp.einsum("BTD,DO->BTO", hidden, self.value_head[...].astype(hidden.dtype))[..., 0]
     return values.astype(jnp.float32), cache

@@ -46,7 +46,7 @@ from flax import nnx
 
 from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
-from vapo_jax.models import attention, footprint, sharding
+from vapo_jax.models import flash, footprint, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common
@@ -212,7 +212,7 @@ class _Shapes:
         cfg, rows=self.rows(n), tokens=self.tokens if length is None else length,
         scored_tokens=self.config.rollout.max_response_tokens if scored is None else scored,
         dtype_bytes=jnp.dtype(m.dtype).itemsize, remat=m.remat if remat is None else remat, backward=backward,
-        head=head, dense_attention=m.attention == "reference", attention_block=(attention.BLOCK_Q, attention.BLOCK_K),
+        head=head, dense_attention=m.attention == "reference", attention_block=(flash.BLOCK_Q, flash.BLOCK_K),
         logits_chunk=m.logits_chunk, heads=heads, kv_heads=kv, mlp=mlp, embed=embed)
 
   def gathered(self, cfg, *, backward: bool, value_head: bool = False) -> int:

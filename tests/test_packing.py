@@ -1,0 +1,136 @@
+"""Packing: first-fit decreasing by hand and as a property, `pack` by hand, round trips, errors."""
+
+import pathlib
+import subprocess
+import sys
+
+import hypothesis
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vapo_jax.train import packing
+
+
+def test_first_fit_decreasing_by_hand():
+  # Longest first: 7 → row 0; 5 → row 1; 4 → row 1 (9); 3 → row 0 (10); 2 fits nowhere → row 2.
+  rows, offsets = packing.first_fit_decreasing([3, 7, 5, 2, 4, 0], 10)
+  np.testing.assert_array_equal(rows, [0, 0, 1, 2, 1, -1])
+  np.testing.assert_array_equal(offsets, [7, 0, 0, 0, 5, 0])
+  rows, _ = packing.first_fit_decreasing([4, 4, 4, 4], 8)  # Ties: by index.
+  np.testing.assert_array_equal(rows, [0, 0, 1, 1])
+  assert packing.first_fit_decreasing([], 8)[0].shape == (0,)
+
+
+def test_a_sequence_longer_than_a_row_is_an_error():
+  with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than a packed row holds \\(row_tokens=8\\)"):
+    packing.first_fit_decreasing([3, 9, 2], 8)
+  prompt = np.ones((2, 6), bool)
+  with pytest.raises(ValueError, match="sequence 0 has 9 tokens"):
+    packing.pack(prompt, prompt, np.ones((2, 3), int), np.array([[1, 1, 1], [0, 0, 0]], bool), row_tokens=8)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.lists(st.integers(0, 12), max_size=40), st.integers(12, 20))
+def test_first_fit_decreasing_never_overfills_and_never_overlaps(lengths, row_tokens):
+  rows, offsets = packing.first_fit_decreasing(lengths, row_tokens)
+  lengths = np.asarray(lengths, int)
+  assert np.all((rows >= 0) == (lengths > 0))
+  used = rows[rows >= 0]
+  if used.size:
+    assert set(used.tolist()) == set(range(used.max() + 1))  # Rows numbered without gaps.
+    # First fit leaves at most one row half full or less: rows ≤ ⌈2·Σ lengths / L⌉.
+    assert used.max() + 1 <= -(-2 * lengths.sum() // row_tokens)
+  for row in set(used.tolist()):
+    spans = sorted((offsets[b], offsets[b] + lengths[b]) for b in np.flatnonzero(rows == row))
+    assert spans[0][0] == 0 and spans[-1][1] <= row_tokens
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # End to end: no overlap, no gap.
+
+
+def test_bucket_rows():
+  assert [packing.bucket_rows(n, multiple=4) for n in (0, 1, 4, 5, 8, 9, 17)] == [4, 4, 4, 8, 8, 16, 32]
+  assert [packing.bucket_rows(n, multiple=4, geometric=False) for n in (0, 5, 9, 17)] == [4, 8, 12, 20]
+  assert packing.bucket_rows(5) == 8
+  with pytest.raises(ValueError, match="multiple"):
+    packing.bucket_rows(3, multiple=0)
+
+
+def _batch():
+  """Three sequences (prompt | response): (11 12 | 13 14), (21 22 23 24 | 25), (31 | 32 33 34)."""
+  prompt = np.array([[0, 0, 11, 12], [21, 22, 23, 24], [0, 0, 0, 31]])
+  response = np.array([[13, 14, 0], [25, 0, 0], [32, 33, 34]])
+  return prompt, prompt > 0, response, response > 0
+
+
+def test_pack_by_hand():
+  packed = packing.pack(*_batch(), row_tokens=8)  # Lengths 4, 5, 4: the 5 first, then 4 + 4.
+  np.testing.assert_array_equal(packed.tokens, [[21, 22, 23, 24, 25, 0, 0, 0], [11, 12, 13, 14, 31, 32, 33, 34]])
+  np.testing.assert_array_equal(packed.segment_ids, [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
+  np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 0, 0, 0], [0, 1, 2, 3, 0, 1, 2, 3]])
+  np.testing.assert_array_equal(packed.response_index, [[10, 11, 0], [4, 0, 0], [13, 14, 15]])
+  np.testing.assert_array_equal(packing.unpack_tokens(packed.tokens, packed), _batch()[2])
+  # Each response token's prediction column holds the token before it.
+  np.testing.assert_array_equal(packing.unpack_predictions(packed.tokens, packed), [[12, 13, 0], [24, 0, 0],
+                                                                                    [31, 32, 33]])
+  assert packing.pack(*_batch(), row_tokens=8, rows=4).tokens.shape == (4, 8)
+  with pytest.raises(ValueError, match="needs 2 packed rows of 8 tokens, got rows=1"):
+    packing.pack(*_batch(), row_tokens=8, rows=1)
+
+
+def test_pack_refuses_other_layouts():
+  prompt, prompt_mask, response, response_mask = _batch()
+  with pytest.raises(ValueError, match="left-padded prompts"):
+    packing.pack(prompt, prompt_mask[:, ::-1], response, response_mask, row_tokens=8)
+  with pytest.raises(ValueError, match="right-padded responses"):
+    packing.pack(prompt, prompt_mask, response, response_mask[:, ::-1], row_tokens=8)
+  with pytest.raises(ValueError, match=r"sequences \[2\] have a response but no prompt token"):
+    packing.pack(prompt, prompt_mask & (np.arange(3) < 2)[:, None], response, response_mask, row_tokens=8)
+
+
+@st.composite
+def _batches(draw):
+  # Few distinct shapes (each compiles the eager gathers once), many layouts.
+  b, tp, tr = 5, draw(st.sampled_from([1, 4])), draw(st.sampled_from([2, 5]))
+  prompt_len = np.array(draw(st.lists(st.integers(0, tp), min_size=b, max_size=b)))
+  response_len = np.array(draw(st.lists(st.integers(0, tr), min_size=b, max_size=b))) * (prompt_len > 0)
+  prompt_mask = np.arange(tp)[None] >= tp - prompt_len[:, None]
+  response_mask = np.arange(tr)[None] < response_len[:, None]
+  tokens = np.arange(1, b * (tp + tr) + 1).reshape(b, tp + tr)  # Distinct ids: a misplaced token shows.
+  row_tokens = draw(st.sampled_from([tp + tr, tp + tr + 5]))
+  return tokens[:, :tp] * prompt_mask, prompt_mask, tokens[:, tp:] * response_mask, response_mask, row_tokens
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(_batches())
+def test_pack_round_trips(batch):
+  prompt, prompt_mask, response, response_mask, row_tokens = batch
+  b = prompt.shape[0]  # B rows always suffice; a static count keeps the shapes few.
+  packed = packing.pack(prompt, prompt_mask, response, response_mask, row_tokens=row_tokens, rows=b)
+  joined = np.concatenate([prompt, response], 1)
+  joined_mask = np.concatenate([prompt_mask, response_mask], 1)
+  tokens, segments, positions = (np.asarray(x) for x in packed[:3])
+  # Every real token exactly once, in order, each sequence in one segment, positions from 0.
+  assert np.sort(tokens[segments > 0]).tolist() == np.sort(joined[joined_mask]).tolist()
+  assert not np.any(tokens[segments == 0])
+  for row_ids, row_tokens_, row_pos in zip(segments, tokens, positions):
+    real = row_ids > 0
+    assert not np.any(real[real.sum():]), "padding only at the row's end"
+    assert np.all(np.diff(row_ids[real]) >= 0) and set(row_ids[real].tolist()) == set(range(1, row_ids.max() + 1))
+    for segment in set(row_ids[real].tolist()):
+      sequence = row_tokens_[row_ids == segment]
+      seq = int(np.flatnonzero((joined == sequence[0]).any(1))[0])
+      np.testing.assert_array_equal(sequence, joined[seq][joined_mask[seq]])
+      np.testing.assert_array_equal(row_pos[row_ids == segment], np.arange(sequence.size))
+  np.testing.assert_array_equal(packing.to_rows(jnp.asarray(joined), packed.source, packed.segment_ids), tokens)
+  np.testing.assert_array_equal(packing.unpack_tokens(packed.tokens, packed), response)
+  before = joined[:, prompt.shape[1] - 1:-1] * response_mask  # The token before each response token.
+  np.testing.assert_array_equal(packing.unpack_predictions(packed.tokens, packed), before)
+
+
+def test_packing_is_pure():
+  """numpy and jax only: no flax, no config, no model (arrays in, arrays out)."""
+  code = "import sys, vapo_jax.train.packing; print(' '.join(sorted(sys.modules)))"
+  loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split())
+  assert "flax" not in loaded and "vapo_jax.config" not in loaded and "vapo_jax.models" not in loaded
