@@ -13,14 +13,14 @@ from vapo_jax.models.transformer import KVCache, positions_from_mask
 def slow_reference(q, keys, values, mask, slots):
   """out[b, n] = Σ_s softmax(q·k_s/√H) v_s over s ≤ slots[b] with mask[b, s], by loops (0 if none)."""
   b_size, n_heads, h = q.shape
-  groups = n_heads // keys.shape[2]
+  groups = n_heads // keys.shape[1]
   out = np.zeros(q.shape, np.float64)
   for b in range(b_size):
-    visible = [s for s in range(keys.shape[1]) if mask[b, s] and s <= slots[b]]
+    visible = [s for s in range(keys.shape[2]) if mask[b, s] and s <= slots[b]]
     for n in range(n_heads):
       if not visible:
         continue
-      k, v = keys[b, visible, n // groups].astype(np.float64), values[b, visible, n // groups].astype(np.float64)
+      k, v = keys[b, n // groups, visible].astype(np.float64), values[b, n // groups, visible].astype(np.float64)
       scores = k @ q[b, n].astype(np.float64) / np.sqrt(h)
       weights = np.exp(scores - scores.max())
       out[b, n] = weights @ v / weights.sum()
@@ -32,7 +32,8 @@ def case():
   rng = np.random.default_rng(0)
   b, s, k, g, h = 5, 37, 2, 3, 8  # S = 37 is a multiple of no block size used.
   q = rng.normal(size=(b, k * g, h)).astype(np.float32)
-  keys, values = (rng.normal(size=(b, s, k, h)).astype(np.float32) for _ in range(2))
+  # Heads-major [B, K, S, H], as the KV cache stores them.
+  keys, values = (rng.normal(size=(b, s, k, h)).astype(np.float32).transpose(0, 2, 1, 3) for _ in range(2))
   slots = np.array([0, 5, 17, 36, 20], np.int32)
   starts = np.array([0, 2, 9, 0, 21])  # Left padding; row 4 has nothing visible (start > slot).
   mask = (np.arange(s)[None] >= starts[:, None]) & (np.arange(s)[None] <= slots[:, None] + 3)
@@ -55,7 +56,7 @@ def test_reads_only_filled_blocks(case):
   q, keys, values, mask, slots = case
   short = np.minimum(slots, 14)
   poisoned_k, poisoned_v = keys.copy(), values.copy()
-  poisoned_k[:, 16:], poisoned_v[:, 16:] = np.nan, np.nan  # Blocks of 8: [0, 16) hold every slot ≤ 14.
+  poisoned_k[:, :, 16:], poisoned_v[:, :, 16:] = np.nan, np.nan  # Blocks of 8: [0, 16) hold every slot ≤ 14.
   clean = decode_attention.attend_one(q, keys, values, mask, short, block=8)
   poisoned = decode_attention.attend_one(q, poisoned_k, poisoned_v, mask, short, block=8)
   np.testing.assert_array_equal(clean, poisoned)

@@ -12,8 +12,9 @@ a step costs what has been written, not what was allocated (a 4,096-slot cache w
 tokens reads 256–512 slots, not 4,096). Blocks are combined with an online softmax (Milakov &
 Gimelshein 2018; the decode half of FlashAttention, Dao et al. 2022) in float32. When S is not a
 multiple of `block`, the last block is read shifted back to end at slot S and its repeated
-slots are masked. Keys and values are read in their stored `[B, S, K, H]` layout: no transpose
-or copy of the cache.
+slots are masked. Keys and values are read in the cache's heads-major `[B, K, S, H]` layout: a block
+is a slice of the slot axis, no transpose or copy of the cache (split over K, each chip reads its own
+heads).
 
 `attend_one_reference` is the dense masked softmax over all S slots: the oracle of the tests and
 the "full-cache" baseline of the benchmark. Pure JAX; no flax, no config.
@@ -34,17 +35,17 @@ def default_block() -> int:
 
 def attend_one_reference(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array,
                          query_slots: jax.Array) -> jax.Array:
-  """Dense decode attention. q `[B, N, H]`; keys/values `[B, S, K, H]`; key_mask `[B, S]`;
+  """Dense decode attention. q `[B, N, H]`; keys/values `[B, K, S, H]`; key_mask `[B, S]`;
   query_slots `[B]` int. Returns `[B, N, H]` in q's dtype."""
   b, n, h = q.shape
-  kv_heads = keys.shape[2]
+  kv_heads = keys.shape[1]
   dtype = q.dtype
   qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
-  scores = jnp.einsum("BKGH,BSKH->BKGS", qg, keys.astype(dtype)).astype(jnp.float32) * (h ** -0.5)
-  visible = key_mask.astype(bool) & (jnp.arange(keys.shape[1])[None] <= query_slots[:, None])  # [B, S]
+  scores = jnp.einsum("BKGH,BKSH->BKGS", qg, keys.astype(dtype)).astype(jnp.float32) * (h ** -0.5)
+  visible = key_mask.astype(bool) & (jnp.arange(keys.shape[2])[None] <= query_slots[:, None])  # [B, S]
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jnp.einsum("BKGS,BSKH->BKGH", probs, values.astype(dtype)).reshape(b, n, h)
+  out = jnp.einsum("BKGS,BKSH->BKGH", probs, values.astype(dtype)).reshape(b, n, h)
   return jnp.where(visible.any(-1)[:, None, None], out, 0).astype(dtype)
 
 
@@ -53,7 +54,7 @@ def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.A
   """Length-bounded decode attention: `attend_one_reference` reading only blocks [0, ⌈(max slot + 1)/block⌉)
   (`block` None: `default_block()`)."""
   b, n, h = q.shape
-  slots, kv_heads = keys.shape[1], keys.shape[2]
+  kv_heads, slots = keys.shape[1], keys.shape[2]
   block = min(block or default_block(), slots)
   dtype = q.dtype
   qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
@@ -64,18 +65,18 @@ def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.A
     m, l, acc = carry  # Running max [B, K, G], normaliser [B, K, G], output [B, K, G, H] (float32).
     nominal = j * block
     start = jnp.minimum(nominal, slots - block)  # The last block ends at slot S.
-    kb = lax.dynamic_slice_in_dim(keys, start, block, axis=1).astype(dtype)
-    vb = lax.dynamic_slice_in_dim(values, start, block, axis=1).astype(dtype)
+    kb = lax.dynamic_slice_in_dim(keys, start, block, axis=2).astype(dtype)
+    vb = lax.dynamic_slice_in_dim(values, start, block, axis=2).astype(dtype)
     slot = start + jnp.arange(block)
     visible = (lax.dynamic_slice_in_dim(key_mask, start, block, axis=1) & (slot >= nominal)[None]
                & (slot[None] <= query_slots[:, None]))[:, None, None]  # [B, 1, 1, block]
-    s = jnp.einsum("BKGH,BSKH->BKGS", qg, kb, preferred_element_type=jnp.float32) * (h ** -0.5)
+    s = jnp.einsum("BKGH,BKSH->BKGS", qg, kb, preferred_element_type=jnp.float32) * (h ** -0.5)
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # Rows with nothing visible yet stay at 0.
     p = jnp.exp(s - m_ref[..., None])
     alpha = jnp.exp(m - m_ref)
-    pv = jnp.einsum("BKGS,BSKH->BKGH", p.astype(dtype), vb, preferred_element_type=jnp.float32)
+    pv = jnp.einsum("BKGS,BKSH->BKGH", p.astype(dtype), vb, preferred_element_type=jnp.float32)
     return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
   rows = (b, kv_heads, n // kv_heads)

@@ -8,6 +8,10 @@ one-to-one onto the checkpoint's per-layer tensors, the KV cache is a plain tupl
 rematerialisation is applied per layer with `nnx.remat`. The cost is compile time growing with
 depth (about a minute for 64 layers), paid once per run.
 
+The KV cache is stored heads-major, `[B, K, S, H]` per layer: split over KV heads (the rollout's
+tensor-parallel layout, rollout/layout.py), each chip's shard keeps (slots, head dim) as its minor
+dimensions, so writing a token and reading blocks of slots never relayouts the cache.
+
 Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
 prompts) and `attention_mask` `[B, T]` (true on real tokens). Packed rows (several sequences end to
 end, `train/packing.py`) pass `segment_ids` `[B, T]` (1, 2, ... per sequence, 0 on padding) instead
@@ -34,9 +38,13 @@ from vapo_jax.models.sharding import constrain
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+# Logical axes of a cache's keys and values `[B, K, S, H]` (models/sharding.py rules map them).
+CACHE_AXES = ("batch", "cache_kv_heads", None, None)
+
+
 @struct.dataclass
 class KVCache:
-  """Per-layer keys and values `[B, S, K, H]`, slot validity `[B, S]`, and slots used so far."""
+  """Per-layer keys and values `[B, K, S, H]` (heads-major), slot validity `[B, S]`, and slots used so far."""
 
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
@@ -49,9 +57,17 @@ class KVCache:
   @classmethod
   def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
             decode_block: int | None = None) -> "KVCache":
-    shape = (batch, slots, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
     kv = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
-    return cls(kv(), kv(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), decode_block)
+    return cls(kv(), kv(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), decode_block).constrained()
+
+  def constrained(self) -> "KVCache":
+    """This cache with its arrays constrained to their logical axes (`CACHE_AXES`; a no-op outside
+    `sharding.use_rules`)."""
+    rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    kv = lambda arrays: tuple(constrain(x, CACHE_AXES) for x in arrays)
+    return KVCache(kv(self.keys), kv(self.values), rows(self.mask), rows(self.length) if self.length.ndim else
+                   self.length, self.decode_block)
 
   @staticmethod
   def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
@@ -60,13 +76,14 @@ class KVCache:
     return cfg.num_layers * per_layer + batch * slots
 
 
-def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array) -> jax.Array:
-  """`new` `[B, T, ...]` written into `buffer` `[B, S, ...]` at slot `length` (scalar), or row b at
-  slot `length[b]` (`[B]`)."""
+def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
+  """`new` written into `buffer` along its slot axis `axis` at slot `length` (scalar), or row b at
+  slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1), or heads-major keys / values `[B, K, S, H]`
+  (axis 2) from `[B, K, T, H]`."""
   new = new.astype(buffer.dtype)
   if jnp.ndim(length) == 0:
-    return jax.lax.dynamic_update_slice(buffer, new, (0, length) + (0,) * (buffer.ndim - 2))
-  row = lambda b, x, at: jax.lax.dynamic_update_slice(b, x, (at,) + (0,) * (b.ndim - 1))
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new, length, axis=axis)
+  row = lambda b, x, at: jax.lax.dynamic_update_slice_in_dim(b, x, at, axis=axis - 1)
   return jax.vmap(row)(buffer, new, length)
 
 
@@ -139,14 +156,16 @@ class Attention(nnx.Module):
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
     q = constrain(_rotate(q, cos, sin), ("batch", "seq", "act_heads", None))
     k = _rotate(k, cos, sin)
-    if layer_cache is None:
-      keys, values = k, v
-    else:
+    keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
+    if layer_cache is not None:
       cached_k, cached_v, length, decode_block = layer_cache
-      keys, values = write_slots(cached_k, k, length), write_slots(cached_v, v, length)
+      heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, T, K, H] <-> [B, K, T, H].
+      new_cache = (write_slots(cached_k, heads_major(k), length, axis=2),
+                   write_slots(cached_v, heads_major(v), length, axis=2))
       if x.shape[1] == 1:  # One-token decode: read only the filled part of the cache.
-        out = _decode_attention(q, keys, values, key_mask, query_slots, decode_block)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), (keys, values)
+        out = _decode_attention(q, *new_cache, key_mask, query_slots, decode_block)
+        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
+      keys, values = map(heads_major, new_cache)  # Several tokens (a prefill): `attend` reads [B, S, K, H].
     if segment_ids is not None:
       validity = dict(segment_ids=segment_ids)
     else:  # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
@@ -156,7 +175,7 @@ class Attention(nnx.Module):
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
-    return out, (keys, values)
+    return out, new_cache
 
 
 class MLP(nnx.Module):

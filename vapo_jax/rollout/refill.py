@@ -49,8 +49,8 @@ from vapo_jax.rollout import common
 class Prompts(NamedTuple):
   """The prefilled prompts, read when a slot takes a new sequence."""
 
-  keys: tuple[jax.Array, ...]  # Per layer [P, Tp, K, H].
-  values: tuple[jax.Array, ...]  # Per layer [P, Tp, K, H].
+  keys: tuple[jax.Array, ...]  # Per layer [P, K, Tp, H] (heads-major, as the KV cache).
+  values: tuple[jax.Array, ...]  # Per layer [P, K, Tp, H].
   mask: jax.Array  # [P, Tp] real prompt tokens.
   logits: jax.Array  # [P, V] next-token logits after the prompt.
   lengths: jax.Array  # [P] int32 real prompt tokens: the position of the first response token.
@@ -82,10 +82,11 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   prompts = Prompts(cache.keys, cache.values, prompt_mask, logits, jnp.sum(prompt_mask, -1).astype(jnp.int32))
   cfg, (count, prompt_len) = model.cfg, prompt_tokens.shape
   rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
-  shape = (slots, prompt_len + max_new_tokens, cfg.num_kv_heads, cfg.head_dim)
-  slot_cache = KVCache(tuple(rows(shape, cache_dtype) for _ in range(cfg.num_layers)),
-                       tuple(rows(shape, cache_dtype) for _ in range(cfg.num_layers)),
-                       rows(shape[:2], bool), rows((slots,), jnp.int32), decode_block)
+  width = prompt_len + max_new_tokens
+  shape = (slots, cfg.num_kv_heads, width, cfg.head_dim)
+  kv = lambda: tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
+  slot_cache = KVCache(kv(), kv(), jnp.zeros((slots, width), bool), jnp.zeros((slots,), jnp.int32),
+                       decode_block).constrained()
   n = count * group
   zero = jnp.zeros((), jnp.int32)
   return prompts, Slots(slot_cache, rows((slots, logits.shape[-1]), jnp.float32), rows((slots,), jnp.int32),
@@ -110,7 +111,8 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
   def insert(s: Slots) -> Slots:
     p = jnp.minimum(new, n - 1) // group
     fill = lambda buffer, source: lax.dynamic_update_slice_in_dim(
-        buffer, jnp.where(take[:, None, None, None], source[p].astype(buffer.dtype), buffer[:, :prompt_len]), 0, axis=1)
+        buffer, jnp.where(take[:, None, None, None], source[p].astype(buffer.dtype), buffer[:, :, :prompt_len]), 0,
+        axis=2)
     responses = s.cache.mask.shape[1] - prompt_len
     mask = jnp.where(take[:, None], jnp.pad(prompts.mask[p], ((0, 0), (0, responses))), s.cache.mask)
     cache = KVCache(tuple(map(fill, s.cache.keys, prompts.keys)), tuple(map(fill, s.cache.values, prompts.values)),

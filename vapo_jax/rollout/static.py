@@ -47,12 +47,13 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
-  # Share each prompt's cache with its G samples, in a cache with room for the response.
+  # Share each prompt's cache with its G samples, in a cache with room for the response (the slot axis:
+  # 2 of the heads-major keys and values, 1 of the mask).
   expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
-  pad_slots = lambda x: jnp.pad(x, ((0, 0), (0, steps)) + ((0, 0),) * (x.ndim - 2))
-  cache = KVCache(tuple(pad_slots(expand(k)) for k in prefill_cache.keys),
-                  tuple(pad_slots(expand(v)) for v in prefill_cache.values),
-                  pad_slots(expand(prefill_cache.mask)), prefill_cache.length, decode_block)
+  pad_slots = lambda x, axis: jnp.pad(jnp.repeat(x, group, axis=0), [(0, steps * (i == axis)) for i in range(x.ndim)])
+  kv = lambda arrays: tuple(pad_slots(x, 2) for x in arrays)
+  cache = KVCache(kv(prefill_cache.keys), kv(prefill_cache.values), pad_slots(prefill_cache.mask, 1),
+                  prefill_cache.length, decode_block).constrained()
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
@@ -73,7 +74,8 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
   def cond(s: Loop):
     return (s.step < steps) & ~jnp.all(s.done)
 
-  init = Loop(jnp.zeros((), jnp.int32), cache, expand(logits), jnp.zeros((batch,), bool),
+  next_logits = constrain(jnp.repeat(logits, group, axis=0), ("batch", "act_vocab"))
+  init = Loop(jnp.zeros((), jnp.int32), cache, next_logits, jnp.zeros((batch,), bool),
               jnp.full((batch, steps), pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
               jnp.zeros((batch, steps), jnp.float32))
   final = jax.lax.while_loop(cond, body, init)
