@@ -9,12 +9,16 @@ from flax import nnx
 
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import CausalLM
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "parity"
 PARITY_MODELS = ("qwen2_untied", "qwen2_tied", "llama3")
 # The sharding tests' model (a vocabulary that 8 devices split) and meshes, one per preset.
 SHARDED_CFG = dataclasses.replace(preset("tiny"), vocab_size=262, num_layers=2)
-MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data=2, fsdp=2, tensor=2)}
+MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data=2, fsdp=2, tensor=2),
+          "tp": dict(data=4, tensor=2)}
+# The rollout-layout tests' model: 4 KV heads and a vocabulary that a tensor-parallel group of 4 splits.
+TP_CFG = dataclasses.replace(preset("tiny"), num_heads=8, num_kv_heads=4, vocab_size=264, num_layers=2)
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
@@ -30,3 +34,14 @@ def place_module(module: nnx.Module, mesh, rules) -> nnx.Module:
   state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), jax.sharding.NamedSharding(mesh, s))),
                        state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)
+
+
+def training_layout_model(cfg=TP_CFG, *, mesh_shape=None, scale: float = 0.3):
+  """(unsharded model, the same parameters in the training layout `fsdp` on 8 devices, the mesh, the rules):
+  random weights with `scale` added noise, so that a dropped term or a near-tie is visible."""
+  model = CausalLM(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  keys = iter(jax.random.split(jax.random.key(1), 100))
+  model = nnx.merge(graphdef, jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape), state))
+  mesh, rules = sharding.make_mesh(**(mesh_shape or MESHES["fsdp"])), sharding.PRESETS["fsdp"]
+  return model, place_module(model, mesh, rules), mesh, rules

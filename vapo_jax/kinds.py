@@ -17,7 +17,7 @@ Estimator = Literal["gae", "group"]  # "gae": critic + GAE (PPO, VAPO); "group":
 # models/: numerics, attention kernels (models/attention.py) and sharding presets (models/sharding.py).
 DType = Literal["float32", "bfloat16"]
 Attention = Literal["auto", "chunked", "cudnn", "splash", "reference"]
-MeshPreset = Literal["dp", "fsdp", "fsdp_tp"]
+MeshPreset = Literal["dp", "fsdp", "fsdp_tp", "tp"]  # "tp": the rollout layout (rollout/layout.py).
 
 # rollout/: the decoding engine (rollout/__init__.py).
 RolloutEngine = Literal["static", "refill"]

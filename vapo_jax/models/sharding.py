@@ -8,6 +8,7 @@ is a small table mapping each logical name to mesh axes of a `Mesh` with axes
 
 import contextlib
 import contextvars
+import itertools
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -18,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vapo_jax import kinds
+from vapo_jax import distributed, kinds
 from vapo_jax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -34,6 +35,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fsdp_tp": {"batch": BATCH, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
                 "mlp": "tensor", "vocab": "tensor", "act_heads": "tensor", "act_kv_heads": "tensor",
                 "act_mlp": "tensor", "act_vocab": "tensor"},
+    # Tensor parallelism with data-parallel replicas: the rollout layout (rollout/layout.py). Weights are
+    # split by heads, MLP width and vocabulary, never gathered (embed unsplit); the KV cache by batch and
+    # KV heads. A decode step then communicates activations only.
+    "tp": {"batch": BATCH, "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+           "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor", "act_vocab": "tensor",
+           "cache_kv_heads": "tensor"},
 }
 
 kinds.check_table(kinds.MeshPreset, PRESETS, "models/sharding.py PRESETS")
@@ -62,6 +69,34 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
                       f"but {len(devices)} are available ({setting}; JAX sees {len(devices)} {platform} devices): "
                       f"{advice}")
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def tensor_groups(devices: Sequence[jax.Device], size: int) -> list[jax.Device]:
+  """`devices` reordered so that every `size` consecutive ones are physical neighbours: a block of the
+  chips' grid (by `coords`, then `core_on_chip`), as cube-like as the grid allows (2×2×2 for 8 chips of
+  a 3-D torus), with each process's devices kept together. A mesh built from this order with `size`
+  devices innermost (the rollout layout's tensor groups, rollout/layout.py) then puts each group in
+  one block. Devices without coordinates (CPUs), or whose grid does not split into such blocks, keep
+  their order."""
+  devices = list(devices)
+  if size <= 1 or not all(hasattr(d, "coords") for d in devices):
+    return devices
+  coords = np.array([tuple(d.coords) + (getattr(d, "core_on_chip", 0),) for d in devices])
+  coords -= coords.min(0)
+  dims = tuple(int(n) for n in coords.max(0) + 1)
+  blocks = [b for b in itertools.product(*(range(1, n + 1) for n in dims))
+            if math.prod(b) == size and all(n % k == 0 for n, k in zip(dims, b))]
+  if math.prod(dims) != len(devices) or len(set(map(tuple, coords))) != len(devices) or not blocks:
+    return devices
+  block = min(blocks, key=lambda b: (max(b), [-k for k in reversed(b)]))  # Cube-like; later axes first.
+  grid = np.empty(dims, int)
+  grid[tuple(coords.T)] = np.arange(len(devices))
+  split = grid.reshape([x for n, k in zip(dims, block) for x in (n // k, k)])
+  k = len(dims)
+  groups = split.transpose(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2))).reshape(-1, size)
+  process = lambda i: devices[i].process_index
+  groups = sorted((sorted(g, key=process) for g in groups), key=lambda g: process(g[0]))
+  return [devices[i] for g in groups for i in g]
 
 
 def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
@@ -95,6 +130,20 @@ def state_partition_specs(state: nnx.State, rules: dict[str, Any], mesh: Mesh | 
       return PartitionSpec()
     return partition_spec(axes, rules, None if mesh is None else mesh.shape, variable.get_value().shape)
   return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(shape: Sequence[int], mesh: Mesh, rules: dict[str, Any]) -> NamedSharding:
+  """Where an array of `shape` goes on `mesh`: its leading (batch) axis split over the mesh axes that
+  "batch" maps to when they divide it evenly, else (and for scalars) replicated."""
+  spec = partition_spec(("batch",), rules)
+  axes = spec[0] if spec else ()
+  shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+  return NamedSharding(mesh, spec if len(shape) and shape[0] % shards == 0 else PartitionSpec())
+
+
+def place(tree: Any, mesh: Mesh, rules: dict[str, Any]) -> Any:
+  """Host arrays (the same on every process) → global arrays on `mesh`, laid out by `batch_sharding`."""
+  return jax.tree.map(lambda x: distributed.global_array(x, batch_sharding(np.shape(x), mesh, rules)), tree)
 
 
 @contextlib.contextmanager

@@ -28,9 +28,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import numpy as np
-
-from vapo_jax import distributed
 from vapo_jax.config import AlgoConfig, ExperimentConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.logprobs import response_logprobs
@@ -224,9 +221,7 @@ class Steps:
   def place(self, tree):
     """Host arrays (the same on every process) → global arrays split over the batch axes (replicated
     when the batch does not divide evenly over them)."""
-    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda x: distributed.global_array(
-        x, self.rows if np.ndim(x) and np.shape(x)[0] % self.shards == 0 else replicated), tree)
+    return sharding.place(tree, self.mesh, self.rules)
 
   def score(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool = False):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
