@@ -7,12 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from model_utils import FIXTURES, place_module
+from model_utils import FIXTURES, place_module, training_layout_model
 from vapo_jax import rollout
+from vapo_jax.config import RolloutConfig
 from vapo_jax.models import huggingface, sharding
 from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rollout import common, refill
+from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.static import make_generate
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
@@ -31,12 +34,12 @@ def sample(model, prompts, engine, *, group, key=0, limits=None, **settings):
                         engine=engine, pad_id=0, length_limits=limits)
 
 
-def assert_same(refilled: common.Rollout, static: common.Rollout):
+def assert_same(refilled: common.Rollout, static: common.Rollout, *, rtol: float = 0.0):
   for field in ("prompt_tokens", "prompt_mask", "response_tokens", "response_mask", "response_lengths",
                 "finish_reason"):
     np.testing.assert_array_equal(getattr(refilled, field), getattr(static, field), err_msg=field)
   for field in ("sampler_logprobs", "policy_logprobs"):
-    np.testing.assert_allclose(getattr(refilled, field), getattr(static, field), atol=1e-5, err_msg=field)
+    np.testing.assert_allclose(getattr(refilled, field), getattr(static, field), atol=1e-5, rtol=rtol, err_msg=field)
 
 
 def queue_steps(lengths, slots: int) -> int:
@@ -47,20 +50,26 @@ def queue_steps(lengths, slots: int) -> int:
   return max(free)
 
 
-def queue_row_steps(lengths, slots: int, min_slots: int) -> int:
-  """Σ rows × iterations of that queue when the rows shrink in its tail: sizes are min_slots·2^k;
-  after an iteration that leaves the queue empty and at most the largest size ≤ rows / 2 live, the
-  rows become the smallest size holding the live sequences. Step by step, from the definition."""
+def queue_row_steps(lengths, slots: int, min_slots: int, queues: int = 1) -> int:
+  """Σ rows × iterations of that queue (or of `queues` queues, each serving its own contiguous share of
+  the sequences in its own rows / queues slots) when the rows shrink in its tail: sizes are
+  min_slots·2^k; after an iteration that leaves the queues empty and the rows that hold the live
+  sequences (queues × the fullest queue's) at most the largest size ≤ rows / 2, the rows become the
+  smallest size holding them. Step by step, from the definition."""
   sizes = [min_slots * 2**k for k in range(16)] if min_slots else []
-  queue, remaining, rows, total = list(map(int, lengths)), [], slots, 0
-  while queue or remaining:
-    while queue and len(remaining) < rows:
-      remaining.append(queue.pop(0))
+  share = len(lengths) // queues
+  waiting = [list(map(int, lengths[q * share:(q + 1) * share])) for q in range(queues)]
+  running, rows, total = [[] for _ in range(queues)], slots, 0
+  while any(waiting) or any(running):
+    for q in range(queues):
+      while waiting[q] and len(running[q]) < rows // queues:
+        running[q].append(waiting[q].pop(0))
     total += rows
-    remaining = [r - 1 for r in remaining if r > 1]
+    running = [[r - 1 for r in part if r > 1] for part in running]
+    needed = queues * max(map(len, running))
     below_half = [size for size in sizes if 2 * size <= rows]
-    if not queue and remaining and below_half and len(remaining) <= max(below_half):
-      rows = min(size for size in sizes if size >= len(remaining))
+    if not any(waiting) and needed and below_half and needed <= max(below_half):
+      rows = min(size for size in sizes if size >= needed)
   return total
 
 
@@ -177,3 +186,34 @@ def test_engine_from_config_fits_slots_to_the_budget():
   with pytest.raises(MemoryError, match="lower rollout"):
     rollout.engine_for(RolloutConfig(kv_cache_budget_gib=1.0), cfg, sequences=8192, prompt_tokens=1024,
                           dtype=jnp.bfloat16, devices=256)
+
+
+def test_tensor_parallel_layout_equals_static():
+  """The training layout fsdp (data 2 x fsdp 4) resharded into the rollout layout (data 2 x tensor 4): each
+  group runs its own queue of 8 sequences (lengths ≤ 1..8) in 4 slots, shrinking to 1 per group in the tail,
+  and samples the static engine's greedy tokens on one device, log-probs to float tolerance."""
+  model, trained, mesh, rules = training_layout_model()
+  config = RolloutConfig(tensor_parallel=4, slots=8, decode_steps_per_call=4)
+  layout = layout_for(config, mesh, compute_dtype="float32", training_rules=rules)
+  engine = rollout.engine_for(config, model.cfg, sequences=16, prompt_tokens=16, dtype=jnp.float32,
+                              devices=layout.data_devices)
+  assert engine == rollout.Engine(kind="refill", slots=8, steps_per_call=4, min_slots=2, queues=2)
+  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
+  limits = (np.arange(16, dtype=np.int32) * 5) % 8 + 1
+  expected, _ = sample(model, prompts, rollout.Engine(kind="static"), group=2, key=5, temperature=0.0,
+                       max_new_tokens=8, limits=limits)
+  graphdef, state = nnx.split(trained)
+  spec = common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,), temperature=0.0)
+  tokens, mask = common.pad_prompts(prompts, pad_id=0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    out, metrics = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5),
+                                  sampling=spec, samples_per_prompt=2, engine=engine, pad_id=0, jit=layout.jit,
+                                  place=layout.place, length_limits=limits)
+  assert out.response_tokens.sharding.shard_shape(out.response_tokens.shape) == (8, 8)  # Split over the groups.
+  assert_same(out, expected, rtol=1e-5)
+  lengths = np.asarray(expected.response_lengths)
+  assert metrics["rollout/decode_steps"] == max(queue_steps(lengths[:8], 4), queue_steps(lengths[8:], 4))
+  row_steps = queue_row_steps(lengths, 8, 2, queues=2)
+  assert row_steps < 8 * metrics["rollout/decode_steps"]  # The groups shrank.
+  assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)

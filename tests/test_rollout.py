@@ -7,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from model_utils import FIXTURES, place_module
+from model_utils import FIXTURES, place_module, training_layout_model
 from vapo_jax import rollout
+from vapo_jax.config import RolloutConfig
 from vapo_jax.models import huggingface, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 from vapo_jax.rollout import common, sampling, static
+from vapo_jax.rollout.layout import layout_for
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
 EOS = 2
@@ -159,6 +162,30 @@ def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   assert len(out.response_tokens.sharding.device_set) == 8
   np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
   np.testing.assert_allclose(out.policy_logprobs, expected.policy_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0),
+                                      pytest.param(dict(temperature=1.3, top_k=5, top_p=0.8), marks=pytest.mark.slow)],
+                         ids=["greedy", "top-k-top-p"])
+def test_tensor_parallel_layout_equals_unsharded(settings):
+  """The training layout fsdp (data 2 x fsdp 4) resharded into the rollout layout (data 2 x tensor 4: heads,
+  MLP and the 264-entry vocabulary split over 4 chips, the KV cache by its 4 heads): the static engine
+  samples the tokens it samples on one device, log-probs to float tolerance."""
+  model, trained, mesh, rules = training_layout_model()
+  layout = layout_for(RolloutConfig(tensor_parallel=4), mesh, compute_dtype="float32", training_rules=rules)
+  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
+  expected = run(model, prompts, key=5, group=2, max_new_tokens=8, **settings)
+  graphdef, state = nnx.split(trained)
+  spec = common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,), **settings)
+  tokens, mask = common.pad_prompts(prompts, pad_id=0)
+  out, _ = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5), sampling=spec,
+                          samples_per_prompt=2, engine=rollout.Engine(kind="static"), pad_id=0, jit=layout.jit,
+                          place=layout.place)
+  assert out.response_tokens.sharding.mesh.shape == layout.mesh.shape and len(out.response_tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
+  np.testing.assert_array_equal(out.response_lengths, expected.response_lengths)
+  for field in ("policy_logprobs", "sampler_logprobs"):
+    np.testing.assert_allclose(getattr(out, field), getattr(expected, field), rtol=1e-5, atol=1e-5, err_msg=field)
 
 
 def test_metrics(model):

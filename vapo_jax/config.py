@@ -164,6 +164,9 @@ class RolloutConfig:
   shrink_slots: bool = True
   # KV-cache slots per block read by decode attention; None: 64 on CPU, 512 on GPU/TPU; 0: every slot.
   decode_block: int | None = None
+  # Chips per tensor-parallel group while decoding (rollout/layout.py): the weights split over the
+  # group (heads, MLP, vocabulary; the KV cache by KV heads) stay still; 1: decode in the training layout.
+  tensor_parallel: int = 1
 
   def __post_init__(self):
     positive_int(self, "prompts_per_step")
@@ -174,6 +177,7 @@ class RolloutConfig:
     if self.slots is not None:
       positive_int(self, "slots")
     positive_int(self, "decode_steps_per_call")
+    positive_int(self, "tensor_parallel")
     if self.decode_block is not None:
       positive_int(self, "decode_block", allow_zero=True)
     positive_int(self, "samples_per_prompt")

@@ -1,7 +1,7 @@
 """Rollout: G sampled responses for each of P prompts with the model being trained, on the devices.
 
   engine = rollout.engine_for(config.rollout, model_cfg, sequences=P·G, prompt_tokens=Tp,
-                              dtype=cache_dtype, devices=data-parallel devices)
+                              dtype=cache_dtype, devices=data-parallel devices)   # layout.data_devices
   out, metrics = rollout.sample(model, prompt_tokens, prompt_mask, key, sampling=..., samples_per_prompt=G,
                                 engine=engine, pad_id=..., cache_dtype=..., jit=..., place=...)
 
@@ -11,6 +11,7 @@ The package, one module a part:
             the prefill
   static    the static engine: every sequence of a round in one batch (the reference)
   refill    the refill engine: decode slots that take the next queued sequence as soon as theirs ends
+  layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
   here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
 
 `sample` runs the static engine (`static.generate`, optionally in rounds of prompts) or the refill
@@ -26,6 +27,7 @@ that were a live sequence), `rollout/response_len_p50`,
 `_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`.
 """
 
+import math
 import time
 from typing import Callable, NamedTuple
 
@@ -47,21 +49,28 @@ class Engine(NamedTuple):
   # refill: in the tail (queue empty), halve the slots while at most half are live, down to this many
   # (a multiple of the data-parallel devices); 0: never.
   min_slots: int = 1
+  # refill: queues of sequences, each with its own share of the slots and prompts (the data-parallel
+  # groups of the rollout layout: a refill never reads another group's prompts); `sample` uses the
+  # largest number dividing this, the prompts and the slots.
+  queues: int = 1
   prompts_per_round: int | None = None  # static: generate in rounds of this many prompts (None: one).
   decode_block: int | None = None  # KV-cache slots per block of decode attention (0: all; None: per platform).
 
 
 def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
   """The `Engine` of a `RolloutConfig` for a call of `sequences` sequences of `prompt_tokens`-token
-  (bucketed) prompts: refill slots default to as many as `kv_cache_budget_gib` holds."""
+  (bucketed) prompts split over `devices` data-parallel groups (each of `rollout.tensor_parallel`
+  chips, which split the KV cache by heads): refill slots default to as many as
+  `kv_cache_budget_gib` holds per chip; in a tensor-parallel layout, one queue per group."""
   r = rollout_config
   if r.engine == "static":
     return Engine(kind="static", prompts_per_round=r.prompts_per_generation, decode_block=r.decode_block)
   slots = r.slots or common.slots_that_fit(
       model_cfg, sequences=sequences, prompt_tokens=prompt_tokens, max_new_tokens=r.max_response_tokens,
-      budget_bytes=int(r.kv_cache_budget_gib * 2**30), dtype=dtype, devices=devices)
+      budget_bytes=int(r.kv_cache_budget_gib * 2**30), dtype=dtype, devices=devices, tensor=r.tensor_parallel)
   return Engine(kind="refill", slots=slots, steps_per_call=r.decode_steps_per_call,
-                min_slots=devices if r.shrink_slots else 0, decode_block=r.decode_block)
+                min_slots=devices if r.shrink_slots else 0, queues=devices if r.tensor_parallel > 1 else 1,
+                decode_block=r.decode_block)
 
 
 def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: float, decode_steps: int,
@@ -98,9 +107,10 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   start = time.perf_counter()
   refilled = engine.kind == "refill" and 0 < engine.slots < sequences
   if refilled:
+    queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
     out, decode_steps, row_steps = refill.generate(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
-        slots=engine.slots, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
+        slots=engine.slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
         decode_block=engine.decode_block, min_slots=engine.min_slots, jit=jit,
         length_limits=None if limits is None else place(limits))
     rows = engine.slots

@@ -61,17 +61,19 @@ def prompt_bucket(length: int, *, minimum: int = 16) -> int:
 
 
 def cache_bytes(model_cfg, *, batch: int, prompt_tokens: int, max_new_tokens: int, dtype=jnp.float32,
-                devices: int = 1) -> int:
-  """Per-device memory of the KV cache for a rollout batch split over `devices`, before allocating."""
-  per_device = math.ceil(batch / devices)
-  return KVCache.bytes(model_cfg, per_device, prompt_tokens + max_new_tokens, dtype)
+                devices: int = 1, tensor: int = 1) -> int:
+  """Per-device memory of the KV cache for a rollout batch split over `devices` (data-parallel groups),
+  its keys and values split by KV heads over the `tensor` chips of each group, before allocating."""
+  per_device, slots = math.ceil(batch / devices), prompt_tokens + max_new_tokens
+  mask = per_device * slots  # [B, S] bool, not split by heads.
+  return (KVCache.bytes(model_cfg, per_device, slots, dtype) - mask) // tensor + mask
 
 
 def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_bytes, dtype=jnp.float32,
-                     devices=1) -> int:
+                     devices=1, tensor=1) -> int:
   """Raises with what to change when the KV cache will not fit `budget_bytes` per device."""
   needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                       dtype=dtype, devices=devices)
+                       dtype=dtype, devices=devices, tensor=tensor)
   if needed > budget_bytes:
     raise MemoryError(
         f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_new_tokens} new tokens needs "
@@ -82,15 +84,16 @@ def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_
 
 
 def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tokens: int, budget_bytes: int,
-                   dtype=jnp.float32, devices: int = 1) -> int:
-  """The most decode slots, a multiple of `devices` and no more than `sequences` need (rounded up
-  to `devices`), whose KV cache fits `budget_bytes` per device; raises when not one slot per device fits."""
+                   dtype=jnp.float32, devices: int = 1, tensor: int = 1) -> int:
+  """The most decode slots, a multiple of `devices` (data-parallel groups) and no more than `sequences`
+  need (rounded up to `devices`), whose KV cache (split by heads over `tensor` chips) fits
+  `budget_bytes` per device; raises when not one slot per group fits."""
   per_sequence = cache_bytes(model_cfg, batch=1, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                             dtype=dtype)
+                             dtype=dtype, tensor=tensor)
   per_device = min(-(-sequences // devices), budget_bytes // per_sequence)
   if per_device < 1:
     check_cache_fits(model_cfg, batch=devices, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                     budget_bytes=budget_bytes, dtype=dtype, devices=devices)
+                     budget_bytes=budget_bytes, dtype=dtype, devices=devices, tensor=tensor)
   return per_device * devices
 
 

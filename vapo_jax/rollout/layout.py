@@ -1,0 +1,138 @@
+"""The rollout layout: the mesh, sharding rules and weights the policy decodes with.
+
+  layout = layout_for(config.rollout, training_mesh, compute_dtype="bfloat16", training_rules=rules)
+  params = layout.reshard(state.actor)     # once per RL step (and evaluation); dropped after generation
+  out, metrics = rollout.sample(nnx.merge(actor_def, params), ..., jit=layout.jit, place=layout.place)
+  out = layout.to_training(out)            # the rollout's arrays where scoring reads them
+
+Training keeps each weight split over the FSDP devices. Decoding in that layout gathers every
+weight for every token (under `fsdp`, a 32B model's 65 GB into each chip per decode step). With
+`rollout.tensor_parallel` = T > 1 the rollout decodes on a second mesh instead: the same devices
+in the same order (jit requires one device order for a program that reads one layout and writes
+the other), grouped into data-parallel groups of T consecutive devices (data = devices / T,
+tensor = T), under the "tp" preset (models/sharding.py): heads, KV heads, MLP width and vocabulary
+split over the group, embed unsplit, batch over the groups, the KV cache split by batch and KV
+heads. The weights then stay where they are while decoding; a step communicates activations only
+(one reduction per attention and per MLP block, the embedding's and the sampler's small ones).
+A group is T physical neighbours when the training mesh was built from `sharding.tensor_groups`'s
+device order (the trainer does so).
+
+The reshard: once per RL step the actor's parameters move from the training layout into the
+rollout layout, cast to the compute dtype, each array by a small jitted program of its kind (shape,
+dtype, input and output sharding: about ten kinds for a transformer, whatever its depth). The
+inputs are not donated (training needs them); the peak is the training shards, the rollout copy
+and one array in flight. The copy is dropped after generation.
+
+With T = 1 the layout is the training mesh and rules, `reshard` returns the parameters themselves
+(no copy) and `to_training` its input: the rollout runs exactly as it did before this layout.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from vapo_jax.config import RolloutConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.models import sharding
+
+_IS_VARIABLE = lambda x: isinstance(x, nnx.Variable)
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutLayout:
+  """Where a rollout decodes (see the module docstring); build it with `layout_for`."""
+
+  mesh: Mesh  # The rollout mesh: the training mesh's devices in its order, (data, 1, tensor_parallel).
+  rules: Mapping[str, Any]  # Logical axis -> mesh axes while decoding.
+  training_mesh: Mesh  # Where the parameters and the scoring live.
+  training_rules: Mapping[str, Any]
+  tensor_parallel: int  # Chips per tensor-parallel group (1: the training layout itself).
+  compute_dtype: jnp.dtype  # The rollout copy's dtype.
+  _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # Output sharding -> cast.
+
+  @property
+  def data_devices(self) -> int:
+    """Data-parallel groups: the rollout's batch is split over them, slot counts are multiples of them."""
+    return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+  def jit(self, fn: Callable, **kwargs) -> Callable:
+    """`sharding.jit` with the rollout mesh and rules bound."""
+    return sharding.jit(fn, self.mesh, self.rules, **kwargs)
+
+  def place(self, tree):
+    """Host arrays → global arrays split over the rollout's batch axes (replicated when they do not divide)."""
+    return sharding.place(tree, self.mesh, self.rules)
+
+  def reshard(self, params: nnx.State) -> nnx.State:
+    """The actor's parameters (an `nnx.State` in the training layout) in the rollout layout, cast to the
+    compute dtype: a new copy, the inputs untouched; with tensor_parallel 1, `params` themselves."""
+    if self.tensor_parallel == 1:
+      return params
+    targets = self._targets(params)
+    return jax.tree.map(lambda v, out: v.replace(self._program(out)(v.get_value())), params, targets,
+                        is_leaf=_IS_VARIABLE)
+
+  def reshard_programs(self, abstract_params: nnx.State) -> list[tuple[Callable, jax.ShapeDtypeStruct]]:
+    """The reshard's programs, one per array kind, each with an abstract input (shape, dtype and
+    training sharding) to lower it with: `program.lower(x).compile()`. Empty with tensor_parallel 1."""
+    if self.tensor_parallel == 1:
+      return []
+    kinds = {}
+    for v, out in zip(jax.tree.leaves(abstract_params, is_leaf=_IS_VARIABLE),
+                      jax.tree.leaves(self._targets(abstract_params))):
+      x = v.get_value()
+      kinds.setdefault((x.shape, x.dtype, x.sharding, out), (self._program(out), jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=x.sharding)))
+    return list(kinds.values())
+
+  def to_training(self, tree):
+    """Rollout arrays placed where the trainer reads them: split over the training mesh's batch axes
+    (replicated when they do not divide). With tensor_parallel 1, `tree` itself."""
+    if self.tensor_parallel == 1:
+      return tree
+    place = lambda x: sharding.batch_sharding(x.shape, self.training_mesh, self.training_rules)
+    return jax.device_put(tree, jax.tree.map(place, tree))
+
+  def check_model(self, model_cfg) -> None:
+    """A `ConfigError` when the tensor-parallel groups cannot split the model's KV heads (the cache's)."""
+    heads, t = model_cfg.num_kv_heads, self.tensor_parallel
+    if heads % t:
+      fits = [d for d in _divisors(heads) if self.mesh.size % d == 0]
+      raise ConfigError(f"rollout.tensor_parallel={t} must divide the model's {heads} KV heads (the rollout splits "
+                        f"the KV cache by heads over each tensor-parallel group): choose one of {fits}")
+
+  def _targets(self, params: nnx.State):
+    """The rollout sharding of every parameter, from its logical axes."""
+    specs = sharding.state_partition_specs(params, dict(self.rules), self.mesh)
+    return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+
+  def _program(self, out: NamedSharding) -> Callable:
+    """The jitted cast into `out` (jit compiles it once per input shape, dtype and sharding)."""
+    if out not in self._programs:
+      self._programs[out] = jax.jit(lambda x: x.astype(self.compute_dtype), out_shardings=out)
+    return self._programs[out]
+
+
+def layout_for(rollout_config: RolloutConfig, training_mesh: Mesh, *, compute_dtype,
+               training_rules: Mapping[str, Any]) -> RolloutLayout:
+  """The rollout layout of `rollout.tensor_parallel` over `training_mesh` (whose parameters follow
+  `training_rules`); a `ConfigError` when the groups do not divide its devices."""
+  t, devices = rollout_config.tensor_parallel, training_mesh.devices
+  common = dict(training_mesh=training_mesh, training_rules=training_rules, tensor_parallel=t,
+                compute_dtype=jnp.dtype(compute_dtype))
+  if t == 1:
+    return RolloutLayout(mesh=training_mesh, rules=training_rules, **common)
+  if devices.size % t:
+    raise ConfigError(f"rollout.tensor_parallel={t} must divide the mesh's {devices.size} devices: choose one of "
+                      f"{_divisors(devices.size)} (1 decodes in the training layout)")
+  mesh = Mesh(devices.reshape(devices.size // t, 1, t), sharding.MESH_AXES)  # The same devices, in the same order.
+  return RolloutLayout(mesh=mesh, rules=sharding.PRESETS["tp"], **common)
