@@ -9,8 +9,10 @@ the full run, with small numbers.
 """
 
 import dataclasses
+import math
 
 from vapo_jax.config import ExperimentConfig
+from vapo_jax.models.config import preset
 
 TRAIN = "synthetic:arithmetic?terms=2-3&count=200&seed=0"
 EVAL = "synthetic:arithmetic?terms=2-3&count=8&seed=1"
@@ -29,8 +31,10 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
                    micro_batch_responses=None, dynamic_sampling_max_rounds=min(config.algo.dynamic_sampling_max_rounds, 1),
                    overlong_buffer_tokens=min(config.algo.overlong_buffer_tokens, 4)),
       optim=replace(config.optim, actor_lr=1e-3, critic_lr=3e-3, warmup_updates=0, weight_decay=0.0),
+      # The rollout layout keeps tensor-parallel groups, of a size that splits the micro model's KV heads.
       rollout=replace(config.rollout, prompts_per_step=32 // group, samples_per_prompt=group, max_prompt_tokens=16,
-                      max_response_tokens=16, prompts_per_generation=None),
+                      max_response_tokens=16, prompts_per_generation=None,
+                      tensor_parallel=math.gcd(config.rollout.tensor_parallel, preset("micro").num_kv_heads)),
       reward=replace(config.reward, answer_forms=("answer_line",), verifier_workers=1),
       data=replace(config.data, train_path=TRAIN, template="raw", chat_template=False),
       eval=replace(config.eval, path=EVAL, samples_per_problem=2, every_steps=0, max_problems=None),

@@ -200,6 +200,42 @@ def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
   assert slots == 24 and memory_plan.plan(fewer, mesh).phase_bytes()["rollout"] <= budget
 
 
+def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
+  """`rollout.tensor_parallel=2` on data 2 x fsdp 4 (tiny: 2 KV heads): the rollout decodes on 4 groups of 2
+  chips. The plan's rollout copy of the actor and its KV cache are what device 0 holds of the real arrays (the
+  layout's reshard; a cache built under its rules); slots are per group, from a budget per chip."""
+  from vapo_jax import rollout
+  from vapo_jax.models.transformer import KVCache
+  from vapo_jax.rollout.layout import layout_for
+  cfg, shape = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
+  config = _config(prompts=16, samples=8, mini=128, response_tokens=992, dtype="bfloat16")
+  per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992, dtype=jnp.bfloat16, tensor=2)
+  config = dataclasses.replace(config, rollout=dataclasses.replace(
+      config.rollout, engine="refill", tensor_parallel=2, kv_cache_budget_gib=5.5 * per_sequence / GIB))
+  plan = memory_plan.plan(config, shape)
+  mesh, rules = sharding.make_mesh(**shape), sharding.PRESETS["fsdp"]
+  layout = layout_for(config.rollout, mesh, compute_dtype="bfloat16", training_rules=rules)
+  assert memory_plan.rollout_groups(config, shape) == layout.data_devices == 4
+  copy = layout.reshard(nnx.state(sharding.create_sharded(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), mesh, rules)))
+  assert _item(plan, "rollout", "rollout_weights") == _device0_bytes(copy) < 2 * cfg.num_parameters()  # bf16, split.
+  # 5 slots per group (the budget holds 5.5 sequences per chip with the cache split by heads), 20 in all.
+  engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.bfloat16, devices=4)
+  assert engine.slots == 20 and engine.queues == 4 and "through 20 refill slots, 5 per group of 2 chips" in plan.format()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    cache = layout.jit(lambda: KVCache.zeros(cfg, 20, 32 + 992, jnp.bfloat16))()
+  assert _item(plan, "rollout", "kv_cache") == _device0_bytes(cache) - 4 == 5 * per_sequence  # Less the length.
+  assert per_sequence < common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992, dtype=jnp.bfloat16)
+  assert _item(plan, "rollout", "prompt_cache") == common.cache_bytes(
+      cfg, batch=4, prompt_tokens=32, max_new_tokens=0, dtype=jnp.bfloat16, tensor=2)  # 16 prompts, 4 groups.
+  largest = cfg.vocab_size * cfg.hidden_size  # The embedding and the output projection: 259 rows, not split by 2.
+  assert _item(plan, "rollout", "reshard") == 2 * largest
+  # Tensor parallelism 1: the plan of the training layout, as before.
+  flat = memory_plan.plan(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=1)),
+                          shape)
+  assert _item(flat, "rollout", "rollout_weights") == _item(flat, "rollout", "reshard") == 0
+
+
 def test_check_accepts_a_fitting_plan_and_skips_an_unknown_device():
   plan = memory_plan.plan(_config(), {"data": 8})
   group = memory_plan.plan(_config(estimator="group"), {"data": 8})  # GRPO: no critic update, critic still held.

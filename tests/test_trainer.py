@@ -6,6 +6,7 @@ Every run is the default experiment at smoke size (`smoke_config`, tests/conftes
 from experiments/variants.py; programs they share (model, sampler, scoring) compile once per session
 through the compilation cache that tests/conftest.py sets up."""
 
+import dataclasses
 import math
 
 import jax
@@ -157,4 +158,28 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
   # then the step's device metrics as one vector.
   assert fetched[:4] == [(32,), (32,), (32, 16), (32,)] and len(fetched) == 5 and len(fetched[4]) == 1, fetched
   assert 20 < fetched[4][0] < len(metrics) and "actor/pg_loss" in metrics and "rollout/response_len_p90" in metrics
+  trainer.close()
+
+
+def test_a_tensor_parallel_rollout_samples_the_training_layouts_tokens(smoke_config):
+  """`rollout.tensor_parallel=2`: the rollout decodes on 4 groups of 2 devices (the actor resharded, the KV
+  cache split by its 2 heads) and samples the tokens the training layout samples (`tensor_parallel=1`); an
+  RL step runs on it, scoring and updating in the training layout (whose log-probs equal the sampler's)."""
+  from vapo_jax.rollout.layout import layout_for
+  from vapo_jax.train.experience import Experience
+  cfg = smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "rollout.tensor_parallel": 2})
+  trainer = Trainer(cfg, write_logs=False, verbose=False)
+  assert dict(trainer.experience.layout.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  one = Experience(cfg, steps=trainer.steps, layout=layout_for(
+      dataclasses.replace(cfg.rollout, tensor_parallel=1), trainer.mesh, compute_dtype=cfg.model.dtype,
+      training_rules=trainer.steps.rules), model_cfg=trainer.model_cfg, tokenizer=trainer.tokenizer, pool=trainer.pool)
+  records, key = next(trainer.progress.prompts), jax.random.key(3)
+  settings = dict(group=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
+  tp, _ = trainer.experience.generate(trainer.experience.policy(trainer.state), records, key, **settings)
+  reference, _ = one.generate(one.policy(trainer.state), records, key, **settings)
+  assert tp.response_tokens.sharding.is_equivalent_to(reference.response_tokens.sharding, 2)  # The training layout.
+  np.testing.assert_array_equal(tp.response_tokens, reference.response_tokens)
+  np.testing.assert_allclose(tp.policy_logprobs, reference.policy_logprobs, rtol=1e-5, atol=1e-5)
+  trainer.state, metrics = trainer.step(trainer.state)
+  assert math.isfinite(metrics["actor/loss"]) and metrics["rollout/logprob_gap"] < 1e-4
   trainer.close()

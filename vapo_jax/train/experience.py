@@ -1,9 +1,11 @@
 """Experience: prompts → sampled responses → verifier rewards, for training and evaluation.
 
-  experience = Experience(config, steps=steps, model_cfg=model_cfg, tokenizer=tokenizer, pool=pool)
+  experience = Experience(config, steps=steps, layout=layout, model_cfg=model_cfg, tokenizer=tokenizer, pool=pool)
   out, rewards, correct, stats = experience.sample(state, prompts, key)     # then `steps.score`
 
-The rollout stays on the devices as global arrays. Crossing to the host, and nothing else:
+The rollout decodes in the rollout layout (`rollout/layout.py`): once per step (and per evaluation)
+the actor is resharded into it, and the copy is dropped after generation; the rollout's arrays come
+back laid out for scoring on the training mesh. The rollout stays on the devices as global arrays. Crossing to the host, and nothing else:
 the prompts' token ids (in), the token ids and lengths of this process's share of the responses
 (out, for the verifier), and the verifier's rewards and verdicts (in). Dynamic sampling also
 brings every process the verdicts of the whole batch and sends back the rows it keeps.
@@ -27,6 +29,7 @@ from vapo_jax.data.records import Record
 from vapo_jax.errors import ConfigError
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
+from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps, TrainBatch
 
@@ -52,7 +55,8 @@ def engine(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, pro
     if chosen.kind == "static":
       common.check_cache_fits(model_cfg, batch=min(settings.prompts_per_generation or prompts, prompts) * group,
                               prompt_tokens=prompt_tokens, max_new_tokens=settings.max_response_tokens, dtype=dtype,
-                              devices=devices, budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+                              devices=devices, tensor=settings.tensor_parallel,
+                              budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
   except MemoryError as e:
     raise ConfigError(str(e)) from None
   return chosen
@@ -91,23 +95,32 @@ def demonstrations(rows: list[Record], tokenizer, config: ExperimentConfig) -> T
   return TrainBatch(tokens, attention, response_mask, None, None, np.zeros(len(rows), bool))
 
 class Experience:
-  """Sampling and verifying for one run (its config, programs, model shape, tokenizer and verifier)."""
+  """Sampling and verifying for one run (its config, programs, rollout layout, model shape, tokenizer and
+  verifier)."""
 
-  def __init__(self, config: ExperimentConfig, *, steps: Steps, model_cfg, tokenizer, pool):
-    self.config, self.steps, self.model_cfg, self.tokenizer, self.pool = config, steps, model_cfg, tokenizer, pool
+  def __init__(self, config: ExperimentConfig, *, steps: Steps, layout: RolloutLayout, model_cfg, tokenizer, pool):
+    self.config, self.steps, self.layout = config, steps, layout
+    self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
 
-  def generate(self, state: TrainState, records: list[Record], key: jax.Array, *, group: int, temperature: float,
+  def policy(self, state: TrainState) -> nnx.Module:
+    """The actor in the rollout layout: a resharded copy (with `rollout.tensor_parallel` > 1), to drop
+    once generation is done."""
+    return nnx.merge(self.steps.actor_def, self.layout.reshard(state.actor))
+
+  def generate(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int, temperature: float,
                top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
-    """`generate` with the run's policy, as global arrays on its mesh."""
-    return generate(nnx.merge(self.steps.actor_def, state.actor), records, key, config=self.config,
-                    tokenizer=self.tokenizer, group=group, temperature=temperature, top_p=top_p, top_k=top_k,
-                    jit=self.steps.jit, place=self.steps.place, devices=self.steps.shards)
+    """`generate` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back as
+    global arrays laid out for scoring on the training mesh."""
+    out, stats = generate(policy, records, key, config=self.config, tokenizer=self.tokenizer, group=group,
+                          temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
+                          place=self.layout.place, devices=self.layout.data_devices)
+    return self.layout.to_training(out), stats
 
   def check_cache_budget(self) -> None:
     """At start-up: the KV cache of a training rollout with the longest prompts allowed fits."""
     settings = self.config.rollout
     engine(self.config, self.model_cfg, prompts=settings.prompts_per_step, group=settings.samples_per_prompt,
-           prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens), devices=self.steps.shards)
+           prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens), devices=self.layout.data_devices)
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids
@@ -130,11 +143,12 @@ class Experience:
     """A verified rollout of P prompts × G samples: (rollout, rewards, correct, stats), the rewards and
     verdicts as global arrays. Under dynamic sampling, refilled with groups of mixed verdicts."""
     config, settings = self.config, self.config.rollout
-    group = settings.samples_per_prompt
+    group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     if not config.algo.dynamic_sampling:
       records = next(prompts)
-      out, generated = self.generate(state, records, key, group=group, temperature=settings.temperature,
+      out, generated = self.generate(policy, records, key, group=group, temperature=settings.temperature,
                                      top_p=settings.top_p, top_k=settings.top_k)
+      del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
       scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       rewards, correct = self._place_share(scored, out)
       return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
@@ -142,7 +156,7 @@ class Experience:
     while True:
       records = next(prompts)
       key, sample_key = jax.random.split(key)
-      out, generated = self.generate(state, records, sample_key, group=group, temperature=settings.temperature,
+      out, generated = self.generate(policy, records, sample_key, group=group, temperature=settings.temperature,
                                      top_p=settings.top_p, top_k=settings.top_k)
       rollout_s += generated["time/rollout_s"]
       scored = self.verify(out, [x.answer for x in records for _ in range(group)])
@@ -155,6 +169,7 @@ class Experience:
       rounds += 1
       if len(kept) >= settings.prompts_per_step or rounds > config.algo.dynamic_sampling_max_rounds:
         break
+    del policy  # As above.
     if len(kept) < settings.prompts_per_step:
       message = (f"dynamic sampling found {len(kept)} groups with mixed verdicts of the {settings.prompts_per_step} "
                  f"a step needs in {rounds} rounds (algo.dynamic_sampling_max_rounds="
@@ -183,10 +198,10 @@ class Experience:
     """avg@k on held-out problems with the eval sampling settings (device scalars)."""
     evaluation, settings = self.config.eval, self.config.rollout
     per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
-    correct, lengths = [], []
+    correct, lengths, policy = [], [], self.policy(state)
     for n, i in enumerate(range(0, len(records), per_call)):
       part = records[i:i + per_call]
-      out, _ = self.generate(state, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
+      out, _ = self.generate(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
                              temperature=evaluation.temperature, top_p=evaluation.top_p)
       scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
       correct.append(distributed.gather_rows(scored.correct))

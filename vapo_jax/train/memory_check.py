@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from vapo_jax import overrides
 from vapo_jax.errors import ConfigError
-from vapo_jax.train.memory_plan import GIB, MemoryPlan, model_configs, plan, refill_slots
+from vapo_jax.train.memory_plan import GIB, MemoryPlan, model_configs, plan, refill_slots, rollout_groups
 
 
 def _variant(p: MemoryPlan, mesh: Mapping[str, int] | None = None, changes: dict | None = None) -> MemoryPlan | None:
@@ -86,7 +86,7 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
     mini = math.gcd(c.algo.mini_batch_responses, n * c.rollout.samples_per_prompt)
     micro = c.algo.micro_batch_responses and math.gcd(c.algo.micro_batch_responses, mini)
     return {"rollout.prompts_per_step": n, "algo.mini_batch_responses": mini, "algo.micro_batch_responses": micro}
-  devices = mesh["data"] * mesh["fsdp"]  # The slots are split over the batch axes.
+  devices = rollout_groups(c, mesh)  # The slots are split over the rollout's data-parallel groups.
   slots = refill_slots(c, model_configs(c)[0], devices)
   if phase == "rollout" and slots and (fit := _first_fit(p, phase, budget, range(slots - devices, 0, -devices),
                                                          lambda n: {"rollout.slots": n})):

@@ -16,7 +16,8 @@ What is counted, following the code as it is (`trainer.py`, `experience.py`, `st
 - Phases run one after another, so the device needs the largest, not their sum:
   rollout (`rollout_phase`: the KV cache of the sequences decoded at once, `common.cache_bytes`,
   in the refill engine's slots plus every prompt's prefilled cache, or one static round's; and
-  the prefill, whose logits are the last position's only), scoring (old log-probs, values,
+  the prefill, whose logits are the last position's only; with `rollout.tensor_parallel` > 1, in the
+  rollout layout: the actor's copy, the cache split by heads, the reshard's array in flight), scoring (old log-probs, values,
   reference log-probs: forward passes over the rollout batch in micro-batches of
   `algo.micro_batch_responses`, `steps.logprobs_and_entropy`), the actor update and the
   critic update (separate jitted calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
@@ -137,9 +138,9 @@ def _parameters(cfg: TransformerConfig, cls, param_dtype: str, preset_name: str,
 
 
 def refill_slots(config: ExperimentConfig, cfg: TransformerConfig, devices: int) -> int:
-  """Decode slots of the refill engine over `devices` batch devices, as the engine chooses them
-  (`rollout.engine_for`; one per device when not even that fits the budget, so that the plan shows
-  by how much); 0 when the static engine runs (or every sequence has a slot)."""
+  """Decode slots of the refill engine over `devices` data-parallel groups (`rollout_groups`), as the
+  engine chooses them (`rollout.engine_for`; one per group when not even that fits the budget, so that
+  the plan shows by how much); 0 when the static engine runs (or every sequence has a slot)."""
   r = config.rollout
   sequences = r.responses_per_step
   try:
@@ -150,34 +151,69 @@ def refill_slots(config: ExperimentConfig, cfg: TransformerConfig, devices: int)
   return engine.slots if engine.kind == "refill" and engine.slots < sequences else 0
 
 
-def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, rows, activations, batch_rows: int) -> Phase:
+def rollout_groups(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> int:
+  """The rollout's data-parallel groups on a mesh of this shape: its batch devices, or with
+  `rollout.tensor_parallel` = T > 1 the groups of T chips of the rollout layout (rollout/layout.py)."""
+  t = config.rollout.tensor_parallel
+  return mesh_shape["data"] * mesh_shape["fsdp"] if t == 1 else math.prod(mesh_shape.values()) // t
+
+
+def _rollout_shapes(at: "_Shapes") -> "_Shapes":
+  """`at` in the rollout layout: itself, or (tensor_parallel T > 1) data groups x T chips under "tp"."""
+  t = at.config.rollout.tensor_parallel
+  if t == 1:
+    return at
+  config = dataclasses.replace(at.config, mesh=dataclasses.replace(at.config.mesh, preset="tp"))
+  return _Shapes(config, {"data": rollout_groups(at.config, at.shape), "fsdp": 1, "tensor": t})
+
+
+def _rollout_weights(config: ExperimentConfig, cfg: TransformerConfig, ro: "_Shapes") -> tuple[Item, ...]:
+  """In a tensor-parallel rollout layout: the actor's copy in the compute dtype split over each group,
+  and the reshard's transient, one array in flight (at most its largest shard; before the KV cache
+  exists, counted with it)."""
+  t, m = config.rollout.tensor_parallel, config.model
+  if t == 1:
+    return ()
+  copy = _parameters(cfg, CausalLM, m.dtype, "tp", tuple(ro.shape.items())).param_bytes
+  largest = max(math.prod(footprint.local_shape(shape, axes, ro.rules, ro.shape)) for shape, axes in (
+      ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")), ((cfg.hidden_size, cfg.intermediate_size),
+                                                                ("embed", "mlp"))))
+  return (Item("rollout_weights", f"actor's rollout copy ({m.dtype}, split over {t} chips)", copy),
+          Item("reshard", "reshard: one array in flight (the largest rollout shard)",
+               largest * jnp.dtype(m.dtype).itemsize))
+
+
+def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes") -> Phase:
   """The rollout: the prefill (last-position logits only) and the KV cache of the sequences decoded
-  at once. The refill engine (`rollout.engine`) decodes in `slots` rows (`rollout.slots`, else as
-  many as `kv_cache_budget_gib` holds) and keeps every prompt's prefilled cache; the static one
-  generates in rounds of `prompts_per_generation` prompts × G samples."""
-  r, dtype = config.rollout, jnp.dtype(config.model.dtype)
-  prompt_len = common.prompt_bucket(r.max_prompt_tokens)
+  at once, in the rollout layout (`rollout.tensor_parallel` = T > 1: the actor's copy split over
+  groups of T chips, which split the KV cache by heads; the batch split over the groups). The refill
+  engine (`rollout.engine`) decodes in `slots` rows (`rollout.slots`, else as many as
+  `kv_cache_budget_gib` holds) and keeps every prompt's prefilled cache; the static one generates in
+  rounds of `prompts_per_generation` prompts × G samples."""
+  r, dtype, ro = config.rollout, jnp.dtype(config.model.dtype), _rollout_shapes(at)
+  prompt_len, rows, t = common.prompt_bucket(r.max_prompt_tokens), ro.rows, r.tensor_parallel
   tokens, sequences = prompt_len + r.max_response_tokens, r.prompts_per_step * r.samples_per_prompt
   kv = lambda n, slots: common.cache_bytes(cfg, batch=n, prompt_tokens=slots, max_new_tokens=0, dtype=dtype,
-                                            devices=n // rows(n))
+                                            devices=n // rows(n), tensor=t)
+  where = "per device" if t == 1 else f"per group of {t} chips"
   slots = refill_slots(config, cfg, sequences // rows(sequences))
   if slots:
-    prefill = activations(cfg, r.prompts_per_step, backward=False, head="last_logits", length=prompt_len, scored=0)
+    prefill = ro.activations(cfg, r.prompts_per_step, backward=False, head="last_logits", length=prompt_len, scored=0)
     detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples through {slots} refill slots, "
-              f"{rows(slots)} per device")
+              f"{rows(slots)} {where}")
     items = (Item("kv_cache", f"KV cache of the slots ({config.model.dtype}, {tokens} slots each)", kv(slots, tokens)),
              Item("prompt_cache", f"prefilled prompts' KV cache ({prompt_len} slots each)",
                   kv(r.prompts_per_step, prompt_len)))
   else:
     per_call = r.prompts_per_generation or r.prompts_per_step  # Prompts per generation round.
     generated = per_call * r.samples_per_prompt
-    prefill = activations(cfg, per_call, backward=False, head="last_logits", length=prompt_len, scored=0)
+    prefill = ro.activations(cfg, per_call, backward=False, head="last_logits", length=prompt_len, scored=0)
     detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples in rounds of {per_call} prompts, "
-              f"{rows(generated)} sequences per device")
+              f"{rows(generated)} sequences {where}")
     items = (Item("kv_cache", f"KV cache ({config.model.dtype}, {tokens} slots)", kv(generated, tokens)),)
-  return Phase("rollout", detail, items + (
+  return Phase("rollout", detail, _rollout_weights(config, cfg, ro) + items + (
       Item("prefill", "prefill activations (one layer's; last-position logits)", prefill.total),
-      Item("samples", "sampled tokens and log-probs", batch_rows * r.max_response_tokens * 12)))
+      Item("samples", "sampled tokens and log-probs", rows(sequences) * r.max_response_tokens * 12)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +300,7 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   critic_p = _parameters(critic_cfg, ValueModel, m.param_dtype, config.mesh.preset, mesh)
   batch_rows, resp = at.rows(r.responses_per_step), r.max_response_tokens
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * at.tokens + 25 * resp))
-  phases = [rollout_phase(config, actor_cfg, at.rows, at.activations, batch_rows),
+  phases = [rollout_phase(config, actor_cfg, at),
             Phase("scoring", f"micro-batches of {at.micro} sequences, {at.rows(at.micro)} per device",
                   (train_batch,) + max([at.forward("actor", actor_cfg), at.forward("critic", critic_cfg, value_head=True)],
                                        key=lambda items: sum(i.bytes for i in items))),

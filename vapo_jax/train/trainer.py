@@ -35,6 +35,7 @@ from vapo_jax.models import huggingface, sharding
 from vapo_jax.models.config import TransformerConfig, preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
+from vapo_jax.rollout.layout import layout_for
 from vapo_jax.train import checkpoints, memory_check, memory_plan, metrics as metrics_lib, optim, runlock
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
@@ -71,9 +72,12 @@ class Trainer:
   def _start(self, devices, write_logs: bool):
     config = self.config
     self.checkpoints = self._open_checkpoints() if write_logs else None
+    devices = sharding.tensor_groups(jax.devices() if devices is None else devices, config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
-                                   devices=devices)
+                                   devices=devices)  # Rollout tensor groups: physical neighbours (rollout/layout.py).
     rules = sharding.PRESETS[config.mesh.preset]
+    self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=rules)
+    self.layout.check_model(memory_plan.model_configs(config)[0])
     self.memory = memory_plan.plan(config, dict(self.mesh.shape))
     self.log(self.memory.format())
     if config.mesh.check_memory:
@@ -97,8 +101,8 @@ class Trainer:
            (("actor", config.optim.actor_lr), ("critic", config.optim.critic_lr), ("sft", config.sft.lr))}
     self.steps = Steps(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
                        critic_tx=txs["critic"], sft_tx=txs["sft"])
-    self.experience = Experience(config, steps=self.steps, model_cfg=self.model_cfg, tokenizer=self.tokenizer,
-                                 pool=self.pool)
+    self.experience = Experience(config, steps=self.steps, layout=self.layout, model_cfg=self.model_cfg,
+                                 tokenizer=self.tokenizer, pool=self.pool)
     self.experience.check_cache_budget()  # Now, not when the first rollout (after the warm start) needs it.
     stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
     init_opt = lambda name, params: optim.init_optimizer(txs[name], params, self.mesh)
