@@ -234,6 +234,8 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   flat = memory_plan.plan(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=1)),
                           shape)
   assert _item(flat, "rollout", "rollout_weights") == _item(flat, "rollout", "reshard") == 0
+  with pytest.raises(ConfigError, match="rollout.tensor_parallel=4 must divide the model's 2 KV heads"):
+    memory_plan.plan(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=4)), shape)
 
 
 def test_check_accepts_a_fitting_plan_and_skips_an_unknown_device():

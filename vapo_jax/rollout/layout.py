@@ -47,6 +47,19 @@ def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_tensor_parallel(tensor_parallel: int, *, devices: int, kv_heads: int | None = None) -> None:
+  """A `ConfigError` naming `rollout.tensor_parallel` when groups of that many chips do not divide the
+  devices or (when given) the model's KV heads, which the rollout splits the KV cache by."""
+  t = tensor_parallel
+  if devices % t:
+    raise ConfigError(f"rollout.tensor_parallel={t} must divide the mesh's {devices} devices: choose one of "
+                      f"{_divisors(devices)} (1 decodes in the training layout)")
+  if kv_heads is not None and kv_heads % t:
+    fits = [d for d in _divisors(kv_heads) if devices % d == 0]
+    raise ConfigError(f"rollout.tensor_parallel={t} must divide the model's {kv_heads} KV heads (the rollout splits "
+                      f"the KV cache by heads over each tensor-parallel group): choose one of {fits}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutLayout:
   """Where a rollout decodes (see the module docstring); build it with `layout_for`."""
@@ -104,11 +117,7 @@ class RolloutLayout:
 
   def check_model(self, model_cfg) -> None:
     """A `ConfigError` when the tensor-parallel groups cannot split the model's KV heads (the cache's)."""
-    heads, t = model_cfg.num_kv_heads, self.tensor_parallel
-    if heads % t:
-      fits = [d for d in _divisors(heads) if self.mesh.size % d == 0]
-      raise ConfigError(f"rollout.tensor_parallel={t} must divide the model's {heads} KV heads (the rollout splits "
-                        f"the KV cache by heads over each tensor-parallel group): choose one of {fits}")
+    check_tensor_parallel(self.tensor_parallel, devices=self.mesh.size, kv_heads=model_cfg.num_kv_heads)
 
   def _targets(self, params: nnx.State):
     """The rollout sharding of every parameter, from its logical axes."""
@@ -131,8 +140,6 @@ def layout_for(rollout_config: RolloutConfig, training_mesh: Mesh, *, compute_dt
                 compute_dtype=jnp.dtype(compute_dtype))
   if t == 1:
     return RolloutLayout(mesh=training_mesh, rules=training_rules, **common)
-  if devices.size % t:
-    raise ConfigError(f"rollout.tensor_parallel={t} must divide the mesh's {devices.size} devices: choose one of "
-                      f"{_divisors(devices.size)} (1 decodes in the training layout)")
+  check_tensor_parallel(t, devices=devices.size)
   mesh = Mesh(devices.reshape(devices.size // t, 1, t), sharding.MESH_AXES)  # The same devices, in the same order.
   return RolloutLayout(mesh=mesh, rules=sharding.PRESETS["tp"], **common)

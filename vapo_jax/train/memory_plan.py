@@ -50,7 +50,7 @@ from vapo_jax.config import ExperimentConfig
 from vapo_jax.models import flash, footprint, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
-from vapo_jax.rollout import common
+from vapo_jax.rollout import common, layout
 
 GIB = 2**30
 
@@ -190,6 +190,8 @@ def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes
   engine (`rollout.engine`) decodes in `slots` rows (`rollout.slots`, else as many as
   `kv_cache_budget_gib` holds) and keeps every prompt's prefilled cache; the static one generates in
   rounds of `prompts_per_generation` prompts × G samples."""
+  layout.check_tensor_parallel(config.rollout.tensor_parallel, devices=math.prod(at.shape.values()),
+                               kv_heads=cfg.num_kv_heads)
   r, dtype, ro = config.rollout, jnp.dtype(config.model.dtype), _rollout_shapes(at)
   prompt_len, rows, t = common.prompt_bucket(r.max_prompt_tokens), ro.rows, r.tensor_parallel
   tokens, sequences = prompt_len + r.max_response_tokens, r.prompts_per_step * r.samples_per_prompt
