@@ -45,3 +45,12 @@ def returns_text(response: str, answer: str):
 def contains_answer(response: str, answer: str) -> bool:
   """A well-behaved user function: a verdict, no extracted answer."""
   return answer in response
+
+
+def returns_what_it_is_told(response: str, answer: str):
+  """Returns the non-score a response names ("nan", "inf", "none", "tuple", "dict"), raises on "raise",
+  else the verdict `answer in response`."""
+  values = {"nan": float("nan"), "inf": float("inf"), "none": None, "tuple": (True, 1.0), "dict": {"score": 1.0}}
+  if response == "raise":
+    raise ValueError(f"cannot score {response!r}")
+  return values[response] if response in values else answer in response

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from vapo_jax.cli import evaluate
+from vapo_jax.config import RewardConfig
 from vapo_jax.data.records import Record, load_records
 from vapo_jax.errors import DataError
 from vapo_jax.paths import DATA_DIR as DATA
@@ -105,7 +106,7 @@ def test_evaluate_responses_file(tmp_path):
   responses = tmp_path / "responses.jsonl"
   responses.write_text("".join(json.dumps(line) + "\n" for line in lines))
   summary = evaluate.evaluate_responses(str(responses), problems=problems, out_dir=str(tmp_path / "out"),
-                                        workers=2, timeout_s=2.0)
+                                        reward_config=RewardConfig(verifier_workers=2, verifier_timeout_s=2.0))
   per_source = summary["per_source"]
   assert per_source["aime24/qwen25math_aime24_test"]["avg@4"] == pytest.approx(0.5)
   assert per_source["aime24/qwen25math_aime24_test"]["pass@1"] == pytest.approx(0.5)

@@ -190,14 +190,16 @@ def test_majority_vote_is_not_available_for_a_user_reward_function(tmp_path, cap
   responses = tmp_path / "r.jsonl"
   responses.write_text("".join(json.dumps({"id": f"p{i}", "response": "so \\boxed{7}", "answer": 7}) + "\n"
                                for i in range(3) for _ in range(2)))
-  summary = evaluate.evaluate_responses(str(responses), problems=None, out_dir=str(tmp_path / "out"), workers=2,
-                                        reward_fn="failing_rewards:contains_answer")
+  summary = evaluate.evaluate_responses(str(responses), problems=None, out_dir=str(tmp_path / "out"),
+                                        reward_config=config.RewardConfig(verifier_workers=2,
+                                                                          reward_fn="failing_rewards:contains_answer"))
   overall = summary["overall"]
   assert overall["avg@2"] == 1.0 and overall["pass@2"] == 1.0 and overall["maj@2"] is None
   evaluate._print_summary(summary)
   assert "maj@2 n/a" in capsys.readouterr().out
   # The built-in verifier still votes.
-  builtin = evaluate.evaluate_responses(str(responses), problems=None, out_dir=str(tmp_path / "b"), workers=2)
+  builtin = evaluate.evaluate_responses(str(responses), problems=None, out_dir=str(tmp_path / "b"),
+                                        reward_config=config.RewardConfig(verifier_workers=2))
   assert builtin["overall"]["maj@2"] == 1.0
 
 

@@ -5,86 +5,125 @@ and maj@k overall and per source (`rewards/accuracy.py`).
   make eval EXP=aime CKPT=/path/to/checkpoint         # generate k samples per problem, then score
   python -m vapo_jax.cli.evaluate --exp aime --responses responses.jsonl [--out DIR] [field=value ...]
 
-A responses file has one sample per line: `{"id": ..., "response": "..."}`, the id being a
-problem id of the experiment's `eval.path`; a line may instead carry its own `"answer"` (and
-`"source"`), and then no problem file is needed. Every sample is written with its extracted
-answer and verdict to `<out>/samples.jsonl`, and the metrics to `<out>/summary.json`.
+A responses file (.jsonl; .json and .parquet are read too) has one sample per line:
+`{"id": ..., "response": "..."}`, the id being a problem id of the experiment's `eval.path`, whose
+problems are read as the trainer reads them (`problems.held_out_problems`): the id of a row dropped
+as a duplicate names the problem kept for it, and different problems sharing an id are renamed
+`<id>@line<N>` with a warning. A line may instead carry its own `"answer"` (and `"source"`), and then
+no problem file is needed; one id names one problem, so a second, different answer for it is an error.
+
+Responses are scored as the trainer scores its rollouts (`reward.reward_fn`, `reward.correct`, the
+check of `reward.max_error_frac`): every sample is written with its extracted answer, its verdict and,
+if it failed to score, why (`error`) to `<out>/samples.jsonl`; the metrics and the failures' reasons to
+`<out>/summary.json`. Exit status 0 when scored; 2 for a mistake in the input (one line naming the
+file, line and field), a reward function failing on every response, or a full disk.
 """
 
+import contextlib
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from vapo_jax import files
 from vapo_jax.cli import resolve
-from vapo_jax.data.problems import eval_problems
-from vapo_jax.data.records import Record, answer_text
-from vapo_jax.errors import DataError, UserError
-from vapo_jax.kinds import AnswerForm
+from vapo_jax.config import RewardConfig
+from vapo_jax.data.problems import held_out_problems
+from vapo_jax.data.records import Record, answer_text, read_rows
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, DataError, RewardFunctionError, UserError
 from vapo_jax.rewards import accuracy, reward
-from vapo_jax.rewards.extract import DEFAULT_FORMS
 
 
-def read_responses(path: str, problems: Sequence[Record] | None) -> list[tuple[Record, str]]:
-  """`(problem, response)` pairs of a responses file; bad lines are errors naming line and field."""
-  by_id = {r.id: r for r in problems or ()}
-  pairs = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}, line {number}"
-      try:
-        row = json.loads(line.rstrip("\r\n"))
-      except json.JSONDecodeError as e:
-        raise DataError(f"{where}, field (line): malformed JSON: {e.msg} at column {e.colno}") from None
-      if not isinstance(row, dict):
-        raise DataError(f"{where}, field (line): expected an object, got {type(row).__name__}")
-      response = row.get("response")
-      if not isinstance(response, str):
-        raise DataError(f"{where}, field 'response': expected a string, got {type(response).__name__}")
-      problem_id = str(row.get("id", ""))
-      if "answer" in row:
-        answer = answer_text(row["answer"])
-        if not answer:
-          raise DataError(f"{where}, field 'answer': expected a non-empty string or number")
-        known = by_id.get(problem_id)
-        source = str(row.get("source") or (known.source if known else Path(path).stem))
-        problem = Record(str(row.get("prompt", known.prompt if known else "")), answer,
-                              problem_id or str(number), source)
-      elif problem_id in by_id:
-        problem = by_id[problem_id]
-      else:
-        hint = "no problem file is set (eval.path)" if not by_id else "no problem has this id"
-        raise DataError(f"{where}, field 'id': {problem_id!r}: {hint}, and the line has no 'answer'")
-      pairs.append((problem, response))
-  if not pairs:
+class Response(NamedTuple):
+  problem: Record  # The problem it answers.
+  text: str  # The response.
+  where: str  # "<file>, line N": where it was read.
+
+
+def _problem_of(row: dict, where: str, by_id: dict[str, Record], aliases: dict[str, Record],
+                inline: dict[str, tuple[str, str]], line: int, path: str) -> Record:
+  """The problem a responses row answers: its own "answer", else its id's problem (a dropped duplicate's
+  id: the kept problem). One id names one problem: a second answer for an id is an error."""
+  problem_id = str(row.get("id", ""))
+  known = by_id.get(problem_id) or aliases.get(problem_id)
+  if "answer" not in row:
+    if known is not None:
+      return known
+    renamed = [p.id for p in by_id.values() if p.id.startswith(f"{problem_id}@")]
+    hint = ("no problem file is set (eval.path)" if not by_id else
+            f"the problem file's different problems with this id were renamed by their line when loaded: use one of "
+            f"{', '.join(map(repr, renamed[:5]))}" if renamed else "no problem has this id")
+    raise DataError(f"{where}, field 'id': {problem_id!r}: {hint}, and the line has no 'answer'")
+  answer = answer_text(row["answer"])
+  if not answer:
+    raise DataError(f"{where}, field 'answer': expected a non-empty string or number")
+  problem_id = known.id if known is not None else problem_id or str(line)
+  given = inline.setdefault(problem_id, (answer, where)) if known is None else (known.answer, "the problem file")
+  if accuracy.answer_key(given[0]) != accuracy.answer_key(answer):
+    raise DataError(f"{where}, field 'answer': {answer!r}, but id {problem_id!r} has the answer {given[0]!r} in "
+                    f"{given[1]}: one id names one problem; give this problem an id of its own")
+  source = str(row.get("source") or (known.source if known else Path(path).stem))
+  return Record(str(row.get("prompt", known.prompt if known else "")), answer, problem_id, source)
+
+
+def read_responses(path: str, problems: Sequence[Record] | None,
+                   aliases: dict[str, Record] | None = None) -> list[Response]:
+  """The responses of a file (read as problem files are: `records.read_rows`); every bad line is a
+  `DataError` naming the file, the line and the field."""
+  by_id, inline = {r.id: r for r in problems or ()}, {}
+  rows, unit = read_rows(path)
+  responses = []
+  for number, row in rows:
+    where = f"{path}, {unit} {number}"
+    if isinstance(row, Exception):
+      raise DataError(f"{where}, {row}")
+    if not isinstance(row, dict):
+      raise DataError(f"{where}, field ({unit}): expected an object, got {type(row).__name__}")
+    if not isinstance(text := row.get("response"), str):
+      raise DataError(f"{where}, field 'response': expected a string, got {type(text).__name__}")
+    responses.append(Response(_problem_of(row, where, by_id, aliases or {}, inline, number, path), text, where))
+  if not responses:
     raise DataError(f"{path}: no responses")
-  return pairs
+  return responses
 
 
 def write_results(samples: Sequence[accuracy.Sample], summary: dict[str, Any], out_dir: str) -> None:
-  out = Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  with open(out / "samples.jsonl", "w", encoding="utf-8") as f:
-    for sample in samples:
-      f.write(json.dumps(sample._asdict(), ensure_ascii=False) + "\n")
-  (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  """samples.jsonl and summary.json, each written whole or not at all; a full disk is one line."""
+  with files.reporting_disk_full(out_dir, "writing the evaluation's results", elsewhere="--out=",
+                                 after="then run make eval again"):
+    os.makedirs(out_dir, exist_ok=True)
+    files.write_atomically(os.path.join(out_dir, "samples.jsonl"),
+                           "".join(json.dumps(s._asdict(), ensure_ascii=False) + "\n" for s in samples))
+    files.write_atomically(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=2) + "\n")
 
 
 def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None, out_dir: str,
-                       forms: tuple[AnswerForm, ...] = DEFAULT_FORMS,
-                       workers: int = 0, timeout_s: float = 10.0, reward_fn: str | None = None,
-                       memory_limit_mb: int | None = 4096) -> dict:
-  """Scores a responses file and writes samples.jsonl and summary.json to `out_dir`."""
-  pairs = read_responses(responses_path, problems)
-  with reward.make_pool(reward_fn=reward_fn, workers=workers, timeout_s=timeout_s,
-                        memory_limit_mb=memory_limit_mb) as pool:
-    samples, per_s = accuracy.score(pairs, pool, forms=forms)
-  summary = accuracy.summarize_by_source(samples) | {"responses": responses_path, "verify_responses_per_s": per_s}
+                       reward_config: RewardConfig = RewardConfig(), aliases: dict[str, Record] | None = None) -> dict:
+  """Scores a responses file as the trainer scores its rollouts (`accuracy.score`, then
+  `reward.check_errors`) and writes samples.jsonl (each sample with why it failed to score, if it did)
+  and summary.json (with the failures' reasons) to `out_dir`. A reward function failing on every
+  response is a `RewardFunctionError`, raised after the results are written."""
+  responses, c = read_responses(responses_path, problems, aliases), reward_config
+  with reward.make_pool(reward_fn=c.reward_fn, workers=c.verifier_workers, timeout_s=c.verifier_timeout_s,
+                        memory_limit_mb=c.verifier_memory_mb) as pool:
+    samples, batch = accuracy.score([(r.problem, r.text) for r in responses], pool, forms=c.answer_forms,
+                                    correct_reward=c.correct, incorrect_reward=c.incorrect)
+  failed = [i for i, s in enumerate(samples) if s.error is not None]
+  if failed:
+    first = samples[failed[0]]
+    batch = batch._replace(first_error=f"{responses[failed[0]].where} (id {first.id!r}): {first.error}")
+  summary = accuracy.summarize_by_source(samples) | {
+      "responses": responses_path, "verify_responses_per_s": batch.metrics["perf/verify_responses_per_s"],
+      "failed_to_score": {"responses": len(failed), "first": batch.first_error, "reasons": accuracy.failures(samples)}}
   write_results(samples, summary, out_dir)
+  try:
+    reward.check_errors(batch, pool, max_error_frac=c.max_error_frac)
+  except RewardFunctionError as e:
+    raise RewardFunctionError(f"{e} Each response's reason is in {out_dir}/samples.jsonl (field 'error').") from None
   return summary
 
 
@@ -106,8 +145,7 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
   tok_lib.check_tokenizer_matches(model.cfg, tokenizer, checkpoint_dir)
   rows, key = problems.eval_problems(config, tokenizer), jax.random.key(config.seed)
-  Path(path).parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w") as f:
+  with _written_whole(path) as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
       out, _ = experience.generate(model, chunk, jax.random.fold_in(key, start), config=config, tokenizer=tokenizer,
@@ -121,10 +159,29 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   return path
 
 
+@contextlib.contextmanager
+def _written_whole(path: str) -> Iterator[Any]:
+  """A text file written to `path.tmp-<pid>` and renamed when the block ends; removed if it fails."""
+  directory, tmp = os.path.dirname(path) or ".", f"{path}.tmp-{os.getpid()}"
+  with files.reporting_disk_full(directory, "writing the generated responses", elsewhere="--out=",
+                                 after="then run make eval again"):
+    try:
+      os.makedirs(directory, exist_ok=True)
+      with open(tmp, "w", encoding="utf-8") as f:
+        yield f
+      os.replace(tmp, path)
+    finally:
+      files.remove_quietly(tmp)
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
   for name, metrics in [("overall", summary["overall"]), *summary["per_source"].items()]:
     print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {'n/a' if v is None else v}"
                                   for k, v in metrics.items()))
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+  print(f"warning: {message}", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:
@@ -135,40 +192,34 @@ def main(argv: list[str]) -> int:
       own[key] = value if sep else next(args, None)
     else:
       rest.append(arg)
-  try:
-    config, want_help = resolve.resolve(rest)
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  with warnings.catch_warnings():
+    warnings.showwarning = _one_line_warning  # Restored on leaving the block.
+    try:
+      return _evaluate(own, rest)
+    except UserError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return USER_ERROR_EXIT_CODE
+
+
+def _evaluate(own: dict[str, str | None], rest: list[str]) -> int:
+  config, want_help = resolve.resolve(rest)
   if want_help or not (own["--ckpt"] or own["--responses"]):
     print(__doc__, file=sys.stdout if want_help else sys.stderr)
-    return 0 if want_help else 2
-  reward_config = config.reward
-  try:
-    problems = eval_problems(config) or None  # Read as the trainer reads them (schema, fields, dedup).
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return 0 if want_help else USER_ERROR_EXIT_CODE
+  problems, aliases = held_out_problems(config)  # Read as the trainer reads them (schema, fields, dedup).
   responses = own["--responses"]
   out_dir = own["--out"] or str(Path(config.run_directory) / "eval" /
                                 (Path(responses).stem if responses else Path(own["--ckpt"]).name))
   if responses is None:
-    try:
-      responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
-    except UserError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
+    responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()
-  try:
-    summary = evaluate_responses(
-        responses, problems=problems, out_dir=out_dir,
-        forms=reward_config.answer_forms, workers=reward_config.verifier_workers,
-        timeout_s=reward_config.verifier_timeout_s, reward_fn=reward_config.reward_fn,
-        memory_limit_mb=reward_config.verifier_memory_mb)
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  summary = evaluate_responses(responses, problems=problems or None, aliases=aliases, out_dir=out_dir,
+                               reward_config=config.reward)
   _print_summary(summary)
+  failed = summary["failed_to_score"]
+  if failed["responses"]:
+    print(f"{failed['responses']} of {summary['overall']['samples']} responses failed to score (they count as "
+          f"incorrect); the first: {failed['first']}")
   print(f"{summary['overall']['samples']} samples scored in {time.perf_counter() - start:.1f}s; "
         f"written to {out_dir}/samples.jsonl and summary.json")
   return 0

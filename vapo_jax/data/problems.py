@@ -12,7 +12,7 @@ from typing import Any
 from vapo_jax import kinds
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.data import tasks
-from vapo_jax.data.records import Record, load_records
+from vapo_jax.data.records import Record, deduplicate, kept_for_dropped, load_records
 from vapo_jax.errors import DataError
 from vapo_jax.kinds import Template
 
@@ -28,17 +28,19 @@ TEMPLATES: dict[str, str] = {
 kinds.check_table(Template, TEMPLATES, "data/problems.py TEMPLATES")
 
 
-def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup: bool | None = None) -> list[Record]:
+def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup: bool | None = None,
+                  unique_ids: bool = False) -> list[Record]:
   """The records of `path` (a jsonl / json / parquet file, `hf:NAME`, or `synthetic:...`). With a
   tokenizer, prompts over `rollout.max_prompt_tokens` are found now, not when a batch draws them:
-  an error naming the row, or with `data.skip_bad_rows` left out and counted."""
+  an error naming the row, or with `data.skip_bad_rows` left out and counted. `unique_ids`: see
+  `records.make_ids_unique`."""
   d = config.data
   if tasks.is_spec(path):
     records = tasks.to_records(tasks.from_spec(path))
   else:
     records = load_records(path, schema=d.schema, prompt_field=d.prompt_field, answer_field=d.answer_field,
                                 id_field=d.id_field, split=d.split, skip_bad_rows=d.skip_bad_rows,
-                                dedup=d.dedup if dedup is None else dedup)
+                                dedup=d.dedup if dedup is None else dedup, unique_ids=unique_ids)
   if tokenizer is None:
     return records
   return check_prompt_lengths(records, tokenizer, max_prompt_tokens=config.rollout.max_prompt_tokens,
@@ -48,11 +50,20 @@ def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup:
 
 def eval_problems(config: ExperimentConfig, tokenizer=None) -> list[Record]:
   """The held-out problems of `eval.path` (the first `eval.max_problems`; none without a path), read
-  as the training data is read (`data.schema`, the field settings, deduplication): the trainer's
-  evaluation and `make eval` both load them here."""
+  as the training data is read (`data.schema`, the field settings, deduplication), with ids made
+  unique (`records.make_ids_unique`): the trainer's evaluation and `make eval` both load them here."""
+  return held_out_problems(config, tokenizer)[0]
+
+
+def held_out_problems(config: ExperimentConfig, tokenizer=None) -> tuple[list[Record], dict[str, Record]]:
+  """`eval_problems`, and the id of every row deduplication dropped → the kept problem it repeats
+  (`make eval` scores responses to a dropped duplicate as responses to that problem)."""
   if not config.eval.path:
-    return []
-  return load_problems(config.eval.path, config, tokenizer)[:config.eval.max_problems]
+    return [], {}
+  rows = load_problems(config.eval.path, config, tokenizer, dedup=False, unique_ids=True)
+  kept = deduplicate(rows)[0] if config.data.dedup else rows
+  kept = kept[:config.eval.max_problems]
+  return kept, kept_for_dropped(rows, kept)
 
 
 def encode_prompt(record: Record, tokenizer, config: ExperimentConfig) -> list[int]:

@@ -213,9 +213,15 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
+  import pyarrow
   import pyarrow.parquet as pq
 
-  yield from enumerate(pq.read_table(path).to_pylist(), 1)
+  try:
+    table = pq.read_table(path)
+  except pyarrow.ArrowException as e:
+    raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]}); copy it again, or give a "
+                    ".jsonl or .json file") from None
+  yield from enumerate(table.to_pylist(), 1)
 
 
 def _hf_rows(spec: str, split: str) -> Iterator[tuple[int, Any]]:
@@ -239,13 +245,24 @@ def _hf_rows(spec: str, split: str) -> Iterator[tuple[int, Any]]:
   return enumerate(dataset, 1)
 
 
+# What a local Hugging Face dataset directory holds (save_to_disk's metadata, or data files).
+_DATASET_FILES = {".arrow", ".csv", ".json", ".jsonl", ".parquet"}
+
+
 def read_rows(path: str, *, split: str = "train") -> tuple[Iterator[tuple[int, Any]], str]:
   """`(number, row)` pairs of a file or dataset, and the unit its numbers count ("line", "row")."""
   p = Path(path)
+  if p.is_dir() and not any(f.suffix in _DATASET_FILES for f in p.iterdir()):
+    raise DataError(f"{path}: a directory holding no data set (no {', '.join(sorted(_DATASET_FILES))} file): give a "
+                    ".jsonl, .json or .parquet file, or a directory saved by datasets' save_to_disk")
   if path.startswith("hf:") or p.is_dir():
     return _hf_rows(path, split), "row"
   if not p.is_file():
     raise DataError(f"{path}: no such file")
+  with open(p, "rb") as f:
+    if f.read(2) == b"\x1f\x8b":
+      raise DataError(f"{path}: a gzip-compressed file: decompress it first (gunzip -k {path}) and give the "
+                      "uncompressed .jsonl, .json or .parquet file")
   match p.suffix:
     case ".jsonl":
       return _jsonl_rows(p), "line"
@@ -259,11 +276,11 @@ def read_rows(path: str, *, split: str = "train") -> tuple[Iterator[tuple[int, A
 def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = None,
                  answer_field: str | None = None, id_field: str | None = None,
                  skip_bad_rows: bool = False, dedup: bool = True, split: str = "train",
-                 source: str | None = None) -> list[Record]:
-  """The problems in `path` (see the module docstring)."""
+                 source: str | None = None, unique_ids: bool = False) -> list[Record]:
+  """The problems in `path` (see the module docstring); with `unique_ids`, see `make_ids_unique`."""
   rows, unit = read_rows(path, split=split)
   source = source or (path[3:] if path.startswith("hf:") else f"{Path(path).parent.name}/{Path(path).stem}")
-  records, bad, fields, total = [], [], None, 0
+  records, numbers, bad, fields, total = [], [], [], None, 0
   for number, row in rows:
     total += 1
     try:
@@ -277,6 +294,7 @@ def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = 
           raise DataError(f"{path}: {e}; set the field paths (data.prompt_field, "
                           "data.answer_field)") from None
       records.append(_record(row, fields, number, source))
+      numbers.append(number)
     except DataError:
       raise
     except ValueError as e:
@@ -288,9 +306,40 @@ def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = 
     warnings.warn(f"{path}: skipped {len(bad)} bad {unit}s of {total}; first: {bad[0]}", stacklevel=2)
   if not records:
     raise DataError(f"{path}: empty dataset ({total} {unit}s, none valid)")
+  if unique_ids:
+    records = make_ids_unique(records, numbers, path=path, unit=unit)
   if dedup:
     records, _ = deduplicate(records)
   return records
+
+
+def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: str, unit: str) -> list[Record]:
+  """The records with every id that different problems share made `<id>@<unit><number>` (`7@line12`),
+  with a warning; a problem repeated under its id stays (it is one problem: `deduplicate` keeps one).
+  Held-out problems are matched to their responses by id, so one id must name one problem."""
+  keys: dict[str, set[str]] = collections.defaultdict(set)
+  for record in records:
+    keys[record.id].add(_problem_key(record.prompt))
+  shared = {i for i, problems in keys.items() if len(problems) > 1}
+  if not shared:
+    return list(records)
+  renamed = [r._replace(id=f"{r.id}@{unit}{n}") if r.id in shared else r for r, n in zip(records, numbers)]
+  first = next(r.id for r in records if r.id in shared)
+  lines = [n for r, n in zip(records, numbers) if r.id == first]
+  warnings.warn(f"{path}: {len(shared)} id(s) name different problems, e.g. id {first!r} ({unit}s "
+                f"{', '.join(map(str, lines))}); each such problem is now named by its {unit} "
+                f"({', '.join(repr(f'{first}@{unit}{n}') for n in lines)}): give every problem its own id, or use "
+                "those", stacklevel=2)
+  return renamed
+
+
+def kept_for_dropped(records: Sequence[Record], kept: Sequence[Record]) -> dict[str, Record]:
+  """The id of every record of `records` that `deduplicate` left out of `kept` → the kept record of
+  its problem (responses to a dropped duplicate belong to that problem)."""
+  by_problem = {_problem_key(r.prompt): r for r in kept}
+  kept_ids = {r.id for r in kept}
+  return {r.id: by_problem[_problem_key(r.prompt)] for r in records
+          if r.id not in kept_ids and _problem_key(r.prompt) in by_problem}
 
 
 class Conflict(NamedTuple):

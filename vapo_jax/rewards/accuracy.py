@@ -34,6 +34,7 @@ class Sample(NamedTuple):
   form: str  # How it was found ("none": no answer).
   correct: bool
   status: str  # Verifier outcome: "ok", "timeout", "crash" or "error".
+  error: str | None = None  # Why it failed to score (None: it scored).
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -101,14 +102,22 @@ def summarize_by_source(samples: Sequence[Sample]) -> dict[str, Any]:
           "per_source": {source: summarize(group) for source, group in sorted(by_source.items())}}
 
 
-def score(pairs: Sequence[tuple[Any, str]], pool, *,
-          forms: tuple[AnswerForm, ...] = DEFAULT_FORMS) -> tuple[list[Sample], float]:
-  """Verifies every response on `pool`; returns the samples and the verifier's responses/s."""
-  batch = reward.compute_rewards(pool, [r for _, r in pairs], [p.answer for p, _ in pairs], forms=forms)
+def score(pairs: Sequence[tuple[Any, str]], pool, *, forms: tuple[AnswerForm, ...] = DEFAULT_FORMS,
+          correct_reward: float = 1.0, incorrect_reward: float = -1.0) -> tuple[list[Sample], reward.RewardBatch]:
+  """Verifies every response on `pool` as the trainer does (`reward.compute_rewards`: a user
+  function's score counts as correct from `correct_reward` on); returns the samples, each with why it
+  failed to score if it did, and the batch (its metrics and errors, for `reward.check_errors`)."""
+  batch = reward.compute_rewards(pool, [r for _, r in pairs], [p.answer for p, _ in pairs], forms=forms,
+                                 correct_reward=correct_reward, incorrect_reward=incorrect_reward)
   seen: collections.Counter = collections.Counter()
   samples = []
   for i, (problem, response) in enumerate(pairs):
-    samples.append(Sample(problem.id, problem.source, seen[problem.id], response, problem.answer,
-                          batch.answers[i], batch.forms[i], bool(batch.correct[i]), batch.statuses[i]))
+    samples.append(Sample(problem.id, problem.source, seen[problem.id], response, problem.answer, batch.answers[i],
+                          batch.forms[i], bool(batch.correct[i]), batch.statuses[i], batch.errors[i]))
     seen[problem.id] += 1
-  return samples, batch.metrics["perf/verify_responses_per_s"]
+  return samples, batch
+
+
+def failures(samples: Sequence[Sample], *, limit: int = 10) -> dict[str, int]:
+  """The most frequent reasons samples failed to score (`limit` of them) with their counts."""
+  return dict(collections.Counter(s.error for s in samples if s.error is not None).most_common(limit))

@@ -74,6 +74,7 @@ class RewardBatch(NamedTuple):
   statuses: list[str]  # [B] "ok", "timeout", "crash" or "error".
   metrics: dict[str, float]
   first_error: str | None = None  # What went wrong with the first response that failed to score.
+  errors: list[str | None] | None = None  # [B] what went wrong with each response (None: it scored).
 
 
 def _invalid_value(value) -> str:
@@ -92,10 +93,10 @@ def _user_score(value, *, correct_reward: float, incorrect_reward: float) -> tup
 
 def _verdicts(outcomes, *, builtin: bool, correct_reward: float, incorrect_reward: float):
   """Per response: a user function's score (None: the verdict decides), the verdict, the extracted
-  answer, how it was found, the task's status; and what went wrong with the first failure."""
-  user_scores, correct, extracted, found_forms, statuses, first_error = [], [], [], [], [], None
+  answer, how it was found, the task's status and what went wrong (None: nothing)."""
+  user_scores, correct, extracted, found_forms, statuses, errors = [], [], [], [], [], []
   for outcome in outcomes:
-    status, score, ok, answer, form = outcome.status, None, False, None, "none"
+    status, score, ok, answer, form, error = outcome.status, None, False, None, "none", None
     if status == "ok" and builtin:
       verdict: Verdict = outcome.value
       ok, answer, form = verdict.correct, verdict.answer, verdict.form
@@ -103,18 +104,18 @@ def _verdicts(outcomes, *, builtin: bool, correct_reward: float, incorrect_rewar
       form = "user"
       parsed = _user_score(outcome.value, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
       if parsed is None:
-        status = "error"
-        first_error = first_error or f"response {len(statuses)}: {_invalid_value(outcome.value)}"
+        status, error = "error", _invalid_value(outcome.value)
       else:
         score, ok = parsed
-    if status != "ok":
-      first_error = first_error or f"response {len(statuses)}: {status}: {outcome.value}"
+    elif status != "ok":
+      error = f"{status}: {outcome.value}"
     user_scores.append(score)
     correct.append(ok)
     extracted.append(answer)
     found_forms.append(form)
     statuses.append(status)
-  return user_scores, correct, extracted, found_forms, statuses, first_error
+    errors.append(error)
+  return user_scores, correct, extracted, found_forms, statuses, errors
 
 
 def compute_rewards(
@@ -147,8 +148,9 @@ def compute_rewards(
   start = time.perf_counter()
   outcomes = pool.map(tasks)
   elapsed = time.perf_counter() - start
-  user_scores, correct, extracted, found_forms, statuses, first_error = _verdicts(
+  user_scores, correct, extracted, found_forms, statuses, errors = _verdicts(
       outcomes, builtin=builtin, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
+  first_error = next((f"response {i}: {e}" for i, e in enumerate(errors) if e is not None), None)
   rewards = verifier_reward(np.asarray(correct, bool), correct_reward=correct_reward, incorrect_reward=incorrect_reward)
   scored = [i for i, value in enumerate(user_scores) if value is not None]  # A user function's own numbers.
   rewards[scored] = np.asarray([user_scores[i] for i in scored], np.float32)
@@ -173,7 +175,8 @@ def compute_rewards(
       "time/verify_s": elapsed,
       "perf/verify_responses_per_s": len(responses) / max(elapsed, 1e-9),
   }
-  batch = RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics, first_error)
+  batch = RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics, first_error,
+                      errors)
   if max_error_frac is not None:
     check_errors(batch, pool, max_error_frac=max_error_frac)
   return batch
@@ -196,7 +199,8 @@ def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: floa
     hint = next((h for key, h in hints.items() if key in first), "fix the function" if user else
                 "check the verifier's installation (sympy, math-verify)")
     raise RewardFunctionError(f"{what} failed on all {len(batch.statuses)} responses of the batch; the first "
-                              f"failure: {first}. Training on a constant reward would learn nothing: {hint}.")
+                              f"failure: {first}. Every response would score reward.incorrect (training would learn "
+                              f"nothing, an evaluation would read 0): {hint}.")
   if frac > max_error_frac:
     warnings.warn(f"{frac:.0%} of the batch's responses failed to score with {what}, more than "
                   f"reward.max_error_frac={max_error_frac:g}; they score incorrect. The first failure: {first}",
