@@ -4,6 +4,7 @@ solutions from a file, unknown presets, meshes, backends and run directories."""
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -113,6 +114,51 @@ def test_missing_files_and_tensors_are_named(model_dir, tmp_path):
     huggingface.load_causal_lm(str(model_dir))
 
 
+def _rewrite_tensors(weights, edit) -> None:
+  """Rewrites a safetensors file with `edit({name: array})`'s tensors."""
+  file = safetensors_io.SafetensorsFile(str(weights))
+  tensors = {name: np.array(file.get(name)) for name in file.keys()}
+  del file
+  safetensors_io.write(str(weights), list(edit(tensors).items()))
+
+
+@pytest.mark.parametrize("name, shape, needs", [
+    ("model.layers.0.self_attn.q_proj.weight", (36, 40), r"config.json \(num_heads=4, head_dim=10, hidden_size=40\) "
+                                                         r"needs \(40, 40\)"),
+    ("model.layers.0.self_attn.q_proj.weight", (20, 80), r"needs \(40, 40\)"),  # Same size: reshaped silently.
+    ("model.layers.1.self_attn.k_proj.bias", (30,), r"config.json \(num_kv_heads=2, .*\) needs \(20,\)"),
+    ("model.layers.1.self_attn.o_proj.weight", (40, 36), r"needs \(40, 40\)"),
+])
+def test_a_projection_of_the_wrong_shape_names_the_tensor(model_dir, name, shape, needs):
+  """The reshape used to come first: `ValueError: cannot reshape array ...`, naming no tensor."""
+  weights = model_dir / "model.safetensors"
+  _rewrite_tensors(weights, lambda t: t | {name: np.zeros(shape, np.float32)})
+  message = rf"^{weights}: tensor '{name}' has shape {re.escape(str(shape))}, but .*{needs}"
+  with pytest.raises(CheckpointError, match=message):
+    huggingface.load_causal_lm(str(model_dir))
+
+
+def test_a_vocab_size_below_the_embedding_blames_config_json(model_dir, smoke_config):
+  """config.json's vocab_size under the tokenizer's used to blame the tokenizer, quoting config.json's
+  number as the embedding's rows; the tensor has 97 rows: config.json is at fault."""
+  from vapo_jax.train.trainer import Trainer
+  config_json = model_dir / "config.json"
+  config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"vocab_size": 50}))
+  bytes_model = smoke_config({"model.checkpoint": str(model_dir), "model.random_init": False})  # 259 byte tokens.
+  message = (rf"^{config_json} says vocab_size=50, but tensor 'model.embed_tokens.weight' in "
+             rf"{model_dir}/model.safetensors has 97 rows: config.json does not describe these weights; set its "
+             r"vocab_size to 97")
+  with pytest.raises(CheckpointError, match=message):
+    Trainer(bytes_model, verbose=False)
+  with pytest.raises(CheckpointError, match=message):
+    huggingface.load_causal_lm(str(model_dir))
+  config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"vocab_size": 97}))
+  with pytest.raises(TokenizerError, match=r"uses ids up to 258 \(259 tokens\), but the checkpoint .* has an embedding "
+                                           r"of only 97 rows \(config.json's vocab_size and its tensor "
+                                           r"'model.embed_tokens.weight' agree: the tokenizer is the one"):
+    Trainer(bytes_model, verbose=False)
+
+
 def test_unknown_model_preset_names_the_setting():
   with pytest.raises(ConfigError, match=r"ModelConfig.preset must be one of tiny, .*qwen2.5-32b, got 'qwen3-8b'"):
     run_config.ModelConfig(preset="qwen3-8b")
@@ -141,6 +187,40 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir):
     tok_lib.check_tokenizer_matches(preset("tiny"), qwen, None)
   tok_lib.check_tokenizer_matches(preset("qwen2.5-0.5b"), qwen, "/ckpt/qwen2.5-0.5b")  # V = 151936 ≥ 151665.
   tok_lib.check_tokenizer_matches(preset("tiny"), tok_lib.ByteTokenizer(), None)  # 259 = 259.
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+  """The Qwen2.5 tokenizer's files, tokenizer.json (the fast tokenizer) included."""
+  directory = tmp_path_factory.mktemp("tokenizer")
+  shutil.copytree(QWEN_TOKENIZER, directory, dirs_exist_ok=True)
+  tok_lib.load(str(QWEN_TOKENIZER)).tokenizer.backend_tokenizer.save(str(directory / "tokenizer.json"))
+  return directory
+
+
+@pytest.mark.parametrize("name", ["vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+                                  "special_tokens_map.json", "added_tokens.json"])
+def test_a_truncated_tokenizer_file_is_named(tokenizer_files, tmp_path, name):
+  """A truncated vocab.json used to escape as a 70-line tokenizers traceback naming no file, a truncated
+  tokenizer.json or tokenizer_config.json named only the directory, and a truncated
+  special_tokens_map.json or added_tokens.json loaded without a word."""
+  directory = tmp_path / "tok"
+  shutil.copytree(tokenizer_files, directory)
+  raw = (directory / name).read_bytes()
+  (directory / name).write_bytes(raw[:len(raw) // 2])
+  line = (r", line \d+: '.*' is not a merge \(two tokens\)" if name == "merges.txt" else
+          r": not valid JSON \(.*: line \d+")
+  with pytest.raises(TokenizerError, match=rf"^{directory / name}{line}.*truncated or damaged: copy it again"):
+    tok_lib.load(str(directory))
+
+
+def test_importing_the_tokenizers_prints_no_pytorch_advice():
+  """Every start printed transformers' "PyTorch was not found" line (torch is never needed here)."""
+  result = subprocess.run([sys.executable, "-c", "import vapo_jax.data.tokenizer, os\n"
+                           "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'))"],
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0 and "PyTorch" not in result.stderr + result.stdout
+  assert result.stdout.strip() == "None"  # The environment is left as it was.
 
 
 # ------------------------------------------------------------------------------------------ data

@@ -5,14 +5,47 @@ config.json alone), and `check_tokenizer_matches` refuses a tokenizer whose ids 
 model's embedding (the model would read clamped ids without a word).
 """
 
+import contextlib
+import json
 import os
-
-import transformers
 
 from vapo_jax.errors import MissingFileError, TokenizerError
 
+with contextlib.ExitStack() as _quiet:  # transformers' "PyTorch was not found" advice: we never need torch.
+  if "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ:
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    _quiet.callback(os.environ.pop, "TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+  import transformers
+
 # Any of these is a loadable tokenizer (fast tokenizer; BPE vocabulary + merges; sentencepiece; WordPiece).
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json", "added_tokens.json")
+_DAMAGED = "the file is truncated or damaged: copy it again from the base model"
+
+
+def check_files(directory: str) -> None:
+  """Raises `TokenizerError` naming the file, line and column of a tokenizer file that does not parse:
+  a JSON file that is not a JSON object, or a merges.txt line that is not two tokens."""
+  for name in JSON_FILES:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      continue
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    except UnicodeDecodeError as e:
+      raise TokenizerError(f"{path}: not UTF-8 text (byte {e.start}); {_DAMAGED}") from None
+    except json.JSONDecodeError as e:
+      raise TokenizerError(f"{path}: not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
+                           f"{_DAMAGED}") from None
+    if not isinstance(data, dict):
+      raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}; {_DAMAGED}")
+  path = os.path.join(directory, "merges.txt")
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for number, line in enumerate(f, 1):
+        if not (number == 1 and line.startswith("#version")) and len(line.split()) != 2 and line.strip():
+          raise TokenizerError(f"{path}, line {number}: {line.strip()[:40]!r} is not a merge (two tokens); {_DAMAGED}")
 
 
 def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
@@ -28,10 +61,14 @@ def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
     raise TokenizerError(
         f"{directory!r} has no tokenizer files (tokenizer.json, or vocab.json and merges.txt, or tokenizer.model): "
         "copy the base model's tokenizer files beside the weights, or set model.tokenizer=/path/to/tokenizer")
+  check_files(directory)
   try:
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
-  except (OSError, ValueError) as e:
-    raise TokenizerError(f"cannot load the tokenizer in {directory!r}: {type(e).__name__}: {e}") from None
+  except Exception as e:  # noqa: BLE001  The tokenizers library raises bare Exceptions for damaged files.
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    present = ", ".join(sorted(os.listdir(directory)))
+    raise TokenizerError(f"cannot load the tokenizer in {directory!r} (files: {present}): {type(e).__name__}: "
+                         f"{first[:300]}; copy its files again from the base model") from None
   if len(tokenizer) < 2 or not tokenizer.encode("1 + 1 = 2", add_special_tokens=False):
     raise TokenizerError(f"the tokenizer in {directory!r} is empty ({len(tokenizer)} tokens): its files are "
                          "incomplete; copy them again from the base model")
@@ -85,18 +122,22 @@ def load(name: str) -> ByteTokenizer | HFTokenizer:
 def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer, checkpoint_path: str | None) -> None:
   """Raises `TokenizerError` unless every id of `tokenizer` has a row in the model's embedding.
 
-  `model_cfg` is the model's `TransformerConfig` (`vocab_size` V); `checkpoint_path` names the model
-  in the message (None: a random initialisation of `model.preset`). A model may have more rows
-  than the tokenizer has tokens (Qwen2.5 pads V to a multiple of 128), never fewer: ids ≥ V would
-  be clamped by the embedding lookup and the run would train on the wrong tokens.
+  `model_cfg` is the model's `TransformerConfig` (`vocab_size` V: for a checkpoint, from
+  `huggingface.read_config`, which has checked config.json against the embedding tensor, so the
+  tokenizer is the one that disagrees); `checkpoint_path` names the model in the message (None: a
+  random initialisation of `model.preset`). A model may have more rows than the tokenizer has tokens
+  (Qwen2.5 pads V to a multiple of 128), never fewer: ids ≥ V would be clamped by the embedding lookup
+  and the run would train on the wrong tokens.
   """
   model = f"the checkpoint {checkpoint_path!r}" if checkpoint_path else "the randomly initialised model (model.preset)"
+  agree = (" (config.json's vocab_size and its tensor 'model.embed_tokens.weight' agree: the tokenizer is the one "
+           "that does not fit)" if checkpoint_path else "")
   source = getattr(tokenizer, "directory", None) or type(tokenizer).__name__
   special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id}
   largest = max([tokenizer.vocab_size - 1, *(i for i in special.values() if i is not None)])
   if largest >= model_cfg.vocab_size:
     raise TokenizerError(
         f"the tokenizer {source!r} uses ids up to {largest} ({tokenizer.vocab_size} tokens), but {model} has an "
-        f"embedding of only {model_cfg.vocab_size} rows (vocab_size): ids beyond it would be clamped silently. "
+        f"embedding of only {model_cfg.vocab_size} rows{agree}: ids beyond it would be clamped silently. "
         "Use the tokenizer that belongs to the model (model.tokenizer=, or the tokenizer files in the checkpoint "
         "directory).")

@@ -26,24 +26,39 @@ from vapo_jax.models.transformer import CausalLM, ValueModel
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+class UnknownTensor(CheckpointError):
+  """A tensor name that no parameter maps to."""
+
+
+def _fitted(array: np.ndarray, shape: tuple[int, ...], cfg: TransformerConfig, heads: str) -> np.ndarray:
+  """`array`, checked to have the Hugging Face `shape` its reshape needs (config.json's `heads` heads)."""
+  if array.shape != shape:
+    raise CheckpointError(f"has shape {tuple(array.shape)}, but config.json ({heads}={getattr(cfg, heads)}, "
+                          f"head_dim={cfg.head_dim}, hidden_size={cfg.hidden_size}) needs {shape}")
+  return array
+
+
 def _to_ours(hf_suffix: str, array: np.ndarray, cfg: TransformerConfig) -> tuple[str, np.ndarray]:
-  """Maps a per-layer HF tensor (name after `model.layers.{i}.`) to our name and layout."""
+  """Maps a per-layer HF tensor (name after `model.layers.{i}.`) to our name and layout; a tensor
+  that the attention's reshape does not fit is a `CheckpointError` saying what config.json needs."""
   n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-  heads = {"q": n, "k": k, "v": k}
+  heads = {"q": (n, "num_heads"), "k": (k, "num_kv_heads"), "v": (k, "num_kv_heads")}
   match hf_suffix.split("."):
     case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "weight"]:
-      return f"self_attn.{proj}", array.T.reshape(d, heads[proj[0]], h)
+      count, field = heads[proj[0]]
+      return f"self_attn.{proj}", _fitted(array, (count * h, d), cfg, field).T.reshape(d, count, h)
     case ["self_attn", ("q_proj" | "k_proj" | "v_proj") as proj, "bias"]:
-      return f"self_attn.{proj[0]}_bias", array.reshape(heads[proj[0]], h)
+      count, field = heads[proj[0]]
+      return f"self_attn.{proj[0]}_bias", _fitted(array, (count * h,), cfg, field).reshape(count, h)
     case ["self_attn", "o_proj", "weight"]:
-      return "self_attn.o_proj", array.T.reshape(n, h, d)
+      return "self_attn.o_proj", _fitted(array, (d, n * h), cfg, "num_heads").T.reshape(n, h, d)
     case ["mlp", proj, "weight"]:
       return f"mlp.{proj}", array.T
     case ["mlp", proj, "bias"]:
       return f"mlp.{proj.removesuffix('_proj')}_bias", array
     case [norm, "weight"]:
       return f"{norm}.weight", array
-  raise CheckpointError(f"unexpected tensor 'model.layers.N.{hf_suffix}'")
+  raise UnknownTensor(f"unexpected tensor 'model.layers.N.{hf_suffix}'")
 
 
 def _to_hf(our_suffix: str, array: np.ndarray) -> tuple[str, np.ndarray]:
@@ -78,7 +93,7 @@ def hf_to_ours(name: str, array: np.ndarray, cfg: TransformerConfig) -> tuple[st
       return "lm_head", array.T
     case "value_head.weight" | "score.weight":
       return "value_head", array.T
-  raise CheckpointError(f"unexpected tensor {name!r}")
+  raise UnknownTensor(f"unexpected tensor {name!r}")
 
 
 def ours_to_hf(path: str, array: np.ndarray) -> tuple[str, np.ndarray]:
@@ -125,6 +140,24 @@ def _open_tensors(directory: str) -> dict[str, safetensors_io.SafetensorsFile]:
   return tensors
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _check_vocab_size(directory: str, cfg: TransformerConfig, tensors: dict[str, safetensors_io.SafetensorsFile]):
+  """config.json's `vocab_size` is the embedding tensor's row count; else config.json is at fault."""
+  if EMBEDDING in tensors and (rows := tensors[EMBEDDING].shape(EMBEDDING)[0]) != cfg.vocab_size:
+    raise CheckpointError(f"{os.path.join(directory, 'config.json')} says vocab_size={cfg.vocab_size}, but tensor "
+                          f"{EMBEDDING!r} in {tensors[EMBEDDING].path} has {rows} rows: config.json does not describe "
+                          f"these weights; set its vocab_size to {rows}, or restore it from the model's original copy")
+
+
+def read_config(directory: str) -> TransformerConfig:
+  """The architecture of a checkpoint directory: its config.json, checked against its embedding tensor."""
+  cfg = TransformerConfig.from_pretrained(directory)
+  _check_vocab_size(directory, cfg, _open_tensors(directory))
+  return cfg
+
+
 def _param_paths(state: nnx.State) -> dict[str, nnx.Variable]:
   return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)
           if isinstance(v, nnx.Param)}
@@ -144,6 +177,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   graphdef, abstract = nnx.split(nnx.eval_shape(factory))
   params = _param_paths(abstract)
   cfg = TransformerConfig.from_pretrained(directory)
+  _check_vocab_size(directory, cfg, tensors)
   loaded, unexpected = {}, []
   for name, file in tensors.items():
     if name == "lm_head.weight" and "lm_head" not in params:
@@ -151,9 +185,11 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
     tensor = file.get(name)  # A tensor the index names but its file lacks is an error here.
     try:
       path, array = hf_to_ours(name, tensor, cfg)
-    except CheckpointError:
+    except UnknownTensor:
       unexpected.append(name)
       continue
+    except CheckpointError as e:
+      raise CheckpointError(f"{file.path}: tensor {name!r} {e}") from None
     if path not in params:
       unexpected.append(name)
       continue
@@ -176,7 +212,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
                           f"{' ...' if len(unexpected) > 10 else ''} (no parameter of the model maps to them)")
   missing = sorted(set(params) - set(loaded) - set(allow_missing))
   if missing:
-    hf_names = [ours_to_hf(p, np.zeros(params[p].get_value().shape))[0] for p in missing]
+    hf_names = [ours_to_hf(p, np.broadcast_to(np.float32(0), params[p].get_value().shape))[0] for p in missing]
     raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
                           f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
   if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.

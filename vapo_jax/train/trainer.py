@@ -32,7 +32,7 @@ from vapo_jax.data import problems, tokenizer as tok_lib
 from vapo_jax.data.prompt_iterator import PromptIterator
 from vapo_jax.errors import ConfigError, DataError
 from vapo_jax.models import huggingface, sharding
-from vapo_jax.models.config import TransformerConfig, preset as model_preset
+from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
@@ -83,7 +83,7 @@ class Trainer:
     if config.mesh.check_memory:
       memory_check.check(self.memory, memory_plan.device_memory_bytes(config))
     self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
-    tok_lib.check_tokenizer_matches(TransformerConfig.from_pretrained(config.model.checkpoint) if config.model.checkpoint
+    tok_lib.check_tokenizer_matches(huggingface.read_config(config.model.checkpoint) if config.model.checkpoint
                                     else model_preset(config.model.preset), self.tokenizer, config.model.checkpoint)
     self.pool = reward_lib.make_pool(reward_fn=config.reward.reward_fn, workers=config.reward.verifier_workers,
                                      timeout_s=config.reward.verifier_timeout_s,
