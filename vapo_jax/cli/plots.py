@@ -13,6 +13,7 @@ pretraining (`critic/` curves) at negative steps, from −value_pretrain_steps t
 """
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -20,6 +21,9 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
+
+from vapo_jax import files
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 Curve = tuple[np.ndarray, np.ndarray]  # (x [N], y [N]) of one run.
 
@@ -151,9 +155,14 @@ def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8, **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else {}))
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path)
+  png = io.BytesIO()
+  fig.savefig(png, format="png")
   plt.close(fig)
+  directory = os.path.dirname(os.path.abspath(path))
+  with files.reporting_disk_full(directory, f"writing {os.path.basename(path)}", elsewhere="--out=",
+                                 after="then draw the plots again"):
+    os.makedirs(directory, exist_ok=True)
+    files.write_atomically(path, png.getvalue())  # Whole or not at all.
   return path
 
 
@@ -201,7 +210,11 @@ def main(argv: Sequence[str]) -> int:
     name = os.path.basename(os.path.dirname(os.path.abspath(path)))
     runs[name if name not in runs else run] = path
   out = args.out or (os.path.join(os.path.dirname(next(iter(runs.values()))), "plots") if len(runs) == 1 else "plots")
-  written = plot_runs(runs, out)
+  try:
+    written = plot_runs(runs, out)
+  except UserError as e:  # A full disk.
+    print(f"error: {e}", file=sys.stderr)
+    return USER_ERROR_EXIT_CODE
   if not written:
     print(f"error: no metric records in {', '.join(runs.values())} to plot", file=sys.stderr)
     return 2

@@ -7,6 +7,7 @@ The device count a mesh needs is checked by `models.sharding.make_mesh` (a `Conf
 mesh.data / mesh.fsdp / mesh.tensor).
 """
 
+import contextlib
 import errno
 import os
 import shutil
@@ -37,11 +38,12 @@ def check_backend() -> list:
     raise SetupError(f"JAX cannot start any backend: {reason}") from None
 
 
-def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> None:
+def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> list[str]:
   """Raises `SetupError` unless `run_dir` can be created and written and has `min_free_bytes` free.
 
   Writes (and deletes) a small probe file; a directory this check created is removed again when
-  it fails, so a refused start leaves nothing behind.
+  it fails, so a refused start leaves nothing behind. Returns the directories it created, deepest
+  first: a start that fails later removes them again with `remove_empty`.
   """
   missing = []
   parent = os.path.abspath(run_dir)
@@ -57,19 +59,22 @@ def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> None:
       os.fsync(f.fileno())
     os.remove(probe)
   except OSError as e:
-    _remove(missing)
+    with contextlib.suppress(OSError):  # The probe, if opened before the disk was found full.
+      os.remove(probe)
+    remove_empty(missing)
     reason = _WRITE_ERRORS.get(e.errno, e.strerror or type(e).__name__)
     where = f" ({e.filename})" if e.filename and os.path.abspath(str(e.filename)) != os.path.abspath(probe) else ""
     raise SetupError(f"cannot write to the run directory {run_dir!r}{where}: {reason}. Choose another place with "
                      "run_dir=/path/with/space (and name=), or fix the directory's permissions or space.") from None
   free = shutil.disk_usage(run_dir).free
   if free < min_free_bytes:
-    _remove(missing)
+    remove_empty(missing)
     raise SetupError(f"the run directory {run_dir!r} has {free / 2**30:.2f} GiB free, less than the "
                      f"{min_free_bytes / 2**30:.2f} GiB needed: free space there, or choose another run_dir=")
+  return missing
 
 
-def _remove(directories: list[str]) -> None:
+def remove_empty(directories: list[str]) -> None:
   """Removes the directories `check_run_dir` created (deepest first), if still empty."""
   for directory in directories:
     try:

@@ -12,7 +12,7 @@ import os
 
 import experiments
 from experiments.smoke import smoke
-from vapo_jax import overrides
+from vapo_jax import files, overrides
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 
@@ -49,9 +49,7 @@ def resolve(argv: list[str]) -> tuple[ExperimentConfig, bool]:
 def write_resolved_config(config: ExperimentConfig) -> str:
   """Writes `<run_dir>/<name>/config.json` (atomically) and returns the run directory."""
   run_dir = config.run_directory
-  os.makedirs(run_dir, exist_ok=True)
-  path = os.path.join(run_dir, "config.json")
-  with open(path + ".tmp", "w") as f:
-    json.dump(dataclasses.asdict(config), f, indent=2)
-  os.replace(path + ".tmp", path)
+  with files.reporting_disk_full(run_dir, "writing config.json"):
+    os.makedirs(run_dir, exist_ok=True)
+    files.write_atomically(os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(config), indent=2))
   return run_dir

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 import experiments
 from vapo_jax import paths
 from vapo_jax.cli import sweep_report
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 DEFAULT_ROOT = os.path.join("runs", "sweeps")
 
@@ -259,7 +260,7 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
     print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs"
           + (f" from one warm start ({warm_start}_seed0)" if warm_start else "")
           + f", {args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
-    report = lambda _: sweep_report.write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
+    report = lambda _: _report_between_runs(args.sweep, members, runs, status, sweep_dir, stream=stream)
     execute(everything, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
     print(f"sweep {args.sweep}: {time.perf_counter() - start:.0f}s", file=stream)
   written = sweep_report.write_report(args.sweep, members, runs, status, sweep_dir, stream=stream)
@@ -270,6 +271,14 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   return 1 if failed else 0
 
 
+def _report_between_runs(*args, stream) -> None:
+  """The report after a run; a full disk there is said in one line, and the runs go on."""
+  try:
+    sweep_report.write_report(*args, stream=stream)
+  except UserError as e:
+    print(f"warning: {e}", file=stream, flush=True)
+
+
 def _terminate(signum, frame):
   raise KeyboardInterrupt  # As Ctrl-C: `execute` passes SIGTERM on to the runs in progress and waits for them.
 
@@ -278,6 +287,9 @@ if __name__ == "__main__":
   signal.signal(signal.SIGTERM, _terminate)  # A scheduler's or `kill`'s stop, like Ctrl-C.
   try:
     sys.exit(main(sys.argv[1:]))
+  except UserError as e:  # The final report on a full disk.
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT_CODE)
   except KeyboardInterrupt:
     print("sweep stopped: the runs in progress saved checkpoints; the same command resumes it", file=sys.stderr)
     sys.exit(130)

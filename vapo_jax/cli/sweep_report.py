@@ -3,6 +3,7 @@ method and the paper's row) and plots/*.png (curves per member), rebuilt from th
 metrics.jsonl and summary.json after every finished run (`cli/sweep.py`)."""
 
 import csv
+import io
 import json
 import os
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from experiments import variants
+from vapo_jax import files
 from vapo_jax.cli import plots
 
 # (file name, title, y label, metric) of the sweep's plots.
@@ -110,16 +112,16 @@ def write_report(sweep: str, members: Sequence[str], runs: Sequence, status: dic
       for _, _, _, metric in FIGURES:
         if metric in run_curves:
           curves.setdefault(metric, {}).setdefault(run.member, []).append(run_curves[metric])
-  os.makedirs(sweep_dir, exist_ok=True)
   written = {"csv": os.path.join(sweep_dir, "runs.csv"), "table": os.path.join(sweep_dir, "table.md")}
-  with open(written["csv"] + ".tmp", "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows(rows)
-  os.replace(written["csv"] + ".tmp", written["csv"])
-  with open(written["table"] + ".tmp", "w") as f:
-    f.write(markdown_table(sweep, members, rows))
-  os.replace(written["table"] + ".tmp", written["table"])
+  table = io.StringIO(newline="")
+  writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
+  writer.writeheader()
+  writer.writerows(rows)
+  with files.reporting_disk_full(sweep_dir, "writing the sweep's report", after="then report again: "
+                                 f"python -m vapo_jax.cli.sweep {sweep} --report"):
+    os.makedirs(sweep_dir, exist_ok=True)
+    files.write_atomically(written["csv"], table.getvalue())
+    files.write_atomically(written["table"], markdown_table(sweep, members, rows))
   try:
     import matplotlib  # noqa: F401
   except ImportError:

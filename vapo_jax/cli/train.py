@@ -34,17 +34,18 @@ def main(argv: list[str]) -> int:
   from vapo_jax.train.experience import DynamicSamplingCapReached
   from vapo_jax.train.trainer import Diverged, Trainer
 
-  run_dir = config.run_directory
+  run_dir, created = config.run_directory, []
   try:
     distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
     preflight.check_backend()
-    preflight.check_run_dir(run_dir)
+    created = preflight.check_run_dir(run_dir)
     trainer = Trainer(config)
     if distributed.is_main_process():
       resolve.write_resolved_config(config)
       print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
     summary = trainer.run()
   except UserError as e:
+    preflight.remove_empty(created)  # A failed start leaves no empty run directory behind.
     print(f"error: {e}", file=sys.stderr)
     return USER_ERROR_EXIT_CODE
   except checkpoints.Preempted as e:

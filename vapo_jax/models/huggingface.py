@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable
 
 import jax
@@ -18,7 +17,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from vapo_jax.errors import CheckpointError, MissingFileError
+from vapo_jax import files
+from vapo_jax.errors import CheckpointError, MissingFileError, SetupError
 from vapo_jax.models import safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
@@ -227,26 +227,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
-def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
-           tokenizer_dir: str | None = None) -> list[str]:
-  """Writes config.json and safetensors (sharded above `max_shard_bytes`) that transformers loads.
-
-  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype. The
-  tokenizer's files found in `tokenizer_dir` are copied alongside. Tensors are fetched one shard
-  file at a time (a 32B model never sits whole in host memory); with several processes every
-  process takes part in the gathers and process 0 writes. Returns the files written.
-  """
-  from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
-
-  main = distributed.is_main_process()
-  if main:
-    os.makedirs(directory, exist_ok=True)
-  cfg: TransformerConfig = module.cfg
-  hf_config = cfg.to_hf()
-  variables = list(_param_paths(nnx.state(module)).items())
-  out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
-  hf_config["torch_dtype"] = str(out_dtype(variables[0][1]))
-  shards, current, size = [], [], 0  # Planned from shapes alone.
+def _shard_plan(variables, out_dtype, max_shard_bytes: int) -> list[list]:
+  """The parameters grouped into safetensors files of at most `max_shard_bytes`, from shapes alone."""
+  shards, current, size = [], [], 0
   for path, variable in variables:
     nbytes = int(np.prod(variable.get_value().shape)) * out_dtype(variable).itemsize
     if current and size + nbytes > max_shard_bytes:
@@ -255,32 +238,75 @@ def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**
     current.append((path, variable))
     size += nbytes
   shards.append(current)
-  files = (["model.safetensors"] if len(shards) == 1 else
+  return shards
+
+
+def _attempt(write: Callable[[], object]) -> Exception | None:
+  """Runs a write; its error, if it fails (the export goes on gathering with the other processes)."""
+  try:
+    write()
+  except Exception as e:  # noqa: BLE001  Raised once every process has left the gathers.
+    return e
+  return None
+
+
+def _finish_export(directory: str, hf_config: dict, index: dict | None, tokenizer_dir: str | None,
+                   written: list[str]) -> None:
+  """The index, the tokenizer's files and, last, config.json (without it the directory is no
+  checkpoint), each name added to `written` as its file is begun."""
+  copies = [name for name in TOKENIZER_FILES if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, name))]
+  for name in (["model.safetensors.index.json"] if index is not None else []) + copies + ["config.json"]:
+    written.append(name)
+    if name in copies:
+      with open(os.path.join(tokenizer_dir, name), "rb") as f:
+        data = f.read()
+    else:
+      data = json.dumps(index if name.endswith("index.json") else hf_config, indent=2)
+    files.write_atomically(os.path.join(directory, name), data)
+
+
+def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
+           tokenizer_dir: str | None = None) -> list[str]:
+  """Writes config.json and safetensors (sharded above `max_shard_bytes`) that transformers loads.
+
+  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype. The
+  tokenizer's files found in `tokenizer_dir` are copied alongside. Tensors are fetched one shard
+  file at a time (a 32B model never sits whole in host memory); with several processes every
+  process takes part in the gathers and process 0 writes. Returns the files written.
+
+  config.json is removed first and written last, so that the directory is a loadable checkpoint only
+  once complete; a failed export (a full disk: a `SetupError` naming the directory, on every process)
+  removes the files it wrote.
+  """
+  from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
+
+  main = distributed.is_main_process()
+  variables = list(_param_paths(nnx.state(module)).items())
+  out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
+  hf_config = module.cfg.to_hf() | {"torch_dtype": str(out_dtype(variables[0][1]))}
+  shards = _shard_plan(variables, out_dtype, max_shard_bytes)
+  names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  weight_map, total = {}, 0
-  for file, shard in zip(files, shards):
-    tensors = []
-    for path, variable in shard:
-      array = distributed.to_host(variable.get_value())
-      tensors.append(ours_to_hf(path, array.astype(out_dtype(variable))))
-    if main:
-      safetensors_io.write(os.path.join(directory, file), tensors)
-    weight_map |= {name: file for name, _ in tensors}
+  begin = lambda: (os.makedirs(directory, exist_ok=True), files.remove_quietly(os.path.join(directory, "config.json")))
+  failure = _attempt(begin) if main else None
+  weight_map, total, written = {}, 0, []
+  for name, shard in zip(names, shards):
+    tensors = [ours_to_hf(path, distributed.to_host(v.get_value()).astype(out_dtype(v))) for path, v in shard]
+    if main and failure is None:
+      written.append(name)
+      failure = _attempt(lambda: safetensors_io.write(os.path.join(directory, name), tensors))
+    weight_map |= {tensor: name for tensor, _ in tensors}
     total += sum(a.nbytes for _, a in tensors)
-  written = list(files)
-  if main and len(shards) > 1:
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-      json.dump(index, f, indent=2)
-    written.append("model.safetensors.index.json")
-  if main:
-    with open(os.path.join(directory, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-      if os.path.isfile(os.path.join(tokenizer_dir, name)):
-        shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(directory, name))
-        written.append(name)
-  return written + ["config.json"]
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map} if len(shards) > 1 else None
+  if main and failure is None:
+    failure = _attempt(lambda: _finish_export(directory, hf_config, index, tokenizer_dir, written))
+  if distributed.any_process(failure is not None):
+    for name in written if main else ():
+      files.remove_quietly(os.path.join(directory, name))
+    what = "exporting the model" if main else "exporting the model (process 0 could not write it)"
+    with files.reporting_disk_full(directory, what):
+      raise failure or SetupError(f"{what} to {directory}: see process 0's error")
+  return written if main else names + ["config.json"]
 
 
 def load_causal_lm(directory: str, *, dtype="float32", param_dtype="float32", remat=False,

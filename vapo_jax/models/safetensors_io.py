@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import ml_dtypes
 import numpy as np
 
+from vapo_jax import files
 from vapo_jax.errors import CheckpointError
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -101,10 +102,14 @@ def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[s
   encoded = json.dumps(header, separators=(",", ":")).encode()
   encoded += b" " * (-len(encoded) % 8)
   tmp = path + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(struct.pack("<Q", len(encoded)))
-    f.write(encoded)
-    for _, array in tensors:
-      f.write(array.tobytes())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "wb") as f:
+      f.write(struct.pack("<Q", len(encoded)))
+      f.write(encoded)
+      for _, array in tensors:
+        f.write(array.tobytes())
+    os.replace(tmp, path)
+  except BaseException:
+    files.remove_quietly(tmp)  # A failed write (a full disk) leaves no partial file behind.
+    raise
   return 8 + len(encoded) + offset

@@ -17,17 +17,22 @@ half-written checkpoint is never listed; one that is listed but unreadable (trun
 lost) is skipped with a warning and the next older one is used.
 """
 
+import contextlib
 import dataclasses
+import logging
 import os
+import shutil
 import signal
 import threading
+import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from vapo_jax import distributed
+from vapo_jax import distributed, files
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.run_config import CheckpointConfig
 
@@ -104,24 +109,74 @@ def abstract(tree, mesh: jax.sharding.Mesh | None = None):
   return jax.tree.map(target, tree)
 
 
+class _NoDiskFullTracebacks(logging.Filter):
+  """Orbax logs a background save's error, with its traceback, before raising it again where the run
+  waits for the save; a full disk is then reported once, in one line (`RunCheckpoints._saving`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (files.disk_full_cause(error) or any(t in record.getMessage() for t in files.DISK_FULL_TEXTS))
+
+
+def _join_background_saves(timeout_s: float = 120.0) -> None:
+  """Lets Orbax's background threads end after a failed save (its wait returns at the first error,
+  while the other parts of the checkpoint are still being written), at most `timeout_s`."""
+  deadline = time.monotonic() + timeout_s
+  for thread in threading.enumerate():
+    if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax"):
+      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
+
+
 class RunCheckpoints:
-  """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one."""
+  """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one.
+
+  A full disk while saving (found when the save, or the run, waits for it) is a `SetupError` naming
+  the directory; the partial checkpoint is removed and the complete ones stay, so a resume works.
+  """
 
   def __init__(self, directory: str, config: CheckpointConfig):
-    self.directory, self.config = os.path.abspath(directory), config
+    self.directory, self.config, self.failed = os.path.abspath(directory), config, False
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=config.async_save,
                                            create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    absl_log = logging.getLogger("absl")
+    if not any(isinstance(f, _NoDiskFullTracebacks) for f in absl_log.filters):
+      absl_log.addFilter(_NoDiskFullTracebacks())
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
+  @contextlib.contextmanager
+  def _saving(self, what: str) -> Iterator[None]:
+    """A full disk in the block: the background saves are let finish, the partial checkpoint removed,
+    and a `SetupError` says what to free and what a resume starts from."""
+    try:
+      yield
+    except Exception as e:
+      cause = files.disk_full_cause(e)
+      if cause is None:
+        raise
+      self.failed = True
+      with contextlib.suppress(Exception):
+        self.manager.wait_until_finished()
+      _join_background_saves()
+      complete = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+      if distributed.is_main_process():
+        for name in os.listdir(self.directory):
+          if ".orbax-checkpoint-tmp" in name:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      resume = (f"it resumes from checkpoint {complete[-1]}, which is intact" if complete else
+                "no checkpoint was complete yet, so it starts afresh")
+      raise files.disk_full_error(self.directory, what, cause=cause,
+                                  after=f"then run the same command again: {resume}") from None
+
   def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
     """Saves (in the background when configured: arrays are copied to host before this returns)."""
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-    if wait:
-      self.manager.wait_until_finished()
+    with self._saving("saving a checkpoint"):
+      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      if wait:
+        self.manager.wait_until_finished()
 
   def latest_meta(self) -> tuple[int, dict] | None:
     """The newest checkpoint whose JSON record reads, without its arrays."""
@@ -160,11 +215,18 @@ class RunCheckpoints:
                   "skipping it", stacklevel=3)
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    with self._saving("saving a checkpoint"):
+      self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Waits for the last save and closes; after a failed save, only closes (its error was raised)."""
+    try:
+      if not self.failed:
+        with self._saving("saving the last checkpoint"):
+          self.manager.wait_until_finished()
+    finally:
+      with contextlib.suppress(Exception) if self.failed else contextlib.nullcontext():
+        self.manager.close()
 
 
 class PreemptionFlag:

@@ -1,6 +1,7 @@
 """Run logs a researcher can read: metrics.jsonl, TensorBoard, W&B, a progress line, collapse warnings,
 and `fetch`, which brings a step's device metrics to the host as one vector."""
 
+import contextlib
 import json
 import math
 import netrc
@@ -14,6 +15,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from vapo_jax import files
 
 WANDB_ID_FILE = "wandb_run_id"  # In the run directory: a resumed run continues the same W&B run.
 
@@ -36,16 +39,20 @@ class MetricsWriter:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._tb = self._wandb = None
     if enabled:
-      os.makedirs(run_dir, exist_ok=True)
-      if keep_bytes > 0:
-        _keep_prefix(self.path, keep_bytes)
-      else:
-        _move_aside(run_dir)
-        open(self.path, "a").close()
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step)
+      with self._disk_full():
+        os.makedirs(run_dir, exist_ok=True)
+        if keep_bytes > 0:
+          _keep_prefix(self.path, keep_bytes)
+        else:
+          _move_aside(run_dir)
+          open(self.path, "a").close()
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=purge_step)
       if wandb is not None:
         self._wandb = _start_wandb(run_dir, wandb, resume=keep_bytes > 0)
+
+  def _disk_full(self):
+    return files.reporting_disk_full(self.run_dir, "writing the run's logs (metrics.jsonl, tensorboard/)")
 
   def size(self) -> int:
     """Bytes written so far to metrics.jsonl (0 when disabled)."""
@@ -59,15 +66,14 @@ class MetricsWriter:
       return
     clean = {k: float(v) for k, v in sorted(metrics.items())}
     x = step if global_step is None else global_step
-    if jsonl:
-      with open(self.path, "a+b") as f:  # Opened per record: a crash loses at most the line in flight.
-        fresh_line = f.seek(0, os.SEEK_END) == 0 or (f.seek(-1, os.SEEK_END), f.read(1))[1] == b"\n"
-        f.write((b"" if fresh_line else b"\n") + json.dumps({"step": step, "stage": stage, **clean}).encode() + b"\n")
-    scalars = {(f"{stage}/{key}" if stage != "rl" else key): value for key, value in clean.items()
-               if math.isfinite(value)}
-    for key, value in scalars.items():
-      self._tb.add_scalar(key, value, x)
-    self._tb.flush()
+    with self._disk_full():
+      if jsonl:
+        self._append({"step": step, "stage": stage, **clean})
+      scalars = {(f"{stage}/{key}" if stage != "rl" else key): value for key, value in clean.items()
+                 if math.isfinite(value)}
+      for key, value in scalars.items():
+        self._tb.add_scalar(key, value, x)
+      self._tb.flush()
     if self._wandb is not None and jsonl:
       try:
         self._wandb.log({**scalars, "global_step": x})
@@ -75,13 +81,45 @@ class MetricsWriter:
         warnings.warn(f"W&B logging failed, continuing without it: {type(e).__name__}: {e}", stacklevel=2)
         self._wandb = None
 
+  def _append(self, record: dict) -> None:
+    """One line of metrics.jsonl, opened per record: a crash loses at most the line in flight, and a
+    write that fails (a full disk) is cut off again, so that no partial line is left."""
+    end = None
+    try:
+      with open(self.path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        fresh_line = end == 0 or (f.seek(-1, os.SEEK_END), f.read(1))[1] == b"\n"
+        f.write((b"" if fresh_line else b"\n") + json.dumps(record).encode() + b"\n")
+    except OSError:
+      if end is not None:
+        with contextlib.suppress(OSError):
+          os.truncate(self.path, end)
+      raise
+
+  def write_summary(self, summary: dict, *, rerun: bool) -> dict:
+    """Writes summary.json whole (a full disk: one line); a `rerun` of a finished run keeps (and
+    returns) the summary it already has, its seconds those of the run that did the work."""
+    path = os.path.join(self.run_dir, "summary.json")
+    if not self.enabled:
+      return summary
+    if rerun and os.path.isfile(path):
+      with contextlib.suppress(OSError, ValueError):
+        with open(path, encoding="utf-8") as f:
+          return json.load(f)
+    with files.reporting_disk_full(self.run_dir, "writing summary.json"):
+      files.write_atomically(path, json.dumps(summary, indent=2))
+    return summary
+
   def close(self) -> None:
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
-    if self._wandb is not None:
-      self._wandb.finish()
-      self._wandb = None
+    tb, self._tb = self._tb, None
+    try:
+      if tb is not None:
+        with self._disk_full():
+          tb.close()
+    finally:
+      if self._wandb is not None:
+        self._wandb.finish()
+        self._wandb = None
 
 
 def _keep_prefix(path: str, keep_bytes: int) -> None:

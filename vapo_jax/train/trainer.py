@@ -16,7 +16,6 @@ SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Pre
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 import warnings
@@ -339,7 +338,7 @@ class Trainer:
 
   def run(self) -> dict:
     """SFT warm start → value pretraining → RL, with held-out evaluation before and after RL."""
-    config, done, start = self.config, self.progress, time.perf_counter()
+    config, done, start, rerun = self.config, self.progress, time.perf_counter(), self.progress.stage == "done"
     self.preemption.install()
     try:
       if done.stage == "sft":
@@ -368,10 +367,7 @@ class Trainer:
                  "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy")}
       if after:
         self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
-      if self.writer.enabled:
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-          json.dump(summary, f, indent=2)
-      return summary
+      return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
     finally:
       self.preemption.uninstall()
       self.close()
@@ -379,15 +375,21 @@ class Trainer:
   def close(self, *, failed: bool = False) -> None:
     """Stops the verifier, flushes the logs and checkpoints and releases the run directory. After a
     failed start, a checkpoint directory left empty is removed (nothing of the run is lost)."""
+    errors = []  # Every part is closed, even after one fails (a full disk); the first error is raised.
     for part in (self.pool, self.writer, self.checkpoints):
       if part is not None:
-        part.close()
+        try:
+          part.close()
+        except Exception as e:  # noqa: BLE001
+          errors.append(e)
     if failed and self.checkpoints is not None:
       with contextlib.suppress(OSError):  # Not empty: it holds a run's checkpoints, which stay.
         os.rmdir(self.checkpoints.directory)
     self.pool = self.writer = self.checkpoints = None
     if self.lock is not None:
       self.lock.release()
+    if errors and not failed:
+      raise errors[0]
 
 
 def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int, algo) -> bool:
