@@ -342,3 +342,16 @@ def test_device_memory_and_the_command_line(capsys):
   assert memory_cli.main(["--model", "tiny", "--sharding", "fsdp", "--mesh", "fsdp=8"]) == 0
   assert "policy:" in capsys.readouterr().out
   assert memory_cli.main(["--model", "tiny", "--sharding", "nope"]) == 2
+
+
+def test_make_memory_says_what_it_assumed_and_did_not_check(capsys):
+  """Without a mesh it used to print a one-device plan (14,030 GiB per device for aime) and exit 0
+  without a word that no device memory was known and nothing was checked."""
+  assert memory_cli.main(["--exp", "aime"]) == 0
+  notes = capsys.readouterr().out.splitlines()[-2:]
+  assert notes[0].startswith("assumed: the configured mesh on this machine's 8 cpu devices, data=")
+  assert notes[1].startswith("not checked: no device memory is known (cpu devices report none), so nothing was "
+                             "compared with it; give --device-gib")
+  assert memory_cli.main(["--exp", "aime", "--mesh", "fsdp=256", "--device-gib", "95"]) == 0
+  out = capsys.readouterr().out
+  assert "assumed:" not in out and "not checked:" not in out

@@ -60,6 +60,20 @@ def parameters(model: str, rules_name: str, mesh_text: str) -> int:
   return 0
 
 
+def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None, devices: list) -> list[str]:
+  """What a plan assumed without `--mesh`, and that nothing was checked without a device memory."""
+  notes = []
+  if not mesh_text:
+    here = f"{len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)}"
+    notes.append(f"assumed: the configured mesh on this machine's {here}, "
+                 f"{' '.join(f'{a}={n}' for a, n in sizes.items())}; plan for the machine the run will use with "
+                 "--mesh (make memory MESH=fsdp=256)")
+  if device_bytes is None:
+    notes.append(f"not checked: no device memory is known ({devices[0].platform} devices report none), so nothing "
+                 "was compared with it; give --device-gib (make memory DEVICE_GIB=95) or mesh.device_memory_gib=")
+  return notes
+
+
 def main(argv: list[str]) -> int:
   args = list(argv)
   options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp"})
@@ -87,6 +101,8 @@ def main(argv: list[str]) -> int:
     return 2
   device_bytes = memory_plan.device_memory_bytes(config)
   print(plan.format(device_bytes))
+  for note in assumptions(options["--mesh"], sizes, device_bytes, jax.devices()):
+    print(note)
   try:
     memory_check.check(plan, device_bytes)
   except ConfigError as e:
