@@ -184,6 +184,14 @@ def test_max_error_frac_is_validated():
     config.RewardConfig(max_error_frac=1.5)
 
 
+def test_verifier_memory_mb_is_validated():
+  """-5 used to be accepted."""
+  for value in (-5, 0, 1.5):
+    with pytest.raises(ConfigError, match=rf"RewardConfig.verifier_memory_mb must be an integer >= 1, got {value}"):
+      config.RewardConfig(verifier_memory_mb=value)
+  assert config.RewardConfig(verifier_memory_mb=None).verifier_memory_mb is None
+
+
 def test_majority_vote_is_not_available_for_a_user_reward_function(tmp_path, capsys):
   """`make eval` with a user function used to report maj@k = 0 beside avg@k = 1: there are no
   extracted answers to vote on, so maj@k is reported as not available."""

@@ -3,6 +3,8 @@ are skipped with a warning and stop the run after a few steps, a failed start le
 directory behind, and a second trainer on a busy run directory is refused."""
 
 import json
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +63,40 @@ def test_a_second_trainer_on_a_busy_run_directory_is_refused(smoke_config):
 
 
 def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp_path, smoke_config):
+  """The refusal used to read "needs 0.00 GiB ... over the budget of 0.00 GiB" and not name the setting."""
   config = smoke_config({"rollout.engine": "static", "rollout.kv_cache_budget_gib": 1e-6})
-  with pytest.raises(UserError, match=r"KV cache .* over the budget .* rollout\."):
+  with pytest.raises(UserError, match=r"KV cache .* needs 16.12 KiB per device .* over the budget of 1.05 KiB "
+                                      r"\(rollout.kv_cache_budget_gib\): raise rollout.kv_cache_budget_gib if"):
     Trainer(config, verbose=False)
   assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mesh.data": 3}, "need 3 devices"),
+    ({"model.checkpoint": "/no/such/ckpt", "model.random_init": False}, "/no/such/ckpt' does not exist"),
+    ({"model.tokenizer": "/no/such/tokenizer"}, "tokenizer directory '/no/such/tokenizer' does not exist"),
+    ({"reward.reward_fn": "no_such_module_here:f"}, "cannot load function 'no_such_module_here:f'"),
+])
+def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, fields, message):
+  """`make train` used to leave an empty runs/<name>/ (its start-up check made it) after these."""
+  from vapo_jax.cli import train
+  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", *(f"{k}={v}" for k, v in fields.items())]
+  assert train.main(args) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+  assert os.listdir(tmp_path) == []
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(smoke_config):
+  """Re-running a finished run used to overwrite summary.json's seconds with the seconds of the re-run."""
+  config = smoke_config({"sft.steps": 0, "algo.value_pretrain_steps": 0, "rl_steps": 0, "eval.path": None})
+  first = Trainer(config, verbose=False).run()
+  summary = json.loads((Path(config.run_directory) / "summary.json").read_text())
+  assert summary == json.loads(json.dumps(first))
+  (Path(config.run_directory) / "summary.json").write_text(json.dumps(summary | {"seconds": 5400.0}))
+  again = Trainer(config, verbose=False).run()
+  assert again["seconds"] == 5400.0
+  assert json.loads((Path(config.run_directory) / "summary.json").read_text())["seconds"] == 5400.0
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)

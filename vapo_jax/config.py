@@ -186,6 +186,7 @@ class RolloutConfig:
     in_range(self, "temperature", 0.0, 100.0)
     in_range(self, "top_p", 0.0, 1.0, lo_open=True)
     positive_int(self, "top_k", allow_zero=True)
+    require(self.kv_cache_budget_gib > 0, self, "kv_cache_budget_gib", "must be > 0", self.kv_cache_budget_gib)
 
   @property
   def responses_per_step(self) -> int:
@@ -212,6 +213,8 @@ class RewardConfig:
     in_range(self, "format_penalty", -100.0, 0.0)
     positive_int(self, "verifier_workers", allow_zero=True)
     in_range(self, "verifier_timeout_s", 0.0, 3600.0, lo_open=True)
+    if self.verifier_memory_mb is not None:  # None: no limit.
+      positive_int(self, "verifier_memory_mb")
     in_range(self, "max_error_frac", 0.0, 1.0)
     if self.reward_fn is not None:
       require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",

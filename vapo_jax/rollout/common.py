@@ -77,10 +77,19 @@ def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_
   if needed > budget_bytes:
     raise MemoryError(
         f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_new_tokens} new tokens needs "
-        f"{needed / 2**30:.2f} GiB per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), "
-        f"over the budget of {budget_bytes / 2**30:.2f} GiB: lower rollout.prompts_per_step or "
-        f"rollout.max_response_tokens, or use more data-parallel devices")
+        f"{_size(needed)} per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), over the budget "
+        f"of {_size(budget_bytes)} (rollout.kv_cache_budget_gib): raise "
+        "rollout.kv_cache_budget_gib if the devices have the memory, lower rollout.prompts_per_step or "
+        "rollout.max_response_tokens, or use more data-parallel devices")
   return needed
+
+
+def _size(nbytes: int) -> str:
+  """Bytes in the largest binary unit that keeps a digit before the point (`0.00 GiB` says nothing)."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.2f} {unit}"
+  return f"{nbytes} bytes"
 
 
 def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tokens: int, budget_bytes: int,
