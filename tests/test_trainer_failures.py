@@ -3,6 +3,7 @@ are skipped with a warning and stop the run after a few steps, a failed start le
 directory behind, and a second trainer on a busy run directory is refused."""
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp
     ({"model.tokenizer": "/no/such/tokenizer"}, "tokenizer directory '/no/such/tokenizer' does not exist"),
     ({"reward.reward_fn": "no_such_module_here:f"}, "cannot load function 'no_such_module_here:f'"),
 ])
-def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, fields, message):
+def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, caplog, fields, message):
   """`make train` used to leave an empty runs/<name>/ (its start-up check made it) after these."""
   from vapo_jax.cli import train
   args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", *(f"{k}={v}" for k, v in fields.items())]
@@ -85,6 +86,7 @@ def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, fie
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
   assert os.listdir(tmp_path) == []
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # No background write failed.
 
 
 def test_rerunning_a_finished_run_keeps_its_summary(smoke_config):

@@ -227,6 +227,7 @@ class RunCheckpoints:
     finally:
       with contextlib.suppress(Exception) if self.failed else contextlib.nullcontext():
         self.manager.close()
+      _join_background_saves()  # Its metadata writers too: nothing writes here once closed.
 
 
 class PreemptionFlag:
