@@ -54,7 +54,7 @@ def run_train(run_dir: Path, inject: str | None = None, after: int = 0) -> subpr
           "algo.value_pretrain_steps=0", "rl_steps=0", "eval.path=none"]
   script = "import errno, os, sys\n" + (textwrap.dedent(INJECT[inject]).replace("AFTER", str(after)) if inject else "")
   script += f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))\n"
-  env = dict(os.environ, PYTHONPATH=str(REPO))
+  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="")  # One CPU device: less to compile.
   return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=str(REPO),
                         timeout=600)
 
