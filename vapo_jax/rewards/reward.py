@@ -93,7 +93,7 @@ def _user_score(value, *, correct_reward: float, incorrect_reward: float) -> tup
 
 def _verdicts(outcomes, *, builtin: bool, correct_reward: float, incorrect_reward: float):
   """Per response: a user function's score (None: the verdict decides), the verdict, the extracted
-  answer, how it was found, the task's status and what went wrong (None: nothing)."""
+  answer, how it was found, the task's status and what went wrong (None: nothing); and the first failure."""
   user_scores, correct, extracted, found_forms, statuses, errors = [], [], [], [], [], []
   for outcome in outcomes:
     status, score, ok, answer, form, error = outcome.status, None, False, None, "none", None
@@ -115,7 +115,8 @@ def _verdicts(outcomes, *, builtin: bool, correct_reward: float, incorrect_rewar
     found_forms.append(form)
     statuses.append(status)
     errors.append(error)
-  return user_scores, correct, extracted, found_forms, statuses, errors
+  first_error = next((f"response {i}: {e}" for i, e in enumerate(errors) if e is not None), None)
+  return user_scores, correct, extracted, found_forms, statuses, errors, first_error
 
 
 def compute_rewards(
@@ -148,9 +149,8 @@ def compute_rewards(
   start = time.perf_counter()
   outcomes = pool.map(tasks)
   elapsed = time.perf_counter() - start
-  user_scores, correct, extracted, found_forms, statuses, errors = _verdicts(
+  user_scores, correct, extracted, found_forms, statuses, errors, first_error = _verdicts(
       outcomes, builtin=builtin, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
-  first_error = next((f"response {i}: {e}" for i, e in enumerate(errors) if e is not None), None)
   rewards = verifier_reward(np.asarray(correct, bool), correct_reward=correct_reward, incorrect_reward=incorrect_reward)
   scored = [i for i, value in enumerate(user_scores) if value is not None]  # A user function's own numbers.
   rewards[scored] = np.asarray([user_scores[i] for i in scored], np.float32)
@@ -158,8 +158,7 @@ def compute_rewards(
     if response_lengths is None or max_response_tokens is None:
       raise ValueError("the overlong penalty needs response_lengths and max_response_tokens")
     rewards = rewards + overlong_penalty(response_lengths, max_response_tokens=max_response_tokens,
-                                         buffer_tokens=overlong_buffer_tokens,
-                                         penalty_factor=overlong_penalty_factor)
+                                         buffer_tokens=overlong_buffer_tokens, penalty_factor=overlong_penalty_factor)
   if format_penalty_value and builtin:
     formatted = np.asarray([f in EXPLICIT_FORMS for f in found_forms], bool)
     rewards = rewards + format_penalty(formatted, penalty=format_penalty_value)
