@@ -373,15 +373,13 @@ class Trainer:
       self.close()
 
   def close(self, *, failed: bool = False) -> None:
-    """Stops the verifier, flushes the logs and checkpoints and releases the run directory. After a
-    failed start, a checkpoint directory left empty is removed (nothing of the run is lost)."""
-    errors = []  # Every part is closed, even after one fails (a full disk); the first error is raised.
-    for part in (self.pool, self.writer, self.checkpoints):
-      if part is not None:
-        try:
-          part.close()
-        except Exception as e:  # noqa: BLE001
-          errors.append(e)
+    """Closes the verifier, logs, checkpoints (each, even if one fails) and lock; removes an empty checkpoints/."""
+    errors = []  # A full disk: the first error is raised once every part is closed (after a failed start, not).
+    for part in [p for p in (self.pool, self.writer, self.checkpoints) if p is not None]:
+      try:
+        part.close()
+      except Exception as e:  # noqa: BLE001
+        errors.append(e)
     if failed and self.checkpoints is not None:
       with contextlib.suppress(OSError):  # Not empty: it holds a run's checkpoints, which stay.
         os.rmdir(self.checkpoints.directory)
