@@ -242,3 +242,28 @@ def test_micro_batches_with_global_denominator_add_up(mode):
   nll_parts = [losses.positive_example_nll_loss(logp[i:i + 3], mask[i:i + 3], positive[i:i + 3], denominator=count)[0]
                for i in (0, 3)]
   np.testing.assert_allclose(sum(nll_parts), nll, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_on_packed_rows_averages_per_segment(maybe_jit, mode):
+  # Five sequences (valid lengths 3, 0, 2, 4, 1 of T = 4) laid end to end in two rows of 6, with
+  # padding tokens (masked, any value) around them: row 0 = [s0 s0 s0 | s2 s2 | pad],
+  # row 1 = [s3 s3 s3 s3 | s4 | pad]; s1 is empty (masked in the padded batch, absent when packed).
+  x = np.random.default_rng(3).normal(size=(5, 4)).astype(np.float32)
+  mask = np.arange(4)[None] < np.array([3, 0, 2, 4, 1])[:, None]
+  packed = np.full((2, 6), 99.0, np.float32)
+  packed[0, :3], packed[0, 3:5], packed[1, :4], packed[1, 4] = x[0, :3], x[2, :2], x[3], x[4, 0]
+  segment_ids = np.array([[1, 1, 1, 2, 2, 0], [1, 1, 1, 1, 2, 0]])
+  packed_mask = segment_ids > 0
+  want = reference_aggregate(x, mask, mode, norm_length=4)
+  got = maybe_jit(losses.aggregate_loss, mode=mode, norm_length=4, segment_ids=segment_ids)(packed, packed_mask)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  # Row-wise (no segment ids) the sequence modes would average two "sequences" per row: a different loss.
+  if mode != "token-mean":
+    assert abs(float(losses.aggregate_loss(packed, packed_mask, mode=mode, norm_length=4)) - want) > 1e-3
+
+
+def test_sum_norm_on_packed_rows_needs_norm_length():
+  with pytest.raises(ValueError, match="needs norm_length"):
+    losses.aggregate_loss(np.ones((1, 4)), np.ones((1, 4), bool), mode="seq-mean-token-sum-norm",
+                          segment_ids=np.ones((1, 4), int))

@@ -18,6 +18,18 @@ def _f32(x) -> jax.Array:
   return jnp.asarray(x, jnp.float32)
 
 
+def _per_sequence(token_losses: jax.Array, response_mask: jax.Array,
+                  segment_ids: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Σ_t ℓ and |o| per sequence: per row `[B]`, or per (row, segment id) pair of packed rows (flat
+  `[R·(L + 1)]`, pairs without a valid token counting 0)."""
+  if segment_ids is None:
+    return jnp.sum(token_losses, axis=-1), masked.masked_count(response_mask, axis=-1)
+  rows, width = segment_ids.shape
+  ids = (jnp.arange(rows)[:, None] * (width + 1) + segment_ids).reshape(-1)
+  total = lambda x: jax.ops.segment_sum(x.reshape(-1), ids, num_segments=rows * (width + 1))
+  return total(token_losses), total(_f32(response_mask != 0))
+
+
 def aggregate_loss(
     token_losses: jax.Array,
     response_mask: jax.Array,
@@ -25,6 +37,7 @@ def aggregate_loss(
     mode: LossAggregation,
     norm_length: int | None = None,
     denominator: jax.Array | float | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
   """Reduces `[B, T]` per-token losses to a scalar.
 
@@ -38,21 +51,24 @@ def aggregate_loss(
   Sequences without a valid token are left out of the sequence means; an all-masked batch
   gives 0. `denominator` replaces Σ m (token-mean) or B' (the sequence modes): with the count of
   a whole mini-batch, the losses of its micro-batches add up to the mini-batch's loss (gradient
-  accumulation).
+  accumulation). `segment_ids` (packed rows `[R, L]`: 1, 2, ... per sequence of a row, 0 on
+  padding): a sequence is a (row, segment) pair, so the sequence modes count and average per
+  segment; `norm_length` must then be given (a row's length is not the responses').
   """
   token_losses = jnp.where(response_mask, _f32(token_losses), 0.0)
-  lengths = masked.masked_count(response_mask, axis=-1)  # [B]
+  sums, lengths = _per_sequence(token_losses, response_mask, segment_ids)
   num_sequences = jnp.maximum(jnp.sum(lengths > 0), 1) if denominator is None else denominator
   match mode:
     case "token-mean":
       tokens = jnp.sum(lengths) if denominator is None else denominator
       return jnp.sum(token_losses) / jnp.maximum(tokens, 1.0)
     case "seq-mean-token-mean":
-      per_sequence = jnp.sum(token_losses, axis=-1) / jnp.maximum(lengths, 1.0)
-      return jnp.sum(per_sequence) / num_sequences
+      return jnp.sum(sums / jnp.maximum(lengths, 1.0)) / num_sequences
     case "seq-mean-token-sum":
       return jnp.sum(token_losses) / num_sequences
     case "seq-mean-token-sum-norm":
+      if norm_length is None and segment_ids is not None:
+        raise ValueError("seq-mean-token-sum-norm on packed rows (segment_ids) needs norm_length")
       length = token_losses.shape[-1] if norm_length is None else norm_length
       return jnp.sum(token_losses) / length / num_sequences
     case _:
@@ -70,6 +86,8 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     mode: LossAggregation = "token-mean",
     denominator: jax.Array | float | None = None,
+    norm_length: int | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped PPO surrogate with decoupled clip range ("clip-higher", DAPO / VAPO §4.3).
 
@@ -83,6 +101,7 @@ def ppo_policy_loss(
   Metrics: `clip_frac_low` (tokens whose ratio is below 1 − ε_low with Â < 0, where the clip
   zeroes the gradient), `clip_frac_high` (ratio above 1 + ε_high with Â > 0), `dual_clip_frac`,
   `approx_kl` (the k3 estimate of KL(π_old ‖ π)) and `ratio_mean`, all over valid tokens.
+  `denominator`, `norm_length`, `segment_ids`: as in `aggregate_loss`.
   """
   logprobs, old_logprobs, advantages = _f32(logprobs), _f32(old_logprobs), _f32(advantages)
   log_ratio = jnp.where(response_mask, logprobs - old_logprobs, 0.0)
@@ -96,7 +115,8 @@ def ppo_policy_loss(
     dual_active = (advantages < 0) & (token_losses > dual)
     token_losses = jnp.where(advantages < 0, jnp.minimum(token_losses, dual), token_losses)
     metrics["dual_clip_frac"] = masked.masked_mean(dual_active, response_mask)
-  loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator)
+  loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator, norm_length=norm_length,
+                        segment_ids=segment_ids)
   metrics |= {
       "clip_frac_low": masked.masked_mean((ratio < 1.0 - eps_low) & (advantages < 0), response_mask),
       "clip_frac_high": masked.masked_mean((ratio > 1.0 + eps_high) & (advantages > 0), response_mask),
@@ -143,15 +163,18 @@ def positive_example_nll_loss(
     L_NLL = −Σ_{b∈correct} Σ_t m·log π(o_{b,t}) / Σ_{b∈correct} |o_b|
 
   `is_positive` is `[B]` (true where the verifier judged the response equivalent to the
-  reference). Zero, not NaN, when the batch has no positive response. `denominator` replaces the
-  positive-token count (see `aggregate_loss`). Metrics:
-  `positive_frac` (fraction of sequences that are positive) and `positive_tokens`.
+  reference), or per token like `response_mask` (packed rows). Zero, not NaN, when the batch has no
+  positive response. `denominator` replaces the positive-token count (see `aggregate_loss`).
+  Metrics: `positive_frac` (the fraction of the sequences that are positive; with per-token
+  verdicts, of the valid tokens) and `positive_tokens`.
   """
   is_positive = jnp.asarray(is_positive).astype(bool)
-  positive_mask = jnp.asarray(response_mask).astype(bool) & is_positive[:, None]
+  response_mask = jnp.asarray(response_mask).astype(bool)
+  positive_mask = response_mask & (is_positive if is_positive.ndim == response_mask.ndim else is_positive[:, None])
   loss = aggregate_loss(-_f32(logprobs), positive_mask, mode="token-mean", denominator=denominator)
   metrics = {
-      "positive_frac": jnp.mean(_f32(is_positive)),
+      "positive_frac": (jnp.mean(_f32(is_positive)) if is_positive.ndim < response_mask.ndim
+                        else masked.masked_mean(is_positive, response_mask)),
       "positive_tokens": masked.masked_count(positive_mask),
   }
   return loss, metrics
