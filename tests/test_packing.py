@@ -134,3 +134,34 @@ def test_packing_is_pure():
   loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               cwd=pathlib.Path(__file__).resolve().parents[1]).stdout.split())
   assert "flax" not in loaded and "vapo_jax.config" not in loaded and "vapo_jax.models" not in loaded
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(_batches())
+def test_layout_on_the_device_equals_pack(batch):
+  """`layout` expands each sequence's (row, offset) into the rows `pack` builds on the host."""
+  prompt, prompt_mask, response, response_mask, row_tokens = batch
+  b = prompt.shape[0]
+  packed = packing.pack(prompt, prompt_mask, response, response_mask, row_tokens=row_tokens, rows=b)
+  lengths = prompt_mask.sum(1) + response_mask.sum(1)
+  row, offset, needed = packing.place_groups(lengths, np.arange(b)[None], row_tokens)
+  assert needed.tolist() == [int(row.max(initial=-1)) + 1]
+  lay = packing.layout(row, offset, lengths, rows=b, row_tokens=row_tokens)
+  np.testing.assert_array_equal(lay.segment_ids, packed.segment_ids)
+  np.testing.assert_array_equal(lay.position, packed.positions)
+  sequence = np.asarray(lay.sequence)
+  np.testing.assert_array_equal(np.where(sequence >= 0, sequence, 0), packed.source // (prompt.shape[1] + response.shape[1]))
+  assert np.all((sequence >= 0) == (packed.segment_ids > 0))
+
+
+def test_place_groups_packs_each_group_into_rows_of_its_own():
+  lengths = np.array([3, 7, 5, 2, 4, 0])
+  row, offset, needed = packing.place_groups(lengths, np.array([[1, 3, 5], [0, 2, 4]]), 10)
+  # Group 0: 7 → row 0, 2 → row 0 (offset 7), the empty one unplaced; group 1: 5 → 0, 4 → 0 (5), 3 → 1.
+  np.testing.assert_array_equal(row, [1, 0, 0, 0, 0, -1])
+  np.testing.assert_array_equal(offset, [0, 0, 0, 7, 5, 0])
+  np.testing.assert_array_equal(needed, [1, 2])
+  # Placed back by `layout`, group 1's rows hold 5 | 4 and 3.
+  lay = packing.layout(row[[0, 2, 4]], offset[[0, 2, 4]], lengths[[0, 2, 4]], rows=2, row_tokens=10)
+  np.testing.assert_array_equal(lay.sequence, [[1] * 5 + [2] * 4 + [-1], [0] * 3 + [-1] * 7])
+  np.testing.assert_array_equal(lay.segment_ids, [[1] * 5 + [2] * 4 + [0], [1] * 3 + [0] * 7])

@@ -21,7 +21,10 @@ which lies in the same segment: a packed sequence with a response has at least o
 
 Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the host in numpy (they
 need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `unpack_tokens`,
-`unpack_predictions`) are jnp with static shapes, for use inside jitted programs.
+`unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
+token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
+(row, offset), `place_groups`'s `[B]` arrays, and `layout` expands them on the device into the
+columns' sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
 """
 
 from typing import NamedTuple
@@ -67,6 +70,21 @@ def first_fit_decreasing(lengths, row_tokens: int) -> tuple[np.ndarray, np.ndarr
     rows[b], offsets[b] = row, filled[row]
     filled[row] += lengths[b]
   return rows, offsets
+
+
+def place_groups(lengths, groups, row_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """First-fit decreasing of each group of sequences into rows of its own.
+
+  lengths `[B]`; groups `[G, n]` sequence ids (each in at most one group). Returns the row and offset
+  `[B]` int32 of every sequence within its group's rows (−1 and 0: empty, or in no group) and the rows
+  each group needs `[G]`."""
+  lengths = np.asarray(lengths, np.int64)
+  row, offset = np.full(lengths.shape, -1, np.int32), np.zeros(lengths.shape, np.int32)
+  needed = np.zeros(len(groups), np.int64)
+  for g, ids in enumerate(np.asarray(groups)):
+    row[ids], offset[ids] = first_fit_decreasing(lengths[ids], row_tokens)
+    needed[g] = int(row[ids].max(initial=-1)) + 1
+  return row, offset, needed
 
 
 def bucket_rows(needed: int, *, multiple: int = 1, geometric: bool = True) -> int:
@@ -163,3 +181,30 @@ def unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
   response token t, and the value there is V(s_t) (module doc, time index)."""
   index = jnp.maximum(jnp.asarray(packed.response_index) - 1, 0)
   return _take_columns(values, index, packed.response_mask)
+
+
+class Layout(NamedTuple):
+  """Packed rows `[R, L]` on the device, from each sequence's (row, offset) (`layout`)."""
+
+  sequence: jax.Array  # [R, L] int32 index of the column's sequence among those given; −1 on padding.
+  position: jax.Array  # [R, L] int32 j: the column holds token j of its sequence (0 on padding).
+  segment_ids: jax.Array  # [R, L] int32 1, 2, ... per sequence of a row in column order; 0 on padding.
+
+
+def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> Layout:
+  """jnp, static shapes: which sequence and which of its tokens each column of `rows` × `row_tokens`
+  holds, from the sequences' row, offset and length `[n]` (row −1 or length 0: not placed). Each
+  sequence start marks its column with the sequence's index; a running maximum of the start columns
+  along the row gives every column the start of its segment, hence its sequence and position."""
+  row, offset, lengths = (jnp.asarray(x, jnp.int32) for x in (row, offset, lengths))
+  placed = (row >= 0) & (lengths > 0)
+  start = jnp.where(placed, row * row_tokens + offset, rows * row_tokens)  # Off the end: dropped.
+  owner = jnp.full(rows * row_tokens, -1, jnp.int32).at[start].set(jnp.arange(row.shape[0], dtype=jnp.int32),
+                                                                    mode="drop").reshape(rows, row_tokens)
+  column = jnp.arange(row_tokens, dtype=jnp.int32)[None]
+  first = jax.lax.cummax(jnp.where(owner >= 0, column, -1), axis=1)  # Start column of the segment; −1: none.
+  sequence = jnp.take_along_axis(owner, jnp.maximum(first, 0), axis=1)
+  position = column - first
+  real = (first >= 0) & (position < lengths[jnp.maximum(sequence, 0)])
+  segment_ids = jnp.cumsum(owner >= 0, axis=1, dtype=jnp.int32)
+  return Layout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))
