@@ -9,15 +9,15 @@ from flax import nnx
 
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
-from vapo_jax.train import steps
+from vapo_jax.train import micro_batches, steps
 
 
 @pytest.mark.parametrize("b,micro,shards", [(32, 8, 4), (32, 8, 1), (16, 16, 8), (24, 6, 3), (8, 4, 8)])
 def test_micro_split_round_trips_and_takes_a_part_of_every_block(b, micro, shards):
   x = np.arange(b * 3).reshape(b, 3)
-  chunks = np.asarray(steps._micro(jnp.asarray(x), micro, shards))
+  chunks = np.asarray(micro_batches.split(jnp.asarray(x), micro, shards))
   assert chunks.shape == (b // micro, micro, 3)
-  np.testing.assert_array_equal(np.asarray(steps._unmicro(jnp.asarray(chunks), shards)), x)
+  np.testing.assert_array_equal(np.asarray(micro_batches.unsplit(jnp.asarray(chunks), shards)), x)
   rows = chunks[..., 0] // 3  # Row indices in each micro-batch.
   assert sorted(rows.reshape(-1)) == list(range(b))
   block = b // shards

@@ -135,14 +135,18 @@ def test_one_and_eight_devices_give_the_same_losses_and_parameters(smoke_config)
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeypatch):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeypatch, packed):
   """Host→device: the prompts and the verifier's rewards and verdicts, placed by `distributed`'s two
-  placement functions (any other transfer raises under the guard). Device→host: the rollout's
-  lengths and finish reasons, the verifier's token ids and lengths, then the step's metrics in one
-  fetch (counted where arrays reach numpy)."""
+  placement functions (any other transfer raises under the guard), and with packed rows each
+  sequence's (row, offset) for scoring and the epoch's mini-batch. Device→host: the rollout's
+  lengths and finish reasons, the verifier's token ids and lengths, with packed rows the batch's
+  prompt and response lengths and mini-batch orders, then the step's metrics in one fetch (counted
+  where arrays reach numpy)."""
   from jax._src import array as jax_array
   from vapo_jax import distributed
-  trainer = Trainer(smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD}), write_logs=False, verbose=False)
+  trainer = Trainer(smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "packing.enabled": packed}),
+                    write_logs=False, verbose=False)
   trainer.state, _ = trainer.step(trainer.state)  # Compiles every program once.
   placed, fetched = [], []
   for name in ("global_array", "global_array_from_share"):
@@ -153,11 +157,15 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
   with jax.transfer_guard_host_to_device("disallow"):
     trainer.state, metrics = trainer.step(trainer.state)
   monkeypatch.undo()
-  assert placed == [(8, 16), (8, 16), (32,), (32,)], placed  # Prompt ids and mask; rewards and verdicts.
+  # Prompt ids and mask; rewards and verdicts; packed: (row, offset) [scoring + 1 epoch, 2, B].
+  assert placed == [(8, 16), (8, 16), (32,), (32,)] + [(2, 2, 32)] * packed, placed
   # The rollout's lengths and finish reasons (its metrics), the verifier's response ids and lengths,
-  # then the step's device metrics as one vector.
-  assert fetched[:4] == [(32,), (32,), (32, 16), (32,)] and len(fetched) == 5 and len(fetched[4]) == 1, fetched
-  assert 20 < fetched[4][0] < len(metrics) and "actor/pg_loss" in metrics and "rollout/response_len_p90" in metrics
+  # packed: the prompt and response lengths and the epoch's order [2 + 1, B], then the step's device
+  # metrics as one vector.
+  assert fetched[:-1] == [(32,), (32,), (32, 16), (32,)] + [(3, 32)] * packed and len(fetched[-1]) == 1, fetched
+  assert 20 < fetched[-1][0] < len(metrics) and "actor/pg_loss" in metrics and "rollout/response_len_p90" in metrics
+  assert {"perf/padding_frac_scoring", "perf/padding_frac_update", "perf/micro_batches",
+          "perf/train_tokens_per_s"} <= metrics.keys()
   trainer.close()
 
 

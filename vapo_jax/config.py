@@ -106,6 +106,24 @@ class AlgoConfig:
 
 
 @frozen
+class PackingConfig:
+  """Packed rows (`train/packing.py`, README "Packed training"): scoring, both updates, value
+  pretraining and the warm start run on sequences laid end to end in rows of `row_tokens`, so their
+  compute follows the real tokens. Off, every sequence is padded to the prompt bucket +
+  `rollout.max_response_tokens`: the layout the packed one is tested against."""
+
+  enabled: bool = True  # Packed rows; false: one padded sequence per row.
+  row_tokens: int | None = None  # Tokens per row; None: the prompt bucket + rollout.max_response_tokens.
+  micro_batch_rows: int | None = None  # Rows per micro-batch (scoring, updates); None: one per data-parallel device.
+
+  def __post_init__(self):
+    if self.row_tokens is not None:
+      positive_int(self, "row_tokens")
+    if self.micro_batch_rows is not None:
+      positive_int(self, "micro_batch_rows")
+
+
+@frozen
 class OptimizerConfig:
   """AdamW with linear warm-up then a constant learning rate, for actor and critic."""
 
@@ -248,6 +266,7 @@ class ExperimentConfig:
   run_dir: str = "runs"  # Parent directory of the run directory.
   model: ModelConfig = ModelConfig()
   algo: AlgoConfig = AlgoConfig()
+  packing: PackingConfig = PackingConfig()
   optim: OptimizerConfig = OptimizerConfig()
   rollout: RolloutConfig = RolloutConfig()
   reward: RewardConfig = RewardConfig()
@@ -270,6 +289,11 @@ class ExperimentConfig:
       require(self.rollout.samples_per_prompt > 1, self, "rollout.samples_per_prompt",
                "must be > 1 with algo.estimator='group' (advantages are relative to the group)",
                self.rollout.samples_per_prompt)
+    longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
+    if self.packing.row_tokens is not None:
+      require(self.packing.row_tokens >= longest, self, "packing.row_tokens",
+               f"must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
+               self.packing.row_tokens)
     if self.algo.overlong_buffer_tokens:
       require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
                "algo.overlong_buffer_tokens",

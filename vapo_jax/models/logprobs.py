@@ -193,6 +193,18 @@ def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, respo
                                 tokens[:, prompt_len:], chunk=chunk, entropy=entropy, transposed=transposed)
 
 
+def packed_token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *, chunk: int,
+                          entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+  """log π (and H) `[R, L]` at every column of packed rows (`train.packing`): the log-probability of the
+  next token of the column's own segment, from the column's hidden state (0's log-probability where
+  the segment ends: callers mask it). The projection runs over all R·L columns (prompts included)."""
+  hidden, _ = model.hidden_states(tokens, positions, None, segment_ids=segment_ids)
+  same = segment_ids[:, 1:] == segment_ids[:, :-1]
+  targets = jnp.pad(jnp.where(same, tokens[:, 1:], 0), ((0, 0), (0, 1)))
+  kernel, transposed = model.output_projection()
+  return token_logprobs_entropy(hidden, kernel, targets, chunk=chunk, entropy=entropy, transposed=transposed)
+
+
 def packed_response_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array,
                              response_index: jax.Array, response_mask: jax.Array, *, chunk: int,
                              entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
@@ -200,15 +212,11 @@ def packed_response_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, p
   `[B, Tr]`, 0 where `response_mask` is false.
 
   `tokens`, `segment_ids`, `positions` `[R, L]`; `response_index` `[B, Tr]` the flat column r·L + c of
-  response token t. Every position scores the next token of its own segment (the column after it;
-  0 where the segment ends) through `token_logprobs_entropy`, and response token t reads its value
-  from the column before its own. The projection runs over all R·L columns (prompts included):
-  about the real tokens of the batch, against B·Tr positions, padding included, unpacked."""
-  hidden, _ = model.hidden_states(tokens, positions, None, segment_ids=segment_ids)
-  same = segment_ids[:, 1:] == segment_ids[:, :-1]
-  targets = jnp.pad(jnp.where(same, tokens[:, 1:], 0), ((0, 0), (0, 1)))
-  kernel, transposed = model.output_projection()
-  logprobs, ent = token_logprobs_entropy(hidden, kernel, targets, chunk=chunk, entropy=entropy, transposed=transposed)
+  response token t. Every position scores the next token of its own segment (`packed_token_logprobs`),
+  and response token t reads its value from the column before its own. The projection runs over all
+  R·L columns (prompts included): about the real tokens of the batch, against B·Tr positions, padding
+  included, unpacked."""
+  logprobs, ent = packed_token_logprobs(model, tokens, segment_ids, positions, chunk=chunk, entropy=entropy)
   index = jnp.maximum(response_index - 1, 0)  # The column whose hidden state predicts token t.
   take = lambda x: jnp.where(response_mask, x.reshape(-1)[index], 0.0)
   return take(logprobs), (take(ent) if entropy else None)

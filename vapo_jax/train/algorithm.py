@@ -27,10 +27,14 @@ class Denominators(NamedTuple):
 
   @classmethod
   def of(cls, algo: AlgoConfig, response_mask: jax.Array, is_positive: jax.Array) -> "Denominators":
-    mask = jnp.asarray(response_mask).astype(bool)
-    tokens = jnp.sum(mask).astype(jnp.float32)
-    sequences = jnp.sum(jnp.any(mask, axis=-1)).astype(jnp.float32)
-    positive = jnp.sum(mask & jnp.asarray(is_positive).astype(bool)[:, None]).astype(jnp.float32)
+    return cls.from_lengths(algo, jnp.sum(jnp.asarray(response_mask).astype(jnp.int32), axis=-1), is_positive)
+
+  @classmethod
+  def from_lengths(cls, algo: AlgoConfig, response_lengths: jax.Array, is_positive: jax.Array) -> "Denominators":
+    """From the mini-batch's response lengths `[B]` and verdicts `[B]` (the same in either layout)."""
+    lengths = jnp.asarray(response_lengths).astype(jnp.float32)
+    tokens, sequences = jnp.sum(lengths), jnp.sum(lengths > 0).astype(jnp.float32)
+    positive = jnp.sum(jnp.where(jnp.asarray(is_positive).astype(bool), lengths, 0.0))
     return cls(tokens if algo.loss_agg == "token-mean" else sequences, positive, tokens)
 
 
@@ -93,16 +97,20 @@ def actor_loss(
     ref_logprobs: jax.Array | None = None,
     entropy: jax.Array | None = None,
     denominators: Denominators | None = None,
+    segment_ids: jax.Array | None = None,
+    norm_length: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured).
 
   `denominators` (of the whole mini-batch) make this a micro-batch's share of the mini-batch
-  loss; None normalises by this batch alone.
+  loss; None normalises by this batch alone. Packed rows: per-token arrays `[R, L]` (verdicts too)
+  with their `segment_ids`, and `norm_length` the response budget Tr (`losses.aggregate_loss`).
   """
   d = denominators or Denominators(None, None, None)
+  agg = dict(mode=algo.loss_agg, denominator=d.policy, norm_length=norm_length, segment_ids=segment_ids)
   policy, metrics = losses.ppo_policy_loss(
       logprobs, old_logprobs, advantages, response_mask, eps_low=algo.eps_low,
-      eps_high=algo.eps_high, dual_clip=algo.dual_clip, mode=algo.loss_agg, denominator=d.policy)
+      eps_high=algo.eps_high, dual_clip=algo.dual_clip, **agg)
   metrics = {f"actor/{k}": v for k, v in metrics.items()} | {"actor/pg_loss": policy}
   total = policy
   if algo.positive_nll_coef > 0:
@@ -114,11 +122,11 @@ def actor_loss(
     if ref_logprobs is None:
       raise ValueError("algo.kl_coef > 0 needs ref_logprobs")
     kl = losses.aggregate_loss(losses.kl_penalty(logprobs, ref_logprobs, estimator=algo.kl_estimator),
-                               response_mask, mode=algo.loss_agg, denominator=d.policy)
+                               response_mask, **agg)
     total = total + algo.kl_coef * kl
     metrics["actor/ref_kl"] = kl
   if entropy is not None:
-    mean_entropy = losses.aggregate_loss(entropy, response_mask, mode=algo.loss_agg, denominator=d.policy)
+    mean_entropy = losses.aggregate_loss(entropy, response_mask, **agg)
     total = total - algo.entropy_coef * mean_entropy
     metrics["actor/entropy"] = mean_entropy
   metrics["actor/loss"] = total

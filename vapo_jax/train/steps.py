@@ -6,9 +6,14 @@
 
 Models are handled functionally: a graphdef (static) and a parameter `nnx.State` (a pytree), all
 held in one `state.TrainState`. Every update takes a mini-batch, splits it into micro-batches
-along the batch axis and accumulates gradients with `lax.scan`; losses use the whole
-mini-batch's denominators (`algorithm.Denominators`), so the accumulated gradient equals the
-mini-batch gradient exactly.
+and accumulates gradients with `lax.scan`; losses use the whole mini-batch's denominators
+(`algorithm.Denominators`), so the accumulated gradient equals the mini-batch gradient exactly.
+
+Two layouts (`packing.enabled`), the same programs: padded, a micro-batch is `micro` sequences of
+S tokens; packed (`packed_batch`: `plan = steps.plan(state, rollout)` on the host, then
+`score(..., plan=plan)` and `ppo_update(..., plan=plan)`), a micro-batch is m rows of L tokens
+holding whole sequences end to end, the losses' arrays at the rows' prediction columns, and
+micro-batches without a response token are skipped.
 
 `Steps` jits them for one run: each takes and returns the `TrainState` (donated, with the output
 laid out as the input), and each is traced with the run's sharding rules bound, so no program can
@@ -25,17 +30,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 from flax import nnx
 
+from vapo_jax import distributed
 from vapo_jax.config import AlgoConfig, ExperimentConfig
+from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
-from vapo_jax.models.logprobs import response_logprobs
+from vapo_jax.models.logprobs import packed_token_logprobs, response_logprobs
 from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rl import advantages, losses, masked
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.train import algorithm
-from vapo_jax.train.optim import learning_rate
+from vapo_jax.train import algorithm, micro_batches, packed_batch
+from vapo_jax.train.packed_batch import PackedBatch, RowBatch
 from vapo_jax.train.state import TrainState
 
 
@@ -66,137 +73,105 @@ def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Ar
   return values[:, prompt_len - 1:prompt_len - 1 + response_len]
 
 
-def _micro(tree, micro: int, shards: int = 1):
-  """Splits the leading batch axis `[B, ...]` into `[M, micro, ...]` micro-batches.
-
-  With the batch in `shards` equal contiguous blocks (one per device along the batch axes),
-  micro-batch m takes the m-th part of every block, so each micro-batch stays spread over all
-  devices and nothing moves between them; `_unmicro` is the inverse. Which rows share a
-  micro-batch does not change any result: losses use whole-batch denominators.
-  """
-  def split(x):
-    b, m = x.shape[0], x.shape[0] // micro
-    if shards <= 1 or b % shards or (b // shards) % m:
-      return x.reshape((m, micro) + x.shape[1:])
-    x = x.reshape((shards, m, b // shards // m) + x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape((m, micro) + x.shape[3:])
-  return jax.tree.map(split, tree)
+def _chunks(batch: TrainBatch | PackedBatch, micro: int, shards: int):
+  """The micro-batches `[M, ...]` of a mini-batch: packed rows come split; padded, `micro` sequences each."""
+  return batch.rows if isinstance(batch, PackedBatch) else micro_batches.split(batch, micro, shards)
 
 
-def _unmicro(tree, shards: int = 1):
-  """`[M, micro, ...]` back to `[B, ...]` (the inverse of `_micro`)."""
-  def join_(x):
-    m, micro = x.shape[:2]
-    b = m * micro
-    if shards <= 1 or b % shards or (b // shards) % m:
-      return x.reshape((b,) + x.shape[2:])
-    x = x.reshape((m, shards, micro // shards) + x.shape[2:])
-    return jnp.swapaxes(x, 0, 1).reshape((b,) + x.shape[3:])
-  return jax.tree.map(join_, tree)
+def _sequences(batch: TrainBatch | PackedBatch) -> tuple[jax.Array, jax.Array]:
+  """Response lengths and verdicts `[n]` of a mini-batch's sequences, in either layout."""
+  if isinstance(batch, PackedBatch):
+    return batch.response_lengths, batch.is_positive
+  return jnp.sum(batch.response_mask, axis=-1, dtype=jnp.int32), batch.is_positive
 
 
-# Metrics that are a micro-batch's share of the mini-batch value (losses with whole-batch
-# denominators, counts): summed over micro-batches. Per-sequence means: averaged (micro-batches
-# have equal numbers of sequences). Every other metric is a mean over valid tokens: weighted by
-# each micro-batch's valid tokens, which gives the mini-batch's token mean exactly.
-SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/loss",
-                            "actor/positive_tokens"})
-SEQUENCE_METRICS = frozenset({"actor/positive_frac"})
+def _policy(model, mb: TrainBatch | RowBatch, *, chunk: int, entropy: bool):
+  """log π and H at a micro-batch's loss positions: `[micro, Tr]` padded, `[m, L]` packed."""
+  if isinstance(mb, RowBatch):
+    return packed_token_logprobs(model, mb.tokens, mb.segment_ids, mb.positions, chunk=chunk, entropy=entropy)
+  return response_logprobs(model, mb.tokens, mb.attention_mask, mb.response_mask.shape[1], chunk=chunk,
+                           entropy=entropy)
 
 
-def _accumulate(loss_fn, params, batch: TrainBatch, micro: int, shards: int = 1):
-  """Σ over micro-batches of (loss, grads) and the mini-batch's metrics (see `SUMMED_METRICS`)."""
-  grad_fn = jax.grad(loss_fn, has_aux=True)
-  chunks = _micro(batch, micro, shards)
-  zeros = jax.tree.map(jnp.zeros_like, params)
-
-  def body(grads, chunk):
-    g, (loss, metrics) = grad_fn(params, chunk)
-    return jax.tree.map(jnp.add, grads, g), (loss, metrics, jnp.sum(chunk.response_mask).astype(jnp.float32))
-
-  grads, (loss, metrics, tokens) = jax.lax.scan(body, zeros, chunks)
-  weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
-  combined = {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.mean(v) if k in SEQUENCE_METRICS else jnp.sum(v * weights)
-              for k, v in metrics.items()}
-  return jnp.sum(loss), grads, combined
-
-
-def _update(loss_fn, tx, params, opt_state, batch: TrainBatch, micro: int, shards: int, *, prefix: str,
-            loss_name: str):
-  """Accumulates `loss_fn`'s gradients over micro-batches and applies one optimizer step; the
-  metrics under `prefix/` with the loss as `prefix/loss_name`, the gradient norm and the lr."""
-  loss, grads, metrics = _accumulate(loss_fn, params, batch, micro, shards)
-  updates, opt_state = tx.update(grads, opt_state, params)
-  extra = {loss_name: loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(opt_state),
-           "skipped_frac": 1.0 - opt_state.last_finite.astype(jnp.float32)}
-  return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k, v in extra.items()}
+def _values(critic, mb: TrainBatch | RowBatch) -> jax.Array:
+  """V(s_t) at a micro-batch's loss positions: `[micro, Tr]` padded, `[m, L]` packed."""
+  if isinstance(mb, RowBatch):
+    return critic(mb.tokens, mb.positions, None, segment_ids=mb.segment_ids)[0]
+  return response_values(critic, mb.tokens, mb.attention_mask, mb.response_mask.shape[1])
 
 
 def logprobs_and_entropy(graphdef, params, tokens, attention_mask, *, response_len, chunk, micro=None, shards=1):
   """log π(o_t) and the entropy `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
   model = nnx.merge(graphdef, params)
   fn = lambda args: response_logprobs(model, *args, response_len, chunk=chunk, entropy=True)
-  return _in_micro_batches(fn, (tokens, attention_mask), micro, shards)
+  return micro_batches.forward(fn, (tokens, attention_mask), micro, shards)
 
 
 def values(graphdef, params, tokens, attention_mask, *, response_len, micro=None, shards=1):
   """V(s_t) `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
   critic = nnx.merge(graphdef, params)
-  return _in_micro_batches(lambda args: response_values(critic, *args, response_len), (tokens, attention_mask),
-                           micro, shards)
+  return micro_batches.forward(lambda args: response_values(critic, *args, response_len), (tokens, attention_mask),
+                               micro, shards)
 
 
-def _in_micro_batches(fn, args, micro, shards):
-  if micro is None or micro >= args[0].shape[0] or args[0].shape[0] % micro:
-    return fn(args)
-  return _unmicro(jax.lax.map(fn, _micro(args, micro, shards)), shards)
-
-
-def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, algo: AlgoConfig, micro: int, shards: int = 1,
-                 chunk: int):
+def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
+                 shards: int = 1, chunk: int, response_len: int | None = None):
   """One optimizer update of the policy on a mini-batch. The entropy is computed in the loss only
-  when it is a term of it (`entropy_coef > 0`); its metric comes from scoring."""
-  denominators = algorithm.Denominators.of(algo, batch.response_mask, batch.is_positive)
-  response_len = batch.response_mask.shape[1]
+  when it is a term of it (`entropy_coef > 0`); its metric comes from scoring. `response_len` (Tr,
+  for seq-mean-token-sum-norm): needed for packed rows; padded, the response mask's width."""
+  lengths, verdicts = _sequences(batch)
+  denominators = algorithm.Denominators.from_lengths(algo, lengths, verdicts)
+  norm_length = response_len or batch.response_mask.shape[1]
 
-  def loss_fn(p, mb: TrainBatch):
-    logprobs, entropy = response_logprobs(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len,
-                                          chunk=chunk, entropy=algo.entropy_coef > 0)
+  def loss_fn(p, mb: TrainBatch | RowBatch):
+    logprobs, entropy = _policy(nnx.merge(graphdef, p), mb, chunk=chunk, entropy=algo.entropy_coef > 0)
     loss, metrics = algorithm.actor_loss(
         algo, logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, mb.is_positive,
-        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy, denominators=denominators)
+        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy, denominators=denominators,
+        segment_ids=mb.segment_ids if isinstance(mb, RowBatch) else None, norm_length=norm_length)
     return loss, (loss, metrics)
 
-  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="actor", loss_name="loss")
+  params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state,
+                                                            _chunks(batch, micro, shards), prefix="actor", loss_name="loss")
+  return params, opt_state, metrics | {"actor/positive_frac": jnp.mean(verdicts.astype(jnp.float32))}
 
 
-def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, algo: AlgoConfig, micro: int,
+def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
                   shards: int = 1):
   """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
-  denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
-  response_len = batch.response_mask.shape[1]
+  denominator = jnp.sum(_sequences(batch)[0]).astype(jnp.float32)
 
-  def loss_fn(p, mb: TrainBatch):
-    v = response_values(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len)
+  def loss_fn(p, mb: TrainBatch | RowBatch):
+    v = _values(nnx.merge(graphdef, p), mb)
     loss, metrics = losses.value_loss(v, mb.old_values, mb.returns, mb.response_mask,
                                       clip_range=algo.value_clip, denominator=denominator)
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
 
-  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="critic", loss_name="value_loss")
+  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards), prefix="critic",
+                                      loss_name="value_loss")
 
 
-def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch, *, micro: int, shards: int = 1, chunk: int):
+def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, micro: int, shards: int = 1,
+               chunk: int):
   """One supervised update: token-level NLL of the response tokens (demonstrations)."""
-  denominator = jnp.sum(batch.response_mask).astype(jnp.float32)
-  response_len = batch.response_mask.shape[1]
+  denominator = jnp.sum(_sequences(batch)[0]).astype(jnp.float32)
 
-  def loss_fn(p, mb: TrainBatch):
-    logprobs, _ = response_logprobs(nnx.merge(graphdef, p), mb.tokens, mb.attention_mask, response_len, chunk=chunk)
+  def loss_fn(p, mb: TrainBatch | RowBatch):
+    logprobs, _ = _policy(nnx.merge(graphdef, p), mb, chunk=chunk, entropy=False)
     loss = losses.aggregate_loss(-logprobs, mb.response_mask, mode="token-mean", denominator=denominator)
     return loss, (loss, {})
 
-  return _update(loss_fn, tx, params, opt_state, batch, micro, shards, prefix="sft", loss_name="nll")
+  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards), prefix="sft",
+                                      loss_name="nll")
+
+
+def mini_batch_orders(key: jax.Array, size: int, mini: int, epochs: int) -> tuple[jax.Array, jax.Array]:
+  """The state's next key and the sequence ids `[E, K, mini]` of each epoch's K = size // mini shuffled
+  mini-batches (the same in both layouts: the packed host plan fetches them)."""
+  key, *epoch_keys = jax.random.split(key, epochs + 1)
+  orders = [jax.random.permutation(k, size)[:size // mini * mini].reshape(size // mini, mini) for k in epoch_keys]
+  return key, jnp.stack(orders)
 
 
 class Steps:
@@ -211,8 +186,14 @@ class Steps:
     self.shards = mesh.shape["data"] * mesh.shape["fsdp"]
     self.chunk = config.model.logits_chunk
     self.rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
+    self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    self.packed = config.packing.enabled
+    self.row_tokens, self.micro_rows = packed_batch.row_tokens(config), packed_batch.micro_rows(config, self.shards)
+    if self.packed and self.micro_rows % self.shards:
+      raise ConfigError(f"PackingConfig.micro_batch_rows must be a multiple of the data-parallel devices "
+                        f"(mesh data x fsdp = {self.shards}), got {self.micro_rows}")
     self._programs = {}
-    self._score = {only: self.jit(functools.partial(self._score_program, critic_only=only)) for only in (False, True)}
+    self._plan_inputs = self.jit(self._plan_inputs_program, out_shardings=self.replicated)
 
   def jit(self, fn, **kwargs):
     """`jax.jit(fn)` traced with the run's sharding rules bound (so `constrain` always applies)."""
@@ -223,31 +204,101 @@ class Steps:
     when the batch does not divide evenly over them)."""
     return sharding.place(tree, self.mesh, self.rules)
 
-  def score(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool = False):
+  def _program(self, key, make):
+    if key not in self._programs:
+      self._programs[key] = make()
+    return self._programs[key]
+
+  # --------------------------------------------------------------------------- packed rows
+  def _mini(self, size: int) -> int:
+    return min(self.config.algo.mini_batch_responses, size)
+
+  def _plan_inputs_program(self, key, prompt_mask, response_mask):
+    """`[2 + E, B]` int32: prompt and response lengths, then each epoch's mini-batch orders."""
+    size, epochs = response_mask.shape[0], self.config.algo.ppo_epochs
+    _, orders = mini_batch_orders(key, size, self._mini(size), epochs)
+    lengths = [jnp.sum(m, axis=-1, dtype=jnp.int32) for m in (prompt_mask, response_mask)]
+    return jnp.concatenate([jnp.stack(lengths), orders.reshape(epochs, size)]).astype(jnp.int32)
+
+  def plan(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
+    """Packed rows for this step's scoring and mini-batches (None when `packing.enabled` is false).
+    Host transfers: the lengths and mini-batch orders `[2 + E, B]` int32 come to the host (the
+    orders from the state's key, as the update draws them); each sequence's (row, offset) go back."""
+    if not self.packed:
+      return None
+    host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
+    size = host.shape[1]
+    orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(size))
+    found = packed_batch.plan(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
+    return found._replace(placement=distributed.global_array(found.placement, self.replicated))
+
+  def sft_plan(self, batch: TrainBatch) -> packed_batch.Plan | None:
+    """Packed rows of a host batch of demonstrations (one mini-batch, no scoring)."""
+    if not self.packed:
+      return None
+    response = np.sum(batch.response_mask, axis=-1)
+    found = packed_batch.plan(np.sum(batch.attention_mask, axis=-1) - response, response,
+                              np.arange(response.size)[None, None], row_tokens=self.row_tokens,
+                              micro_rows=self.micro_rows, phase="sft")
+    return found._replace(placement=distributed.global_array(found.placement, self.replicated))
+
+  def _rows(self, batch: TrainBatch, sequences, place, rows: int) -> PackedBatch:
+    lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)
+    return packed_batch.mini_batch(batch, sequences, lengths, place[0], place[1], rows=rows,
+                                   micro_rows=self.micro_rows, row_tokens=self.row_tokens)
+
+  # ------------------------------------------------------------------------------ scoring
+  def score(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool = False,
+            plan: packed_batch.Plan | None = None):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
-    values and Monte-Carlo returns, no actor forward."""
-    return self._score[critic_only](state, out, rewards, correct)
+    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan`)."""
+    rows = plan and plan.scoring_rows
+    program = self._program(("score", critic_only, rows), lambda: self.jit(
+        functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
+    batch, stats = program(state, out, rewards, correct, plan and plan.placement)
+    return batch, stats | (plan.scoring_metrics if plan else {})
 
-  def _score_program(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool):
+  def _forward(self, state: TrainState, tokens, attention, mask, place, *, critic_only: bool, rows: int | None):
+    """Values, log-probs, entropy and reference log-probs `[B, Tr]` (None where not computed)."""
+    use_critic, use_ref = self.config.algo.uses_critic, state.ref is not None and not critic_only
+    if place is None:
+      chunks = {"response_len": mask.shape[1], "micro": self.micro, "shards": self.shards}
+      policy = lambda params: logprobs_and_entropy(self.actor_def, params, tokens, attention, chunk=self.chunk, **chunks)
+      value = values(self.critic_def, state.critic, tokens, attention, **chunks) if use_critic else None
+    else:
+      lengths = packed_batch.Lengths.of(attention, mask)
+      inputs, unpack = packed_batch.scoring_rows(tokens, lengths, place[0], place[1], response_len=mask.shape[1],
+                                                 rows=rows, micro_rows=self.micro_rows, row_tokens=self.row_tokens)
+      model = lambda definition, params: nnx.merge(definition, params)
+      policy = lambda params: tuple(map(unpack, micro_batches.forward_rows(lambda mb: _policy(
+          model(self.actor_def, params), mb, chunk=self.chunk, entropy=True), inputs)))
+      value = unpack(micro_batches.forward_rows(lambda mb: _values(model(self.critic_def, state.critic), mb), inputs)
+                     ) if use_critic else None
+    if critic_only:
+      return value, None, None, None
+    old_logprobs, entropy = policy(state.actor)
+    return value, old_logprobs, entropy, policy(state.ref)[0] if use_ref else None
+
+  def _score_program(self, state: TrainState, out: Rollout, rewards, correct, place, *, critic_only: bool,
+                     rows: int | None):
     config, algo, mask = self.config, self.config.algo, out.response_mask
     tokens, attention = join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
-    chunks = {"response_len": mask.shape[1], "micro": self.micro, "shards": self.shards}
     lengths = jnp.sum(mask, axis=-1)
     token_rewards = advantages.last_token_rewards(rewards, mask)
-    value = values(self.critic_def, state.critic, tokens, attention, **chunks) if algo.uses_critic else None
+    value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, place if place is None else place[0],
+                                                      critic_only=critic_only, rows=rows)
     stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
              "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),
              "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
+             "rollout/prompt_len_mean": jnp.mean(jnp.sum(out.prompt_mask, axis=-1)),
              "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}
+    if place is None:
+      stats["perf/padding_frac_scoring"] = 1.0 - jnp.mean(attention.astype(jnp.float32))
     if critic_only:
       returns = advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma)
       stats["critic/explained_variance"] = losses.explained_variance(value, returns, mask)
       return TrainBatch(tokens, attention, mask, returns, value, correct), stats
-    old_logprobs, entropy = logprobs_and_entropy(self.actor_def, state.actor, tokens, attention, chunk=self.chunk,
-                                                 **chunks)
-    ref = (logprobs_and_entropy(self.actor_def, state.ref, tokens, attention, chunk=self.chunk, **chunks)[0]
-           if state.ref is not None else None)
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
@@ -262,30 +313,38 @@ class Steps:
         "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
     return TrainBatch(tokens, attention, mask, est.returns, value, correct, old_logprobs, est.advantages, ref), stats
 
+  # ------------------------------------------------------------------------------ updates
   def _state_program(self, name, fn, state: TrainState):
-    """`fn(state, batch)` jitted with the state donated and its output placed like `state`."""
+    """`fn(state, ...)` jitted with the state donated and its output placed like `state`."""
     layout = jax.tree.map(lambda x: x.sharding, state)
-    key = (name, jax.tree.structure(state))
-    if key not in self._programs:
-      self._programs[key] = self.jit(fn, donate_argnums=(0,), out_shardings=(layout, None))
-    return self._programs[key]
+    return self._program((name, jax.tree.structure(state)), lambda: self.jit(
+        fn, donate_argnums=(0,), out_shardings=(layout, None)))
 
-  def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool):
+  def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool,
+                 plan: packed_batch.Plan | None = None):
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
-    averaged over the updates."""
-    return self._state_program(("ppo", actor, critic), functools.partial(self._ppo, actor=actor, critic=critic),
-                               state)(state, batch)
+    averaged over the updates. `plan`: on packed rows (`plan`)."""
+    rows = plan and plan.update_rows
+    program = self._state_program(("ppo", actor, critic, rows), functools.partial(
+        self._ppo, actor=actor, critic=critic, rows=rows), state)
+    state, metrics = program(state, batch, plan and plan.placement)
+    if plan is None:
+      mini = self._mini(batch.response_mask.shape[0])
+      return state, metrics | {"perf/micro_batches": float(mini // min(self.micro, mini))}
+    return state, metrics | plan.update_metrics
 
-  def _ppo(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool):
+  def _ppo(self, state: TrainState, batch: TrainBatch, places, *, actor: bool, critic: bool, rows: int | None):
     algo = self.config.algo
     size = batch.response_mask.shape[0]
-    mini = min(algo.mini_batch_responses, size)
+    mini = self._mini(size)
     micro = min(self.micro, mini)
-    key, *epoch_keys = jax.random.split(state.key, algo.ppo_epochs + 1)
+    key, orders = mini_batch_orders(state.key, size, mini, algo.ppo_epochs)
     row_sharded = lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+    tr = batch.response_mask.shape[1]
 
-    def one_update(state: TrainState, rows):
-      mb = jax.tree.map(lambda x: row_sharded(x[rows]), batch)
+    def one_update(state: TrainState, sequences, place):
+      mb = (jax.tree.map(lambda x: row_sharded(x[sequences]), batch) if rows is None
+            else self._rows(batch, sequences, place, rows))
       metrics = {}
       if critic:
         params, opt, m = critic_update(self.critic_def, self.txs["critic"], state.critic, state.critic_opt, mb,
@@ -293,22 +352,29 @@ class Steps:
         state, metrics = state._replace(critic=params, critic_opt=opt), metrics | m
       if actor:
         params, opt, m = actor_update(self.actor_def, self.txs["actor"], state.actor, state.actor_opt, mb,
-                                      algo=algo, micro=micro, shards=self.shards, chunk=self.chunk)
+                                      algo=algo, micro=micro, shards=self.shards, chunk=self.chunk, response_len=tr)
         state, metrics = state._replace(actor=params, actor_opt=opt), metrics | m
       return state, metrics
 
-    def epoch(state: TrainState, epoch_key):
-      order = jax.random.permutation(epoch_key, size)[:size // mini * mini].reshape(size // mini, mini)
-      return jax.lax.scan(one_update, state, order)
+    def epoch(state: TrainState, xs):
+      order, place = xs
+      return jax.lax.scan(lambda s, sequences: one_update(s, sequences, place), state, order)
 
-    state, metrics = jax.lax.scan(epoch, state._replace(key=key), jnp.stack(epoch_keys))
-    return state, jax.tree.map(jnp.mean, metrics)
+    places = jnp.zeros((algo.ppo_epochs,), jnp.int32) if places is None else places[1:]  # Scoring's is first.
+    state, metrics = jax.lax.scan(epoch, state._replace(key=key), (orders, places))
+    padded = {} if rows else {"perf/padding_frac_update": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
+    return state, jax.tree.map(jnp.mean, metrics) | padded
 
-  def sft_update(self, state: TrainState, batch: TrainBatch):
-    micro = math.gcd(self.micro, batch.response_mask.shape[0])
+  def sft_update(self, state: TrainState, batch: TrainBatch, plan: packed_batch.Plan | None = None):
+    """One supervised update on a placed batch of demonstrations (`plan`: from `sft_plan`)."""
+    micro, rows = math.gcd(self.micro, batch.response_mask.shape[0]), plan and plan.update_rows
 
-    def fn(state: TrainState, batch: TrainBatch):
-      params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, batch, micro=micro,
+    def fn(state: TrainState, batch: TrainBatch, place):
+      mb = batch if place is None else self._rows(batch, jnp.arange(batch.response_mask.shape[0]), place[1], rows)
+      params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, mb, micro=micro,
                                   shards=self.shards, chunk=self.chunk)
-      return state._replace(actor=params, sft_opt=opt), m
-    return self._state_program("sft", fn, state)(state, batch)
+      padded = {} if rows else {"perf/padding_frac_sft": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
+      return state._replace(actor=params, sft_opt=opt), m | padded
+    state, metrics = self._state_program(("sft", rows), fn, state)(state, batch, plan and plan.placement)
+    return state, metrics | (plan.update_metrics if plan else {"perf/micro_batches": float(
+        batch.response_mask.shape[0] // micro)})

@@ -1,0 +1,168 @@
+"""Packed rows against the padded layout (their oracle): `Steps.score` gives the same values, log-probs,
+advantages and statistics, and `Steps.ppo_update` / `Steps.sft_update` the same losses, metrics and
+gradient of every parameter of the actor and the critic, for each loss aggregation, decoupled and
+length-adaptive λ, micro-batch splits, several mini-batches and epochs, and under `fsdp` on 8 devices.
+
+The optimizers record the gradients instead of applying them (their state is Σ of every update's
+gradient; the learning rate is 0, so each mini-batch's gradient is taken at the same parameters)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from vapo_jax import distributed
+from vapo_jax.config import AlgoConfig, ExperimentConfig, PackingConfig, RolloutConfig
+from vapo_jax.models import sharding
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import CausalLM, ValueModel
+from vapo_jax.rollout.common import Rollout
+from vapo_jax.run_config import MeshConfig, ModelConfig
+from vapo_jax.train import optim
+from vapo_jax.train.state import TrainState
+from vapo_jax.train.steps import Steps
+
+B, TP, TR = 16, 16, 12  # Sequences; prompt bucket of max_prompt_tokens = 8; response budget.
+PROMPT_LENGTHS = np.array([8, 1, 5, 3, 8, 2, 7, 4, 6, 1, 8, 3, 5, 2, 4, 7])
+RESPONSE_LENGTHS = np.array([12, 0, 3, 12, 1, 7, 5, 11, 2, 9, 4, 6, 12, 8, 1, 10])  # One empty, three full.
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def _recorder() -> optax.GradientTransformation:
+  """An optimizer shaped like `optim.make_optimizer`'s whose state sums the gradients and whose
+  updates are 0."""
+  record = optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p),
+                                        lambda g, s, p=None: (g, jax.tree.map(jnp.add, s, g)))
+  return optax.apply_if_finite(optax.chain(record, optax.inject_hyperparams(optax.sgd)(learning_rate=0.0)), 2**30)
+
+
+def _config(packed: bool, algo: dict, packing: dict, preset_name: str) -> ExperimentConfig:
+  return ExperimentConfig(
+      name="packed", model=ModelConfig(preset="micro", dtype="float32", random_init=True, logits_chunk=5),
+      algo=dataclasses.replace(AlgoConfig(mini_batch_responses=B, value_pretrain_steps=0), **algo),
+      packing=PackingConfig(enabled=packed, **packing),
+      rollout=RolloutConfig(prompts_per_step=B // 4, samples_per_prompt=4, max_prompt_tokens=8,
+                            max_response_tokens=TR),
+      mesh=MeshConfig(preset=preset_name))
+
+
+def _rollout(seed: int = 0):
+  rng = np.random.default_rng(seed)
+  prompt_mask = np.arange(TP)[None] >= TP - PROMPT_LENGTHS[:, None]
+  response_mask = np.arange(TR)[None] < RESPONSE_LENGTHS[:, None]
+  tokens = lambda shape, mask: jnp.asarray(rng.integers(3, 259, shape) * mask, jnp.int32)
+  logprobs = jnp.asarray(-rng.exponential(size=(B, TR)) * response_mask, jnp.float32)
+  out = Rollout(tokens((B, TP), prompt_mask), jnp.asarray(prompt_mask), tokens((B, TR), response_mask),
+                jnp.asarray(response_mask), jnp.asarray(RESPONSE_LENGTHS, jnp.int32), jnp.zeros(B, jnp.int32),
+                logprobs, logprobs)
+  correct = rng.random(B) < 0.5
+  return out, jnp.asarray(np.where(correct, 1.0, -1.0), jnp.float32), jnp.asarray(correct)
+
+
+def _models():
+  cfg = preset("micro")
+  actor = CausalLM(cfg, rngs=nnx.Rngs(0))
+  critic = ValueModel(cfg, rngs=nnx.Rngs(1))
+  critic.value_head[...] = jax.random.normal(jax.random.key(2), critic.value_head[...].shape)  # Zero at init.
+  return actor, critic
+
+
+def _run(config: ExperimentConfig, devices):
+  """(scored batch, scoring stats, update metrics, Σ actor gradients, Σ critic gradients) of one PPO
+  step on the fixed rollout, in the config's layout."""
+  mesh = sharding.make_mesh(data=1, fsdp=len(devices), tensor=1, devices=devices)
+  rules = sharding.PRESETS[config.mesh.preset]
+  actor, critic = _models()
+  (actor_def, actor_params), (critic_def, critic_params) = nnx.split(actor), nnx.split(critic)
+  place = lambda params: jax.device_put(params, jax.tree.map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), sharding.state_partition_specs(params, rules, mesh)))
+  actor_params, critic_params = place(actor_params), place(critic_params)
+  tx = _recorder()
+  steps = Steps(config, mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=tx, critic_tx=tx, sft_tx=tx)
+  state = TrainState(actor_params, critic_params, optim.init_optimizer(tx, actor_params, mesh),
+                     optim.init_optimizer(tx, critic_params, mesh),
+                     key=distributed.replicate_local(jax.random.key(3), mesh),
+                     ref=jax.tree.map(lambda x: x * 1.01, actor_params) if config.algo.kl_coef else None)
+  out, rewards, correct = steps.place(_rollout())
+  plan = steps.plan(state, out)
+  batch, stats = steps.score(state, out, rewards, correct, plan=plan)
+  state, metrics = steps.ppo_update(state, batch, actor=True, critic=True, plan=plan)
+  grads = [jax.tree.map(np.asarray, opt.inner_state[0]) for opt in (state.actor_opt, state.critic_opt)]
+  return jax.tree.map(np.asarray, batch), jax.device_get(stats), jax.device_get(metrics), *grads
+
+
+def _assert_same_step(packed, padded):
+  (batch, stats, metrics, actor_grads, critic_grads), (want_batch, want_stats, want_metrics, want_actor,
+                                                       want_critic) = packed, padded
+  mask = want_batch.response_mask
+  for field in ("old_values", "old_logprobs", "advantages", "returns", "ref_logprobs"):
+    got, want = getattr(batch, field), getattr(want_batch, field)
+    assert (got is None) == (want is None), field
+    if want is not None:
+      np.testing.assert_allclose(got[mask], want[mask], **TOLERANCE, err_msg=field)
+  for name, got, want in (("stats", stats, want_stats), ("metrics", metrics, want_metrics)):
+    keys = {k for k in want if not k.startswith("perf/")}
+    assert keys <= got.keys(), (name, keys - got.keys())
+    for key in sorted(keys):
+      np.testing.assert_allclose(got[key], want[key], **TOLERANCE, err_msg=f"{name}: {key}")
+  for got, want in ((actor_grads, want_actor), (critic_grads, want_critic)):
+    flat_got, flat_want = nnx.to_flat_state(got), nnx.to_flat_state(want)
+    for (path, g), (_, w) in zip(flat_got, flat_want):
+      w = w.get_value()
+      assert np.abs(w).max() > 0, path  # Every parameter gets a gradient.
+      np.testing.assert_allclose(g.get_value(), w, **TOLERANCE, err_msg=str(path))
+
+
+CASES = {  # algo fields, packing fields, sharding preset, devices.
+    # VAPO: token-mean, decoupled and length-adaptive GAE, NLL; KL and entropy terms; 4 micro-batches of 2 rows.
+    "vapo": (dict(kl_coef=0.05, entropy_coef=0.01), dict(micro_batch_rows=2, row_tokens=20), "dp", 1),
+    # PPO's aggregation, λ_actor = λ_critic = 0.95; 2 epochs of 2 mini-batches, micro-batches of 3 rows.
+    "seq-mean-token-mean": (dict(loss_agg="seq-mean-token-mean", decoupled_gae=False, length_adaptive_alpha=None,
+                                 lam_actor=0.95, mini_batch_responses=8, ppo_epochs=2), dict(micro_batch_rows=3),
+                            "dp", 1),
+    "seq-mean-token-sum-norm": (dict(loss_agg="seq-mean-token-sum-norm", length_adaptive_alpha=None,
+                                     mini_batch_responses=8, micro_batch_responses=2), dict(micro_batch_rows=1),
+                                "dp", 1),
+    # Under FSDP on 8 devices (rows and sequences split over them), with dual clip and value clipping.
+    "seq-mean-token-sum-fsdp-8": (dict(loss_agg="seq-mean-token-sum", dual_clip=3.0, value_clip=0.2,
+                                       micro_batch_responses=8), dict(row_tokens=22), "fsdp", 8),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_packed_step_equals_the_padded_one(case):
+  algo, packing, preset_name, devices = CASES[case]
+  devices = jax.devices()[:devices]
+  padded = _run(_config(False, algo, packing, preset_name), devices)
+  packed = _run(_config(True, algo, packing, preset_name), devices)
+  _assert_same_step(packed, padded)
+  assert packed[2]["perf/padding_frac_update"] < padded[2]["perf/padding_frac_update"]
+
+
+def test_a_packed_supervised_update_equals_the_padded_one():
+  from vapo_jax.train.steps import TrainBatch, join
+  runs = []
+  for packed in (False, True):
+    config = _config(packed, {}, dict(micro_batch_rows=2, row_tokens=20), "dp")
+    mesh = sharding.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
+    actor_def, params = nnx.split(_models()[0])
+    tx = _recorder()
+    steps = Steps(config, mesh, sharding.PRESETS["dp"], actor_def=actor_def, critic_def=None, actor_tx=tx,
+                  critic_tx=tx, sft_tx=tx)
+    out, _, _ = _rollout(seed=1)
+    tokens, attention = (np.asarray(x) for x in join(out.prompt_tokens, out.prompt_mask, out.response_tokens,
+                                                     out.response_mask))
+    batch = TrainBatch(tokens, attention, np.asarray(out.response_mask), None, None, np.zeros(B, bool))
+    state = TrainState(params, None, None, None, key=jax.random.key(0), sft_opt=optim.init_optimizer(tx, params, mesh))
+    state, metrics = steps.sft_update(state, steps.place(batch), steps.sft_plan(batch))
+    runs.append((jax.device_get(metrics), jax.tree.map(np.asarray, state.sft_opt.inner_state[0])))
+  (want, want_grads), (got, got_grads) = runs
+  np.testing.assert_allclose(got["sft/nll"], want["sft/nll"], **TOLERANCE)
+  for (path, g), (_, w) in zip(nnx.to_flat_state(got_grads), nnx.to_flat_state(want_grads)):
+    assert np.abs(w.get_value()).max() > 0, path
+    np.testing.assert_allclose(g.get_value(), w.get_value(), **TOLERANCE, err_msg=str(path))
+  assert got["perf/padding_frac_sft"] < want["perf/padding_frac_sft"] and got["perf/micro_batches"] > 1
