@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import get_experiment
 from vapo_jax.cli import memory as memory_cli
-from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
+from vapo_jax.config import AlgoConfig, ExperimentConfig, PackingConfig, RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.models import footprint, sharding
 from vapo_jax.models.config import preset
@@ -32,9 +32,10 @@ XLA_CPU_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZE
 
 
 def _config(*, model="tiny", dtype="float32", remat=False, prompts=4, samples=2, prompt_tokens=32,
-            response_tokens=64, mini=8, micro=None, mesh_preset="fsdp", kl_coef=0.0, estimator="gae"):
+            response_tokens=64, mini=8, micro=None, mesh_preset="fsdp", kl_coef=0.0, estimator="gae",
+            packing: PackingConfig = PackingConfig(enabled=False)):
   return ExperimentConfig(
-      name="plan_test",
+      name="plan_test", packing=packing,
       model=ModelConfig(preset=model, dtype=dtype, remat=remat, random_init=True),
       algo=AlgoConfig(estimator=estimator, value_pretrain_steps=0, kl_coef=kl_coef, mini_batch_responses=mini,
                       micro_batch_responses=micro),
@@ -254,6 +255,28 @@ def _refusal(plan, budget) -> str:
   return str(error.value)
 
 
+def test_packed_phases_count_rows_of_row_tokens_and_check_names_the_rows():
+  packing = PackingConfig(micro_batch_rows=16)
+  config = _config(model="small", prompts=8, samples=8, response_tokens=992, mini=64, packing=packing)
+  mesh = {"data": 8}
+  plan = memory_plan.plan(config, mesh)  # Rows of 32 + 992 tokens (the padded sequence's length), 2 per device.
+  assert "micro-batch 16 rows of 1024 tokens, 2 per device" in plan.format()
+  assert "micro-batches of 16 rows of 1024 tokens" in plan.format()
+  m = config.model
+  cfg = preset("small")
+  want = footprint.activation_memory(cfg, rows=2, tokens=1024, scored_tokens=1024, dtype_bytes=4, remat=m.remat,
+                                     backward=True, head="logprobs", dense_attention=False,
+                                     attention_block=(256, 256), logits_chunk=m.logits_chunk, heads=cfg.num_heads,
+                                     kv_heads=cfg.num_kv_heads, mlp=cfg.intermediate_size, embed=cfg.hidden_size)
+  assert _item(plan, "actor update", "activations") == want.total
+  # Over budget: the refusal names the rows per micro-batch, a multiple of the 8 batch devices.
+  smaller = lambda rows: memory_plan.plan(dataclasses.replace(config, packing=PackingConfig(micro_batch_rows=rows)),
+                                          mesh)
+  budget = smaller(8).phase_bytes()["actor update"]
+  message = _refusal(plan, budget)
+  assert "set packing.micro_batch_rows=8 " in message, message
+
+
 def test_check_names_remat_and_the_micro_batch_that_fit():
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   config = _config(model="small", prompts=8, samples=8, response_tokens=992, mini=64, remat=False)
@@ -298,8 +321,9 @@ def test_check_names_prompts_and_response_length_for_the_kv_cache():
 
 
 def test_the_aime_plan_on_256_chips():
-  # As shipped: pure FSDP over 256 chips, the whole mini-batch of 512 at once (2 sequences per chip),
-  # flash attention and log-probs from logit blocks: every phase fits 95 GiB.
+  # As shipped: pure FSDP over 256 chips, packed rows of 22,528 tokens, one per chip (the padded
+  # layout: the whole mini-batch of 512 at once, 2 sequences per chip), flash attention and log-probs
+  # from logit blocks: every phase fits 95 GiB.
   config = get_experiment("aime")
   assert config.mesh.preset == "fsdp" and config.mesh.tensor == 1 and config.algo.micro_batch_responses is None
   mesh = {"data": 1, "fsdp": 256, "tensor": 1}
@@ -308,7 +332,12 @@ def test_the_aime_plan_on_256_chips():
   cfg = preset("qwen2.5-32b")
   assert math.isclose(_resident(shipped, "actor_params"), 4 * cfg.num_parameters() / 256, rel_tol=0.01)
   text = shipped.format(95 * GIB)
-  assert "micro-batch 512 sequences, 2 per device" in text and "fits" in text
+  assert "micro-batch 256 rows of 22528 tokens, 1 per device" in text and "fits" in text
+  config = dataclasses.replace(config, packing=PackingConfig(enabled=False))
+  padded = memory_plan.plan(config, mesh)
+  memory_check.check(padded, 95 * GIB)
+  assert "micro-batch 512 sequences, 2 per device" in padded.format(95 * GIB)
+  assert _item(shipped, "actor update", "activations") < _item(padded, "actor update", "activations")
   slots = memory_plan.refill_slots(config, cfg, 256)
   assert slots == 16 * 256 and _item(shipped, "rollout", "kv_cache") == common.cache_bytes(
       cfg, batch=slots, prompt_tokens=2048, max_new_tokens=20480, dtype=jnp.bfloat16, devices=256)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from vapo_jax import overrides
 from vapo_jax.errors import ConfigError
+from vapo_jax.train import packed_batch
 from vapo_jax.train.memory_plan import GIB, MemoryPlan, model_configs, plan, refill_slots, rollout_groups
 
 
@@ -48,22 +49,30 @@ def _first_fit(p: MemoryPlan, phase: str, budget: int, values, make) -> tuple[in
 def _update_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
   """Remat, micro-batch size, then mesh layouts that bring an update phase under `budget`."""
   c, mesh = p.config, dict(p.mesh_shape)
-  supervised = phase == "supervised update"
-  name = "sft.batch_size" if supervised else "algo.micro_batch_responses"
-  size = c.sft.batch_size if supervised else c.algo.mini_batch_responses
-  current = min(c.algo.micro_batch_responses or c.algo.mini_batch_responses, size)  # The trainer's micro-batch.
+  if c.packing.enabled:  # Rows per micro-batch, a multiple of the batch devices.
+    name, current = "packing.micro_batch_rows", packed_batch.micro_rows(c, mesh["data"] * mesh["fsdp"])
+    smaller = lambda shards, below: list(range((below - 1) // shards * shards, 0, -shards))
+    split_values = lambda shards: smaller(shards, max(current, shards) + 1)  # Fewer batch devices: as many rows.
+  else:
+    supervised = phase == "supervised update"
+    name = "sft.batch_size" if supervised else "algo.micro_batch_responses"
+    size = c.sft.batch_size if supervised else c.algo.mini_batch_responses
+    current = min(c.algo.micro_batch_responses or c.algo.mini_batch_responses, size)  # The trainer's micro-batch.
+    smaller = lambda shards, below: _divisors_below(size, below)
+    split_values = lambda shards: _divisors_below(size, size + 1)
   effect = lambda q: _effect(p, q, phase, "activations", "activations", budget)
   fixes = []
   if not c.model.remat and _fits(q := _variant(p, None, {"model.remat": True}), phase, budget):
     fixes.append(f"set model.remat=true {effect(q)}")
   for also in ({}, {"model.remat": True}) if not (c.model.remat or fixes) else ({},):
-    if fit := _first_fit(p, phase, budget, _divisors_below(size, current), lambda d, also=also: {name: d, **also}):
+    if fit := _first_fit(p, phase, budget, smaller(mesh["data"] * mesh["fsdp"], current),
+                         lambda d, also=also: {name: d, **also}):
       fixes.append(f"set {name}={fit[0]}" + (" and model.remat=true " if also else " ") + effect(fit[1]))
       break
   devices = math.prod(mesh.values())
   for tensor in (t for t in (2, 4, 8, 16, 32) if not fixes and devices % t == 0 and t > mesh["tensor"]):
     layout = {"data": 1, "fsdp": devices // tensor, "tensor": tensor}  # Split the heads: tensor parallelism.
-    if fit := _first_fit(p, phase, budget, _divisors_below(size, size + 1), lambda d, layout=layout: (
+    if fit := _first_fit(p, phase, budget, split_values(layout["fsdp"]), lambda d, layout=layout: (
         layout, {"mesh.preset": "fsdp_tp", "model.remat": True, name: d})):
       fixes.append(f"raise mesh.tensor: mesh.preset=fsdp_tp mesh.data=1 mesh.fsdp={layout['fsdp']} "
                    f"mesh.tensor={tensor} with {name}={fit[0]} and model.remat=true {effect(fit[1])}")

@@ -25,7 +25,9 @@ What is counted, following the code as it is (`trainer.py`, `experience.py`, `st
   gradient; a float32 parameter-sized AdamW update), and the supervised warm start when
   configured (micro-batches of min(micro-batch, `sft.batch_size`), with its own AdamW moments).
 - Sequences are `prompt_bucket(rollout.max_prompt_tokens)` + `rollout.max_response_tokens`
-  tokens (the worst case). A batch axis is split over the data × fsdp devices when it divides
+  tokens (the worst case). With `packing.enabled`, scoring and the updates hold micro-batches of
+  `packing.micro_batch_rows` rows (default: one per data-parallel device) of `packing.row_tokens`
+  tokens, each projected onto the vocabulary whole (prompts included). A batch axis is split over the data × fsdp devices when it divides
   evenly and replicated otherwise, as `sharding.partition_spec` does; tensor parallelism
   (`fsdp_tp`) splits the activations' heads and MLP width, not the KV cache.
 - Activations: `models.footprint.activation_memory` (flash attention unless `model.attention` is
@@ -51,6 +53,7 @@ from vapo_jax.models import flash, footprint, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common, layout
+from vapo_jax.train import packed_batch
 
 GIB = 2**30
 
@@ -234,8 +237,21 @@ class _Shapes:
     return common.prompt_bucket(self.config.rollout.max_prompt_tokens) + self.config.rollout.max_response_tokens
 
   @property
-  def micro(self) -> int:
+  def packed(self) -> bool:  # Scoring and updates on packed rows (`packing.enabled`).
+    return self.config.packing.enabled
+
+  @property
+  def micro(self) -> int:  # Of scoring and the updates: sequences, or packed rows.
+    if self.packed:
+      return packed_batch.micro_rows(self.config, self.shape["data"] * self.shape["fsdp"])
     return self.config.algo.micro_batch_responses or self.config.algo.mini_batch_responses
+
+  @property
+  def row_tokens(self) -> int:  # Of a micro-batch's rows: a padded sequence, or a packed row.
+    return packed_batch.row_tokens(self.config) if self.packed else self.tokens
+
+  def unit(self, n: int) -> str:
+    return f"{n} rows of {self.row_tokens} tokens" if self.packed else f"{n} sequences"
 
   def rows(self, n: int) -> int:
     """Rows of an n-row batch on one device (split over the batch axes when they divide it)."""
@@ -246,9 +262,10 @@ class _Shapes:
     heads, kv, mlp, embed = (footprint.local_shape((n,), (axis,), self.rules, self.shape)[0] for n, axis in (
         (cfg.num_heads, "act_heads"), (cfg.num_kv_heads, "act_kv_heads"), (cfg.intermediate_size, "act_mlp"),
         (cfg.hidden_size, "embed")))
+    scored_default = self.row_tokens if self.packed else self.config.rollout.max_response_tokens  # Packed: every column.
     return footprint.activation_memory(
-        cfg, rows=self.rows(n), tokens=self.tokens if length is None else length,
-        scored_tokens=self.config.rollout.max_response_tokens if scored is None else scored,
+        cfg, rows=self.rows(n), tokens=self.row_tokens if length is None else length,
+        scored_tokens=scored_default if scored is None else scored,
         dtype_bytes=jnp.dtype(m.dtype).itemsize, remat=m.remat if remat is None else remat, backward=backward,
         head=head, dense_attention=m.attention == "reference", attention_block=(flash.BLOCK_Q, flash.BLOCK_K),
         logits_chunk=m.logits_chunk, heads=heads, kv_heads=kv, mlp=mlp, embed=embed)
@@ -275,7 +292,7 @@ class _Shapes:
     on, off = (self.activations(cfg, n, remat=x, head="values" if value_head else "logprobs")
                for x in (m.remat, not m.remat))
     with_on, with_off = ("with", "without") if m.remat else ("without", "with")
-    return Phase(f"{name} update", f"micro-batch {n} sequences, {self.rows(n)} per device", tuple(extra) + (
+    return Phase(f"{name} update", f"micro-batch {self.unit(n)}, {self.rows(n)} per device", tuple(extra) + (
         Item("grads", f"gradients: accumulator + one micro-batch ({m.param_dtype})", 2 * params.grad_bytes),
         Item("update", "AdamW update (float32)", params.optimizer_bytes // 2),
         Item("gathered", "FSDP-gathered weights and gradient", self.gathered(cfg, backward=True, value_head=value_head)),
@@ -303,7 +320,7 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   batch_rows, resp = at.rows(r.responses_per_step), r.max_response_tokens
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * at.tokens + 25 * resp))
   phases = [rollout_phase(config, actor_cfg, at),
-            Phase("scoring", f"micro-batches of {at.micro} sequences, {at.rows(at.micro)} per device",
+            Phase("scoring", f"micro-batches of {at.unit(at.micro)}, {at.rows(at.micro)} per device",
                   (train_batch,) + max([at.forward("actor", actor_cfg), at.forward("critic", critic_cfg, value_head=True)],
                                        key=lambda items: sum(i.bytes for i in items))),
             at.update("actor", actor_cfg, actor_p, at.micro, extra=(train_batch,))]
@@ -311,7 +328,8 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
     phases.append(at.update("critic", critic_cfg, critic_p, at.micro, value_head=True, extra=(train_batch,)))
   if config.sft.path and config.sft.steps:
     sft_opt = Item("sft_optimizer", "supervised AdamW moments (float32)", actor_p.optimizer_bytes)
-    phases.append(at.update("supervised", actor_cfg, actor_p, min(at.micro, config.sft.batch_size), extra=(sft_opt,)))
+    sft_micro = at.micro if at.packed else min(at.micro, config.sft.batch_size)
+    phases.append(at.update("supervised", actor_cfg, actor_p, sft_micro, extra=(sft_opt,)))
   resident = [Item("actor_params", f"actor parameters ({m.param_dtype})", actor_p.param_bytes),
               Item("actor_optimizer", "actor AdamW moments (2 x float32)", actor_p.optimizer_bytes),
               Item("critic_params", f"critic parameters ({m.param_dtype})", critic_p.param_bytes),
@@ -331,7 +349,7 @@ def _summary(at: _Shapes, parameters: int) -> str:
           f"  mesh data={shape['data']} fsdp={shape['fsdp']} tensor={shape['tensor']} "
           f"({devices} device{'s' if devices > 1 else ''}, preset {config.mesh.preset}); sequences "
           f"{at.tokens - resp} prompt + {resp} response = {at.tokens} tokens; mini-batch "
-          f"{config.algo.mini_batch_responses}, micro-batch {at.micro}")
+          f"{config.algo.mini_batch_responses}, micro-batch {at.unit(at.micro) if at.packed else at.micro}")
 
 
 def device_memory_bytes(config: ExperimentConfig) -> int | None:
