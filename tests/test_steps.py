@@ -75,3 +75,24 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   for a, b_ in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(parts[0])):
     np.testing.assert_allclose(b_, a, rtol=1e-5, atol=1e-6)
   assert {"actor/clip_frac_high", "actor/pg_loss", "actor/ref_kl", "actor/positive_tokens"} <= whole[2].keys()
+
+
+def test_scoring_in_micro_batches_runs_with_remat():
+  # `nnx.remat` refuses to update variables whose values were closed over from an outer trace: the
+  # micro-batch loops carry the parameters (before, `model.remat=true` failed on the first scoring).
+  from vapo_jax.train import packed_batch, packing
+  critic = ValueModel(preset("micro"), remat=True, rngs=nnx.Rngs(1))
+  critic.value_head[...] = jax.random.normal(jax.random.key(2), critic.value_head[...].shape)
+  critic_def, params = nnx.split(critic)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(3, 259, (8, 12)), jnp.int32)
+  attention = jnp.ones((8, 12), bool)
+  whole = steps.values(critic_def, params, tokens, attention, response_len=5)
+  parts = jax.jit(lambda p: steps.values(critic_def, p, tokens, attention, response_len=5, micro=2))(params)
+  np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
+  packed = packing.pack(tokens[:, :7], np.ones((8, 7), bool), tokens[:, 7:], np.ones((8, 5), bool), row_tokens=24,
+                        rows=4)
+  rows = packed_batch.split(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
+                                                  packed.segment_ids > 0), 2)
+  values = jax.jit(lambda p: steps.packed_values(critic_def, p, rows))(params)
+  np.testing.assert_allclose(packing.unpack_predictions(values.reshape(4, 24), packed), whole, rtol=1e-5, atol=1e-5)

@@ -84,16 +84,23 @@ def optimizer_step(loss_fn, tx, params, opt_state, chunks, *, prefix: str, loss_
   return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k, v in extra.items()}
 
 
-def forward(fn, args, micro: int | None, shards: int):
-  """`fn(args)` on padded sequences, `micro` at a time (None, or not dividing the batch: all at once)."""
+def _map(fn, params, xs):
+  """`fn(params, x)` over the leading axis of `xs`. The parameters ride in the loop's carry, so that a
+  model merged from them inside `fn` holds the loop's own tracers: `nnx.remat` (`model.remat`) refuses
+  to update variables whose values were closed over from an outer trace."""
+  return jax.lax.scan(lambda carried, x: (carried, fn(carried, x)), params, xs)[1]
+
+
+def forward(fn, params, args, micro: int | None, shards: int):
+  """`fn(params, args)` on padded sequences, `micro` at a time (None, or not dividing the batch: all at once)."""
   if micro is None or micro >= args[0].shape[0] or args[0].shape[0] % micro:
-    return fn(args)
-  return unsplit(jax.lax.map(fn, split(args, micro, shards)), shards)
+    return fn(params, args)
+  return unsplit(_map(fn, params, split(args, micro, shards)), shards)
 
 
-def forward_rows(fn, rows):
-  """`fn(micro-batch)` over packed rows `[M, m, L]` (a `packed_batch.RowBatch`), skipping micro-batches
-  that hold no sequence."""
-  def one(mb):
-    return jax.lax.cond(jnp.any(mb.segment_ids > 0), lambda: fn(mb), lambda: _zeros_like_output(fn, mb))
-  return jax.lax.map(one, rows)
+def forward_rows(fn, params, rows):
+  """`fn(params, micro-batch)` over packed rows `[M, m, L]` (a `packed_batch.RowBatch`), skipping
+  micro-batches that hold no sequence."""
+  def one(params, mb):
+    return jax.lax.cond(jnp.any(mb.segment_ids > 0), fn, lambda *a: _zeros_like_output(fn, *a), params, mb)
+  return _map(one, params, rows)

@@ -102,16 +102,25 @@ def _values(critic, mb: TrainBatch | RowBatch) -> jax.Array:
 
 def logprobs_and_entropy(graphdef, params, tokens, attention_mask, *, response_len, chunk, micro=None, shards=1):
   """log π(o_t) and the entropy `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
-  model = nnx.merge(graphdef, params)
-  fn = lambda args: response_logprobs(model, *args, response_len, chunk=chunk, entropy=True)
-  return micro_batches.forward(fn, (tokens, attention_mask), micro, shards)
+  fn = lambda p, args: response_logprobs(nnx.merge(graphdef, p), *args, response_len, chunk=chunk, entropy=True)
+  return micro_batches.forward(fn, params, (tokens, attention_mask), micro, shards)
 
 
 def values(graphdef, params, tokens, attention_mask, *, response_len, micro=None, shards=1):
   """V(s_t) `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
-  critic = nnx.merge(graphdef, params)
-  return micro_batches.forward(lambda args: response_values(critic, *args, response_len), (tokens, attention_mask),
-                               micro, shards)
+  fn = lambda p, args: response_values(nnx.merge(graphdef, p), *args, response_len)
+  return micro_batches.forward(fn, params, (tokens, attention_mask), micro, shards)
+
+
+def packed_logprobs_and_entropy(graphdef, params, rows: RowBatch, *, chunk: int):
+  """log π of the next token and H `[M, m, L]` at every column of packed rows, a micro-batch at a time."""
+  fn = lambda p, mb: _policy(nnx.merge(graphdef, p), mb, chunk=chunk, entropy=True)
+  return micro_batches.forward_rows(fn, params, rows)
+
+
+def packed_values(graphdef, params, rows: RowBatch) -> jax.Array:
+  """V `[M, m, L]` at every column of packed rows, a micro-batch at a time."""
+  return micro_batches.forward_rows(lambda p, mb: _values(nnx.merge(graphdef, p), mb), params, rows)
 
 
 def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
@@ -270,11 +279,9 @@ class Steps:
       lengths = packed_batch.Lengths.of(attention, mask)
       inputs, unpack = packed_batch.scoring_rows(tokens, lengths, place[0], place[1], response_len=mask.shape[1],
                                                  rows=rows, micro_rows=self.micro_rows, row_tokens=self.row_tokens)
-      model = lambda definition, params: nnx.merge(definition, params)
-      policy = lambda params: tuple(map(unpack, micro_batches.forward_rows(lambda mb: _policy(
-          model(self.actor_def, params), mb, chunk=self.chunk, entropy=True), inputs)))
-      value = unpack(micro_batches.forward_rows(lambda mb: _values(model(self.critic_def, state.critic), mb), inputs)
-                     ) if use_critic else None
+      policy = lambda params: tuple(map(unpack, packed_logprobs_and_entropy(self.actor_def, params, inputs,
+                                                                            chunk=self.chunk)))
+      value = unpack(packed_values(self.critic_def, state.critic, inputs)) if use_critic else None
     if critic_only:
       return value, None, None, None
     old_logprobs, entropy = policy(state.actor)
