@@ -8,7 +8,7 @@ import experiments
 from experiments import aime
 from vapo_jax import overrides
 from vapo_jax.cli import resolve, train as train_cli
-from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig
+from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RewardConfig, RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.run_config import EvalConfig, MeshConfig
 
@@ -28,6 +28,8 @@ from vapo_jax.run_config import EvalConfig, MeshConfig
     (RewardConfig, "correct", -2.0, r"RewardConfig.correct must exceed incorrect"),
     (EvalConfig, "samples_per_problem", 0, r"EvalConfig.samples_per_problem"),
     (MeshConfig, "tensor", 0, r"MeshConfig.tensor must be a positive integer or -1"),
+    (PackingConfig, "row_tokens", 0, r"PackingConfig.row_tokens must be an integer >= 1"),
+    (PackingConfig, "micro_batch_rows", 0, r"PackingConfig.micro_batch_rows must be an integer >= 1"),
 ])
 def test_bad_values_fail_at_construction(factory, field, value, message):
   with pytest.raises(ConfigError, match=message):
@@ -46,6 +48,9 @@ def test_cross_field_checks():
     AlgoConfig(estimator="group")
   with pytest.raises(ConfigError, match="algo.mini_batch_responses must divide the responses per step"):
     ExperimentConfig(name="x", rollout=RolloutConfig(prompts_per_step=3, samples_per_prompt=5))
+  with pytest.raises(ConfigError, match=r"packing.row_tokens must hold the longest sequence, "
+                                        r"rollout.max_prompt_tokens \+ rollout.max_response_tokens = 22528, got 22527"):
+    ExperimentConfig(name="x", packing=PackingConfig(row_tokens=22527))
   with pytest.raises(ConfigError, match="rollout.samples_per_prompt must be > 1"):
     ExperimentConfig(name="x", algo=AlgoConfig(estimator="group", value_pretrain_steps=0),
                      rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=1))

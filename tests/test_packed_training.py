@@ -166,3 +166,13 @@ def test_a_packed_supervised_update_equals_the_padded_one():
     assert np.abs(w.get_value()).max() > 0, path
     np.testing.assert_allclose(g.get_value(), w.get_value(), **TOLERANCE, err_msg=str(path))
   assert got["perf/padding_frac_sft"] < want["perf/padding_frac_sft"] and got["perf/micro_batches"] > 1
+
+
+def test_micro_batch_rows_must_split_over_the_batch_devices():
+  from vapo_jax.errors import ConfigError
+  mesh = sharding.make_mesh(data=8, devices=jax.devices())
+  config = _config(True, {}, dict(micro_batch_rows=12), "dp")
+  with pytest.raises(ConfigError, match=r"PackingConfig.micro_batch_rows must be a multiple of the data-parallel "
+                                        r"devices \(mesh data x fsdp = 8\), got 12"):
+    Steps(config, mesh, sharding.PRESETS["dp"], actor_def=None, critic_def=None, actor_tx=None, critic_tx=None,
+          sft_tx=None)

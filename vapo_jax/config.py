@@ -3,7 +3,7 @@
 All configs are frozen, keyword-only dataclasses. Invalid values are rejected at construction
 with a message naming the field and its valid range; derived values are properties. An
 `ExperimentConfig` is the whole run: the algorithm and what it samples and learns from are here
-(`AlgoConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's
+(`AlgoConfig`, `PackingConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's
 surroundings (model, mesh, data, evaluation, checkpoints, logs) in `run_config.py`. Each VAPO
 technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the section
 of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):

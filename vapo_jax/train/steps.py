@@ -140,8 +140,9 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
         segment_ids=mb.segment_ids if isinstance(mb, RowBatch) else None, norm_length=norm_length)
     return loss, (loss, metrics)
 
-  params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state,
-                                                            _chunks(batch, micro, shards), prefix="actor", loss_name="loss")
+  chunks = _chunks(batch, micro, shards)
+  params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks, prefix="actor",
+                                                            loss_name="loss")
   return params, opt_state, metrics | {"actor/positive_frac": jnp.mean(verdicts.astype(jnp.float32))}
 
 
@@ -251,8 +252,7 @@ class Steps:
                               micro_rows=self.micro_rows, phase="sft")
     return found._replace(placement=distributed.global_array(found.placement, self.replicated))
 
-  def _rows(self, batch: TrainBatch, sequences, place, rows: int) -> PackedBatch:
-    lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)
+  def _rows(self, batch: TrainBatch, lengths: packed_batch.Lengths, sequences, place, rows: int) -> PackedBatch:
     return packed_batch.mini_batch(batch, sequences, lengths, place[0], place[1], rows=rows,
                                    micro_rows=self.micro_rows, row_tokens=self.row_tokens)
 
@@ -346,12 +346,13 @@ class Steps:
     mini = self._mini(size)
     micro = min(self.micro, mini)
     key, orders = mini_batch_orders(state.key, size, mini, algo.ppo_epochs)
+    lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)  # Once, for every mini-batch.
     row_sharded = lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
     tr = batch.response_mask.shape[1]
 
     def one_update(state: TrainState, sequences, place):
       mb = (jax.tree.map(lambda x: row_sharded(x[sequences]), batch) if rows is None
-            else self._rows(batch, sequences, place, rows))
+            else self._rows(batch, lengths, sequences, place, rows))
       metrics = {}
       if critic:
         params, opt, m = critic_update(self.critic_def, self.txs["critic"], state.critic, state.critic_opt, mb,
@@ -377,7 +378,8 @@ class Steps:
     micro, rows = math.gcd(self.micro, batch.response_mask.shape[0]), plan and plan.update_rows
 
     def fn(state: TrainState, batch: TrainBatch, place):
-      mb = batch if place is None else self._rows(batch, jnp.arange(batch.response_mask.shape[0]), place[1], rows)
+      lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)
+      mb = batch if place is None else self._rows(batch, lengths, jnp.arange(lengths.response.shape[0]), place[1], rows)
       params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, mb, micro=micro,
                                   shards=self.shards, chunk=self.chunk)
       padded = {} if rows else {"perf/padding_frac_sft": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
