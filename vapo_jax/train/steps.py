@@ -26,6 +26,7 @@ critic's output there is V(s_t), the value before response token t.
 
 import functools
 import math
+import time
 from typing import NamedTuple
 
 import jax
@@ -236,11 +237,12 @@ class Steps:
     orders from the state's key, as the update draws them); each sequence's (row, offset) go back."""
     if not self.packed:
       return None
+    start = time.perf_counter()
     host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
-    size = host.shape[1]
-    orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(size))
+    orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(host.shape[1]))
     found = packed_batch.plan(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
-    return found._replace(placement=distributed.global_array(found.placement, self.replicated))
+    return found._replace(placement=distributed.global_array(found.placement, self.replicated),
+                          scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
   def sft_plan(self, batch: TrainBatch) -> packed_batch.Plan | None:
     """Packed rows of a host batch of demonstrations (one mini-batch, no scoring)."""
@@ -273,7 +275,8 @@ class Steps:
     use_critic, use_ref = self.config.algo.uses_critic, state.ref is not None and not critic_only
     if place is None:
       chunks = {"response_len": mask.shape[1], "micro": self.micro, "shards": self.shards}
-      policy = lambda params: logprobs_and_entropy(self.actor_def, params, tokens, attention, chunk=self.chunk, **chunks)
+      policy = lambda params: logprobs_and_entropy(self.actor_def, params, tokens, attention, chunk=self.chunk,
+                                                   **chunks)
       value = values(self.critic_def, state.critic, tokens, attention, **chunks) if use_critic else None
     else:
       lengths = packed_batch.Lengths.of(attention, mask)
@@ -293,7 +296,8 @@ class Steps:
     tokens, attention = join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
     lengths = jnp.sum(mask, axis=-1)
     token_rewards = advantages.last_token_rewards(rewards, mask)
-    value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, place if place is None else place[0],
+    scoring_place = None if place is None else place[0]
+    value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, scoring_place,
                                                       critic_only=critic_only, rows=rows)
     stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
              "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),

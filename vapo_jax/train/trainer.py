@@ -223,28 +223,24 @@ class Trainer:
 
   # ------------------------------------------------------------------------------------ steps
   def step(self, state: TrainState, *, value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
-    """One RL step, prompts to parameter update (value pretraining: the critic alone, on λ = 1 returns).
-    Host transfers: the prompts, the verifier's share of the responses and its verdicts, packed rows'
-    lengths and placements (`Steps.plan`), and the metrics at the end."""
+    """One RL step, prompts to parameter update (value pretraining: the critic alone, on λ = 1 returns). Host
+    transfers: the prompts, the verifier's share and its verdicts, packed rows' lengths and placements, the metrics."""
     start = time.perf_counter()
     state, key = state.split_key()
     out, rewards, correct, stats = self.experience.sample(state, self.progress.prompts, key)
     sampled = time.perf_counter()
     plan = self.steps.plan(state, out)  # None unless packing.enabled.
-    planned = time.perf_counter()
     batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan)
     jax.block_until_ready(batch)
     scored = time.perf_counter()
     state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
                                                   critic=self.config.algo.uses_critic, plan=plan)
     metrics = metrics_lib.fetch(stats | batch_stats | update_metrics)
-    end, sequences = time.perf_counter(), out.response_lengths.shape[0]
-    tokens = metrics["rollout/response_len_mean"] * sequences
-    real = tokens + metrics["rollout/prompt_len_mean"] * sequences  # What scoring and the updates read.
-    metrics |= {"time/scoring_s": stats.get("time/verify_s", 0.0), "time/pack_s": planned - sampled,
-                "time/logprobs_values_s": scored - planned, "time/update_s": end - scored,
-                "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start),
-                "perf/train_tokens_per_s": real / (end - sampled)}
+    end, n = time.perf_counter(), out.response_lengths.shape[0]
+    tokens = metrics["rollout/response_len_mean"] * n
+    metrics |= {"time/scoring_s": stats.get("time/verify_s", 0.0), "time/logprobs_values_s": scored - sampled,
+                "time/update_s": end - scored, "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start),
+                "perf/train_tokens_per_s": (tokens + metrics["rollout/prompt_len_mean"] * n) / (end - sampled)}
     return state, metrics
 
   def _record(self, stage: str, step: int, m: dict, progress=None, keys=None):
