@@ -12,7 +12,7 @@ ARGS ?=
 help:  ## List the targets.
 	@echo "vapo_jax make targets:"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
-	@echo "Variables: EXP=<experiment> (default tiny), ARGS=\"field.path=value ...\" (config overrides)"
+	@echo "Variables: EXP=<experiment> (default tiny), ARGS=\"field.path=value ...\" (config overrides), TOPOLOGY=v5p:8x8x4 (make memory)"
 
 $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
@@ -63,8 +63,8 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 	$(if $(PRINT),@)$(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
-memory: $(STAMP)  ## Per-device memory plan of EXP on MESH (e.g. fsdp=64,tensor=4) with DEVICE_GIB per chip; exit 1 if over.
-	$(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
+memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look), else planned on MESH with DEVICE_GIB; exit 1 if over.
+	$(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
 
 clean:  ## Remove .venv, caches and runs/.
 	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info

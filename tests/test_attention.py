@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from vapo_jax.errors import ConfigError
-from vapo_jax.models import attention, flash
+from vapo_jax.models import attention, flash, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 
@@ -247,6 +247,30 @@ def test_splash_in_the_pallas_interpreter_equals_reference(form):
   got = _out_and_grads(lambda *a: attention.splash(*a, **mask, interpret=True), q, k, v, weights)
   for want, have in zip(expected, got):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["ranges", "segments"])
+def test_splash_under_shard_map_equals_chunked_in_the_interpreter(form):
+  """On a (data 2, fsdp 2, tensor 2) mesh of the 8 CPU devices with fsdp_tp's rules, splash runs under
+  shard_map, each device on its rows and its kv head's query heads; output and gradients are chunked's."""
+  q, k, v, weights = _inputs(4, 128, 128, kv_heads=2, groups=2, head_dim=16, seed=6)
+  if form == "ranges":
+    mask = dict(key_start=jnp.array([7, 0, 0, 128]), key_end=jnp.array([128, 100, 128, 128]))
+  else:
+    mask = dict(segment_ids=jnp.asarray(_segments([[40, 1, 1, 70], [100], [128], [3, 125]], 128)))
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  rules = sharding.PRESETS["fsdp_tp"]
+  heads, rows = attention._splash_specs(mesh, rules, batch=4, heads=4, kv_heads=2)
+  assert heads == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
+  assert rows == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+  expected = _out_and_grads(lambda *a: flash.chunked(*a, **mask), q, k, v, weights)
+  with sharding.use_rules(mesh, rules):
+    got = _out_and_grads(lambda *a: attention.splash(*a, **mask, interpret=True, block=128), q, k, v, weights)
+  for want, have in zip(expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+  # Heads that do not divide the tensor axis stay whole on every device (rows still split).
+  assert attention._splash_specs(mesh, rules, batch=4, heads=6, kv_heads=3)[0] == jax.sharding.PartitionSpec(
+      ("data", "fsdp"), None, None, None)
 
 
 def test_selection_and_errors():

@@ -1,17 +1,26 @@
-"""`make memory`: the per-device memory plan of an experiment, before anything is allocated.
+"""`make memory`: the per-device memory of an experiment, compiled for a target or planned by hand.
 
+  python -m vapo_jax.cli.memory --exp NAME --topology v5p:8x8x4 [--mesh fsdp=256] [--layers 2] [--phases rollout]
+                                [--tail] [field=value ...]
   python -m vapo_jax.cli.memory --exp NAME [--mesh data=1,fsdp=256,tensor=1] [--device-gib 95] [field=value ...]
   python -m vapo_jax.cli.memory --model qwen2.5-32b [--sharding fsdp] [--mesh fsdp=256]
 
-The first plans a run (`train/memory_plan.py`) for `--mesh` (axes not named: 1), else for the
-configured mesh on this machine's devices, prints the plan and refuses it when a phase exceeds
-the device memory (`train/memory_check.py`), naming what to change. The second prints only the
-parameters, gradients and AdamW moments per device of a model preset's policy and critic.
-Exit status 1 when the plan does not fit, 2 on a bad argument.
+The first compiles every program of a run ahead of time for the target (`train/compile_report.py`:
+a TPU topology's compile-only devices, `cpu:N` for N CPU devices of this process, `cpu` for those it
+has), with the configured mesh (or `--mesh`) laid over its devices, and prints XLA's bytes per device
+of each phase against the chip's HBM; `--layers N` compiles the models with their first N layers only
+(a quick look), `--phases a,b` only those phases (and the ones whose outputs they take), `--tail` also
+the refill engine's decode loop at every slot count it shrinks to. The second
+plans a run by hand (`train/memory_plan.py`) for `--mesh` (axes not named: 1), else for the
+configured mesh on this machine's devices. Both refuse a run whose phase exceeds the device memory,
+naming the phase and what to change (`train/memory_check.py`'s advice). The third prints only the
+parameters, gradients and AdamW moments per device of a model preset's policy and critic. Exit
+status 1 when a phase does not fit, 2 on a bad argument.
 """
 
 import dataclasses
 import math
+import os
 import sys
 
 from vapo_jax.cli import resolve
@@ -74,13 +83,43 @@ def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None,
   return notes
 
 
+def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool) -> int:
+  """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
+  from vapo_jax.train import compile_format, compile_report, targets
+
+  if layers and not (layers.isdigit() and int(layers) > 0):
+    raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")
+  target = targets.resolve(topology)
+  if mesh_text:
+    sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
+  report = compile_report.compile_run(
+      config, target, layers=int(layers) if layers else None,
+      phases=tuple(p.strip() for p in phases.split(",")) if phases else compile_report.PHASES, tail=tail,
+      log=lambda message: print(message, file=sys.stderr, flush=True))
+  print(compile_format.table(report))
+  if message := compile_format.refusal(report):
+    print(f"refused: {message}")
+    return 1
+  return 0
+
+
 def main(argv: list[str]) -> int:
   args = list(argv)
-  options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp"})
+  options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp", "--topology": "",
+                         "--layers": "", "--phases": ""})
+  topology, tail = options["--topology"], "--tail" in args
+  args = [a for a in args if a != "--tail"]
+  if topology:  # Compile-only devices need no backend; a CPU target's devices must exist before JAX starts.
+    from vapo_jax.train import targets
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    targets.cpu_flags(topology)
   try:
     if options["--model"]:
       return parameters(options["--model"], options["--sharding"], options["--mesh"])
     config, _ = resolve.resolve(args)
+    if topology:
+      return compiled(config, topology, options["--mesh"], options["--layers"], options["--phases"], tail)
     import jax
 
     from vapo_jax.models import sharding

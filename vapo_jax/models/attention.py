@@ -32,7 +32,8 @@ Implementations (`impl`):
              everywhere.
   cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`: GPU, bfloat16/float16; ranges
              only (jax 0.10.2's public API takes no segment ids, so packed rows run `chunked`).
-  splash     the Pallas TPU splash attention with a causal mask and segment ids: TPU.
+  splash     the Pallas TPU splash attention with a causal mask and segment ids: TPU; on a mesh under
+             `jax.shard_map` over the batch and head axes.
   auto       splash on TPU, cudnn on GPU in bfloat16/float16, chunked otherwise.
 
 The kernels serve whole-sequence calls (training and scoring); calls with a KV cache (queries
@@ -41,19 +42,42 @@ offset from the keys) always run `chunked`. When a kernel rejects a call, `auto`
 `ConfigError`.
 """
 
+import contextlib
+import contextvars
+import functools
+import math
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from vapo_jax import kinds
 from vapo_jax.errors import ConfigError
 from vapo_jax.kinds import Attention
-from vapo_jax.models import flash
+from vapo_jax.models import flash, sharding
 from vapo_jax.models.flash import chunked
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _WARNED: set[str] = set()
+_TRACED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("vapo_jax_attention_traced", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+  """Within this context, the yielded set collects the implementations attention is traced with
+  ("chunked", "splash", ..., and "decode" for one-token calls on a KV cache): what a program compiled with."""
+  token = _TRACED.set(found := set())
+  try:
+    yield found
+  finally:
+    _TRACED.reset(token)
+
+
+def note(implementation: str) -> None:
+  """Adds `implementation` to the enclosing `recording()`, if any."""
+  if (found := _TRACED.get()) is not None:
+    found.add(implementation)
 
 
 def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_offset=0, causal: bool = True,
@@ -71,12 +95,13 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
     raise ValueError(f"segment_ids serve whole-sequence calls (T = S, query_offset 0), got q {q.shape}, "
                      f"k {k.shape}, query_offset {query_offset}")
   if kernel == "reference":
+    note("reference")
     return reference(q, k, v, **given, query_offset=query_offset, causal=causal)
   if kernel in ("cudnn", "splash") and whole:
     try:
-      if kernel == "cudnn":
-        return cudnn(q, k, v, **given, causal=causal)
-      return splash(q, k, v, **given, causal=causal)
+      out = (cudnn if kernel == "cudnn" else splash)(q, k, v, **given, causal=causal)
+      note(kernel)
+      return out
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
       reason = f"{kernel} rejected q {q.shape} {q.dtype}, k {k.shape}: {error}"
       if impl != "auto":
@@ -84,14 +109,16 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
       if reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"attention: {reason}; falling back to 'chunked'", stacklevel=2)
+  note("chunked")
   return chunked(q, k, v, **given, query_offset=query_offset, causal=causal, **chunked_options)
 
 
 def select(impl: str, dtype, platform: str | None = None) -> str:
-  """The implementation `impl` resolves to on `platform` (default: JAX's) for compute `dtype`.
+  """The implementation `impl` resolves to on `platform` (default: the platform being traced for,
+  `sharding.platform()`) for compute `dtype`.
 
   Raises ConfigError when an explicit choice cannot run there."""
-  platform = platform or jax.default_backend()
+  platform = platform or sharding.platform()
   half = jnp.dtype(dtype) in _HALF
   match impl:
     case "auto":
@@ -193,26 +220,53 @@ def splash(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: b
 
   The kernel's segment ids are the packed rows' `segment_ids`, or with ranges 1 on real tokens and
   0 on padding: padding (0) never mixes with real tokens, and padding rows are zeroed.
-  `interpret=True` runs the kernel in the Pallas interpreter (tests). One device only: a Mosaic
-  kernel is not partitioned by XLA, so several devices are refused."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
+  `interpret=True` runs the kernel in the Pallas interpreter (tests). A Mosaic kernel is not
+  partitioned by XLA, so on a mesh (`sharding.use_rules`, as every program of a run is traced) it
+  runs under `jax.shard_map`, each device on its rows (the "batch" axes) and, when the heads divide
+  evenly (whole groups of query heads per kv head), its heads (the "act_heads" axes): no
+  communication. Outside a mesh, several devices are refused."""
   b, t, n, h = q.shape
   if t % 128:
     raise ValueError(f"splash needs a sequence length that is a multiple of 128, got {t}")
-  if jax.device_count() > 1 and not interpret:
-    raise ValueError(f"splash is a Mosaic kernel that XLA cannot partition over {jax.device_count()} devices "
-                     "(it needs a shard_map over the batch, not wired here)")
+  segments = (_real(key_start, key_end, t) if segment_ids is None else segment_ids).astype(jnp.int32)
+  local = functools.partial(_splash_local, causal=causal, block=block, interpret=interpret)
+  found = sharding.context()
+  if found is None or found[0].size == 1:
+    if jax.device_count() > 1 and not interpret and found is None:
+      raise ValueError(f"splash is a Mosaic kernel that XLA cannot partition over {jax.device_count()} devices; "
+                       "it runs under shard_map on a mesh (sharding.use_rules / sharding.jit)")
+    return local(q, k, v, segments)
+  heads, rows = _splash_specs(*found, batch=b, heads=n, kv_heads=k.shape[2])
+  return jax.shard_map(local, mesh=found[0], in_specs=(heads, heads, heads, rows), out_specs=heads,
+                       check_vma=False)(q, k, v, segments)
+
+
+def _splash_specs(mesh, rules, *, batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, PartitionSpec]:
+  """(q / k / v / output spec `[B, T, N|K, H]`, segment ids spec `[B, T]`) of splash's shard_map: rows
+  over the rules' batch axes, heads over their "act_heads" axes when both N and K divide evenly."""
+  rows = sharding.partition_spec(("batch",), rules, mesh.shape, (batch,))
+  row_axes = rows[0] if len(rows) else None
+  used = set((row_axes,) if isinstance(row_axes, str) else row_axes or ())
+  axes = rules.get("act_heads")
+  axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ()) if a not in used)
+  size = math.prod(mesh.shape[a] for a in axes)
+  head_axes = (axes[0] if len(axes) == 1 else axes) if axes and not heads % size and not kv_heads % size else None
+  return PartitionSpec(row_axes, None, head_axes, None), PartitionSpec(row_axes, None)
+
+
+def _splash_local(q, k, v, segments, *, causal: bool, block: int, interpret: bool) -> jax.Array:
+  """The splash kernel on one device's q `[B, T, N, H]`, k, v `[B, T, K, H]`, segment ids `[B, T]`."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  t, n, h = q.shape[1:]
   size = max(d for d in (block, 256, 128) if t % d == 0 and d <= t)
   head_mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
   sizes = kernels.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
                              block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
   kernel = kernels.make_splash_mha(masks.MultiHeadMask([head_mask] * n), block_sizes=sizes, head_shards=1,
                                    q_seq_shards=1, interpret=interpret)
-  segments = (_real(key_start, key_end, t) if segment_ids is None else segment_ids).astype(jnp.int32)
-  real = segments != 0
   heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, N|K, T, H]
   out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=kernels.SegmentIds(ids, ids)))(
       heads_first(q * jnp.asarray(h ** -0.5, q.dtype)), heads_first(k), heads_first(v), segments)
-  return jnp.where(real[:, :, None, None], heads_first(out), 0).astype(q.dtype)
+  return jnp.where((segments != 0)[:, :, None, None], heads_first(out), 0).astype(q.dtype)

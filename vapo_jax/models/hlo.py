@@ -7,8 +7,10 @@
 ragged-all-to-all and collective-broadcast (an asynchronous `-start` once, its `-done` skipped),
 with the bytes of its operands and result per device and the `while` loops around it (outermost
 first, with XLA's known trip count when it printed one), so that a decode loop's traffic per
-iteration is the sum over the collectives inside it (`bytes_per_iteration`). Operands are printed
-without their types; they are looked up by name. Tuple operands (XLA combines all-reduces) add up.
+iteration is the sum over the collectives inside it (`bytes_per_iteration`; a loop is found by the
+`jax.named_scope` it was traced in, `while_op_names`); those in a conditional's branches (run on
+some iterations only) are flagged. Operands are printed without their types; they are looked up by
+name. Tuple operands (XLA combines all-reduces) add up.
 
 What crosses devices is judged by size, not by opcode: XLA moves a gathered weight as an
 `all-gather` or as an `all-reduce` of the whole weight depending on the mesh (seen for TPU
@@ -38,6 +40,7 @@ class Collective:
   result_bytes: int  # Per device, the largest array of the result.
   shapes: tuple[str, ...]  # The operands' types, e.g. "f32[4,1,48]" (the result's when none is known).
   loops: tuple[tuple[str, int | None], ...]  # (while instruction, known trip count), outermost first.
+  conditional: bool = False  # Inside a conditional's branch: runs on the iterations that take it.
 
 
 def arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
@@ -93,17 +96,17 @@ def _parse(text: str):
 def collectives(text: str) -> list[Collective]:
   """Every collective of a compiled module (`compiled.as_text()`), with the while loops around it."""
   entry, computations, types = _parse(text)
-  calls = defaultdict(list)  # computation -> (callee, (while name, trips) or None)
+  calls = defaultdict(list)  # computation -> (callee, (while name, trips) or None, via a conditional)
   for comp, instructions in computations.items():
     for name, _, opcode, body in instructions:
       for callee in re.findall(r"%([\w.\-]+)", body[len(opcode):]):
         if callee in computations and callee != comp:
           trips = _TRIPS.search(body)
           loop = (name, int(trips.group(1)) if trips else None) if opcode == "while" else None
-          calls[comp].append((callee, loop))
+          calls[comp].append((callee, loop, opcode == "conditional"))
   found = {}
 
-  def visit(comp, loops, seen):
+  def visit(comp, loops, conditional, seen):
     for name, type_text, opcode, body in computations[comp]:
       op = opcode.removesuffix("-start")
       if op in COLLECTIVES and not opcode.endswith("-done"):
@@ -111,23 +114,37 @@ def collectives(text: str) -> list[Collective]:
         result = arrays(type_text)
         found.setdefault((name, loops), Collective(
             op, name, sum(b for *_, b in operands), max((b for *_, b in result), default=0),
-            tuple(f"{d}[{','.join(map(str, s))}]" for d, s, _ in operands or result), loops))
-    for callee, loop in calls[comp]:
+            tuple(f"{d}[{','.join(map(str, s))}]" for d, s, _ in operands or result), loops, conditional))
+    for callee, loop, via_conditional in calls[comp]:
       if callee not in seen:
-        visit(callee, loops + (loop,) if loop else loops, seen | {callee})
+        visit(callee, loops + (loop,) if loop else loops, conditional or via_conditional, seen | {callee})
 
   if entry is not None:
-    visit(entry, (), {entry})
+    visit(entry, (), False, {entry})
   return list(found.values())
 
 
-def bytes_per_iteration(found: list[Collective], loop: str) -> int:
+def while_op_names(text: str) -> dict[str, str]:
+  """Every while instruction of a compiled module → its op_name metadata, which keeps the
+  `jax.named_scope`s it was traced in (`jit(f)/decode_loop/while`): a loop found by its scope."""
+  _, computations, _ = _parse(text)
+  names = {}
+  for instructions in computations.values():
+    for name, _, opcode, body in instructions:
+      if opcode == "while":
+        op_name = re.search(r'op_name="([^"]*)"', body)
+        names[name] = op_name.group(1) if op_name else ""
+  return names
+
+
+def bytes_per_iteration(found: list[Collective], loop: str, *, branches: bool = True) -> int:
   """Operand bytes per device that one iteration of the while loop `loop` moves (loops nested in it
-  counted once per known trip, once when unknown)."""
+  counted once per known trip, once when unknown); `branches` False: only the collectives every
+  iteration runs (none of a conditional's branches)."""
   total = 0
   for c in found:
     names = [name for name, _ in c.loops]
-    if loop in names:
+    if loop in names and (branches or not c.conditional):
       inner = c.loops[names.index(loop) + 1:]
       total += max(c.operand_bytes, c.result_bytes) * math.prod(trips or 1 for _, trips in inner)
   return total

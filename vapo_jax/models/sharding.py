@@ -156,6 +156,18 @@ def use_rules(mesh: Mesh, rules: dict[str, Any]):
     _CONTEXT.reset(token)
 
 
+def context() -> tuple[Mesh, dict[str, Any]] | None:
+  """The (mesh, rules) of the enclosing `use_rules`, or None outside one."""
+  return _CONTEXT.get()
+
+
+def platform() -> str:
+  """The platform programs are traced for: the `use_rules` mesh's devices (a TPU topology compiled
+  for on a CPU host is "tpu"), else JAX's default backend."""
+  found = _CONTEXT.get()
+  return found[0].devices.flat[0].platform if found is not None else jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Sharding constraint on an activation by logical names; a no-op outside `use_rules`."""
   context = _CONTEXT.get()
@@ -173,12 +185,22 @@ def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[st
   parameters' logical axes, and initialisation runs under `jit` with those output shardings, so
   no device ever holds a full copy of a sharded parameter.
   """
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(factory))
-  specs = state_partition_specs(abstract_state, rules, mesh)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-
+  graphdef, abstract_state = abstract_sharded(factory, mesh, rules)
+  shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
   state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
   return nnx.merge(graphdef, state)
+
+
+def abstract_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[str, Any]):
+  """(graphdef, state) of `factory()` without allocating: every parameter a `jax.ShapeDtypeStruct`
+  carrying the `NamedSharding` `create_sharded` gives it (traced under `use_rules`, so a choice made
+  for the mesh's platform is made for it)."""
+  with use_rules(mesh, rules):
+    graphdef, state = nnx.split(nnx.eval_shape(factory))
+  specs = state_partition_specs(state, rules, mesh)
+  place = lambda v, spec: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                                         sharding=NamedSharding(mesh, spec)))
+  return graphdef, jax.tree.map(place, state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def jit(fn: Callable, mesh: Mesh, rules: dict[str, Any], **jit_kwargs) -> Callable:

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from vapo_jax import kinds
-from vapo_jax.models import decode_attention
-from vapo_jax.models.attention import attend, key_ranges, select
+from vapo_jax.models import decode_attention, sharding
+from vapo_jax.models.attention import attend, key_ranges, note, select
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.sharding import constrain
 
@@ -90,8 +90,10 @@ def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: i
 def _decode_attention(q, keys, values, key_mask, query_slots, block: int | None):
   """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`: `[B, 1, N, H]`."""
   slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
+  note("decode")
   if block == 0:
     return decode_attention.attend_one_reference(q[:, 0], keys, values, key_mask, slots)[:, None]
+  block = block or decode_attention.default_block(sharding.platform())  # The platform traced for.
   return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block)[:, None]
 
 

@@ -28,6 +28,7 @@ from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 from vapo_jax.rollout import sampling as sampling_lib
 
+DECODE_LOOP = "decode_loop"  # `jax.named_scope` of the engines' decode loops: their op_name in compiled HLO.
 FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
 FINISH_LENGTH = 1  # Reached max_new_tokens (or the sequence's own length limit).
 

@@ -107,6 +107,14 @@ class RolloutLayout:
           x.shape, x.dtype, sharding=x.sharding)))
     return list(kinds.values())
 
+  def abstract_copy(self, abstract_params: nnx.State) -> nnx.State:
+    """What `reshard` returns for parameters with these shapes, dtypes and shardings, as abstract arrays
+    (the compute dtype, the rollout shardings), allocating nothing: a compile report's input."""
+    if self.tensor_parallel == 1:
+      return abstract_params
+    copy = lambda v, out: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, self.compute_dtype, sharding=out))
+    return jax.tree.map(copy, abstract_params, self._targets(abstract_params), is_leaf=_IS_VARIABLE)
+
   def to_training(self, tree):
     """Rollout arrays placed where the trainer reads them: split over the training mesh's batch axes
     (replicated when they do not divide). With tensor_parallel 1, `tree` itself."""

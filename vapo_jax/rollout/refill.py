@@ -229,14 +229,16 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
     i, s = carry
     return (i < steps) & ~finished(s) & ~can_shrink(s)
 
-  _, state = lax.while_loop(cond, lambda carry: (carry[0] + 1, one_step(carry[1])), (jnp.zeros((), jnp.int32), state))
+  with jax.named_scope(common.DECODE_LOOP):  # Names the loop in the HLO (the compile report reads its traffic).
+    _, state = lax.while_loop(cond, lambda carry: (carry[0] + 1, one_step(carry[1])),
+                              (jnp.zeros((), jnp.int32), state))
   status = jnp.stack([finished(state).astype(jnp.int32), can_shrink(state).astype(jnp.int32),
                       rows_needed(state.live, queues), state.decode_steps])
   return state, status
 
 
 @functools.lru_cache(maxsize=32)
-def _row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Callable]:
+def row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Callable]:
   """(order: each queue's live slots first, `rows` / Q of them; take: those rows of one array,
   donating it, laid out by its logical axes)."""
   kept = lambda live: jnp.argsort(~live, stable=True)[:rows // queues]
@@ -245,20 +247,31 @@ def _row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Call
   return order, take
 
 
+def row_arrays(state: Slots) -> list[tuple[jax.Array, tuple]]:
+  """Every row array of `state` (`[R, ...]`: what `compact` gathers), with the logical axes it is laid
+  out by: the cache's keys and values, its mask and lengths, the logits, sequences, steps and flags."""
+  c = state.cache
+  return ([(x, CACHE_AXES) for x in c.keys + c.values] + [(x, _row_axes(x)) for x in (c.mask, c.length)]
+          + [(state.logits, ("batch", "act_vocab"))] + [(x, _row_axes(x)) for x in (state.sequence, state.step, state.live)])
+
+
+def with_rows(state: Slots, arrays: list[jax.Array]) -> Slots:
+  """`state` with its row arrays replaced by `arrays` (in `row_arrays`' order)."""
+  layers = len(state.cache.keys)
+  mask, length, logits, sequence, step, live = arrays[2 * layers:]
+  cache = KVCache(tuple(arrays[:layers]), tuple(arrays[layers:2 * layers]), mask, length, state.cache.decode_block)
+  return state._replace(cache=cache, logits=logits, sequence=sequence, step=step, live=live)
+
+
 def compact(state: Slots, rows: int, *, jit: Callable = jax.jit) -> Slots:
   """The state with `rows` slots, `rows` / Q per queue: each queue's live ones (at most that many)
   first, in slot order; the outputs (by sequence) unchanged. Each array is gathered in its own call
   that donates it."""
-  order, take = _row_programs(rows, state.queued.shape[0], jit)
+  order, take = row_programs(rows, state.queued.shape[0], jit)
   index = order(state.live)
   with warnings.catch_warnings():  # The donated arrays are freed, not reused: the shapes differ.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    gather = lambda x, axes=None: take(x, index, axes or _row_axes(x))
-    c = state.cache
-    kv = lambda arrays: tuple(gather(x, CACHE_AXES) for x in arrays)
-    cache = KVCache(kv(c.keys), kv(c.values), gather(c.mask), gather(c.length), c.decode_block)
-    return state._replace(cache=cache, logits=gather(state.logits, ("batch", "act_vocab")),
-                          sequence=gather(state.sequence), step=gather(state.step), live=gather(state.live))
+    return with_rows(state, [take(x, index, axes) for x, axes in row_arrays(state)])
 
 
 class Programs(NamedTuple):

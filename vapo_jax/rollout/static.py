@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import KVCache
-from vapo_jax.rollout.common import Rollout, Sampling, finished_rollout, prefill, sample_tokens
+from vapo_jax.rollout.common import DECODE_LOOP, Rollout, Sampling, finished_rollout, prefill, sample_tokens
 
 
 class Loop(NamedTuple):
@@ -78,7 +78,8 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
   init = Loop(jnp.zeros((), jnp.int32), cache, next_logits, jnp.zeros((batch,), bool),
               jnp.full((batch, steps), pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
               jnp.zeros((batch, steps), jnp.float32))
-  final = jax.lax.while_loop(cond, body, init)
+  with jax.named_scope(DECODE_LOOP):  # Names the loop in the HLO (the compile report reads its traffic).
+    final = jax.lax.while_loop(cond, body, init)
   # A row is valid up to and including its first stop token, and at most up to its limit.
   is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(steps)[None] < limits[:, None])
   first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), steps)

@@ -71,12 +71,17 @@ def generate(model, records: list[Record], key: jax.Array, *, config: Experiment
   the defaults run on the default device."""
   tokens, mask = common.pad_prompts([problems.encode_prompt(x, tokenizer, config) for x in records],
                                     pad_id=tokenizer.pad_token_id)
-  dtype = jnp.dtype(config.model.dtype)
-  sampling = common.Sampling(max_new_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_ids(config, tokenizer),
-                             temperature=temperature, top_p=top_p, top_k=top_k)
   chosen = engine(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1], devices=devices)
-  return rollout.sample(model, tokens, mask, key, sampling=sampling, samples_per_prompt=group, engine=chosen,
-                        pad_id=tokenizer.pad_token_id, cache_dtype=dtype, jit=jit, place=place)
+  how = sampling(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
+  return rollout.sample(model, tokens, mask, key, sampling=how, samples_per_prompt=group, engine=chosen,
+                        pad_id=tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
+
+
+def sampling(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
+             top_k: int = 0) -> common.Sampling:
+  """How a rollout of the run samples (`stop_ids`: the tokens that end a response)."""
+  return common.Sampling(max_new_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_token_ids,
+                         temperature=temperature, top_p=top_p, top_k=top_k)
 
 
 def demonstrations(rows: list[Record], tokenizer, config: ExperimentConfig) -> TrainBatch:

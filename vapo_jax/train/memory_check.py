@@ -127,9 +127,12 @@ def check(plan: MemoryPlan, device_bytes: int | None) -> None:
             f"device memory (mesh.device_memory_gib; mesh.check_memory=false skips this check). Each of these "
             f"fixes one phase:")]
   for name, needed in over.items():
-    fixes = ((_update_fixes(plan, name, device_bytes) if name != "rollout" else [])
-             + (_sequence_fixes(plan, name, device_bytes) if name in ("rollout", "scoring") else []))
-    if not fixes:
-      fixes = ["no single setting fits it; shorten the sequences or use more devices"]
-    lines.append(f"  {name} needs {needed / GIB:.1f} GiB: " + "; or ".join(fixes))
+    lines.append(f"  {name} needs {needed / GIB:.1f} GiB: " + "; or ".join(
+        fixes(plan, name, device_bytes) or ["no single setting fits it; shorten the sequences or use more devices"]))
   raise ConfigError("\n".join(lines))
+
+
+def fixes(plan: MemoryPlan, phase: str, device_bytes: int) -> list[str]:
+  """The settings, each with its value, that bring `phase` of `plan` under `device_bytes` per device."""
+  return ((_update_fixes(plan, phase, device_bytes) if phase != "rollout" else [])
+          + (_sequence_fixes(plan, phase, device_bytes) if phase in ("rollout", "scoring") else []))

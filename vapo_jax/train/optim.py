@@ -35,9 +35,15 @@ def learning_rate(opt_state) -> jax.Array:
 def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
   """The optimizer state laid out like the parameters (moments sharded as their parameter, the
   step count replicated); a plain `jit(tx.init)` would leave it all on one device."""
+  return jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract_optimizer(tx, params, mesh)))(
+      params)
+
+
+def abstract_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
+  """`init_optimizer`'s state as `jax.ShapeDtypeStruct`s carrying its shardings, allocating nothing
+  (`params` may be abstract: anything with shapes, dtypes and shardings)."""
   abstract = jax.eval_shape(tx.init, params)
-  shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out = optax.tree_utils.tree_map_params(tx, lambda _, s: s, abstract, shardings,
-                                         transform_non_params=lambda _: replicated)
-  return jax.jit(tx.init, out_shardings=out)(params)
+  shardings = optax.tree_utils.tree_map_params(tx, lambda _, s: s, abstract, jax.tree.map(lambda x: x.sharding, params),
+                                               transform_non_params=lambda _: replicated)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)

@@ -264,11 +264,15 @@ class Steps:
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
     values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan`)."""
-    rows = plan and plan.scoring_rows
-    program = self._program(("score", critic_only, rows), lambda: self.jit(
-        functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
+    program = self.score_program(critic_only=critic_only, rows=plan and plan.scoring_rows)
     batch, stats = program(state, out, rewards, correct, plan and plan.placement)
     return batch, stats | (plan.scoring_metrics if plan else {})
+
+  def score_program(self, *, critic_only: bool = False, rows: int | None = None):
+    """The jitted program `score` runs: `(state, rollout, rewards, correct, placement) -> (batch, stats)`;
+    `rows`: packed scoring's row count (`Plan.scoring_rows`; None: padded, placement None)."""
+    return self._program(("score", critic_only, rows), lambda: self.jit(
+        functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
 
   def _forward(self, state: TrainState, tokens, attention, mask, place, *, critic_only: bool, rows: int | None):
     """Values, log-probs, entropy and reference log-probs `[B, Tr]` (None where not computed)."""
@@ -335,14 +339,18 @@ class Steps:
                  plan: packed_batch.Plan | None = None):
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
     averaged over the updates. `plan`: on packed rows (`plan`)."""
-    rows = plan and plan.update_rows
-    program = self._state_program(("ppo", actor, critic, rows), functools.partial(
-        self._ppo, actor=actor, critic=critic, rows=rows), state)
+    program = self.ppo_program(state, actor=actor, critic=critic, rows=plan and plan.update_rows)
     state, metrics = program(state, batch, plan and plan.placement)
     if plan is None:
       mini = self._mini(batch.response_mask.shape[0])
       return state, metrics | {"perf/micro_batches": float(mini // min(self.micro, mini))}
     return state, metrics | plan.update_metrics
+
+  def ppo_program(self, state: TrainState, *, actor: bool, critic: bool, rows: int | None = None):
+    """The jitted program `ppo_update` runs for a state laid out like `state`: `(state, batch,
+    placement) -> (state, metrics)`; `rows`: a packed mini-batch's row count (`Plan.update_rows`)."""
+    return self._state_program(("ppo", actor, critic, rows), functools.partial(
+        self._ppo, actor=actor, critic=critic, rows=rows), state)
 
   def _ppo(self, state: TrainState, batch: TrainBatch, places, *, actor: bool, critic: bool, rows: int | None):
     algo = self.config.algo
@@ -379,7 +387,16 @@ class Steps:
 
   def sft_update(self, state: TrainState, batch: TrainBatch, plan: packed_batch.Plan | None = None):
     """One supervised update on a placed batch of demonstrations (`plan`: from `sft_plan`)."""
-    micro, rows = math.gcd(self.micro, batch.response_mask.shape[0]), plan and plan.update_rows
+    size = batch.response_mask.shape[0]
+    program = self.sft_program(state, size, rows=plan and plan.update_rows)
+    state, metrics = program(state, batch, plan and plan.placement)
+    return state, metrics | (plan.update_metrics if plan else {"perf/micro_batches": float(
+        size // math.gcd(self.micro, size))})
+
+  def sft_program(self, state: TrainState, size: int, *, rows: int | None = None):
+    """The jitted program `sft_update` runs on batches of `size` demonstrations: `(state, batch,
+    placement) -> (state, metrics)`; `rows`: packed, the rows they fill (`Plan.update_rows`)."""
+    micro = math.gcd(self.micro, size)
 
     def fn(state: TrainState, batch: TrainBatch, place):
       lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)
@@ -388,6 +405,4 @@ class Steps:
                                   shards=self.shards, chunk=self.chunk)
       padded = {} if rows else {"perf/padding_frac_sft": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
       return state._replace(actor=params, sft_opt=opt), m | padded
-    state, metrics = self._state_program(("sft", rows), fn, state)(state, batch, plan and plan.placement)
-    return state, metrics | (plan.update_metrics if plan else {"perf/micro_batches": float(
-        batch.response_mask.shape[0] // micro)})
+    return self._state_program(("sft", micro, rows), fn, state)

@@ -35,7 +35,7 @@ from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import checkpoints, memory_check, memory_plan, metrics as metrics_lib, optim, runlock
+from vapo_jax.train import build, checkpoints, memory_check, memory_plan, metrics as metrics_lib, optim, runlock
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
 from vapo_jax.train.steps import Steps
@@ -96,8 +96,7 @@ class Trainer:
     self.model_cfg = actor.cfg
     actor_def, actor_params = nnx.split(actor)
     critic_def, critic_params = nnx.split(critic)
-    txs = {name: optim.make_optimizer(config.optim, lr) for name, lr in
-           (("actor", config.optim.actor_lr), ("critic", config.optim.critic_lr), ("sft", config.sft.lr))}
+    txs = build.optimizers(config)
     self.steps = Steps(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
                        critic_tx=txs["critic"], sft_tx=txs["sft"])
     self.experience = Experience(config, steps=self.steps, layout=self.layout, model_cfg=self.model_cfg,
@@ -151,8 +150,7 @@ class Trainer:
     return found
 
   def _build_models(self, rules) -> tuple[CausalLM, ValueModel]:
-    model = self.config.model
-    kwargs = dict(dtype=model.dtype, param_dtype=model.param_dtype, remat=model.remat, attention=model.attention)
+    model, kwargs = self.config.model, build.model_kwargs(self.config)
     if model.checkpoint:
       actor = huggingface.load_causal_lm(model.checkpoint, mesh=self.mesh, rules=rules, **kwargs)
     else:

@@ -1,0 +1,87 @@
+"""The compile report on the tests' 8 CPU devices, for every sharding preset: it compiles the very
+programs the trainer runs (the same lowered modules as the trainer's, lowered on its real arrays),
+XLA's figures are the real arrays' bytes, and the hand plan's resident bytes are the compiled state's."""
+
+import jax
+import numpy as np
+import pytest
+
+from vapo_jax.train import aot, compile_format, compile_report, memory_plan, targets
+from vapo_jax.train.trainer import Trainer
+
+QUICK = {"sft.steps": 0, "eval.path": None}
+# fsdp (aime's preset) with aime's remat and scoring in micro-batches (a module made outside the micro-batch
+# loop once failed there under nnx.remat).
+LAYOUTS = {"dp": {"mesh.data": -1}, "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True,
+                                            "algo.micro_batch_responses": 8},
+           "fsdp_tp": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}}
+
+
+def _trainer_programs(trainer: Trainer, update: bool):
+  """One step's rollout, scoring (and update) on the trainer's real arrays: {program name: (lowered, args)}."""
+  state, key = trainer.state.split_key()
+  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  score = trainer.steps.score_program(critic_only=False)
+  programs = {"score": (score.lower(state, out, rewards, correct), (state, out, rewards, correct))}
+  if update:
+    batch, _ = score(state, out, rewards, correct)
+    ppo = trainer.steps.ppo_program(state, actor=True, critic=True)
+    programs["update (critic + actor)"] = (ppo.lower(state, batch), (state, batch))
+  return programs, (out, rewards, correct)
+
+
+# Every preset's scoring; fsdp's (the aime preset's) update too (the slowest compile of the smoke run).
+@pytest.mark.parametrize("preset", list(LAYOUTS))
+def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
+  config = smoke_config(QUICK | {"mesh.preset": preset} | LAYOUTS[preset])
+  update = preset == "fsdp"
+  report = compile_report.compile_run(config, targets.resolve("cpu:8"), phases=("update",) if update else ("scoring",))
+  assert [p.name for p in report.phases] == ["rollout", "scoring"] + ["update"] * update
+  trainer = Trainer(config, write_logs=False, verbose=False)
+  real, verified = _trainer_programs(trainer, update)
+  for name, (lowered, args) in real.items():
+    program = report.program(name)
+    assert program.fingerprint == aot.fingerprint(lowered), name
+    compiled = lowered.compile().memory_analysis()
+    assert program.memory.arguments == compiled.argument_size_in_bytes, name
+    assert program.memory.temporaries == compiled.temp_size_in_bytes, name
+    assert program.inputs == aot.chip_bytes(args), name  # Every array passed, XLA reading it or not.
+    assert program.needs == program.inputs + program.resident + compiled.output_size_in_bytes - \
+        compiled.alias_size_in_bytes + compiled.temp_size_in_bytes
+  if update:  # The rollout, its rewards and verdicts are held beside the update.
+    assert report.program("update (critic + actor)").resident == aot.chip_bytes(verified)
+  plan = memory_plan.plan(config, report.mesh_shape)
+  state_bytes = aot.chip_bytes(trainer.state)
+  assert 0 <= state_bytes - plan.resident_bytes <= 256  # The plan's parameters and AdamW moments; the key, the
+                                                        # optimizers' counts and learning rates.
+  assert report.budget is None and "no memory budget known" in compile_format.table(report)
+
+
+def test_a_budget_refuses_the_phase_over_it(smoke_config):
+  """On CPU devices with a given memory (mesh.device_memory_gib), a phase over it is named with what to change."""
+  config = smoke_config(QUICK | {"mesh.device_memory_gib": 1e-4})
+  report = compile_report.compile_run(config, targets.resolve("cpu:8"), phases=("rollout",))
+  assert report.budget == int(1e-4 * 2**30) and [p.name for p in report.over()] == ["rollout"]
+  message = compile_format.refusal(report)
+  assert message.splitlines()[1].startswith("  rollout needs ") and "generate" in message
+  assert "does NOT fit (rollout over)" in compile_format.table(report)
+
+
+def test_a_budget_that_holds_every_phase_passes(smoke_config):
+  report = compile_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), targets.resolve("cpu:8"),
+                                      phases=("rollout",))
+  assert not report.over() and compile_format.refusal(report) is None
+  assert "fits (" in compile_format.table(report)
+  program = report.program("generate")
+  assert program.decode is not None and program.attention == ("chunked", "decode")
+  assert 0 < program.memory.total < 2**30 and program.lower_s > 0 and program.compile_s > 0
+
+
+def test_unknown_phase_and_cpu_count_are_user_errors(smoke_config):
+  with pytest.raises(ValueError, match="unknown phase"):
+    compile_report.compile_run(smoke_config(QUICK), targets.resolve("cpu:8"), phases=("rollouts",))
+  with pytest.raises(ValueError, match="device_count=3"):
+    targets.resolve("cpu:3")
+  assert len(targets.resolve("cpu:8").devices) == 8 == len(jax.devices())
+  assert np.isclose(targets.refused_bytes(RuntimeError("... temporaries (155.78G) exceeds available HBM (95.74G)")),
+                    155.78 * 2**30)

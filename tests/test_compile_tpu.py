@@ -1,0 +1,108 @@
+"""The compile report for a TPU topology (v5p:2x2x1, 4 chips), on this CPU machine through libtpu's
+compile-only client: the smoke run's every phase fits, its decode loop moves no weight, a layout that
+cannot fit is refused naming the phase (also by `make memory`'s entry point, exit 1), splash compiles
+for the chips under shard_map, and the HBM table is what the TPU compiler says. Skipped without
+libtpu (`pip install -e ".[test]"` installs it)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+from conftest import build_smoke_config
+from vapo_jax.cli import memory
+from vapo_jax.models import attention, hlo, sharding
+from vapo_jax.train import aot, compile_format, compile_report, targets
+
+pytestmark = pytest.mark.skipif(targets.libtpu_missing() is not None, reason=str(targets.libtpu_missing()))
+TOPOLOGY = "v5p:2x2x1"
+QUICK = {"eval.path": None}
+# 4,096 sequences of 1M tokens: 128 GiB of KV cache per chip.
+TOO_LONG = {"rollout.prompts_per_step": 1024, "rollout.max_response_tokens": 2**20, "rollout.kv_cache_budget_gib": 1e4}
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory):
+  config = build_smoke_config(tmp_path_factory.mktemp("run"), QUICK)
+  return compile_report.compile_run(config, targets.resolve(TOPOLOGY))
+
+
+def test_every_phase_of_the_smoke_run_fits(smoke_report):
+  names = [p.name for p in smoke_report.phases]
+  assert names == ["supervised warm start", "rollout", "value pretraining", "scoring", "update"]
+  assert smoke_report.budget == targets.CHIPS["TPU v5"].hbm_bytes and not smoke_report.over()
+  for phase in smoke_report.phases:
+    for program in phase.programs:
+      assert program.memory is not None and 0 < program.needs < 2**30, program.name
+  assert compile_format.refusal(smoke_report) is None
+  assert "fits (" in compile_format.table(smoke_report)
+
+
+def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
+  """dp (the smoke run's preset) keeps whole weights on every chip; fsdp gathers them inside the loop,
+  which the same check finds (the check can fail)."""
+  generate = smoke_report.program("generate")
+  assert generate.decode is not None
+  assert aot.weight_collectives(generate, smoke_report.weights) == []
+  fsdp = smoke_config(QUICK | {"mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
+  report = compile_report.compile_run(fsdp, targets.resolve(TOPOLOGY), phases=("rollout",))
+  moving = aot.weight_collectives(report.program("generate"), report.weights)
+  assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
+
+
+def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_path, capsys):
+  config = smoke_config(QUICK | TOO_LONG)
+  report = compile_report.compile_run(config, targets.resolve(TOPOLOGY), phases=("rollout",))
+  assert [p.name for p in report.over()] == ["rollout"]
+  generate = report.program("generate")
+  assert generate.memory is None and generate.refused_bytes > report.budget  # The compiler's own figure.
+  message = compile_format.refusal(report)
+  assert message.splitlines()[1].startswith("  rollout needs ") and "(generate)" in message
+  assert "rollout.max_response_tokens" in message or "rollout.prompts_per_step" in message
+  argv = ["--smoke", "--topology", TOPOLOGY, "--phases", "rollout", f"run_dir={tmp_path}", "eval.path=None"]
+  assert memory.main(argv + [f"{k}={v}" for k, v in TOO_LONG.items()]) == 1
+  out = capsys.readouterr().out
+  assert "refused by the compiler" in out and "refused: the run does not fit v5p:2x2x1" in out
+
+
+def test_bad_topologies_are_user_errors(capsys):
+  assert memory.main(["--smoke", "--topology", "v5p-8"]) == 2
+  assert "is not a TPU topology name" in capsys.readouterr().err
+  assert memory.main(["--smoke", "--topology", "v5p:3x3x3x3"]) == 2
+  assert "libtpu refused it" in capsys.readouterr().err
+
+
+def test_splash_compiles_for_the_chips_under_shard_map():
+  """auto picks splash on a TPU mesh; the Mosaic kernel compiles per device, rows and heads split, with
+  no collective (forward and backward)."""
+  target = targets.resolve(TOPOLOGY)
+  mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=list(target.devices))
+  rules = sharding.PRESETS["fsdp_tp"]
+  spec = lambda *axes: NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
+  q = jax.ShapeDtypeStruct((4, 256, 8, 128), jnp.bfloat16, sharding=spec(("data", "fsdp"), None, "tensor"))
+  kv = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=spec(("data", "fsdp"), None, "tensor"))
+  ends = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=spec(("data", "fsdp")))
+
+  def loss(q, k, v, start, end):
+    out = attention.attend(q, k, v, key_start=start, key_end=end, impl="auto")
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  program = sharding.jit(jax.grad(loss, (0, 1, 2)), mesh, rules)
+  found, _ = aot.compile_program("splash", program, (q, kv, kv, ends, ends))
+  assert found.attention == ("splash",) and found.memory is not None
+  text = program.lower(q, kv, kv, ends, ends).compile().as_text()
+  assert "tpu_custom_call" in text and not hlo.collectives(text)
+
+
+def test_the_hbm_table_is_the_compilers():
+  target = targets.resolve(TOPOLOGY)
+  assert target.device_kind == "TPU v5" and len(target.devices) == 4
+  assert abs(targets.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
+
+
+def test_the_smoke_runs_compile_time_is_reported(smoke_report):
+  seconds = [p.lower_s + p.compile_s for phase in smoke_report.phases for p in phase.programs]
+  assert all(s > 0 for s in seconds)
+  assert dataclasses.asdict(smoke_report.config.model)["preset"] == "micro"

@@ -1,0 +1,156 @@
+"""Compiling one jitted program ahead of time on abstract inputs, and what XLA says about it.
+
+  program, outputs = aot.compile_program("decode", fn, (model, prompts, slots, key), resident=(state.critic,))
+
+`fn` is the very jitted object a run calls (a `Steps` program, a rollout engine's program); its
+inputs are `jax.ShapeDtypeStruct`s carrying `NamedSharding`s, so nothing is allocated and the mesh's
+devices may be a TPU topology's compile-only ones. `Program` keeps XLA's per-device figures
+(`memory_analysis()`: arguments, outputs, outputs aliased to donated arguments, temporaries; XLA
+counts only the arguments it reads, so what a device holds is reckoned from the inputs passed),
+`cost_analysis()` (FLOPs and bytes accessed per device; a loop body counts once, and Pallas kernels
+count nearly nothing), the collectives of its decode loop (`decode_traffic`), the attention
+implementations traced into it, the lower and compile seconds, and the bytes of the arrays a run holds
+beside it (`resident`: live, but not its arguments). A program the TPU compiler refuses for memory
+keeps the compiler's figure instead (`refused_bytes`). The abstract outputs feed the next program.
+"""
+
+import hashlib
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+
+from vapo_jax.models import attention, hlo
+from vapo_jax.rollout.common import DECODE_LOOP
+from vapo_jax.train import targets
+
+
+class Memory(NamedTuple):
+  """XLA's bytes per device of one compiled program."""
+
+  arguments: int
+  outputs: int
+  aliased: int  # Outputs written into donated arguments' buffers.
+  temporaries: int
+
+  @property
+  def total(self) -> int:
+    """Live at once on a device: arguments, outputs not aliased to them, temporaries."""
+    return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+class DecodeTraffic(NamedTuple):
+  """What one iteration of a program's decode loop communicates, per device."""
+
+  loop: str  # The while instruction.
+  bytes: int  # The collectives every iteration runs (nested loops: times their known trip counts).
+  count: int  # How many of them.
+  branch_bytes: int  # More on iterations that take a conditional branch (the refill engine's insert).
+  largest: int  # The largest single collective, branches included.
+
+
+def decode_traffic(found: list[hlo.Collective], op_names: dict[str, str]) -> DecodeTraffic | None:
+  """The traffic of the while loop traced under `DECODE_LOOP` (None: the program has no such loop)."""
+  loops = [name for name, op in op_names.items() if op.endswith(f"{DECODE_LOOP}/while")]
+  if not loops:
+    return None
+  inside = [c for c in found if loops[0] in (name for name, _ in c.loops)]
+  every = hlo.bytes_per_iteration(found, loops[0], branches=False)
+  return DecodeTraffic(loops[0], every, sum(not c.conditional for c in inside), hlo.bytes_per_iteration(found, loops[0]) - every,
+                       max((max(c.operand_bytes, c.result_bytes) for c in inside), default=0))
+
+
+class Program(NamedTuple):
+  """One compiled program of a run (see the module docstring)."""
+
+  name: str
+  memory: Memory | None  # None: the compiler refused it (`refused_bytes`).
+  refused_bytes: float | None
+  inputs: int  # Bytes per device of the arrays passed to it (XLA leaves out those it does not read).
+  resident: int  # Bytes per device of the run's arrays live beside it, not passed to it.
+  flops: float  # cost_analysis, per device (loop bodies once).
+  bytes_accessed: float
+  lower_s: float
+  compile_s: float
+  attention: tuple[str, ...]  # Implementations traced into it (models/attention.py `recording`).
+  decode: DecodeTraffic | None  # Per-iteration collectives of its decode loop, if it has one.
+  collectives: tuple[hlo.Collective, ...]
+  fingerprint: str  # sha256 of the lowered module: equal fingerprints, the same program.
+
+  @property
+  def needs(self) -> float:
+    """Bytes per device while it runs: every array the run holds (its inputs, read or not, and the
+    resident ones), its outputs not written over a donated input, and its temporaries; for a refused
+    program, the compiler's figure and the resident arrays."""
+    if self.memory is None:
+      return self.refused_bytes + self.resident
+    m = self.memory
+    return self.inputs + self.resident + m.outputs - m.aliased + m.temporaries
+
+
+def chip_bytes(tree) -> int:
+  """Bytes per device of a tree of arrays or abstract arrays with shardings (the largest shard)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += math.prod(shard) * x.dtype.itemsize
+  return total
+
+
+def abstract(tree):
+  """The `jax.ShapeDtypeStruct`s (with shardings) of a tree of arrays or abstract arrays."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _outputs(lowered, compiled, fallback):
+  """The program's outputs as abstract arrays laid out as compiled (refused: `fallback(shape)`)."""
+  shardings = compiled.output_shardings if compiled is not None else jax.tree.map(
+      lambda info: fallback(info.shape), lowered.out_info)
+  return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s), lowered.out_info,
+                      shardings)
+
+
+def fingerprint(lowered) -> str:
+  """A short hash of a lowered module's text: equal for the same program on the same input layouts."""
+  return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+
+
+def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=None) -> tuple[Program, Any]:
+  """Lowers and compiles `fn(*args)` (a jitted function of abstract arrays): (`Program`, its outputs
+  as abstract arrays). `resident`: bytes per device held beside it. A refusal for memory is
+  recorded; any other compile error propagates. `fallback(shape)`: the sharding assumed for a
+  refused program's outputs."""
+  start = time.perf_counter()
+  with attention.recording() as used:
+    lowered = fn.lower(*args)
+  lowered_at = time.perf_counter()
+  try:
+    compiled, refused = lowered.compile(), None
+  except Exception as error:  # noqa: BLE001  (XLA's runtime error type is private)
+    if (refused := targets.refused_bytes(error)) is None:
+      raise
+    compiled = None
+  done = time.perf_counter()
+  memory, flops, accessed, found, traffic = None, 0.0, 0.0, (), None
+  if compiled is not None:
+    m = compiled.memory_analysis()
+    memory = Memory(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    text = compiled.as_text()
+    found = tuple(hlo.collectives(text))
+    traffic = decode_traffic(list(found), hlo.while_op_names(text))
+  program = Program(name, memory, refused, chip_bytes(args), resident, flops, accessed, lowered_at - start,
+                    done - lowered_at, tuple(sorted(used)), traffic, found, fingerprint(lowered))
+  return program, _outputs(lowered, compiled, fallback)
+
+
+def weight_collectives(program: Program, weight_sizes: set[int]) -> list[hlo.Collective]:
+  """The collectives of the program's decode loop one of whose operands has as many elements as a
+  weight matrix in `weight_sizes` (whole or one device's shard): a weight moving while decoding."""
+  elements = lambda shape: math.prod(int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d)
+  loop = program.decode.loop if program.decode else None
+  return [c for c in program.collectives if loop in (name for name, _ in c.loops)
+          and any(elements(shape) in weight_sizes for shape in c.shapes)]

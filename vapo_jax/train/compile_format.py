@@ -1,0 +1,123 @@
+"""The compile report in words: its table (`table`), and for each phase that does not fit, what to
+change (`refusal`).
+
+What to change comes from the hand plan (`memory_check.fixes`, the settings and values that bring a
+planned phase under a budget), asked for a budget lowered by what the compiled phase needs beyond
+the plan's figure for it, so that its advice aims at XLA's number; for the refill engine's rollout
+also from the KV cache's bytes per slot.
+"""
+
+import math
+
+from vapo_jax.errors import ConfigError
+from vapo_jax.models.transformer import KVCache
+from vapo_jax.rollout import common
+from vapo_jax.train import memory_check, memory_plan
+from vapo_jax.train.targets import GIB
+
+MIB = 2**20
+_PLANNED = {"supervised warm start": ("supervised update",), "rollout": ("rollout",), "scoring": ("scoring",),
+            "value pretraining": ("scoring", "critic update"), "update": ("actor update", "critic update")}
+
+
+def _row(p, unit: int) -> str:
+  size = lambda x: f"{x / unit:8.2f}"
+  if p.memory is None:
+    own = f"{'refused by the compiler, needs':>34}{size(p.refused_bytes)}"
+  else:
+    m = p.memory
+    own = f"{size(m.arguments)}{size(m.outputs)}{size(m.aliased)}{size(m.temporaries)}{size(m.total)}"
+  decode = f"{p.decode.bytes / MIB:10.3f}" if p.decode is not None else f"{'':>10}"
+  beside = p.needs - (p.memory.total if p.memory is not None else p.refused_bytes)
+  return (f"    {p.name:<40}{own}{size(beside)}{size(p.needs)}{p.lower_s + p.compile_s:10.1f}"
+          f"{p.flops / 1e12:10.2f}{p.bytes_accessed / 1e9:9.1f}{decode}  {'+'.join(p.attention) or '-'}")
+
+
+def _decode_lines(report) -> list[str]:
+  lines = []
+  for phase in report.phases:
+    for p in phase.programs:
+      if p.decode is not None and p.memory is not None:
+        share = p.decode.bytes / report.weight_bytes
+        lines.append(f"  {p.name}: the decode loop moves {p.decode.bytes / MIB:.2f} MiB per device per step in "
+                     f"{p.decode.count} collectives ({share:.2%} of the policy's {report.weight_bytes / GIB:.2f} GiB of "
+                     f"weights; largest {p.decode.largest / MIB:.2f} MiB"
+                     + (f"; {p.decode.branch_bytes / MIB:.2f} MiB more on refill steps" if p.decode.branch_bytes
+                        else "") + ")")
+  return lines
+
+
+def table(report) -> str:
+  """The report: one row per program (GiB per device), the decode loop's traffic, the verdict."""
+  c, t = report.config, report.target
+  chip = f"{t.chip.hbm_bytes / GIB:.2f} GiB HBM per chip" if t.chip else "memory unknown"
+  layers = f"; ONLY {report.layers} decoder layers compiled" if report.layers else ""
+  mesh = " ".join(f"{k}={v}" for k, v in report.mesh_shape.items())
+  unit = GIB if max(phase.needs for phase in report.phases) >= GIB / 4 else MIB
+  lines = [f"compile report of {c.name} for {t.name}: {len(t.devices)} x {t.device_kind} ({chip}){layers}",
+           f"  mesh {mesh} (preset {c.mesh.preset}); {c.model.preset} in {c.model.dtype}, {c.model.param_dtype} "
+           f"parameters, remat {'on' if c.model.remat else 'off'}",
+           f"  {('GiB' if unit == GIB else 'MiB') + ' per device':<44}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}"
+           f"{'own':>8}{'beside':>8}{'needs':>8}{'compile s':>10}{'TFLOP':>10}{'GB acc':>9}{'MiB/step':>10}  attention"]
+  for phase in report.phases:
+    lines.append(f"  {phase.name} ({phase.detail})")
+    lines += [_row(p, unit) for p in phase.programs] + ([f"    ({phase.skipped})"] if phase.skipped else [])
+  lines += _decode_lines(report)
+  worst = max(report.phases, key=lambda phase: phase.needs)
+  peak = f"  peak {worst.needs / GIB:.2f} GiB per device ({worst.name}: {worst.worst.name})"
+  if report.budget is None:
+    return "\n".join(lines + [peak + ": no memory budget known (mesh.device_memory_gib)"])
+  over = report.over()
+  verdict = (f"does NOT fit ({', '.join(p.name for p in over)} over)" if over else
+             f"fits ({(report.budget - worst.needs) / GIB:.2f} GiB spare)")
+  return "\n".join(lines + [f"{peak} against {report.budget / GIB:.2f} GiB: {verdict}",
+                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
+                            "does not read); "
+                            "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
+
+
+def _slot_advice(report, phase) -> str | None:
+  """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot."""
+  c = report.config
+  cfg = memory_plan.model_configs(c)[0]
+  devices = report.mesh_shape["data"] * report.mesh_shape["fsdp"]
+  slots = memory_plan.refill_slots(c, cfg, devices)
+  if not slots:
+    return None
+  tokens = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
+  per_slot = KVCache.bytes(cfg, 1, tokens, c.model.dtype)
+  fewer = math.ceil((phase.needs - report.budget) / per_slot)  # Per device.
+  keep = (slots // devices - fewer) * devices
+  return (f"rollout.slots={keep} (now {slots}; {per_slot / GIB:.2f} GiB of KV cache per slot per device, about)"
+          if keep > 0 else None)
+
+
+def _plan_advice(report, phase) -> list[str]:
+  """The hand plan's fixes, aimed at the compiled figure (see the module docstring)."""
+  plan = memory_plan.plan(report.config, report.mesh_shape)
+  planned = {name: b for name, b in plan.phase_bytes().items() if name in _PLANNED.get(phase.name, ())}
+  if not planned:
+    return []
+  name = max(planned, key=planned.get)
+  aim = report.budget - (phase.needs - planned[name])
+  return memory_check.fixes(plan, name, int(aim)) if aim > 0 else []
+
+
+def refusal(report) -> str | None:
+  """For each phase over the budget, one line naming it and what to change (None: every phase fits)."""
+  over = report.over()
+  if not over:
+    return None
+  lines = [f"the run does not fit {report.target.name}: {report.budget / GIB:.2f} GiB per device "
+           f"({report.target.device_kind}); change one setting per phase:"]
+  for phase in over:
+    fixes = ([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else []) + _plan_advice(report, phase)
+    fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
+    lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
+  return "\n".join(lines)
+
+
+def check(report) -> None:
+  """Raises `ConfigError` with `refusal`'s lines when a phase does not fit."""
+  if message := refusal(report):
+    raise ConfigError(message)

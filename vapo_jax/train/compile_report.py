@@ -1,0 +1,361 @@
+"""The compile report: every program a run executes, compiled ahead of time for a target, and what
+each needs per device against the device's memory.
+
+  report = compile_report.compile_run(config, targets.resolve("v5p:8x8x4"))
+  print(report.format()); report.check()     # ConfigError naming each phase that does not fit
+
+It builds the run's training mesh on the target's devices (in `sharding.tensor_groups` order, as the
+trainer does), its rollout layout, and its `TrainState`, batches and rollout inputs as abstract arrays (`build.abstract_state`: shapes, dtypes and shardings, nothing
+allocated), then lowers and compiles, in the order of a run, the very programs the trainer calls
+(`aot.compile_program`):
+
+  supervised warm start  `Steps.sft_program` (when `sft.steps` and `sft.path` are set)
+  reshard                `RolloutLayout.reshard_programs`: the actor into the rollout layout, cast to
+                         the compute dtype, one program per kind of array (`rollout.tensor_parallel` > 1)
+  rollout                the configured engine's programs as `rollout.sample` runs them on the rollout
+                         mesh (`rollout/layout.py`; the training mesh with tensor_parallel 1): the static
+                         engine's generate (the first round's, and the later rounds'), or the refill
+                         engine's start (prefill), its decode loop, the compaction to fewer slots in
+                         the tail (and with `tail=True` the decode loop at every slot count it
+                         shrinks through) and finish
+  value pretraining      `Steps.score_program(critic_only=True)`, then `Steps.ppo_program` of the
+                         critic alone (when the algorithm has a critic and `value_pretrain_steps`)
+  scoring, update        `Steps.score_program`, `Steps.ppo_program` (critic and actor in one program)
+
+Each program's inputs are the outputs of the programs before it as compiled (a batch is laid out as
+the scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs'
+own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them
+(the `TrainState` parts that are not arguments, the KV cache while the rollout finishes, ...).
+The budget is the chip's HBM as the TPU compiler counts it (`targets.CHIPS`), lowered to
+`mesh.device_memory_gib` when that is set; a CPU has none unless `mesh.device_memory_gib` gives one.
+XLA's figures are the truth here; the hand plan (`memory_plan`, `memory_check`) only words what to change.
+"""
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from vapo_jax.config import ExperimentConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.models import sharding
+from vapo_jax.rollout import common, refill, static
+from vapo_jax.rollout.layout import layout_for
+from vapo_jax.train import build, experience, memory_plan
+from vapo_jax.train.aot import Program, chip_bytes, compile_program
+from vapo_jax.train.steps import Steps, TrainBatch
+from vapo_jax.train.targets import GIB, Target
+
+PAD_ID = 0  # A constant of the rollout programs: the tokenizer's pad id changes nothing compiled.
+
+
+@dataclasses.dataclass
+class Phase:
+  """Programs that run one after another; a device needs the largest of them."""
+
+  name: str  # "rollout", "scoring", ...
+  detail: str  # What it processes, in words.
+  programs: list[Program] = dataclasses.field(default_factory=list)
+  skipped: str = ""  # Programs of the phase not compiled, and why.
+
+  @property
+  def needs(self) -> float:
+    return max((p.needs for p in self.programs), default=0.0)
+
+  @property
+  def worst(self) -> Program:
+    return max(self.programs, key=lambda p: p.needs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What every phase of a run needs per device on a target (see the module docstring)."""
+
+  config: ExperimentConfig
+  target: Target
+  mesh_shape: dict
+  budget: int | None  # Bytes per device; None: unknown (nothing is refused).
+  phases: tuple[Phase, ...]
+  weights: frozenset  # Element counts of the policy's weight matrices, whole and per device.
+  parameters: tuple[int, int]  # Of the policy and the critic, as compiled.
+  architecture: object  # The policy's `TransformerConfig` as compiled (`layers` applied).
+  layers: int | None  # Compiled with only this many decoder layers (None: all).
+  refill: bool | None  # The rollout's engine: refill (True) or static (False); None: not compiled.
+  decode_rows: int  # Rows its decode loop runs at first: the refill slots, or a static round's sequences.
+
+  @property
+  def weight_bytes(self) -> int:
+    """The policy's weights in the compute dtype, whole: what FSDP decoding gathers every step."""
+    return self.parameters[0] * jnp.dtype(self.config.model.dtype).itemsize
+
+  def over(self) -> list[Phase]:
+    """The phases that need more than the budget."""
+    return [p for p in self.phases if self.budget is not None and p.needs > self.budget]
+
+  def program(self, name: str) -> Program:
+    """The program of this name (the first, if several phases share it)."""
+    return next(p for phase in self.phases for p in phase.programs if p.name == name)
+
+
+class _Run:
+  """A run's meshes, programs and abstract state on a target, built as the trainer builds them."""
+
+  def __init__(self, config: ExperimentConfig, target: Target, layers: int | None, tail: bool):
+    m = config.mesh
+    self.config, self.target, self.tail = config, target, tail
+    self.refill, self.decode_rows = None, 0  # Set by the rollout.
+    devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
+    self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
+    self.rules = sharding.PRESETS[m.preset]
+    self.full_cfg = memory_plan.model_configs(config)[0]  # The rollout engine sizes its slots for the whole model.
+    self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=self.rules)
+    self.layout.check_model(self.full_cfg)
+    txs = build.optimizers(config)
+    self.states = {stage: build.abstract_state(config, self.mesh, self.rules, txs, stage=stage, layers=layers)
+                   for stage in ("sft", "value_pretrain", "rl")}
+    actor_def, critic_def, _ = self.states["rl"]
+    self.steps = Steps(config, self.mesh, self.rules, actor_def=actor_def, critic_def=critic_def,
+                       actor_tx=txs["actor"], critic_tx=txs["critic"], sft_tx=txs["sft"])
+
+  def state(self, stage: str):
+    return self.states[stage][2]
+
+  def training(self, shape) -> jax.sharding.NamedSharding:
+    """Where `Steps.place` (and `RolloutLayout.to_training`) put a batch of `shape` on the training mesh."""
+    return sharding.batch_sharding(shape, self.mesh, self.rules)
+
+  def decoding(self, shape) -> jax.sharding.NamedSharding:
+    """Where `RolloutLayout.place` puts a batch of `shape` on the rollout mesh."""
+    return sharding.batch_sharding(shape, self.layout.mesh, self.layout.rules)
+
+  def rows(self, shape, dtype, *, rollout: bool = False) -> jax.ShapeDtypeStruct:
+    """A host array as the trainer places it (for the rollout: on the rollout mesh)."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=(self.decoding if rollout else self.training)(shape))
+
+
+def _add(phase: Phase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None):
+  """Compiles one program into `phase`; its outputs (abstract)."""
+  program, outputs = compile_program(name, fn, args, resident=resident, fallback=fallback)
+  phase.programs.append(program)
+  log(f"  {phase.name}: {name} compiled in {program.lower_s + program.compile_s:.1f} s")
+  return outputs
+
+
+def _supervised(run: _Run, log) -> Phase:
+  c, state = run.config, run.state("sft")
+  tp, tr, b = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens, c.sft.batch_size
+  batch = TrainBatch(run.rows((b, tp + tr), jnp.int32), run.rows((b, tp + tr), jnp.bool_),
+                     run.rows((b, tr), jnp.bool_), None, None, run.rows((b,), jnp.bool_))
+  phase = Phase("supervised warm start", f"{b} demonstrations of {tp} + {tr} tokens")
+  _add(phase, log, "sft update", run.steps.sft_program(state, b), (state, batch))
+  return phase
+
+
+def _stop_ids(config: ExperimentConfig) -> tuple[int, ...]:
+  """`experience.stop_ids` (the tokenizer's EOS when the config names a tokenizer; a constant of the
+  programs, not a size)."""
+  from vapo_jax.data import tokenizer as tok_lib
+  name = config.model.tokenizer or config.model.checkpoint
+  return experience.stop_ids(config, tok_lib.load(name)) if name else tuple(sorted(set(config.rollout.stop_token_ids)))
+
+
+def _reshard(run: _Run, log) -> Phase:
+  """`RolloutLayout.reshard`'s programs, one per kind of array: at the last, the training state and the
+  whole rollout copy are held, with one array in flight."""
+  state = run.state("rl")
+  copy, kinds = run.layout.abstract_copy(state.actor), run.layout.reshard_programs(state.actor)
+  phase = Phase("reshard", f"the actor's {len(jax.tree.leaves(state.actor))} arrays into the rollout layout "
+                           f"(tensor_parallel={run.layout.tensor_parallel}, {run.layout.compute_dtype.name}) by "
+                           f"{len(kinds)} programs")
+  held = chip_bytes(state) + chip_bytes(copy)
+  for program, x in kinds:
+    _add(phase, log, f"reshard {x.dtype.name}{list(x.shape)}", program, (x,), resident=held - chip_bytes(x),
+         fallback=run.decoding)
+    done = phase.programs[-1]  # Its output is one of the copy's arrays: counted once.
+    phase.programs[-1] = done._replace(resident=done.resident - (done.memory.outputs if done.memory else 0))
+  return phase
+
+
+def _rollout(run: _Run, log) -> tuple[Phase, common.Rollout]:
+  """The configured engine's programs for one training rollout, as `Experience.sample` calls them: the
+  actor's rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
+  c, layout = run.config, run.layout
+  prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
+  tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
+  engine = experience.engine(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
+                             devices=layout.data_devices)
+  sampling = experience.sampling(c, _stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                                 top_k=c.rollout.top_k)
+  actor_def, _, state = run.states["rl"]
+  copy = layout.abstract_copy(state.actor)
+  model = nnx.merge(actor_def, copy)
+  beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
+  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                             sharding=jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec()))
+  settings = dict(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype), jit=layout.jit,
+                  decode_block=engine.decode_block)
+  if engine.kind == "refill" and 0 < engine.slots < prompts * group:
+    run.refill, run.decode_rows = True, engine.slots
+    queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)  # As rollout.sample chooses them.
+    phase = Phase("rollout", f"refill engine, {prompts} prompts x {group} samples in {engine.slots} slots, "
+                             f"{queues} queue(s), tensor_parallel={layout.tensor_parallel}")
+    tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
+    out = _refill(run, phase, log, engine, dict(settings, queues=queues), model, tokens, key, beside)
+  else:
+    out = _static(run, phase := Phase("rollout", ""), log, engine, settings, model, key, beside)
+  return phase, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.training(x.shape)), out) \
+      if layout.tensor_parallel > 1 else out  # RolloutLayout.to_training.
+
+
+def _static(run: _Run, phase: Phase, log, engine, settings, model, key, beside: int) -> common.Rollout:
+  """The static engine's generate: the first round's program, and the later rounds' (their offset passed)."""
+  c = run.config
+  prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
+  tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
+  rounds = prompts // min(engine.prompts_per_round or prompts, prompts) if engine.kind == "static" else 1
+  run.refill, run.decode_rows = False, prompts // rounds * group
+  phase.detail = (f"static engine, {rounds} round(s) of {prompts // rounds} prompts x {group} samples, "
+                  f"tensor_parallel={run.layout.tensor_parallel}")
+  fn = static.make_generate(samples_per_prompt=group, **settings)
+  tokens = tuple(run.rows((prompts // rounds, tp), dtype, rollout=True) for dtype in (jnp.int32, jnp.bool_))
+  out = _add(phase, log, "generate", fn, (model, *tokens, key), resident=beside, fallback=run.decoding)
+  if rounds > 1:  # Earlier rounds' rollouts are held until the last round ends.
+    out = _add(phase, log, "generate (later rounds)", fn, (model, *tokens, key, run.rows((), jnp.int32, rollout=True)),
+               resident=beside + (rounds - 1) * chip_bytes(out), fallback=run.decoding)
+    out = jax.tree.map(lambda x: run.rows((x.shape[0] * rounds,) + x.shape[1:], x.dtype, rollout=True), out)
+  return out
+
+
+def _shrink_sizes(slots: int, min_slots: int) -> list[int]:
+  """The slot counts the refill engine shrinks through when its tail drains gradually (halving)."""
+  sizes, size = [], refill.shrink_threshold(slots, min_slots)
+  while size:
+    sizes.append(size)
+    size = refill.shrink_threshold(size, min_slots)
+  return sizes
+
+
+def _refill(run: _Run, phase: Phase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
+  """`refill.generate`'s programs: start, decode, compaction (and decode at every slot count), finish."""
+  shared = dict(group=run.config.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call,
+                min_slots=engine.min_slots, **settings)
+  fns = refill.programs(slots=engine.slots, **shared)
+  prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
+                        fallback=run.decoding)
+  held = beside + chip_bytes(tokens)
+  slots, _ = _add(phase, log, f"decode ({engine.slots} slots)", fns.decode, (model, prompts, slots, key, None),
+                  resident=held, fallback=run.decoding)
+  rows, sizes = engine.slots, _shrink_sizes(engine.slots, engine.min_slots)
+  for smaller in sizes if run.tail else sizes[:1]:
+    slots = _compact(run, phase, log, slots, rows, smaller, held + chip_bytes(prompts))
+    if not run.tail:
+      break
+    fns, rows = refill.programs(slots=smaller, **shared), smaller
+    slots, _ = _add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, prompts, slots, key, None),
+                    resident=held, fallback=run.decoding)
+  if sizes and not run.tail:
+    phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots and the compaction between them: not compiled "
+                     f"(the tail; fewer slots than decode ({engine.slots} slots), the same program otherwise; tail=True / "
+                     "--tail compiles them)")
+  outputs = (slots.tokens, slots.sampler, slots.policy, slots.lengths, slots.stopped)
+  return _add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
+              resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))
+
+
+def _compact(run: _Run, phase: Phase, log, slots: refill.Slots, rows: int, smaller: int, held: int) -> refill.Slots:
+  """`refill.compact`'s programs (the order, and one gather per kind of row array, each donating its
+  array while the others are held): the state with `smaller` slots."""
+  order, take = refill.row_programs(smaller, slots.queued.shape[0], run.layout.jit)
+  index = _add(phase, log, f"compaction order ({rows} -> {smaller} slots)", order, (slots.live,),
+               resident=held + chip_bytes(slots), fallback=run.decoding)
+  taken = {}
+  kind = lambda x, axes: (x.shape, x.dtype, x.sharding, axes)
+  for leaf, axes in refill.row_arrays(slots):
+    if kind(leaf, axes) not in taken:
+      taken[kind(leaf, axes)] = _add(phase, log, f"compaction take {leaf.dtype.name}{list(leaf.shape)}", take,
+                                     (leaf, index, axes), resident=held + chip_bytes(slots) - chip_bytes(leaf),
+                                     fallback=run.decoding)
+  return refill.with_rows(slots, [taken[kind(leaf, axes)] for leaf, axes in refill.row_arrays(slots)])
+
+
+def _scoring(run: _Run, phase: Phase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
+  """`Steps.score_program` on the verified rollout (rollout, rewards, verdicts)."""
+  name = "score (critic only)" if critic_only else "score"
+  batch, _ = _add(phase, log, name, run.steps.score_program(critic_only=critic_only), (state, *verified),
+                  fallback=run.training)
+  return batch
+
+
+def _update(run: _Run, phase: Phase, log, state, batch: TrainBatch, *, actor: bool, held: int) -> None:
+  """`Steps.ppo_program`; `held`: the rollout, its rewards and verdicts, held until the step ends."""
+  critic = run.config.algo.uses_critic
+  name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
+  _add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic), (state, batch), resident=held)
+
+
+def _weights(run: _Run) -> frozenset:
+  """The element counts of the policy's weight matrices, whole and per device."""
+  matrices = [x for x in jax.tree.leaves(run.state("rl").actor) if x.ndim >= 2]
+  return frozenset({x.size for x in matrices} | {math.prod(x.sharding.shard_shape(x.shape)) for x in matrices})
+
+
+def budget(config: ExperimentConfig, target: Target) -> int | None:
+  """Bytes per device the programs must fit: the chip's HBM, or `mesh.device_memory_gib` if lower
+  (or if the chip's is unknown)."""
+  chip = target.chip.hbm_bytes if target.chip else None
+  given = int(config.mesh.device_memory_gib * GIB) if config.mesh.device_memory_gib is not None else None
+  return min(b for b in (chip, given) if b is not None) if chip or given else None
+
+
+# In a run's order; the reshard only with rollout.tensor_parallel > 1.
+PHASES = ("supervised warm start", "reshard", "rollout", "value pretraining", "scoring", "update")
+
+
+def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None = None, phases=PHASES,
+                tail: bool = False, log: Callable = lambda message: None) -> Report:
+  """Every program of a run of `config` compiled for `target` (see the module docstring).
+  `layers`: compile the models with only their first this many decoder layers (a quick look; the
+  memory and times are then not the run's). `phases`: only these of `PHASES` (and the phases whose
+  outputs they take: the rollout, and scoring for the update). `tail`: also the refill engine's
+  decode programs at the slot counts it shrinks to after the first (the same program with fewer
+  rows: at 64 layers minutes of compiling each, for nothing bigger than the first)."""
+  unknown = set(phases) - set(PHASES)
+  if unknown:
+    raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
+  run, done = _Run(config, target, layers, tail), []
+  if "supervised warm start" in phases and config.sft.steps and config.sft.path:
+    done.append(_supervised(run, log))
+  if "reshard" in phases and run.layout.tensor_parallel > 1:
+    done.append(_reshard(run, log))
+  if set(phases) & set(PHASES[2:]):
+    done += _rollout_onwards(run, log, phases)
+  state = run.state("rl")
+  count = lambda params: sum(x.size for x in jax.tree.leaves(params))
+  return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done), _weights(run),
+                (count(state.actor), count(state.critic)), nnx.merge(run.states["rl"][0], state.actor).cfg, layers,
+                run.refill, run.decode_rows)
+
+
+def _rollout_onwards(run: _Run, log, phases) -> list[Phase]:
+  """The rollout, value pretraining, scoring and the update, each compiled when asked for or needed."""
+  config = run.config
+  rollout_phase, out = _rollout(run, log)
+  done = [rollout_phase]
+  lengths = out.response_lengths  # The verifier's rewards and verdicts are placed like the rollout's rows.
+  verified = (out, *(jax.ShapeDtypeStruct(lengths.shape, t, sharding=lengths.sharding) for t in (jnp.float32, bool)))
+  if "value pretraining" in phases and config.algo.uses_critic and config.algo.value_pretrain_steps:
+    phase, state = Phase("value pretraining", "the critic alone on the rollout batch"), run.state("value_pretrain")
+    batch = _scoring(run, phase, log, state, verified, critic_only=True)
+    _update(run, phase, log, state, batch, actor=False, held=chip_bytes(verified))
+    done.append(phase)
+  if {"scoring", "update"} & set(phases):
+    done.append(scoring := Phase("scoring", f"{lengths.shape[0]} sequences in micro-batches of {run.steps.micro}"))
+    batch = _scoring(run, scoring, log, run.state("rl"), verified, critic_only=False)
+  if "update" in phases:
+    done.append(update := Phase("update", f"{config.updates_per_step} mini-batch updates of "
+                                          f"{config.algo.mini_batch_responses} sequences, micro-batches of {run.steps.micro}"))
+    _update(run, update, log, run.state("rl"), batch, actor=True, held=chip_bytes(verified))
+  return done

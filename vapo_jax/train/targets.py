@@ -1,0 +1,139 @@
+"""Where a compile report compiles for: a TPU topology's compile-only devices, or this machine's CPUs.
+
+  target = targets.resolve("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
+  target = targets.resolve("cpu:8")       # 8 CPU devices of this process (the tests' devices)
+
+A TPU topology comes from libtpu (`jax.experimental.topologies.get_topology_desc`, installed by
+`pip install "jax[tpu]==<jax's version>"`); its names are `<generation>:<chips per axis>` as libtpu
+spells them: `v5p:2x2x1` (4 chips), `v5p:8x8x4` (256), `v6e:16x16`, `v5e:16x16`. Programs jitted on
+a mesh of its devices compile with the real TPU compiler.
+
+The chips' HBM is not exposed by the API; the TPU compiler states it when it refuses a program
+("... exceeds available HBM (95.74G)"), and `probe_hbm_bytes` reads it from such a refusal (a test
+checks the table against it). Peak bfloat16 FLOP/s and HBM bandwidth per chip are Google's
+published figures: v5p 459 TFLOP/s, 2,765 GB/s (cloud.google.com/tpu/docs/v5p-training);
+v6e 918 TFLOP/s, 1,638 GB/s (cloud.google.com/tpu/docs/v6e); v5e 197 TFLOP/s, 819 GB/s
+(cloud.google.com/tpu/docs/v5e). They serve the roofline estimates only.
+"""
+
+import os
+import re
+from typing import NamedTuple
+
+from vapo_jax.errors import ConfigError
+
+GIB = 2**30
+
+
+class Chip(NamedTuple):
+  hbm_bytes: int  # What the TPU compiler allows a program per chip (its refusal message's figure).
+  peak_flops: float  # bfloat16 FLOP/s per chip.
+  hbm_bandwidth: float  # Bytes/s per chip.
+
+
+# By `device_kind`: libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
+CHIPS = {
+    "TPU v5": Chip(int(95.74 * GIB), 459e12, 2765e9),
+    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1638e9),
+    "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9),
+}
+_TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
+
+
+class Target(NamedTuple):
+  """Devices to compile for, with what a chip holds and does (None: unknown, e.g. a CPU)."""
+
+  name: str  # "v5p:8x8x4", or "cpu:8".
+  devices: tuple  # jax devices (compile-only for a topology).
+  platform: str  # "tpu" or "cpu".
+  device_kind: str
+  chip: Chip | None
+
+
+def _quiet_libtpu() -> None:
+  """Settings for a compile-only libtpu client on a machine without TPUs: no probe of a TPU VM's
+  environment (it prints errors otherwise) and no exclusive lock (other processes here may hold it)."""
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def libtpu_missing() -> str | None:
+  """Why TPU topologies cannot be compiled for here (None: they can)."""
+  try:
+    import libtpu  # noqa: F401
+  except ImportError:
+    return "libtpu is not installed (pip install \"jax[tpu]==<jax's version>\", or pip install -e \".[test]\")"
+  return None
+
+
+def tpu(name: str) -> Target:
+  """The compile-only devices of TPU topology `name`; a bad name is a `ConfigError`."""
+  if not _TOPOLOGY.match(name):
+    raise ConfigError(f"--topology {name!r} is not a TPU topology name: use <generation>:<chips per axis> as "
+                      "libtpu spells them, e.g. v5p:2x2x1, v5p:8x8x4, v6e:16x16, v5e:16x16 (or 'cpu')")
+  if reason := libtpu_missing():
+    raise ConfigError(f"--topology {name}: {reason}")
+  _quiet_libtpu()
+  from jax.experimental import topologies
+  try:
+    devices = tuple(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+  except Exception as error:  # noqa: BLE001  (libtpu raises its own status errors)
+    raise ConfigError(f"--topology {name}: libtpu refused it ({str(error).strip().splitlines()[0][:200]}); "
+                      "e.g. v5p:2x2x1, v5p:8x8x4, v6e:16x16, v5e:16x16") from None
+  kind = devices[0].device_kind
+  return Target(name, devices, "tpu", kind, CHIPS.get(kind))
+
+
+def cpu(count: int | None = None) -> Target:
+  """This process's CPU devices (`count` of them, checked: `cpu_flags` makes them before JAX starts)."""
+  import jax
+  devices = tuple(jax.devices("cpu"))
+  if count is not None and len(devices) != count:
+    raise ConfigError(f"--topology cpu:{count}: JAX has {len(devices)} CPU devices; set XLA_FLAGS="
+                      f"--xla_force_host_platform_device_count={count} before JAX starts (python -m vapo_jax.cli.memory does)")
+  return Target(f"cpu:{len(devices)}", devices, "cpu", devices[0].device_kind, None)
+
+
+def cpu_count(name: str) -> int | None:
+  """N of a target named `cpu:N` (None: not a CPU target of a given size)."""
+  match = re.fullmatch(r"cpu:(\d+)", name)
+  return int(match.group(1)) if match else None
+
+
+def cpu_flags(name: str) -> None:
+  """Before JAX starts: the XLA flag that gives this process the CPU devices target `name` needs."""
+  if (count := cpu_count(name)) is not None:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}").strip()
+
+
+def resolve(name: str) -> Target:
+  """`cpu` (this process's CPU devices), `cpu:N`, or a TPU topology name."""
+  if name == "cpu" or cpu_count(name) is not None:
+    return cpu(cpu_count(name))
+  return tpu(name)
+
+
+def refused_bytes(error: BaseException) -> float | None:
+  """The bytes a TPU compiler's out-of-memory refusal says the program needs ("... (155.78G) exceeds
+  available HBM"), or None when `error` is no such refusal."""
+  match = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM", str(error))
+  if not match:
+    return None
+  return float(match.group(1)) * 1024 ** "KMGT".index(match.group(2)) * 1024
+
+
+def probe_hbm_bytes(target: Target) -> float | None:
+  """The per-chip HBM the compiler allows, read from its refusal of a 1 TiB program (a few seconds)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  mesh = Mesh(list(target.devices[:1]), ("x",))
+  big = jax.ShapeDtypeStruct((2**40 // 4,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  try:
+    jax.jit(lambda a: a * 2 + 1).lower(big).compile()
+  except Exception as error:  # noqa: BLE001
+    match = re.search(r"available HBM \(([\d.]+)G\)", str(error))
+    return float(match.group(1)) * GIB if match else None
+  return None
