@@ -98,6 +98,9 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
       phases=tuple(p.strip() for p in phases.split(",")) if phases else compile_report.PHASES, tail=tail,
       log=lambda message: print(message, file=sys.stderr, flush=True))
   print(compile_format.table(report))
+  if target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}:
+    from vapo_jax.train import roofline
+    print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
   if message := compile_format.refusal(report):
     print(f"refused: {message}")
     return 1
