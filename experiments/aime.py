@@ -48,12 +48,14 @@ def vapo() -> ExperimentConfig:
       # Warm-up over 20 RL steps of 16 updates (DAPO's recipe counts 20 rollout steps; the VAPO paper
       # gives none). The critic's is spent in its 50 value-pretraining steps (see OptimizerConfig).
       optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_updates=20 * 16),
-      # 16 sequences per chip decode at once, an 88 GiB KV cache on 256 chips: the static engine in
-      # rounds of 256 prompts × 16 samples, the refill engine in 16 slots per chip
-      # (`make memory EXP=aime MESH=fsdp=256 DEVICE_GIB=95`).
+      # Decoding in the training layout gathers the whole model every token and does not fit (XLA refuses
+      # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
+      # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
+      # once per step: 112 refill slots per group, a 77 GiB KV cache per chip
+      # (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, README "Compiled for the pod").
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=256, kv_cache_budget_gib=89.0),
+                            prompts_per_generation=256, kv_cache_budget_gib=77.5, tensor_parallel=8),
       # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
       # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.
       mesh=MeshConfig(preset="fsdp", data=1, fsdp=-1, tensor=1),

@@ -92,7 +92,7 @@ class Program(NamedTuple):
 def chip_bytes(tree) -> int:
   """Bytes per device of a tree of arrays or abstract arrays with shardings (the largest shard)."""
   total = 0
-  for x in jax.tree.leaves(tree):
+  for x in (x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")):  # Not static arguments.
     shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
     total += math.prod(shard) * x.dtype.itemsize
   return total

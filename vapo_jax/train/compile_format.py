@@ -10,7 +10,6 @@ also from the KV cache's bytes per slot.
 import math
 
 from vapo_jax.errors import ConfigError
-from vapo_jax.models.transformer import KVCache
 from vapo_jax.rollout import common
 from vapo_jax.train import memory_check, memory_plan
 from vapo_jax.train.targets import GIB
@@ -18,6 +17,12 @@ from vapo_jax.train.targets import GIB
 MIB = 2**20
 _PLANNED = {"supervised warm start": ("supervised update",), "rollout": ("rollout",), "scoring": ("scoring",),
             "value pretraining": ("scoring", "critic update"), "update": ("actor update", "critic update")}
+
+
+def size(n: float) -> str:
+  """Bytes in the largest binary unit below them: "3.20 GiB", "512.00 KiB"."""
+  unit = next((u for u in ("GiB", "MiB", "KiB") if n >= 2 ** (10 * ("KMG".index(u[0]) + 1))), "B")
+  return f"{n / 2 ** (10 * ('KMG'.index(unit[0]) + 1)):.2f} {unit}" if unit != "B" else f"{n:.0f} B"
 
 
 def _row(p, unit: int) -> str:
@@ -29,7 +34,7 @@ def _row(p, unit: int) -> str:
     own = f"{size(m.arguments)}{size(m.outputs)}{size(m.aliased)}{size(m.temporaries)}{size(m.total)}"
   decode = f"{p.decode.bytes / MIB:10.3f}" if p.decode is not None else f"{'':>10}"
   beside = p.needs - (p.memory.total if p.memory is not None else p.refused_bytes)
-  return (f"    {p.name:<40}{own}{size(beside)}{size(p.needs)}{p.lower_s + p.compile_s:10.1f}"
+  return (f"    {p.name:<46}{own}{size(beside)}{size(p.needs)}{p.lower_s + p.compile_s:10.1f}"
           f"{p.flops / 1e12:10.2f}{p.bytes_accessed / 1e9:9.1f}{decode}  {'+'.join(p.attention) or '-'}")
 
 
@@ -39,11 +44,10 @@ def _decode_lines(report) -> list[str]:
     for p in phase.programs:
       if p.decode is not None and p.memory is not None:
         share = p.decode.bytes / report.weight_bytes
-        lines.append(f"  {p.name}: the decode loop moves {p.decode.bytes / MIB:.2f} MiB per device per step in "
-                     f"{p.decode.count} collectives ({share:.2%} of the policy's {report.weight_bytes / GIB:.2f} GiB of "
-                     f"weights; largest {p.decode.largest / MIB:.2f} MiB"
-                     + (f"; {p.decode.branch_bytes / MIB:.2f} MiB more on refill steps" if p.decode.branch_bytes
-                        else "") + ")")
+        lines.append(f"  {p.name}: the decode loop moves {size(p.decode.bytes)} per device per step in "
+                     f"{p.decode.count} collectives ({share:.2%} of the policy's {size(report.weight_bytes)} of "
+                     f"weights; largest {size(p.decode.largest)}"
+                     + (f"; {size(p.decode.branch_bytes)} more on refill steps" if p.decode.branch_bytes else "") + ")")
   return lines
 
 
@@ -57,20 +61,20 @@ def table(report) -> str:
   lines = [f"compile report of {c.name} for {t.name}: {len(t.devices)} x {t.device_kind} ({chip}){layers}",
            f"  mesh {mesh} (preset {c.mesh.preset}); {c.model.preset} in {c.model.dtype}, {c.model.param_dtype} "
            f"parameters, remat {'on' if c.model.remat else 'off'}",
-           f"  {('GiB' if unit == GIB else 'MiB') + ' per device':<44}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}"
+           f"  {('GiB' if unit == GIB else 'MiB') + ' per device':<50}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}"
            f"{'own':>8}{'beside':>8}{'needs':>8}{'compile s':>10}{'TFLOP':>10}{'GB acc':>9}{'MiB/step':>10}  attention"]
   for phase in report.phases:
     lines.append(f"  {phase.name} ({phase.detail})")
     lines += [_row(p, unit) for p in phase.programs] + ([f"    ({phase.skipped})"] if phase.skipped else [])
   lines += _decode_lines(report)
   worst = max(report.phases, key=lambda phase: phase.needs)
-  peak = f"  peak {worst.needs / GIB:.2f} GiB per device ({worst.name}: {worst.worst.name})"
+  peak = f"  peak {size(worst.needs)} per device ({worst.name}: {worst.worst.name})"
   if report.budget is None:
     return "\n".join(lines + [peak + ": no memory budget known (mesh.device_memory_gib)"])
   over = report.over()
   verdict = (f"does NOT fit ({', '.join(p.name for p in over)} over)" if over else
-             f"fits ({(report.budget - worst.needs) / GIB:.2f} GiB spare)")
-  return "\n".join(lines + [f"{peak} against {report.budget / GIB:.2f} GiB: {verdict}",
+             f"fits ({size(report.budget - worst.needs)} spare)")
+  return "\n".join(lines + [f"{peak} against {size(report.budget)}: {verdict}",
                             "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
                             "does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
@@ -80,15 +84,15 @@ def _slot_advice(report, phase) -> str | None:
   """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot."""
   c = report.config
   cfg = memory_plan.model_configs(c)[0]
-  devices = report.mesh_shape["data"] * report.mesh_shape["fsdp"]
-  slots = memory_plan.refill_slots(c, cfg, devices)
+  groups = memory_plan.rollout_groups(c, report.mesh_shape)  # Slots are a multiple of the data groups.
+  slots = memory_plan.refill_slots(c, cfg, groups)
   if not slots:
     return None
-  tokens = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
-  per_slot = KVCache.bytes(cfg, 1, tokens, c.model.dtype)
-  fewer = math.ceil((phase.needs - report.budget) / per_slot)  # Per device.
-  keep = (slots // devices - fewer) * devices
-  return (f"rollout.slots={keep} (now {slots}; {per_slot / GIB:.2f} GiB of KV cache per slot per device, about)"
+  per_slot = common.cache_bytes(cfg, batch=1, prompt_tokens=common.prompt_bucket(c.rollout.max_prompt_tokens),
+                                max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
+                                tensor=c.rollout.tensor_parallel)  # Per chip.
+  keep = (slots // groups - math.ceil((phase.needs - report.budget) / per_slot)) * groups
+  return (f"rollout.slots={keep} (now {slots}; {size(per_slot)} of KV cache per slot per chip, about)"
           if keep > 0 else None)
 
 

@@ -140,7 +140,10 @@ def _add(phase: Phase, log: Callable, name: str, fn, args: tuple, *, resident: i
   """Compiles one program into `phase`; its outputs (abstract)."""
   program, outputs = compile_program(name, fn, args, resident=resident, fallback=fallback)
   phase.programs.append(program)
-  log(f"  {phase.name}: {name} compiled in {program.lower_s + program.compile_s:.1f} s")
+  own = (f"{program.memory.total / GIB:.2f} GiB own ({program.memory.temporaries / GIB:.2f} temporaries)"
+         if program.memory else f"refused by the compiler: {program.refused_bytes / GIB:.2f} GiB")
+  log(f"  {phase.name}: {name} compiled in {program.lower_s + program.compile_s:.1f} s: needs "
+      f"{program.needs / GIB:.2f} GiB per device, {own}")
   return outputs
 
 
