@@ -33,12 +33,13 @@ test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests exclude
 test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
 	$(PY) -m pytest -q -m slow tests
 
-bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); long sequences; packed vs padded updates.
+bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); long sequences; packed vs padded updates; pod (decode per layout, reshard).
 	$(PY) -m benchmarks.gae_bench
 	$(PY) -m benchmarks.model_bench
 	$(PY) -m benchmarks.rollout_bench
 	$(PY) -m benchmarks.long_seq_bench
 	$(PY) -m benchmarks.packing_bench
+	$(PY) -m benchmarks.pod_bench
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
 	$(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)

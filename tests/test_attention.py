@@ -249,7 +249,8 @@ def test_splash_in_the_pallas_interpreter_equals_reference(form):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("form", ["ranges", "segments"])
+# Packed rows in make test; ranges (the interpreter's 20 s) in make test-slow.
+@pytest.mark.parametrize("form", [pytest.param("ranges", marks=pytest.mark.slow), "segments"])
 def test_splash_under_shard_map_equals_chunked_in_the_interpreter(form):
   """On a (data 2, fsdp 2, tensor 2) mesh of the 8 CPU devices with fsdp_tp's rules, splash runs under
   shard_map, each device on its rows and its kv head's query heads; output and gradients are chunked's."""
