@@ -6,27 +6,35 @@ import jax
 import numpy as np
 import pytest
 
-from vapo_jax.train import aot, compile_format, compile_report, memory_plan, targets
+from vapo_jax.train import aot, compile_format, compile_report, memory_plan, packing, targets
 from vapo_jax.train.trainer import Trainer
 
 QUICK = {"sft.steps": 0, "eval.path": None}
 # fsdp (aime's preset) with aime's remat and scoring in micro-batches (a module made outside the micro-batch
 # loop once failed there under nnx.remat).
-LAYOUTS = {"dp": {"mesh.data": -1}, "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True,
+# dp pads every sequence; the others pack rows (packing.enabled, the default).
+LAYOUTS = {"dp": {"mesh.data": -1, "packing.enabled": False}, "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True,
                                             "algo.micro_batch_responses": 8},
            "fsdp_tp": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}}
 
 
 def _trainer_programs(trainer: Trainer, update: bool):
-  """One step's rollout, scoring (and update) on the trainer's real arrays: {program name: (lowered, args)}."""
+  """One step's rollout, scoring (and update) on the trainer's real arrays: {program name: (lowered, args)}.
+  Packed, at the most rows a plan can need (every sequence in a row of its own), as the report compiles."""
   state, key = trainer.state.split_key()
   out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
-  score = trainer.steps.score_program(critic_only=False)
-  programs = {"score": (score.lower(state, out, rewards, correct), (state, out, rewards, correct))}
+  steps, size = trainer.steps, rewards.shape[0]
+  plan = steps.plan(state, out)
+  placement = plan and plan.placement
+  rows = lambda n: packing.bucket_rows(n, multiple=steps.micro_rows) if steps.packed else None
+  score = steps.score_program(critic_only=False, rows=rows(size))
+  args = (state, out, rewards, correct, placement)
+  programs = {"score": (score.lower(*args), args)}
   if update:
-    batch, _ = score(state, out, rewards, correct)
-    ppo = trainer.steps.ppo_program(state, actor=True, critic=True)
-    programs["update (critic + actor)"] = (ppo.lower(state, batch), (state, batch))
+    batch, _ = score(*args)
+    ppo = steps.ppo_program(state, actor=True, critic=True, rows=rows(min(trainer.config.algo.mini_batch_responses,
+                                                                          size)))
+    programs["update (critic + actor)"] = (ppo.lower(state, batch, placement), (state, batch, placement))
   return programs, (out, rewards, correct)
 
 

@@ -22,6 +22,10 @@ allocated), then lowers and compiles, in the order of a run, the very programs t
                          critic alone (when the algorithm has a critic and `value_pretrain_steps`)
   scoring, update        `Steps.score_program`, `Steps.ppo_program` (critic and actor in one program)
 
+With `packing.enabled` (the default) scoring, the updates and the warm start are compiled on packed
+rows at the most rows a plan can give them (every sequence in a row of its own: all responses at the
+cap), so the figures bound every step's; a run compiles fewer rows when its responses are shorter.
+
 Each program's inputs are the outputs of the programs before it as compiled (a batch is laid out as
 the scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs'
 own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them
@@ -44,7 +48,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, experience, memory_plan
+from vapo_jax.train import build, experience, memory_plan, packing
 from vapo_jax.train.aot import Program, chip_bytes, compile_program
 from vapo_jax.train.steps import Steps, TrainBatch
 from vapo_jax.train.targets import GIB, Target
@@ -147,13 +151,25 @@ def _add(phase: Phase, log: Callable, name: str, fn, args: tuple, *, resident: i
   return outputs
 
 
+def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, jax.ShapeDtypeStruct | None]:
+  """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `group` sequences
+  (one sequence a row: every response at the cap; `packing.bucket_rows` of that) and the placement
+  `[groups, 2, size]` as `Steps.plan` leaves it. Padded: (None, None)."""
+  steps = run.steps
+  if not steps.packed:
+    return None, None
+  rows = packing.bucket_rows(group, multiple=steps.micro_rows)
+  return rows, jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=steps.replicated)
+
+
 def _supervised(run: _Run, log) -> Phase:
   c, state = run.config, run.state("sft")
   tp, tr, b = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens, c.sft.batch_size
   batch = TrainBatch(run.rows((b, tp + tr), jnp.int32), run.rows((b, tp + tr), jnp.bool_),
                      run.rows((b, tr), jnp.bool_), None, None, run.rows((b,), jnp.bool_))
   phase = Phase("supervised warm start", f"{b} demonstrations of {tp} + {tr} tokens")
-  _add(phase, log, "sft update", run.steps.sft_program(state, b), (state, batch))
+  rows, placement = _packed(run, b, 2, b)
+  _add(phase, log, "sft update", run.steps.sft_program(state, b, rows=rows), (state, batch, placement))
   return phase
 
 
@@ -287,8 +303,10 @@ def _compact(run: _Run, phase: Phase, log, slots: refill.Slots, rows: int, small
 def _scoring(run: _Run, phase: Phase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
   """`Steps.score_program` on the verified rollout (rollout, rewards, verdicts)."""
   name = "score (critic only)" if critic_only else "score"
-  batch, _ = _add(phase, log, name, run.steps.score_program(critic_only=critic_only), (state, *verified),
-                  fallback=run.training)
+  size = verified[1].shape[0]
+  rows, placement = _packed(run, size, 1 + run.config.algo.ppo_epochs, size)
+  batch, _ = _add(phase, log, name, run.steps.score_program(critic_only=critic_only, rows=rows),
+                  (state, *verified, placement), fallback=run.training)
   return batch
 
 
@@ -296,7 +314,10 @@ def _update(run: _Run, phase: Phase, log, state, batch: TrainBatch, *, actor: bo
   """`Steps.ppo_program`; `held`: the rollout, its rewards and verdicts, held until the step ends."""
   critic = run.config.algo.uses_critic
   name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
-  _add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic), (state, batch), resident=held)
+  size, algo = batch.response_mask.shape[0], run.config.algo
+  rows, placement = _packed(run, size, 1 + algo.ppo_epochs, min(algo.mini_batch_responses, size))
+  _add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
+       (state, batch, placement), resident=held)
 
 
 def _weights(run: _Run) -> frozenset:
