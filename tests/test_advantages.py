@@ -195,16 +195,17 @@ def test_monte_carlo_returns():
   np.testing.assert_allclose(g, expected, atol=1e-5)
 
 
-def test_last_token_rewards(maybe_jit):
-  """The score sits on each row's last valid token (holes included); a row with none gets nothing."""
+def test_last_token_rewards_and_mask(maybe_jit):
+  """The score (and the mask) sits on each row's last valid token (holes included); a row with none gets nothing."""
   mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 1, 0], [1, 1, 1, 1]], bool)
   scores = np.array([1.0, -1.0, 5.0, 2.0, 3.0], np.float32)
-  expected = np.zeros(mask.shape, np.float32)
+  expected, last = np.zeros(mask.shape, np.float32), np.zeros(mask.shape, bool)
   for b, row in enumerate(mask):  # The definition, as a loop.
     valid = [t for t in range(mask.shape[1]) if row[t]]
     if valid:
-      expected[b, valid[-1]] = scores[b]
+      expected[b, valid[-1]], last[b, valid[-1]] = scores[b], True
   np.testing.assert_array_equal(maybe_jit(adv.last_token_rewards)(scores, mask), expected)
+  np.testing.assert_array_equal(maybe_jit(adv.last_token_mask)(mask), last)
 
 
 @st.composite

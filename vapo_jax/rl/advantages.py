@@ -150,14 +150,18 @@ def length_adaptive_lambda(lengths: jax.Array, *, alpha: float) -> jax.Array:
   return jnp.where(scaled > 0, jnp.clip(lam, 0.0, 1.0), 0.0)
 
 
-def last_token_rewards(scores: jax.Array, response_mask: jax.Array) -> jax.Array:
-  """`[B, T]` token rewards: the outcome `scores` `[B]` on each response's last valid token, 0
-  elsewhere (and on a row with no valid token)."""
+def last_token_mask(response_mask: jax.Array) -> jax.Array:
+  """`[B, T]` bool: true on each row's last valid token only (no token of a row with none)."""
   mask = jnp.asarray(response_mask).astype(bool)
   steps = mask.shape[-1]
   last = steps - 1 - jnp.argmax(mask[:, ::-1], axis=-1)  # The last valid position of each row.
-  at_last = (jnp.arange(steps)[None] == last[:, None]) & jnp.any(mask, axis=-1, keepdims=True)
-  return jnp.where(at_last, jnp.asarray(scores, jnp.float32)[:, None], 0.0)
+  return (jnp.arange(steps)[None] == last[:, None]) & jnp.any(mask, axis=-1, keepdims=True)
+
+
+def last_token_rewards(scores: jax.Array, response_mask: jax.Array) -> jax.Array:
+  """`[B, T]` token rewards: the outcome `scores` `[B]` on each response's last valid token, 0
+  elsewhere (and on a row with no valid token)."""
+  return jnp.where(last_token_mask(response_mask), jnp.asarray(scores, jnp.float32)[:, None], 0.0)
 
 
 def monte_carlo_returns(
