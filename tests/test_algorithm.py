@@ -113,6 +113,7 @@ def expect_length_adaptive(result, algo, maybe_jit):
 def expect_whitened(result, algo, maybe_jit):
   raw = reference_gae(REWARDS, VALUES, MASK, 1.0, [0.8] * 6)
   np.testing.assert_allclose(result.advantages, reference_whiten(raw, MASK), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(result.unwhitened, raw, rtol=1e-5, atol=1e-6)
   valid = np.asarray(result.advantages)[MASK]
   np.testing.assert_allclose([valid.mean(), valid.var()], [0.0, 1.0], atol=1e-5)
   # Whitening over every position (padding's zeros included) would give a different answer.
@@ -125,6 +126,7 @@ def expect_group(result, algo, maybe_jit):
   np.testing.assert_allclose(result.advantages, reference_group(SCORES, MASK, G), rtol=1e-5, atol=1e-6)
   other = advantages_of(maybe_jit, algo, values=OTHER_VALUES)  # Values are ignored.
   np.testing.assert_array_equal(other.advantages, result.advantages)
+  np.testing.assert_array_equal(result.unwhitened, result.advantages)  # Group advantages are not whitened.
 
 
 def expect_group_no_std(result, algo, maybe_jit):
@@ -150,6 +152,39 @@ def test_compute_advantages(maybe_jit, case):
   overrides, expect = ADVANTAGE_CASES[case]
   algo = AlgoConfig(**(PLAIN | overrides))
   expect(advantages_of(maybe_jit, algo), algo, maybe_jit)
+
+
+# ---------------------------------------------------------------- value pretraining targets, position metrics
+@pytest.mark.parametrize("target", ["returns", "outcome"])
+def test_value_targets(maybe_jit, target):
+  algo = AlgoConfig(**(PLAIN | dict(value_pretrain_target=target, value_pretrain_steps=5)))
+  returns, fitted = maybe_jit(lambda r, m, *, algo: algorithm.value_targets(algo, r, m), algo=algo)(REWARDS, MASK)
+  np.testing.assert_allclose(returns, np.where(MASK, SCORES[:, None], 0.0))  # γ = 1: the outcome on every token.
+  last = np.arange(6)[None] == LENGTHS[:, None] - 1
+  np.testing.assert_array_equal(fitted, MASK if target == "returns" else last)  # A reward model: the last token.
+
+
+def test_position_metrics(maybe_jit):
+  """The first decile's mean advantage and V − G by decile, against a loop over the tokens' deciles
+  ⌊10·i/l⌋ (here l ≤ 6, so the first decile is each response's first token, and deciles 1, 4 and 9
+  are empty: 0)."""
+  algo = AlgoConfig(**(PLAIN | dict(whiten_advantages=True)))
+  est = advantages_of(maybe_jit, algo)
+  returns = np.where(MASK, SCORES[:, None], 0.0).astype(np.float32)
+  metrics = maybe_jit(algorithm.position_metrics)(est, VALUES, returns, MASK)
+  decile = np.where(MASK, (10 * np.arange(6)[None]) // LENGTHS[:, None], -1)
+  np.testing.assert_array_equal(decile[0], [0, 1, 3, 5, 6, 8])
+  np.testing.assert_allclose(metrics["adv/early_mean"], np.mean(np.asarray(est.advantages)[:, 0]), rtol=1e-5)
+  raw = reference_gae(REWARDS, VALUES, MASK, 1.0, [0.8] * 6)
+  np.testing.assert_allclose(metrics["adv/early_mean_unwhitened"], raw[:, 0].mean(), rtol=1e-5)
+  for k in range(10):
+    bias = (VALUES - returns)[decile == k]
+    np.testing.assert_allclose(metrics[f"critic/value_bias_decile_{k}"], bias.mean() if bias.size else 0.0,
+                               rtol=1e-5, atol=1e-6, err_msg=k)
+  assert not {"critic/value_bias_decile_1", "critic/value_bias_decile_4"} - metrics.keys()
+  assert set(algorithm.position_metrics(None, VALUES, returns, MASK)) == {f"critic/value_bias_decile_{k}"
+                                                                          for k in range(10)}
+  assert set(algorithm.position_metrics(est, None, returns, MASK)) == {"adv/early_mean", "adv/early_mean_unwhitened"}
 
 
 # ------------------------------------------------------------------------------ actor_loss

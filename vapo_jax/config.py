@@ -21,7 +21,7 @@ import os
 from typing import Literal
 
 from vapo_jax.checks import frozen, in_range, positive_int, require
-from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine
+from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine, ValueTarget, names
 from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
 
 
@@ -36,6 +36,7 @@ class AlgoConfig:
   decoupled_gae: bool = True  # Technique 2: critic targets with λ_critic; False uses λ_actor.
   length_adaptive_alpha: float | None = 0.05  # Technique 3: λ_actor = 1 − 1/(α·l); None: fixed.
   value_pretrain_steps: int = 50  # Technique 1: critic-only steps on λ=1 returns before RL.
+  value_pretrain_target: ValueTarget = "returns"  # "outcome": fit the last token's verdict alone (a reward model).
   # Value pretraining runs all `value_pretrain_steps` steps (the paper: 50) unless early stopping is
   # asked for: then it stops once `value_pretrain_min_steps` are done, the explained variance has
   # reached `value_pretrain_min_ev` and has not risen by 0.01 for `value_pretrain_patience` steps.
@@ -72,6 +73,8 @@ class AlgoConfig:
       require(self.length_adaptive_alpha > 0, self, "length_adaptive_alpha", "must be > 0 or None",
                self.length_adaptive_alpha)
     positive_int(self, "value_pretrain_steps", allow_zero=True)
+    require(self.value_pretrain_target in names(ValueTarget), self, "value_pretrain_target",
+            f"must be one of {', '.join(names(ValueTarget))}", self.value_pretrain_target)
     if self.value_pretrain_patience is not None:
       positive_int(self, "value_pretrain_patience")
     positive_int(self, "value_pretrain_min_steps", allow_zero=True)

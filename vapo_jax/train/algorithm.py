@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from vapo_jax.config import AlgoConfig
-from vapo_jax.rl import advantages as adv, losses, masked
+from vapo_jax.rl import advantages as adv, losses, masked, positions
 
 
 class Denominators(NamedTuple):
@@ -42,6 +42,7 @@ class Advantages(NamedTuple):
   advantages: jax.Array  # [B, T] actor advantages (whitened if configured).
   returns: jax.Array  # [B, T] critic targets (zeros for the "group" estimator).
   lam_actor: jax.Array  # [B] λ used for the actor.
+  unwhitened: jax.Array  # [B, T] the advantages before whitening (in reward units).
 
 
 def compute_advantages(
@@ -74,16 +75,54 @@ def compute_advantages(
       lam_critic = algo.lam_critic if algo.decoupled_gae else lam_actor
       result = adv.decoupled_gae(rewards, values, response_mask, gamma=algo.gamma,
                                  lam_actor=lam_actor, lam_critic=lam_critic)
-      advantages, returns = result.advantages, result.returns
-      if algo.whiten_advantages:
-        advantages = masked.masked_whiten(advantages, response_mask)
+      unwhitened, returns = result.advantages, result.returns
+      advantages = masked.masked_whiten(unwhitened, response_mask) if algo.whiten_advantages else unwhitened
     case "group":
-      advantages = adv.group_normalized_advantages(
+      advantages = unwhitened = adv.group_normalized_advantages(
           scores, response_mask, group_size=group_size, normalize_std=algo.group_std_normalize)
       returns = jnp.zeros_like(advantages)
     case _:
       raise ValueError(f"unknown estimator {algo.estimator!r}")
-  return Advantages(advantages, returns, lam_actor)
+  return Advantages(advantages, returns, lam_actor, unwhitened)
+
+
+def value_targets(algo: AlgoConfig, rewards: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Value pretraining's targets and the tokens its loss counts, `[B, T]` each, by
+  `algo.value_pretrain_target`: "returns", the Monte-Carlo returns on every response token (VAPO
+  §4.1); "outcome", the outcome reward on the last token alone, as a reward model learns it (the
+  critic the paper's PPO starts from). `rewards`: `[B, T]` token rewards (the outcome on the last
+  valid token)."""
+  returns = adv.monte_carlo_returns(rewards, response_mask, gamma=algo.gamma)
+  match algo.value_pretrain_target:
+    case "returns":
+      return returns, jnp.asarray(response_mask).astype(bool)
+    case "outcome":
+      return returns, adv.last_token_mask(response_mask)  # At the last token the return is the outcome.
+    case _:
+      raise ValueError(f"unknown value pretraining target {algo.value_pretrain_target!r}")
+
+
+# Relative-position bins of the per-step statistics below: deciles of each response.
+DECILES = 10
+
+
+def position_metrics(advantages: Advantages | None, values: jax.Array | None, returns: jax.Array,
+                     response_mask: jax.Array) -> dict[str, jax.Array]:
+  """What the critic's bias does, every step (issue 24; VAPO §4.1): the mean advantage over the first
+  10 % of each response's tokens, as the actor sees it (`adv/early_mean`, after whitening) and in
+  reward units (`adv/early_mean_unwhitened`: 0 in expectation under an unbiased critic), and the
+  critic's bias V − G by decile of the response (`critic/value_bias_decile_K`, G the Monte-Carlo
+  `returns`). Token means over the batch (`rl/positions.py`); either part is left out when its input
+  is None (no actor update, no critic)."""
+  metrics = {}
+  if advantages is not None:
+    metrics["adv/early_mean"] = positions.binned_means(advantages.advantages, response_mask, bins=DECILES)[0]
+    metrics["adv/early_mean_unwhitened"] = positions.binned_means(advantages.unwhitened, response_mask,
+                                                                  bins=DECILES)[0]
+  if values is not None:
+    bias = positions.binned_means(values - returns, response_mask, bins=DECILES)
+    metrics |= {f"critic/value_bias_decile_{k}": bias[k] for k in range(DECILES)}
+  return metrics
 
 
 def actor_loss(
