@@ -99,6 +99,18 @@ def demonstrations(rows: list[Record], tokenizer, config: ExperimentConfig) -> T
   tokens, attention = (np.concatenate(x, axis=1) for x in ((prompt_tokens, response), (prompt_mask, response_mask)))
   return TrainBatch(tokens, attention, response_mask, None, None, np.zeros(len(rows), bool))
 
+# Folded into the run's seed for the evaluation's keys: a stream apart from the training's key chain.
+EVALUATION_STREAM = 0x6576616C  # "eval"
+
+
+def evaluation_key(seed: int, rl_steps_done: int) -> jax.Array:
+  """The held-out evaluation's sampling key after `rl_steps_done` RL steps (0: before RL), a function
+  of the seed and that count alone: runs of one seed (a sweep's members) evaluate with the same keys
+  at the same step, common random numbers that shrink the evaluation noise of their difference while
+  their policies are close, and evaluating leaves the training's key chain as it was."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), EVALUATION_STREAM), rl_steps_done)
+
+
 class Experience:
   """Sampling and verifying for one run (its config, programs, rollout layout, model shape, tokenizer and
   verifier)."""
@@ -199,9 +211,11 @@ class Experience:
     place = lambda x: distributed.global_array_from_share(np.asarray(x), out.response_lengths.sharding, n)
     return place(scored.rewards.astype(np.float32)), place(scored.correct.astype(bool))
 
-  def evaluate(self, state: TrainState, records: list[Record], key: jax.Array) -> dict:
-    """avg@k on held-out problems with the eval sampling settings (device scalars)."""
+  def evaluate(self, state: TrainState, records: list[Record], *, rl_steps_done: int) -> dict:
+    """avg@k on held-out problems with the eval sampling settings, sampled with
+    `evaluation_key(seed, rl_steps_done)` (device scalars)."""
     evaluation, settings = self.config.eval, self.config.rollout
+    key = distributed.replicate_local(evaluation_key(self.config.seed, rl_steps_done), self.steps.mesh)
     per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
     correct, lengths, policy = [], [], self.policy(state)
     for n, i in enumerate(range(0, len(records), per_call)):

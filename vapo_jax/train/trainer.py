@@ -3,11 +3,17 @@
   trainer = Trainer(config); summary = trainer.run()
 
 A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after
-the warm start and after RL. Its state is one immutable pytree (`state.TrainState`: parameters,
-optimizer states, reference policy, PRNG key) passed through the jitted programs of
-`steps.Steps`, plus a host record (`state.Progress`). `step` is one RL (or value-pretraining)
-step from prompts to parameter update. The same loop runs VAPO, its ablations, vanilla PPO, GRPO
-and DAPO: only the config differs. The math is in `algorithm` / `advantages` / `losses`.
+the warm start, every `eval.every_steps` RL steps and after RL (keys: `experience.evaluation_key`).
+Its state is one immutable pytree (`state.TrainState`: parameters, optimizer states, reference
+policy, PRNG key) passed through the jitted programs of `steps.Steps`, plus a host record
+(`state.Progress`). `step` is one RL (or value-pretraining) step from prompts to parameter update.
+The same loop runs VAPO, its ablations, vanilla PPO, GRPO and DAPO: only the config differs. The
+math is in `algorithm` / `advantages` / `losses`.
+
+The critic starts from `model.critic_checkpoint` (a value or reward model; the paper's start from a
+reward model, VAPO §4.1), else from the policy's backbone with a zero value head. Value pretraining
+fits it to Monte-Carlo returns on every token, or to the last token's verdict alone
+(`algo.value_pretrain_target="outcome"`: a reward model); both export it to `critic_pretrained/`.
 
 A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
 boundary; a new Trainer on the same run directory continues from the newest complete one, and
@@ -165,7 +171,7 @@ class Trainer:
     return actor, critic
 
   def critic_from_actor(self, state: TrainState) -> TrainState:
-    """The critic's backbone := the policy's; value head := 0 (VAPO initialises from the policy)."""
+    """The critic's backbone := the policy's; value head := 0 (without `model.critic_checkpoint`)."""
     critic = nnx.merge(self.steps.critic_def, state.critic)
     backbone = nnx.state(nnx.merge(self.steps.actor_def, state.actor).model)
     nnx.update(critic.model, jax.tree.map(jnp.copy, backbone))  # A copy: updates donate their buffers.
@@ -317,17 +323,14 @@ class Trainer:
     for step in range(self.progress.stage_step, config.rl_steps):
       self.state, m = self.step(self.state)
       if config.eval.every_steps and (step + 1) % config.eval.every_steps == 0 and step + 1 < config.rl_steps:
-        m |= self.evaluate()
+        m |= self.evaluate(step + 1)
       self._record("rl", step, m, progress, PROGRESS_KEYS)
       self.progress.monitor.check(step, m["rollout/response_len_mean"], m["actor/entropy"])
       self._after_step(last=step == config.rl_steps - 1)
 
-  def evaluate(self) -> dict[str, float]:
-    """avg@k on the held-out problems with the eval sampling settings."""
-    if not self.eval_rows:
-      return {}
-    self.state, key = self.state.split_key()
-    return self.experience.evaluate(self.state, self.eval_rows, key)
+  def evaluate(self, rl_steps_done: int) -> dict[str, float]:
+    """avg@k on the held-out problems with the eval sampling settings, after `rl_steps_done` RL steps."""
+    return self.experience.evaluate(self.state, self.eval_rows, rl_steps_done=rl_steps_done) if self.eval_rows else {}
 
   def export(self, directory: str) -> None:
     """The current policy as a Hugging Face directory, with the tokenizer's files beside it."""
@@ -343,7 +346,7 @@ class Trainer:
         self.sft_stage()
         self._enter("value_pretrain", save=False)
       if done.eval_before is None:
-        done.eval_before = self.evaluate()
+        done.eval_before = self.evaluate(0)
         self.writer.write(0, "eval_before_rl", done.eval_before, global_step=done.global_step)
         if done.eval_before:
           self.log(f"held-out accuracy before RL: {done.eval_before['eval/accuracy']:.3f} "
@@ -354,7 +357,7 @@ class Trainer:
         self._enter("rl")
       if done.stage == "rl":
         self.rl_stage()
-        done.eval_after = self.evaluate()
+        done.eval_after = self.evaluate(config.rl_steps)
         self.writer.write(config.rl_steps, "eval_after_rl", done.eval_after, global_step=done.global_step)
         if config.checkpoint.export_final and self.checkpoints is not None:  # Before "done" is saved.
           self.export(os.path.join(self.run_dir, "export"))
