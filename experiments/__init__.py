@@ -1,12 +1,13 @@
 """Experiments by name: each is a function returning an `ExperimentConfig`; sweeps return a dict.
 
   make train EXP=<name> ARGS="field.path=value ..."
-  make sweep SWEEP=<sweep> SEEDS=0,1,2          (every member of a sweep × seed: vapo_jax/sweep.py)
+  make sweep SWEEP=<sweep> SEEDS=0,1,2          (every member of a sweep × seed: vapo_jax/cli/sweep.py)
 """
 
 from collections.abc import Callable
 
 from experiments import aime, tiny, toy
+from vapo_jax.checks import frozen, require
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 
@@ -16,19 +17,42 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "aime_ppo": aime.ppo,
     "aime_grpo": aime.grpo,
     "aime_dapo": aime.dapo,
+    "aime_reward_model": aime.reward_model,
     "toy": toy.vapo,
+    "toy_vapo_paper_alpha": toy.paper_alpha,
     "toy_warm_start": toy.warm_start,
+    "toy_reward_model": toy.reward_model,
 }
 
 SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_baselines": aime.baselines,
     "aime_ablations": aime.ablations,
     "toy": toy.table,
+    "toy_mechanism": toy.mechanism,
 }
 
-# A sweep's shared warm start: `make sweep` runs this experiment once per seed, before the members,
-# and starts each member of that seed from its exported policy (vapo_jax/sweep.py).
-WARM_STARTS: dict[str, str] = {"toy": "toy_warm_start"}
+
+@frozen
+class SharedStage:
+  """A run that `make sweep` makes once (seed 0) before a sweep's members, and how every later run
+  (a later stage, each member) starts from it: `<field>=<its run directory>/<output>` plus `overrides`."""
+
+  experiment: str  # The experiment run once (EXPERIMENTS).
+  output: str  # What the later runs take, relative to its run directory: "export", "critic_pretrained".
+  field: str  # The later runs' field that points to it: "model.checkpoint", "model.critic_checkpoint".
+  overrides: tuple[str, ...] = ()  # Further `field=value` overrides of the later runs ("sft.steps=0").
+
+  def __post_init__(self):
+    require(self.experiment in EXPERIMENTS, self, "experiment", "must be a registered experiment", self.experiment)
+    require(all("=" in o for o in self.overrides), self, "overrides", "must look like field.path=value", self.overrides)
+
+
+# The toy sweeps' shared stages, in order: the supervised warm start (every policy starts from it),
+# then the outcome reward model fitted on its samples (every critic starts from it, as in the paper).
+TOY_STAGES = (SharedStage(experiment="toy_warm_start", output="export", field="model.checkpoint",
+                          overrides=("sft.steps=0",)),
+              SharedStage(experiment="toy_reward_model", output="critic_pretrained", field="model.critic_checkpoint"))
+SHARED_STAGES: dict[str, tuple[SharedStage, ...]] = {"toy": TOY_STAGES, "toy_mechanism": TOY_STAGES}
 
 
 def get_experiment(name: str) -> ExperimentConfig:

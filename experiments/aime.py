@@ -8,15 +8,21 @@ DAPO 50, vanilla PPO 5; leaving out each technique in turn gives 11 / 33 / 45 / 
 (value pretraining, decoupled GAE, length-adaptive GAE, clip-higher, token-level loss,
 positive-example LM loss, group sampling).
 
-Baselines (`experiments/variants.py` builds them, and the toy experiment's, from `vapo()`): the
-paper's vanilla PPO and "w/o value pretraining" start the critic from a reward model; ours, like
-every critic here, from the policy's backbone with a zero value head, which lacks the reward
-model's initialisation bias that value pretraining exists to remove, so our PPO and
-`aime_vapo_no_value_pretraining` are probably stronger than the paper's rows. For the paper's
-rows pass the reward model: `ARGS="model.critic_checkpoint=/ckpt/rm"` (a Hugging Face directory
-with a one-output `score` head). `aime_dapo` uses verl's DAPO recipe settings where they differ
-from VAPO's: dual clip 10, weight decay 0.1, no KL; its warm-up is VAPO's, 20 RL steps, which is
-the DAPO paper's (verl's recipe uses 10).
+Critic. The paper's critics start from a reward model (VAPO §4.1; value pretraining removes its
+bias, and vanilla PPO and "w/o value pretraining" keep it). Make one from the policy's samples and
+pass it to every row, as the toy sweeps do:
+
+  make train EXP=aime_reward_model ARGS="model.checkpoint=/ckpt/Qwen2.5-32B"
+  make train EXP=aime ARGS="model.checkpoint=/ckpt/Qwen2.5-32B model.critic_checkpoint=runs/aime_reward_model/critic_pretrained"
+
+(or any reward model: a Hugging Face directory with a one-output `score` head). Without
+`model.critic_checkpoint` the critic starts from the policy's backbone with a zero value head,
+which lacks that bias: a different, probably stronger PPO baseline than the paper's.
+
+Baselines (`experiments/variants.py` builds them, and the toy experiment's, from `vapo()`):
+`aime_dapo` uses verl's DAPO recipe settings where they differ from VAPO's: dual clip 10, weight
+decay 0.1, no KL; its warm-up is VAPO's, 20 RL steps, which is the DAPO paper's (verl's recipe
+uses 10).
 
 Data: the repository's own copies under data/ (found from the package, whatever the working
 directory); pass `data.train_path=... eval.path=...` for others, e.g. the hub copy
@@ -64,10 +70,17 @@ def vapo() -> ExperimentConfig:
   )
 
 
+def reward_model() -> ExperimentConfig:
+  """The outcome reward model the paper's critics start from (`variants.reward_model`): 50 steps of
+  8192 samples of the starting policy, the critic fitted to each one's verdict at its last token at
+  the critic's learning rate; exported to `runs/aime_reward_model/critic_pretrained/`."""
+  base = vapo()
+  return variants.reward_model(base, name="aime_reward_model", steps=50, lr=base.optim.critic_lr)
+
+
 def ppo() -> ExperimentConfig:
   """Vanilla PPO (paper: 5): λ = 0.95 for actor and critic, ε = 0.2, sequence-mean loss, 8192 prompts
-  × 1 sample. The paper starts this critic from a reward model, ours from the policy (see the module
-  docstring)."""
+  × 1 sample; its critic from `model.critic_checkpoint` (the paper's: a reward model, see above)."""
   return variants.ppo(vapo(), name="aime_ppo")
 
 

@@ -3,7 +3,8 @@
   python -m vapo_jax.cli.train --exp aime_dapo --smoke        (big_vision's `runlocal`, for any config)
 
 A one-layer model from random weights, the byte tokenizer, synthetic arithmetic, 8 prompts of
-16-token responses and two steps of each stage that the experiment has. Everything else (the
+16-token responses and at most two steps of each stage that the experiment has (and a held-out
+evaluation where it has one). Everything else (the
 algorithm, the stages, the mesh preset's code path) is the experiment's own: the same program as
 the full run, with small numbers.
 """
@@ -24,7 +25,7 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
   replace = dataclasses.replace
   group = 4 if config.rollout.samples_per_prompt > 1 else 1
   return replace(
-      config, rl_steps=2,
+      config, rl_steps=min(config.rl_steps, 2),
       model=replace(config.model, preset="micro", dtype="float32", remat=False, tokenizer="bytes", random_init=True,
                     checkpoint=None, critic_checkpoint=None),
       algo=replace(config.algo, value_pretrain_steps=min(config.algo.value_pretrain_steps, 1), mini_batch_responses=16,
@@ -37,6 +38,7 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
                       tensor_parallel=math.gcd(config.rollout.tensor_parallel, preset("micro").num_kv_heads)),
       reward=replace(config.reward, answer_forms=("answer_line",), verifier_workers=1),
       data=replace(config.data, train_path=TRAIN, template="raw", chat_template=False),
-      eval=replace(config.eval, path=EVAL, samples_per_problem=2, every_steps=0, max_problems=None),
+      eval=replace(config.eval, path=EVAL if config.eval.path else None, samples_per_problem=2, every_steps=0,
+                   max_problems=None),
       sft=replace(config.sft, path=SFT, steps=min(config.sft.steps, 2), batch_size=8, lr=1e-3),
       mesh=replace(config.mesh, preset="dp", data=-1, fsdp=1, tensor=1, device_memory_gib=None))

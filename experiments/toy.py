@@ -1,31 +1,47 @@
 """A toy Table 1 on a 2-core CPU: VAPO, its baselines and its seven ablations on a task where the
 length of the response varies over 10× within a batch and the reward is a sparse ±1 at the end.
 
-  make train EXP=toy                          (one run: VAPO, seed 0)
-  make sweep SWEEP=toy SEEDS=0,1,2            (11 members × 3 seeds → runs/sweeps/toy/)
-  make sweep SWEEP=toy SEEDS=0,1,2 JOBS=2     (two runs at once)
+  make sweep SWEEP=toy_mechanism SEEDS=0,1 JOBS=2   (the mechanism check: 4 members × 2 seeds)
+  make sweep SWEEP=toy SEEDS=0,1,2 JOBS=2           (the table: 11 members × 3 seeds → runs/sweeps/toy/)
+  make train EXP=toy                                (one VAPO run, its critic from its own policy)
 
-Task (`vapo_jax/tasks.py`, the tiny experiment's arithmetic with more terms): add 2 to 11 one-digit
-numbers step by step, each line adding the first two numbers and copying the rest
-("7+5+9=" → "12+9\n21\nAnswer: 21"): 12 to 131 tokens with the byte tokenizer (mean 60), the
-number of terms uniform, and a single slip anywhere makes the answer wrong. Held-out: avg@4 on 64
-problems before RL, after 8 RL steps and at the end.
+Task (`vapo_jax/data/tasks.py`, the tiny experiment's arithmetic with more terms): add 2 to 11
+one-digit numbers step by step, each line adding the first two numbers and copying the rest
+("7+5+9=" → "12+9\\n21\\nAnswer: 21"): 12 to 131 tokens with the byte tokenizer (mean 60), the
+number of terms uniform, and a single slip anywhere makes the answer wrong.
 
-Warm start (`toy_warm_start`, run once by `make sweep SWEEP=toy` and shared by every run): 1,000
-supervised steps of 32 demonstrations (8,000 distinct), NLL per token 5.6 → 0.15, held-out 0.33
-(0.30 with other sampling keys: the evaluation's noise is about ±0.03), 28 min while the test suite
-shared the machine. Clearly imperfect: long problems fail most.
+Shared stages (`experiments/__init__.py` SHARED_STAGES, run once by `make sweep` before the members):
+  `toy_warm_start`   1,000 supervised steps of 32 demonstrations (8,000 distinct), exported; every
+                     run starts its policy from it (`model.checkpoint=`, `sft.steps=0`).
+  `toy_reward_model` an outcome reward model of the warm start's samples (`variants.reward_model`);
+                     every run starts its critic from it (`model.critic_checkpoint=`), as the
+                     paper's do: PPO and "w/o value pretraining" keep its bias, VAPO and the other
+                     ablations pretrain it away first (VAPO §4.1).
 
-Sizing (seed 0, from that warm start, 16 RL steps, two runs at once on the 2 cores):
-  8 prompts × 8, lr 1e-4, mini-batches of 16, 5 value pretraining steps: VAPO 0.33 → 0.25 with its
-    entropy rising, while PPO (0.35), GRPO (0.34) and DAPO (0.34) held; lr 5e-5 and mini-batches of
-    32 alone: VAPO → 0.25 again;
-  16 prompts × 8, lr 5e-5, mini-batches of 32, 10 value pretraining steps (below): VAPO 0.30 → 0.34
-    (step 8) → 0.35, training accuracy 0.23 → 0.27 by quarters, entropy flat; 490-670 s a run with two at
-    once, so the 33-run sweep takes about 2.5 hours with JOBS=2 (seed 0's 11 runs: README).
+Evaluation: avg@4 on 256 held-out problems at 5 points of a run (before RL, every quarter, at the
+end), each with a key fixed by the seed and the step (`train/experience.evaluation_key`), the same
+for every member of that seed: their paired differences are free of most evaluation noise.
+
+The toy's knobs against the paper's:
+  α. λ_actor = 1 − 1/(α·l) is scale-free: λ^l → e^(−1/α) and the horizon 1/(1 − λ) = α·l is a fixed
+     fraction of the response whatever its length, so "scaling α to short responses" changes the
+     regime rather than preserving it. At the paper's α = 0.05 the terminal reward reaches the first
+     token directly with weight e^(−20) (and λ = 0 below 20 tokens): the actor's advantages come
+     almost wholly from the critic. The toy's α = 1 gives e^(−1) ≈ 0.37 at every length, mostly
+     Monte-Carlo advantages that a bad critic barely moves. The toy keeps α = 1 (its sweep is
+     comparable with the first toy table) and runs `toy_vapo_paper_alpha` (α = 0.05) beside it.
+  Learning rates. The critic's is 2× the actor's, as in the paper (1e-6 / 2e-6); the first toy
+     table's 20× let the critic repair a bad start within a few updates.
+  Updates per step. 16 (mini-batches of 8 of the 128 responses, one epoch), the paper's 8192 / 512;
+     the first table's 4 rarely moved the ratio out of the clip range, so clip-higher could not act.
+  Value pretraining: 20 steps (the paper: 50) from the reward model.
+A history: with 8 prompts a step, or lr 1e-4 with mini-batches of 16 (8 updates), the first toy's
+VAPO lost held-out accuracy (0.33 → 0.25) in 16 RL steps while PPO, GRPO and DAPO held it; the
+first table's settings (16 prompts × 8, lr 5e-5, 4 updates, critic lr 1e-3) were chosen after that.
 
 Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dapo` and
-`toy_vapo_no_<technique>` for the seven techniques; any one runs alone with `make train EXP=<name>`.
+`toy_vapo_no_<technique>` for the seven techniques; any one runs alone with `make train EXP=<name>`
+(add `model.checkpoint=... sft.steps=0 model.critic_checkpoint=...` for the sweep's starts).
 """
 
 import dataclasses
@@ -35,38 +51,50 @@ from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, Rewar
 from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, MeshConfig, ModelConfig
 
 TRAIN = "synthetic:arithmetic?terms=2-11&count=4000&seed=0"
-HELD_OUT = "synthetic:arithmetic?terms=2-11&count=64&seed=1"
+HELD_OUT = "synthetic:arithmetic?terms=2-11&count=256&seed=1"
 DEMONSTRATIONS = "synthetic:arithmetic?terms=2-11&count=8000&seed=2"
+RL_STEPS = 100
 
 
 def vapo() -> ExperimentConfig:
   """VAPO, every technique on: byte-level `small` model, 16 prompts × 8 samples, ≤ 176-token responses."""
   return ExperimentConfig(
       name="toy_vapo",
-      rl_steps=16,
+      rl_steps=RL_STEPS,
       model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
-      # α scaled to 12-131-token responses (the paper's 0.05 targets thousands of tokens):
-      # λ_actor = 1 − 1/l, from 0.92 to 0.99 here.
-      # The tiny experiment's RL settings (4 updates of 32 responses per step, lr 5e-5, 10 value
-      # pretraining steps). With 8 prompts a step, or lr 1e-4 and mini-batches of 16, VAPO lost
-      # held-out accuracy here (0.33 → 0.25) while PPO, GRPO and DAPO held it (see the docstring).
-      algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32, length_adaptive_alpha=1.0),
-      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-3, warmup_updates=5, weight_decay=0.0),
+      # α = 1: see the module docstring (toy_vapo_paper_alpha runs the paper's 0.05). 16 updates per step.
+      algo=AlgoConfig(value_pretrain_steps=20, mini_batch_responses=8, length_adaptive_alpha=1.0),
+      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-4, warmup_updates=5, weight_decay=0.0),
       # 176 tokens: room above the longest solution (131) for DAPO's overlong buffer (the last 35).
       rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
                             max_response_tokens=176),
       reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=1),
       data=DataConfig(train_path=TRAIN, template="raw", chat_template=False),
-      eval=EvalConfig(path=HELD_OUT, samples_per_problem=4, temperature=1.0, top_p=0.7, every_steps=8),
+      eval=EvalConfig(path=HELD_OUT, samples_per_problem=4, temperature=1.0, top_p=0.7, every_steps=RL_STEPS // 4),
       sft=SFTConfig(path=DEMONSTRATIONS, steps=1000, batch_size=32, lr=2e-3),
       mesh=MeshConfig(preset="dp"),
       checkpoint=CheckpointConfig(export_final=False),
   )
 
 
+def paper_alpha() -> ExperimentConfig:
+  """VAPO at the paper's α = 0.05: λ_actor = 0 below 20 tokens, 0.85 at the longest (131)."""
+  base = vapo()
+  return dataclasses.replace(base, name="toy_vapo_paper_alpha",
+                             algo=dataclasses.replace(base.algo, length_adaptive_alpha=0.05))
+
+
 def table() -> dict[str, ExperimentConfig]:
   """The sweep: VAPO, PPO, GRPO, DAPO and the seven leave-one-out ablations."""
   return variants.table(vapo(), prefix="toy")
+
+
+def mechanism() -> dict[str, ExperimentConfig]:
+  """The mechanism check: does the reward-model start show the paper's signature (early-token
+  advantages off, lengths collapsing) where value pretraining is missing, at either α?"""
+  rows = table()
+  return {config.name: config for config in (rows["toy_vapo"], paper_alpha(), rows["toy_ppo"],
+                                             rows["toy_vapo_no_value_pretraining"])}
 
 
 def warm_start() -> ExperimentConfig:
@@ -79,3 +107,10 @@ def warm_start() -> ExperimentConfig:
                              algo=dataclasses.replace(base.algo, value_pretrain_steps=0),
                              eval=dataclasses.replace(base.eval, path=None),  # The members evaluate it before RL.
                              checkpoint=dataclasses.replace(base.checkpoint, export_final=True))
+
+
+def reward_model() -> ExperimentConfig:
+  """The outcome reward model every member's critic starts from: 40 steps of 128 samples of the warm
+  start (sampled at the rollout temperature, 1.0), 16 updates each at lr 1e-3 on the last token's
+  verdict (`variants.reward_model`). Started by the sweep from the warm start's export."""
+  return variants.reward_model(vapo(), name="toy_reward_model", steps=40, lr=1e-3)

@@ -14,13 +14,17 @@ scale, each as one `dataclasses.replace`:
                penalty over the last fifth of the response budget (4096 of 20480 tokens), dual clip
                c = 10 (`clip_ratio_c=10.0`), weight decay 0.1, no KL, no entropy bonus
   ablations(base)  VAPO with each technique left out in turn, in the paper's Table 1 order
+  reward_model(base)  an outcome reward model of the base's starting policy (below); no RL
 
-Critic initialisation. The paper's vanilla PPO and "w/o value pretraining" start the critic from
-a reward model (VAPO §4.1: the reward model's bias is what value pretraining removes).
-Ours start it, like every critic here, from the policy's backbone with a zero value head, which
-has no such bias: a different and probably stronger baseline. To reproduce the paper's rows,
-pass a reward model as `model.critic_checkpoint=/ckpt/rm` (a Hugging Face directory whose
-one-output `score` head becomes the value head).
+Critic initialisation. The paper's critics start from a reward model (VAPO §4.1: its bias toward
+the last token is what value pretraining removes; PPO and "w/o value pretraining" keep it). A run
+starts its critic from one with `model.critic_checkpoint=<dir>` (a Hugging Face directory whose
+one-output `value_head` or `score` head becomes the value head), else from the policy's backbone
+with a zero value head, which has no such bias. `reward_model(base)` makes one the paper's way: the
+critic, started from the policy, fitted to the verifier's verdict (±1) on the last token of each
+response alone, on samples of the starting policy (value pretraining with
+`algo.value_pretrain_target="outcome"`), and exported to `<run>/critic_pretrained/`. The toy
+sweeps run it once and pass it to every member (`experiments/__init__.py` SHARED_STAGES).
 
 What is not changed: the model, data, learning rates, warm-up and evaluation are the base's, so a
 difference between rows is the algorithm's. DAPO's warm-up (verl's recipe: 10 rollout steps; the
@@ -56,7 +60,7 @@ def _one_sample_per_prompt(base: ExperimentConfig) -> ExperimentConfig:
 
 
 def ppo(base: ExperimentConfig, *, name: str) -> ExperimentConfig:
-  """Vanilla PPO through the same code (critic from the policy, not a reward model: see above)."""
+  """Vanilla PPO through the same code (its critic from `model.critic_checkpoint`, see above)."""
   config = _algo(base, name, lam_actor=0.95, lam_critic=0.95, decoupled_gae=False, length_adaptive_alpha=None,
                  value_pretrain_steps=0, eps_high=base.algo.eps_low, loss_agg="seq-mean-token-mean",
                  positive_nll_coef=0.0)
@@ -99,6 +103,18 @@ def ablations(base: ExperimentConfig, *, prefix: str) -> dict[str, ExperimentCon
   }
   assert tuple(variants) == TECHNIQUES
   return {config.name: config for config in variants.values()}
+
+
+def reward_model(base: ExperimentConfig, *, name: str, steps: int, lr: float) -> ExperimentConfig:
+  """An outcome reward model (see the module docstring): `steps` critic-only steps of the base's
+  rollouts at critic learning rate `lr`, the loss on each response's last token alone; no RL, no
+  held-out evaluation, no policy export. Its critic is in `<run>/critic_pretrained/`."""
+  algo = dataclasses.replace(base.algo, estimator="gae", value_pretrain_steps=steps, value_pretrain_target="outcome",
+                             value_pretrain_patience=None)
+  return dataclasses.replace(base, name=name, rl_steps=0, algo=algo, optim=dataclasses.replace(base.optim, critic_lr=lr),
+                             model=dataclasses.replace(base.model, critic_checkpoint=None),
+                             eval=dataclasses.replace(base.eval, path=None),
+                             checkpoint=dataclasses.replace(base.checkpoint, export_final=False))
 
 
 def table(base: ExperimentConfig, *, prefix: str) -> dict[str, ExperimentConfig]:

@@ -22,6 +22,7 @@ from vapo_jax.run_config import EvalConfig, MeshConfig
     (AlgoConfig, "ppo_epochs", 0, r"AlgoConfig.ppo_epochs must be an integer >= 1"),
     (AlgoConfig, "value_pretrain_steps", -1, r"AlgoConfig.value_pretrain_steps must be an integer >= 0"),
     (AlgoConfig, "micro_batch_responses", 7, r"AlgoConfig.micro_batch_responses must divide"),
+    (AlgoConfig, "value_pretrain_target", "tokens", r"AlgoConfig.value_pretrain_target must be one of returns, outcome"),
     (OptimizerConfig, "actor_lr", 0.0, r"OptimizerConfig.actor_lr must be in \(0.0, 1.0\]"),
     (RolloutConfig, "top_p", 0.0, r"RolloutConfig.top_p must be in \(0.0, 1.0\]"),
     (RolloutConfig, "samples_per_prompt", 0, r"RolloutConfig.samples_per_prompt must be an integer"),
@@ -99,6 +100,22 @@ def test_baselines():
   assert grpo.algo.estimator == "group" and not grpo.algo.uses_critic
   assert dapo.algo.dynamic_sampling and dapo.algo.overlong_buffer_tokens == 4096
   assert (dapo.algo.eps_high, dapo.algo.loss_agg) == (0.28, "token-mean")
+
+
+def test_reward_models_and_the_toy_knobs():
+  """The reward-model experiments fit the critic on the outcome alone, with no RL; the toy's knobs are
+  the paper's where the issue asked (critic lr 2× the actor's, 16 updates a step, α = 0.05 beside)."""
+  for rm in (experiments.get_experiment("aime_reward_model"), experiments.get_experiment("toy_reward_model")):
+    assert (rm.algo.value_pretrain_target, rm.rl_steps, rm.eval.path, rm.checkpoint.export_final) == (
+        "outcome", 0, None, False)
+    assert rm.algo.value_pretrain_steps > 0 and rm.model.critic_checkpoint is None
+  toy = experiments.get_experiment("toy")
+  assert toy.optim.critic_lr == 2 * toy.optim.actor_lr and toy.updates_per_step == 16
+  assert "count=256" in toy.eval.path and toy.rl_steps // toy.eval.every_steps == 4  # 5 points with before RL.
+  mechanism = experiments.SWEEPS["toy_mechanism"]()
+  assert list(mechanism) == ["toy_vapo", "toy_vapo_paper_alpha", "toy_ppo", "toy_vapo_no_value_pretraining"]
+  assert [c.algo.length_adaptive_alpha for c in mechanism.values()] == [1.0, 0.05, None, 1.0]
+  assert mechanism["toy_vapo_no_value_pretraining"].algo.value_pretrain_steps == 0
 
 
 def test_registry():

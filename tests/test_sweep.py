@@ -19,8 +19,10 @@ import sys
 import numpy as np
 import pytest
 
-from vapo_jax import paths
+import experiments
+from vapo_jax import overrides, paths
 from vapo_jax.cli import sweep, sweep_report
+from vapo_jax.errors import ConfigError
 
 pytest.importorskip("matplotlib")
 
@@ -49,14 +51,19 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
 
   code, out = run_sweep(tmp_path, "--members", MEMBERS, "--jobs", "2")
   assert code == 0, out
-  # One warm start (seed 0), exported; every run starts from it, without SFT of its own.
+  # One warm start (seed 0), exported, then one reward model from its policy; every run starts from
+  # both, without SFT of its own.
   assert (sweep_dir / "toy_warm_start_seed0" / "export" / "model.safetensors").exists(), out
+  assert (sweep_dir / "toy_reward_model_seed0" / "critic_pretrained" / "model.safetensors").exists(), out
+  assert (f"model.checkpoint={sweep_dir}/toy_warm_start_seed0/export sft.steps=0"
+          in (sweep_dir / "logs" / "toy_reward_model_seed0.log").read_text())
   for name in runs:
     assert (sweep_dir / name / "summary.json").exists(), out
     assert (sweep_dir / name / "metrics.jsonl").exists()
     log = (sweep_dir / "logs" / f"{name}.log").read_text()
     assert "=== " in log  # The command line, then its output.
-    assert f"model.checkpoint={sweep_dir}/toy_warm_start_seed0/export sft.steps=0" in log
+    assert (f"model.checkpoint={sweep_dir}/toy_warm_start_seed0/export sft.steps=0 "
+            f"model.critic_checkpoint={sweep_dir}/toy_reward_model_seed0/critic_pretrained") in log
     stages = {json.loads(line)["stage"] for line in open(sweep_dir / name / "metrics.jsonl")}
     assert "sft" not in stages and "rl" in stages
   with open(sweep_dir / "runs.csv") as f:
@@ -70,8 +77,8 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
     assert best >= final
   table = (sweep_dir / "table.md").read_text()
   assert "| `toy_vapo` | 2 |" in table and "| `toy_vapo_no_clip_higher` | 2 |" in table
-  for name in ("heldout_accuracy", "response_length", "entropy", "explained_variance"):
-    assert (sweep_dir / "plots" / f"{name}.png").stat().st_size > 1000
+  for name in [name for name, *_ in sweep_report.FIGURES] + ["mechanism_toy_vapo", "mechanism_toy_vapo_no_clip_higher"]:
+    assert (sweep_dir / "plots" / f"{name}.png").stat().st_size > 1000, name
 
   # Rerun with a third member that fails (GRPO has no critic to pretrain: value_pretrain_steps=1 is
   # refused) placed before the others, and one run made unfinished: the failures are reported with
@@ -80,7 +87,7 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
   before = mtimes(sweep_dir)
   code, out = run_sweep(tmp_path, "--members", "toy_grpo," + MEMBERS)
   assert code == 1, out
-  for name in ("toy_warm_start_seed0", "toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0",
+  for name in ("toy_warm_start_seed0", "toy_reward_model_seed0", "toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0",
                "toy_vapo_no_clip_higher_seed1"):
     assert f"skip    {name}" in out
   assert mtimes(sweep_dir).keys() - before.keys() == {"toy_vapo_seed1"}  # Ran again after grpo failed.
@@ -95,7 +102,7 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
 
 
 def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
-  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo", "--no-warm-start")
+  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo", "--no-shared-stages")
   assert code == 1, out
   names = ["toy_grpo_seed0", "toy_dapo_seed0", "toy_grpo_seed1", "toy_dapo_seed1"]
   assert [line.split()[1] for line in out.splitlines() if line.startswith("FAILED")] == names
@@ -113,17 +120,20 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
   out = io.StringIO()
   assert sweep.main(["toy", "--seeds", "0,2", "--root", "runs/sweeps", "--print-commands", "rl_steps=5"], stream=out) == 0
   lines = out.getvalue().splitlines()
-  assert len(lines) == 1 + 11 * 2  # The warm start, then each seed's 11 members starting from it.
+  assert len(lines) == 2 + 11 * 2  # The warm start, the reward model, then each seed's 11 members from both.
   assert lines[0] == ("make train EXP=toy_warm_start ARGS='seed=0 model.init_seed=0 data.seed=0 "
                       "name=toy_warm_start_seed0 run_dir=runs/sweeps/toy rl_steps=5'")
-  assert lines[1] == ("make train EXP=toy_vapo ARGS='seed=0 model.init_seed=0 data.seed=0 name=toy_vapo_seed0 "
-                      "run_dir=runs/sweeps/toy model.checkpoint=runs/sweeps/toy/toy_warm_start_seed0/export "
-                      "sft.steps=0 rl_steps=5'")
-  assert lines[12].startswith("make train EXP=toy_vapo ARGS='seed=2 ") and lines[12].endswith(
-      "model.checkpoint=runs/sweeps/toy/toy_warm_start_seed0/export sft.steps=0 rl_steps=5'")
+  warm = "model.checkpoint=runs/sweeps/toy/toy_warm_start_seed0/export sft.steps=0"
+  critic = "model.critic_checkpoint=runs/sweeps/toy/toy_reward_model_seed0/critic_pretrained"
+  assert lines[1] == ("make train EXP=toy_reward_model ARGS='seed=0 model.init_seed=0 data.seed=0 "
+                      f"name=toy_reward_model_seed0 run_dir=runs/sweeps/toy {warm} rl_steps=5'")
+  assert lines[2] == ("make train EXP=toy_vapo ARGS='seed=0 model.init_seed=0 data.seed=0 name=toy_vapo_seed0 "
+                      f"run_dir=runs/sweeps/toy {warm} {critic} rl_steps=5'")
+  assert lines[13].startswith("make train EXP=toy_vapo ARGS='seed=2 ") and lines[13].endswith(
+      f"{warm} {critic} rl_steps=5'")
   out = io.StringIO()
-  assert sweep.main(["toy", "--seeds", "1", "--members", "toy_ppo", "--smoke", "--print-commands", "--no-warm-start"],
-                    stream=out) == 0
+  assert sweep.main(["toy", "--seeds", "1", "--members", "toy_ppo", "--smoke", "--print-commands",
+                     "--no-shared-stages"], stream=out) == 0
   assert out.getvalue() == ("make train EXP=toy_ppo ARGS='seed=1 model.init_seed=1 data.seed=1 name=toy_ppo_seed1 "
                             "run_dir=runs/sweeps/toy --smoke'\n")
   assert lines[-1].startswith("make train EXP=toy_vapo_no_group_sampling ARGS='seed=2 ")
@@ -134,20 +144,35 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
     sweep.main(["toy", "--seeds", "0,0"])
 
 
-def test_a_failed_warm_start_fails_its_members_without_starting_them(tmp_path):
+def test_a_failed_shared_stage_fails_the_later_runs_without_starting_them(tmp_path):
   sweep_dir = str(tmp_path / "toy")
-  start = sweep.Run("no_such_experiment", 0, sweep_dir)  # Exits 2 at once: unknown experiment.
-  runs = [start, sweep.Run("toy_vapo", 0, sweep_dir, start), sweep.Run("toy_ppo", 0, sweep_dir, start)]
+  warm, reward = experiments.TOY_STAGES
+  first = sweep.Run("no_such_experiment", 0, sweep_dir)  # Exits 2 at once: unknown experiment.
+  second = sweep.Run("toy_reward_model", 0, sweep_dir, ((warm, first),))
+  starts = ((warm, first), (reward, second))
+  runs = [first, second, sweep.Run("toy_vapo", 0, sweep_dir, starts), sweep.Run("toy_ppo", 0, sweep_dir, starts)]
   out = io.StringIO()
   status = sweep.execute(runs, jobs=2, stream=out)
   assert status["no_such_experiment_seed0"] == "failed (exit 2)", out.getvalue()
+  assert status["toy_reward_model_seed0"] == "failed (shared stage no_such_experiment_seed0: failed (exit 2))"
   for run in runs[1:]:
-    assert status[run.name] == "failed (warm start no_such_experiment_seed0: failed (exit 2))"
+    assert status[run.name].startswith("failed (shared stage no_such_experiment_seed0")
     assert not os.path.exists(run.log)  # Never started, although two runs may run at once.
-  assert "unknown experiment 'no_such_experiment'" in open(start.log).read()
-  # A warm start that is not among the runs and has not finished: its runs fail at once, not wait forever.
-  status = sweep.execute(runs[1:], stream=io.StringIO())
-  assert status["toy_vapo_seed0"].startswith("failed (warm start no_such_experiment_seed0")
+  assert "unknown experiment 'no_such_experiment'" in open(first.log).read()
+  # A shared stage that is not among the runs and has not finished: its runs fail at once, not wait forever.
+  status = sweep.execute(runs[2:], stream=io.StringIO())
+  assert status["toy_vapo_seed0"].startswith("failed (shared stage no_such_experiment_seed0")
+
+
+def test_shared_stages_are_registered_experiments_feeding_real_fields():
+  for sweep_name, stages in experiments.SHARED_STAGES.items():
+    assert sweep_name in experiments.SWEEPS
+    member = next(iter(experiments.SWEEPS[sweep_name]().values()))
+    for stage in stages:
+      assert stage.experiment in experiments.EXPERIMENTS
+      overrides.apply_overrides(member, [f"{stage.field}=/some/dir", *stage.overrides])  # Each a real field.
+  with pytest.raises(ConfigError, match="must be a registered experiment"):
+    experiments.SharedStage(experiment="nope", output="export", field="model.checkpoint")
 
 
 def test_area_under_curve_is_the_mean_height():
@@ -160,7 +185,7 @@ def test_area_under_curve_is_the_mean_height():
 
 def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
   """A scheduler's SIGTERM (or `kill`) stops the runs in progress, not only the sweep."""
-  argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-warm-start",
+  argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-shared-stages",
           "--root", str(tmp_path), *MICRO]
   sweep_process = subprocess.Popen(argv, cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=dict(os.environ, XLA_FLAGS=""))

@@ -10,11 +10,13 @@
 A sweep is data: `experiments.SWEEPS[name]()` returns {member name: ExperimentConfig}. Each member ×
 seed S runs as `python -m vapo_jax.cli.train --exp <member> seed=S model.init_seed=S data.seed=S
 name=<member>_seed<S> run_dir=runs/sweeps/<sweep> [overrides]` (the `make train` command) in a
-subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep with a warm start
-(`experiments.WARM_STARTS`, e.g. toy → toy_warm_start) first runs that experiment once
-(`<warm start>_seed0`: the supervised warm start, exported) and starts every run from its policy
-(`model.checkpoint=<its export> sft.steps=0`), as every row of the paper starts from one base model
-(the seeds vary the RL); `--no-warm-start` lets every run do its own. Runs go seed by seed
+subprocess, its console output appended to `logs/<member>_seed<S>.log`. A sweep with shared stages
+(`experiments.SHARED_STAGES`, e.g. toy → the supervised warm start, then the reward model) first runs
+each stage's experiment once, in order (`<experiment>_seed0`), each later stage and every member
+starting from what the earlier ones export: `model.checkpoint=<warm start>/export sft.steps=0` (every
+row of the paper starts from one base model; the seeds vary the RL) and
+`model.critic_checkpoint=<reward model>/critic_pretrained` (the critic the paper's PPO starts from);
+`--no-shared-stages` lets every run do its own warm start, its critic from its policy. Runs go seed by seed
 (every member's seed 0 first), so a partial sweep already compares all members. A run whose
 directory holds `summary.json` is finished and skipped, so running the same command again resumes
 the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep:
@@ -60,8 +62,8 @@ class Run:
   member: str  # Experiment name (`--exp`).
   seed: int
   sweep_dir: str  # runs/sweeps/<sweep>: the runs' parent directory (`run_dir=`).
-  # The warm-start run whose exported policy this run starts from (`model.checkpoint=`, no SFT of its own).
-  warm_start: "Run | None" = None
+  # The shared stages' runs this run starts from, each with its stage (what it exports, the field taking it).
+  starts: tuple[tuple[experiments.SharedStage, "Run"], ...] = ()
 
   @property
   def name(self) -> str:
@@ -80,12 +82,14 @@ class Run:
     return os.path.isfile(os.path.join(self.directory, "summary.json"))
 
   @property
-  def export(self) -> str:
-    return os.path.join(self.directory, "export")
+  def ready(self) -> bool:
+    """Every shared stage it starts from has finished."""
+    return all(run.finished for _, run in self.starts)
 
   def overrides(self, extra: Sequence[str] = ()) -> list[str]:
     seed = self.seed
-    start = [] if self.warm_start is None else [f"model.checkpoint={self.warm_start.export}", "sft.steps=0"]
+    start = [o for stage, run in self.starts
+             for o in (f"{stage.field}={os.path.join(run.directory, stage.output)}", *stage.overrides)]
     return [f"seed={seed}", f"model.init_seed={seed}", f"data.seed={seed}", f"name={self.name}",
             f"run_dir={self.sweep_dir}", *start, *extra]
 
@@ -103,17 +107,17 @@ def members_of(sweep: str) -> list[str]:
   return list(experiments.SWEEPS[sweep]())
 
 
-def warm_start_of(sweep: str) -> str | None:
-  """The experiment that warm-starts every member of sweep `sweep` (experiments.WARM_STARTS), if any."""
-  return experiments.WARM_STARTS.get(sweep)
-
-
-def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *, warm_start: str | None = None) -> list[Run]:
-  """Every member × seed, seed by seed; with `warm_start`, that experiment first (once, seed 0, whatever
-  the seeds), and every run starts from its exported policy, as every row of the paper starts from one
-  base model: the seeds vary the RL (its sampling and data order), not the starting policy."""
-  start = None if warm_start is None else Run(warm_start, 0, sweep_dir)
-  return [start] * (start is not None) + [Run(member, seed, sweep_dir, start) for seed in seeds for member in members]
+def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *,
+         stages: Sequence[experiments.SharedStage] = ()) -> list[Run]:
+  """The shared `stages` first, in order, each once (seed 0, whatever the seeds) and each starting from
+  the ones before it; then every member × seed, seed by seed, each starting from all of them, as every
+  row of the paper starts from one base model: the seeds vary the RL (its sampling and data order),
+  not the starting point."""
+  runs, starts = [], ()
+  for stage in stages:
+    runs.append(Run(stage.experiment, 0, sweep_dir, starts))
+    starts += ((stage, runs[-1]),)
+  return runs + [Run(member, seed, sweep_dir, starts) for seed in seeds for member in members]
 
 
 # ------------------------------------------------------------------------------------ running
@@ -165,17 +169,18 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
   total = len(pending)
   try:
     while pending or active:
-      # A run whose warm start failed, or can no longer finish (not among the runs): nothing to start from.
-      stuck = not active and not any(r.warm_start is None or r.warm_start.finished for r in pending)
-      unstartable = lambda r: r.warm_start is not None and (
-          stuck or status.get(r.warm_start.name, "").startswith(("failed", "stopped")))
-      for run in [r for r in pending if unstartable(r)]:
-        status.setdefault(run.warm_start.name, "not run")
-        pending.remove(run)
-        status[run.name] = f"failed (warm start {run.warm_start.name}: {status[run.warm_start.name]})"
-        print(f"FAILED  {run.name} (its warm start {run.warm_start.name} did not finish)", file=stream, flush=True)
+      # A run whose shared stage failed, or can no longer finish (not among the runs): nothing to start from.
+      stuck = not active and not any(r.ready for r in pending)
+      for run in list(pending):
+        unfinished = [s for _, s in run.starts if not s.finished]
+        failed = [s for s in unfinished if stuck or status.get(s.name, "").startswith(("failed", "stopped"))]
+        if failed:
+          status.setdefault(failed[0].name, "not run")
+          pending.remove(run)
+          status[run.name] = f"failed (shared stage {failed[0].name}: {status[failed[0].name]})"
+          print(f"FAILED  {run.name} (its shared stage {failed[0].name} did not finish)", file=stream, flush=True)
       while len(active) < jobs:
-        ready = [r for r in pending if r.warm_start is None or r.warm_start.finished]
+        ready = [r for r in pending if r.ready]
         if not ready:
           break
         run = ready[0]
@@ -220,8 +225,8 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   parser.add_argument("--members", help="comma-separated subset of the sweep's members (default: all)")
   parser.add_argument("--root", default=DEFAULT_ROOT, help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
   parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
-  parser.add_argument("--no-warm-start", action="store_true",
-                      help="each run does its own supervised warm start (default: one per seed, shared by the members)")
+  parser.add_argument("--no-shared-stages", action="store_true",
+                      help="no shared warm start or reward model: each run does its own warm start, its critic from its policy")
   parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
   parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
   args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.
@@ -246,19 +251,19 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
     return 2
   sweep_dir = os.path.join(args.root, args.sweep)
   extra = ["--smoke"] * args.smoke + args.overrides
-  warm_start = None if args.no_warm_start else warm_start_of(args.sweep)
-  if args.print_commands:  # In order: a seed's warm start before its members.
-    for run in plan(members, args.seeds, sweep_dir, warm_start=warm_start):
+  stages = () if args.no_shared_stages else experiments.SHARED_STAGES.get(args.sweep, ())
+  if args.print_commands:  # In order: the shared stages before the members.
+    for run in plan(members, args.seeds, sweep_dir, stages=stages):
       print(run.make_command(extra), file=stream)
     return 0
   status: dict[str, str] = {}
   # Absolute paths: the runs start in the repository root.
-  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), warm_start=warm_start)
-  runs = [run for run in everything if run.member != warm_start]  # The table's rows.
+  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
+  runs = everything[len(stages):]  # The table's rows.
   if not args.report:
     start = time.perf_counter()
     print(f"sweep {args.sweep}: {len(members)} members × seeds {','.join(map(str, args.seeds))} = {len(runs)} runs"
-          + (f" from one warm start ({warm_start}_seed0)" if warm_start else "")
+          + (f" from shared stages {', '.join(f'{s.experiment}_seed0' for s in stages)}" if stages else "")
           + f", {args.jobs} at a time, under {sweep_dir}", file=stream, flush=True)
     report = lambda _: _report_between_runs(args.sweep, members, runs, status, sweep_dir, stream=stream)
     execute(everything, jobs=args.jobs, extra=extra, on_done=report, status=status, stream=stream)
