@@ -21,7 +21,7 @@ def _write_run(run_dir, rl_steps=12, vp_steps=4, eval_every=4, seed=0):
     g += 1
   for step in range(vp_steps):
     writer.write(step, "value_pretrain", {"critic/value_loss": 1.0 / (step + 1),
-                                          "critic/explained_variance": step / vp_steps}, global_step=g)
+                                          "critic/explained_variance": step / vp_steps} | _bias(step), global_step=g)
     g += 1
   writer.write(0, "eval_before_rl", {"eval/accuracy": 0.1, "eval/response_len_mean": 40.0}, global_step=g)
   for step in range(rl_steps):
@@ -34,13 +34,19 @@ def _write_run(run_dir, rl_steps=12, vp_steps=4, eval_every=4, seed=0):
          "actor/approx_kl": 1e-3 * (1 + t), "rollout/logprob_gap": 2e-3, "actor/pg_loss": -0.01,
          "critic/value_loss": 0.2 * (1 - t), "actor/nll_loss": 0.5, "time/step_s": 1.0, "time/update_s": 0.5,
          "reward/no_answer_frac": 0.5 * (1 - t), "reward/error_frac": 0.0,
-         "actor/ref_kl": float("nan")}
+         "actor/ref_kl": float("nan"), "adv/early_mean": 0.3 * (1 - t), "adv/early_mean_unwhitened": 0.1 * (1 - t)}
+    m |= _bias(vp_steps + step)
     if (step + 1) % eval_every == 0 and step + 1 < rl_steps:
       m |= {"eval/accuracy": 0.1 + 0.5 * (step + 1) / rl_steps, "eval/response_len_mean": 40.0}
     writer.write(step, "rl", m, global_step=g)
     g += 1
   writer.write(rl_steps, "eval_after_rl", {"eval/accuracy": 0.6, "eval/response_len_mean": 45.0}, global_step=g)
   writer.close()
+
+
+def _bias(step):
+  """Value bias by decile, shrinking with the step."""
+  return {f"critic/value_bias_decile_{k}": (k - 4.5) / 10 / (1 + step) for k in range(10)}
 
 
 def test_make_plot_writes_each_figure_of_a_run(tmp_path, capsys):
@@ -87,3 +93,18 @@ def test_aggregate_over_seeds_and_the_band(tmp_path):
                             "vapo accuracy": [s["rollout/accuracy"] for s in seeds]},
                            title="Training reward", ylabel="reward", path=str(tmp_path / "sweep" / "reward.png"))
   assert open(path, "rb").read().startswith(PNG)
+
+
+def test_panels_of_one_member(tmp_path):
+  """The sweep's per-member mechanism figure: several panels, one with ten ordered lines."""
+  seeds = []
+  for seed in range(2):
+    _write_run(tmp_path / f"s{seed}", seed=seed)
+    seeds.append(plots.run_curves(plots.read_metrics(str(tmp_path / f"s{seed}" / "metrics.jsonl"))))
+  deciles = {f"decile {k + 1}": [s[f"critic/value_bias_decile_{k}"] for s in seeds] for k in range(10)}
+  panels = [("Held-out accuracy", "avg@k", {"held-out": [s["eval/accuracy"] for s in seeds]}),
+            ("Value bias", "V − G", deciles), ("Clipped", "fraction", {"high": [s["actor/clip_frac_high"] for s in seeds]}),
+            ("Empty", "nothing", {})]
+  path = plots.plot_panels(panels, title="member", path=str(tmp_path / "panels" / "m.png"))
+  data = open(path, "rb").read()
+  assert data.startswith(PNG) and len(data) > 20_000

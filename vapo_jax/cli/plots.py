@@ -41,6 +41,10 @@ FIGURES = [
      [("updated policy", "actor/entropy"), ("sampling policy", "actor/entropy_rollout")]),
     ("explained_variance", "Critic explained variance", "1 − Var[R − V] / Var[R]",
      [("explained variance", "critic/explained_variance")]),
+    ("early_advantage", "Mean advantage over the first 10 % of each response's tokens", "advantage",
+     [("as the actor sees it (whitened)", "adv/early_mean"), ("in reward units", "adv/early_mean_unwhitened")]),
+    ("value_bias", "Critic bias V − G by decile of the response (G: Monte-Carlo return)", "V − G",
+     [(f"decile {k + 1}", f"critic/value_bias_decile_{k}") for k in range(10)]),
     ("clip_fractions", "Clipped token fractions", "fraction of tokens",
      [("ratio < 1 − ε_low (Â < 0)", "actor/clip_frac_low"), ("ratio > 1 + ε_high (Â > 0)", "actor/clip_frac_high"),
       ("dual clip", "actor/dual_clip_frac"), ("value clip", "critic/clip_frac")]),
@@ -113,14 +117,34 @@ def aggregate(runs: Sequence[Curve]) -> tuple[np.ndarray, np.ndarray, np.ndarray
   return x, ys.mean(0), ys.min(0), ys.max(0)
 
 
-def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path: str, xlabel: str = "RL step",
-                markers: bool | None = None, below_zero: str | None = None) -> str:
-  """Draws one line per label into a PNG at `path`; returns the path.
+def draw_curves(ax, curves: dict[str, list[Curve]], *, markers: bool | None = None, colors: Sequence | None = None,
+                band_alpha: float = 0.2) -> int:
+  """Draws one line per label onto matplotlib axes `ax`; returns the most runs behind one line.
 
   `curves[label]` holds one (x, y) per run. One run: its points. Several (seeds): their mean over
   the x range all of them cover (each interpolated onto the union of their x there), with a band
   from their minimum to their maximum. `markers` None: dots on lines of at most 30 points.
-  `below_zero` names the stage before x = 0 (shaded, when any line reaches there)."""
+  `colors`: one per label (None: the axes' cycle)."""
+  banded = 0
+  for i, (label, runs) in enumerate(curves.items()):
+    runs = [(np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in runs if len(x)]
+    if not runs:
+      continue
+    x, mean, lo, hi = aggregate(runs)
+    banded = max(banded, len(runs))
+    marker = "o" if (len(x) <= 30 if markers is None else markers) else None
+    color = None if colors is None else colors[i]
+    (line,) = ax.plot(x, mean, marker=marker, markersize=3.5, linewidth=1.4, color=color,
+                      label=label if len(runs) == 1 else f"{label} (mean of {len(runs)})")
+    if len(runs) > 1 and band_alpha:
+      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=band_alpha, linewidth=0)
+  return banded
+
+
+def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path: str, xlabel: str = "RL step",
+                markers: bool | None = None, below_zero: str | None = None) -> str:
+  """Draws one line per label (`draw_curves`) into a PNG at `path`; returns the path. `below_zero`
+  names the stage before x = 0 (shaded, when any line reaches there)."""
   import matplotlib
   matplotlib.use("Agg")  # Files only; no display needed.
   import matplotlib.pyplot as plt
@@ -129,31 +153,52 @@ def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path
   fig, ax = plt.subplots(figsize=(10, 4.6) if many else (7, 4.2), dpi=110)
   if len(curves) > 10:  # The default cycle repeats after 10 colours.
     ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
-  banded = 0
-  for label, runs in curves.items():
-    runs = [(np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in runs if len(x)]
-    if not runs:
-      continue
-    x, mean, lo, hi = aggregate(runs)
-    if len(runs) > 1:
-      banded = max(banded, len(runs))
-    else:
-      lo = hi = None
-    marker = "o" if (len(x) <= 30 if markers is None else markers) else None
-    (line,) = ax.plot(x, mean, marker=marker, markersize=3.5, linewidth=1.4,
-                      label=label if lo is None else f"{label} (mean of {len(runs)})")
-    if lo is not None:
-      ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.08 if many else 0.2, linewidth=0)
+  banded = draw_curves(ax, curves, markers=markers, band_alpha=0.08 if many else 0.2)
   if below_zero and any(len(line.get_xdata()) and min(line.get_xdata()) < 0 for line in ax.get_lines()):
     xlim = ax.get_xlim()
     ax.axvspan(xlim[0], -0.5, color="0.5", alpha=0.12, linewidth=0, label=below_zero)
     ax.set_xlim(xlim)
-  ax.set_title(title + ("  (bands: min–max over runs)" if banded else ""))
+  _label(ax, title + ("  (bands: min–max over runs)" if banded > 1 else ""), xlabel, ylabel)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8, **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else {}))
+  return _save(fig, path)
+
+
+def plot_panels(panels: Sequence[tuple[str, str, dict[str, list[Curve]]]], *, title: str, path: str,
+                columns: int = 3) -> str:
+  """Several `draw_curves` panels, each (title, y label, curves), in one PNG at `path`; returns the
+  path. A panel of more than 6 lines colours them along a colour map (ordered lines: deciles)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  rows = -(-len(panels) // columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), dpi=100, squeeze=False)
+  for ax, (panel_title, ylabel, curves) in zip(axes.flat, panels):
+    ordered = len(curves) > 6
+    colors = plt.get_cmap("viridis")(np.linspace(0, 0.95, len(curves))) if ordered else None
+    draw_curves(ax, curves, colors=colors, band_alpha=0 if ordered else 0.2)
+    if ordered:
+      ax.axhline(0.0, color="0.6", linewidth=0.6)
+    _label(ax, panel_title, "RL step", ylabel)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=6 if ordered else 7, ncol=2 if ordered else 1)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  fig.suptitle(title + "  (mean over seeds; bands: min–max)")
+  return _save(fig, path)
+
+
+def _label(ax, title: str, xlabel: str, ylabel: str) -> None:
+  ax.set_title(title, fontsize=10)
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)
   ax.grid(alpha=0.3)
-  if ax.get_legend_handles_labels()[0]:
-    ax.legend(fontsize=8, **(dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else {}))
+
+
+def _save(fig, path: str) -> str:
+  import matplotlib.pyplot as plt
+
   fig.tight_layout()
   png = io.BytesIO()
   fig.savefig(png, format="png")
