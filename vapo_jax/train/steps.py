@@ -59,6 +59,7 @@ class TrainBatch(NamedTuple):
   old_logprobs: jax.Array | None = None  # [B, Tr] policy log-probs at rollout time (None: critic only).
   advantages: jax.Array | None = None  # [B, Tr] (None: critic only).
   ref_logprobs: jax.Array | None = None  # [B, Tr] reference-policy log-probs (None without a KL term).
+  value_mask: jax.Array | None = None  # [B, Tr] tokens of the value loss (None: response_mask).
 
 
 def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
@@ -84,6 +85,15 @@ def _sequences(batch: TrainBatch | PackedBatch) -> tuple[jax.Array, jax.Array]:
   if isinstance(batch, PackedBatch):
     return batch.response_lengths, batch.is_positive
   return jnp.sum(batch.response_mask, axis=-1, dtype=jnp.int32), batch.is_positive
+
+
+def _value_tokens(batch: TrainBatch | PackedBatch) -> jax.Array:
+  """The tokens a mini-batch's value loss fits: its value_mask's (a reward model: the last tokens),
+  else every response token."""
+  per_token = batch.rows if isinstance(batch, PackedBatch) else batch
+  if per_token.value_mask is not None:
+    return jnp.sum(per_token.value_mask).astype(jnp.float32)
+  return jnp.sum(_sequences(batch)[0]).astype(jnp.float32)
 
 
 def _policy(model, mb: TrainBatch | RowBatch, *, chunk: int, entropy: bool):
@@ -150,11 +160,12 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
 def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
                   shards: int = 1):
   """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
-  denominator = jnp.sum(_sequences(batch)[0]).astype(jnp.float32)
+  fitted = lambda b: b.response_mask if b.value_mask is None else b.value_mask
+  denominator = _value_tokens(batch)
 
   def loss_fn(p, mb: TrainBatch | RowBatch):
     v = _values(nnx.merge(graphdef, p), mb)
-    loss, metrics = losses.value_loss(v, mb.old_values, mb.returns, mb.response_mask,
+    loss, metrics = losses.value_loss(v, mb.old_values, mb.returns, fitted(mb),
                                       clip_range=algo.value_clip, denominator=denominator)
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
@@ -311,9 +322,10 @@ class Steps:
     if place is None:
       stats["perf/padding_frac_scoring"] = 1.0 - jnp.mean(attention.astype(jnp.float32))
     if critic_only:
-      returns = advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma)
-      stats["critic/explained_variance"] = losses.explained_variance(value, returns, mask)
-      return TrainBatch(tokens, attention, mask, returns, value, correct), stats
+      returns, fitted = algorithm.value_targets(algo, token_rewards, mask)
+      stats["critic/explained_variance"] = losses.explained_variance(value, returns, fitted)
+      stats |= algorithm.position_metrics(None, value, returns, mask)
+      return TrainBatch(tokens, attention, mask, returns, value, correct, value_mask=fitted), stats
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
@@ -326,6 +338,9 @@ class Steps:
         "critic/return_mean": masked.masked_mean(est.returns, mask),
         "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
         "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+    stats |= algorithm.position_metrics(
+        est, value, None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
+        mask)
     return TrainBatch(tokens, attention, mask, est.returns, value, correct, old_logprobs, est.advantages, ref), stats
 
   # ------------------------------------------------------------------------------ updates
