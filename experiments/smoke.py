@@ -4,9 +4,8 @@
 
 A one-layer model from random weights, the byte tokenizer, synthetic arithmetic, 8 prompts of
 16-token responses and at most two steps of each stage that the experiment has (and a held-out
-evaluation where it has one). Everything else (the
-algorithm, the stages, the mesh preset's code path) is the experiment's own: the same program as
-the full run, with small numbers.
+evaluation where it has one). Everything else (the algorithm, the stages, the mesh preset's code
+path) is the experiment's own: the same program as the full run, with small numbers.
 """
 
 import dataclasses

@@ -2,18 +2,14 @@
 
   trainer = Trainer(config); summary = trainer.run()
 
-A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after
-the warm start, every `eval.every_steps` RL steps and after RL (keys: `experience.evaluation_key`).
-Its state is one immutable pytree (`state.TrainState`: parameters, optimizer states, reference
-policy, PRNG key) passed through the jitted programs of `steps.Steps`, plus a host record
-(`state.Progress`). `step` is one RL (or value-pretraining) step from prompts to parameter update.
-The same loop runs VAPO, its ablations, vanilla PPO, GRPO and DAPO: only the config differs. The
-math is in `algorithm` / `advantages` / `losses`.
-
-The critic starts from `model.critic_checkpoint` (a value or reward model; the paper's start from a
-reward model, VAPO §4.1), else from the policy's backbone with a zero value head. Value pretraining
-fits it to Monte-Carlo returns on every token, or to the last token's verdict alone
-(`algo.value_pretrain_target="outcome"`: a reward model); both export it to `critic_pretrained/`.
+A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after the
+warm start, every `eval.every_steps` RL steps and after RL (keys: `experience.evaluation_key`). Its
+state is one immutable pytree (`state.TrainState`: parameters, optimizer states, reference policy,
+PRNG key) passed through the jitted programs of `steps.Steps`, plus a host record (`state.Progress`).
+`step` is one RL (or value-pretraining) step from prompts to parameter update. The same loop runs
+VAPO, its ablations, vanilla PPO, GRPO and DAPO: only the config differs. The math is in `algorithm`
+/ `advantages` / `losses`. The critic starts from `model.critic_checkpoint` (the paper's: a reward
+model, VAPO §4.1), else from the policy with a zero value head (`critic_from_actor`).
 
 A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
 boundary; a new Trainer on the same run directory continues from the newest complete one, and
@@ -291,7 +287,8 @@ class Trainer:
       self.state = self.critic_from_actor(self.state)  # The critic starts from the warm-started policy.
 
   def value_pretrain_stage(self):
-    """Critic only, on Monte-Carlo returns (λ = 1) of the fixed initial policy's samples."""
+    """Critic only, on Monte-Carlo returns (λ = 1) of the fixed initial policy's samples, or on the last
+    token's verdict alone (`algo.value_pretrain_target="outcome"`: a reward model); exported."""
     config, done = self.config, self.progress
     steps = config.algo.value_pretrain_steps if config.algo.uses_critic else 0
     progress = metrics_lib.ProgressLine("value-pretrain", steps)
