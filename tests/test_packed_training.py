@@ -71,9 +71,9 @@ def _models():
   return actor, critic
 
 
-def _run(config: ExperimentConfig, devices):
+def _run(config: ExperimentConfig, devices, *, critic_only: bool = False):
   """(scored batch, scoring stats, update metrics, Σ actor gradients, Σ critic gradients) of one PPO
-  step on the fixed rollout, in the config's layout."""
+  step on the fixed rollout, in the config's layout (`critic_only`: a value-pretraining step)."""
   mesh = sharding.make_mesh(data=1, fsdp=len(devices), tensor=1, devices=devices)
   rules = sharding.PRESETS[config.mesh.preset]
   actor, critic = _models()
@@ -89,17 +89,17 @@ def _run(config: ExperimentConfig, devices):
                      ref=jax.tree.map(lambda x: x * 1.01, actor_params) if config.algo.kl_coef else None)
   out, rewards, correct = steps.place(_rollout())
   plan = steps.plan(state, out)
-  batch, stats = steps.score(state, out, rewards, correct, plan=plan)
-  state, metrics = steps.ppo_update(state, batch, actor=True, critic=True, plan=plan)
+  batch, stats = steps.score(state, out, rewards, correct, plan=plan, critic_only=critic_only)
+  state, metrics = steps.ppo_update(state, batch, actor=not critic_only, critic=True, plan=plan)
   grads = [jax.tree.map(np.asarray, opt.inner_state[0]) for opt in (state.actor_opt, state.critic_opt)]
   return jax.tree.map(np.asarray, batch), jax.device_get(stats), jax.device_get(metrics), *grads
 
 
-def _assert_same_step(packed, padded):
+def _assert_same_step(packed, padded, *, actor_trained: bool = True):
   (batch, stats, metrics, actor_grads, critic_grads), (want_batch, want_stats, want_metrics, want_actor,
                                                        want_critic) = packed, padded
   mask = want_batch.response_mask
-  for field in ("old_values", "old_logprobs", "advantages", "returns", "ref_logprobs"):
+  for field in ("old_values", "old_logprobs", "advantages", "returns", "ref_logprobs", "value_mask"):
     got, want = getattr(batch, field), getattr(want_batch, field)
     assert (got is None) == (want is None), field
     if want is not None:
@@ -109,11 +109,11 @@ def _assert_same_step(packed, padded):
     assert keys <= got.keys(), (name, keys - got.keys())
     for key in sorted(keys):
       np.testing.assert_allclose(got[key], want[key], **TOLERANCE, err_msg=f"{name}: {key}")
-  for got, want in ((actor_grads, want_actor), (critic_grads, want_critic)):
+  for got, want, trained in ((actor_grads, want_actor, actor_trained), (critic_grads, want_critic, True)):
     flat_got, flat_want = nnx.to_flat_state(got), nnx.to_flat_state(want)
     for (path, g), (_, w) in zip(flat_got, flat_want):
       w = w.get_value()
-      assert np.abs(w).max() > 0, path  # Every parameter gets a gradient.
+      assert np.abs(w).max() > 0 or not trained, path  # Every parameter gets a gradient.
       np.testing.assert_allclose(g.get_value(), w, **TOLERANCE, err_msg=str(path))
 
 
@@ -141,6 +141,19 @@ def test_a_packed_step_equals_the_padded_one(case):
   packed = _run(_config(True, algo, packing, preset_name), devices)
   _assert_same_step(packed, padded)
   assert packed[2]["perf/padding_frac_update"] < padded[2]["perf/padding_frac_update"]
+
+
+@pytest.mark.parametrize("target", ["returns", "outcome"])
+def test_a_packed_value_pretraining_step_equals_the_padded_one(target):
+  """Value pretraining on Monte-Carlo returns, and a reward model's (the last token's verdict alone:
+  the value loss on `value_mask`), packed as padded."""
+  config = lambda packed: _config(packed, dict(value_pretrain_target=target, mini_batch_responses=8),
+                                  dict(micro_batch_rows=2, row_tokens=20), "dp")
+  devices = jax.devices()[:1]
+  padded, packed = (_run(config(p), devices, critic_only=True) for p in (False, True))
+  _assert_same_step(packed, padded, actor_trained=False)
+  fitted = padded[0].value_mask
+  assert fitted.sum() == (RESPONSE_LENGTHS > 0).sum() if target == "outcome" else fitted.sum() == RESPONSE_LENGTHS.sum()
 
 
 def test_a_packed_supervised_update_equals_the_padded_one():
