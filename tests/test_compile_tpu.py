@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from conftest import build_smoke_config
 from vapo_jax.cli import memory
 from vapo_jax.models import attention, hlo, sharding
-from vapo_jax.train import aot, compile_format, compile_report, targets
+from vapo_jax.train import aot, compile_format, compile_report, packed_batch, packing, roofline, targets
 
 pytestmark = pytest.mark.skipif(targets.libtpu_missing() is not None, reason=str(targets.libtpu_missing()))
 TOPOLOGY = "v5p:2x2x1"
@@ -109,3 +109,19 @@ def test_the_smoke_runs_compile_time_is_reported(smoke_report):
   seconds = [p.lower_s + p.compile_s for phase in smoke_report.phases for p in phase.programs]
   assert all(s > 0 for s in seconds)
   assert dataclasses.asdict(smoke_report.config.model)["preset"] == "micro"
+
+
+def test_the_roofline_of_the_smoke_run(smoke_report):
+  """Each per-step phase at the slower of compute and memory, the loops' trips counted (packed: the
+  micro-batches of the rows compiled), an MFU that is a fraction."""
+  step = roofline.estimate(smoke_report)
+  c = smoke_report.config
+  assert [p.phase for p in step.phases] == ["rollout", "scoring", "update"]
+  for p in step.phases:
+    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s), p.phase
+    assert p.compute_s == p.flops / targets.CHIPS["TPU v5"].peak_flops
+  assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1
+  assert c.packing.enabled
+  m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
+  assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
+  assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")

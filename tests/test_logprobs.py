@@ -190,7 +190,7 @@ def test_no_full_vocabulary_logits_on_the_chunked_path():
 def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   """The trainer's compiled programs (scoring, the actor update with an entropy term, the supervised
   update) hold no `[micro, Tr, V]` array; with a chunk of Tr positions they do."""
-  from vapo_jax.train import optim, steps
+  from vapo_jax.train import optim, updates
   from vapo_jax.config import AlgoConfig, OptimizerConfig
 
   b, micro, s, tr = 4, 2, 80, 64
@@ -198,18 +198,18 @@ def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   tx = optim.make_optimizer(OptimizerConfig(), 1e-3)
   opt = jax.eval_shape(tx.init, params)
   shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
-  batch = steps.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
+  batch = updates.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
                                 shape(b, tr), None, shape(b, dtype=bool), shape(b, tr), shape(b, tr), None)
 
   def programs(chunk):
     algo = lambda coef: AlgoConfig(mini_batch_responses=b, micro_batch_responses=micro, entropy_coef=coef)
     return {
-        "scoring": jax.jit(lambda p, t, m: steps.logprobs_and_entropy(
+        "scoring": jax.jit(lambda p, t, m: updates.logprobs_and_entropy(
             graphdef, p, t, m, response_len=tr, chunk=chunk, micro=micro)).lower(params, batch.tokens,
                                                                                  batch.attention_mask),
-        "actor": jax.jit(lambda p, o, mb: steps.actor_update(  # With an entropy term; sft has none.
+        "actor": jax.jit(lambda p, o, mb: updates.actor_update(  # With an entropy term; sft has none.
             graphdef, tx, p, o, mb, algo=algo(0.01), micro=micro, chunk=chunk)).lower(params, opt, batch),
-        "sft": jax.jit(lambda p, o, mb: steps.sft_update(graphdef, tx, p, o, mb, micro=micro, chunk=chunk)).lower(
+        "sft": jax.jit(lambda p, o, mb: updates.sft_update(graphdef, tx, p, o, mb, micro=micro, chunk=chunk)).lower(
             params, opt, batch),
     }
 

@@ -22,7 +22,7 @@ from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common
 from vapo_jax.run_config import MeshConfig, ModelConfig
-from vapo_jax.train import memory_check, memory_plan, optim, steps
+from vapo_jax.train import memory_check, memory_plan, optim, updates
 
 GIB = 2**30
 # XLA:CPU's default scheduler orders for concurrency and loses what remat saves (measured: the same
@@ -113,9 +113,9 @@ def _xla_actor_update_temp_bytes(config) -> int:
   b, tr = config.algo.mini_batch_responses, r.max_response_tokens
   s = common.prompt_bucket(r.max_prompt_tokens) + tr
   shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
-  batch = steps.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
+  batch = updates.TrainBatch(shape(b, s, dtype=jnp.int32), shape(b, s, dtype=bool), shape(b, tr, dtype=bool),
                                 shape(b, tr), shape(b, tr), shape(b, dtype=bool), shape(b, tr), shape(b, tr), None)
-  update = jax.jit(lambda p, o, mb: steps.actor_update(
+  update = jax.jit(lambda p, o, mb: updates.actor_update(
       graphdef, tx, p, o, mb, algo=config.algo, micro=config.algo.micro_batch_responses, chunk=m.logits_chunk),
       donate_argnums=(0, 1))
   lowered = update.lower(params, jax.eval_shape(tx.init, params), batch)

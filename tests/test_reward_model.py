@@ -9,7 +9,7 @@ import numpy as np
 
 from vapo_jax.cli import resolve
 from vapo_jax.rl import advantages
-from vapo_jax.train import experience, steps
+from vapo_jax.train import experience, updates
 from vapo_jax.train.trainer import Trainer
 
 
@@ -36,8 +36,8 @@ def test_reward_model_fits_the_last_token_and_its_export_starts_the_critic(tmp_p
   trainer = Trainer(member, write_logs=False, verbose=False)
   for mine, theirs in zip(jax.tree.leaves(trainer.state.critic), jax.tree.leaves(maker.state.critic), strict=True):
     np.testing.assert_array_equal(np.asarray(mine), np.asarray(theirs))
-  tokens, attention = steps.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
-  value = lambda t: np.asarray(steps.values(t.steps.critic_def, t.state.critic, tokens, attention, response_len=16))
+  tokens, attention = updates.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, out.response_mask)
+  value = lambda t: np.asarray(updates.values(t.steps.critic_def, t.state.critic, tokens, attention, response_len=16))
   np.testing.assert_array_equal(value(trainer), value(maker))
   assert np.abs(value(trainer)).max() > 1e-4  # Not the zero value head a critic from the policy starts with.
   trainer.close()

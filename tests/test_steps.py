@@ -9,7 +9,7 @@ from flax import nnx
 
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
-from vapo_jax.train import micro_batches, steps
+from vapo_jax.train import micro_batches, steps, updates
 
 
 @pytest.mark.parametrize("b,micro,shards", [(32, 8, 4), (32, 8, 1), (16, 16, 8), (24, 6, 3), (8, 4, 8)])
@@ -36,13 +36,13 @@ def test_scoring_in_micro_batches_equals_the_whole_batch():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 259, (16, 12)), jnp.int32)
   attention = jnp.asarray(np.arange(12)[None] >= rng.integers(0, 4, (16, 1)))  # Left padding.
-  whole = steps.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3)
-  parts = steps.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3,
+  whole = updates.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3)
+  parts = updates.logprobs_and_entropy(actor_def, actor, tokens, attention, response_len=5, chunk=3,
                                           micro=4, shards=2)
   for a, b in zip(whole, parts):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
-  v_whole = steps.values(critic_def, critic, tokens, attention, response_len=5)
-  v_parts = steps.values(critic_def, critic, tokens, attention, response_len=5, micro=8, shards=4)
+  v_whole = updates.values(critic_def, critic, tokens, attention, response_len=5)
+  v_parts = updates.values(critic_def, critic, tokens, attention, response_len=5, micro=8, shards=4)
   np.testing.assert_allclose(v_parts, v_whole, rtol=1e-5, atol=1e-6)
   assert not np.allclose(v_whole[:8], v_whole[8:])  # The rows differ, so a mix-up would show.
 
@@ -57,9 +57,9 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   tokens = jnp.asarray(rng.integers(3, 259, (b, s)), jnp.int32)
   attention = jnp.ones((b, s), bool)
   mask = jnp.asarray(np.arange(tr)[None] < rng.integers(1, tr + 1, (b, 1)))  # Ragged lengths.
-  old = steps.logprobs_and_entropy(graphdef, params, tokens, attention, response_len=tr, chunk=4)[0]
+  old = updates.logprobs_and_entropy(graphdef, params, tokens, attention, response_len=tr, chunk=4)[0]
   f32 = lambda a: jnp.asarray(a, jnp.float32)
-  batch = steps.TrainBatch(tokens, attention, mask, returns=f32(rng.normal(size=(b, tr))),
+  batch = updates.TrainBatch(tokens, attention, mask, returns=f32(rng.normal(size=(b, tr))),
                                 old_values=f32(rng.normal(size=(b, tr))), is_positive=jnp.asarray(rng.random(b) < 0.5),
                                 old_logprobs=old + f32(rng.normal(0, 0.3, (b, tr))),
                                 advantages=f32(rng.normal(size=(b, tr))), ref_logprobs=old)
@@ -68,8 +68,8 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   # would divide near-zero gradients by their own size and magnify rounding).
   tx = optax.apply_if_finite(optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)), 1)  # As make_optimizer.
   opt = tx.init(params)
-  whole = steps.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=b, chunk=4)
-  parts = steps.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=4, shards=2, chunk=4)
+  whole = updates.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=b, chunk=4)
+  parts = updates.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=4, shards=2, chunk=4)
   for key in whole[2]:
     np.testing.assert_allclose(parts[2][key], whole[2][key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b_ in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(parts[0])):
@@ -87,8 +87,8 @@ def test_scoring_in_micro_batches_runs_with_remat():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 259, (8, 12)), jnp.int32)
   attention = jnp.ones((8, 12), bool)
-  whole = steps.values(critic_def, params, tokens, attention, response_len=5)
-  parts = jax.jit(lambda p: steps.values(critic_def, p, tokens, attention, response_len=5, micro=2))(params)
+  whole = updates.values(critic_def, params, tokens, attention, response_len=5)
+  parts = jax.jit(lambda p: updates.values(critic_def, p, tokens, attention, response_len=5, micro=2))(params)
   np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
   packed = packing.pack(tokens[:, :7], np.ones((8, 7), bool), tokens[:, 7:], np.ones((8, 5), bool), row_tokens=24,
                         rows=4)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vapo_jax.rl import advantages, losses
-from vapo_jax.train import steps
+from vapo_jax.train import updates
 from vapo_jax.train.trainer import Trainer
 
 PARITY_REWARD = "rewards_for_tests:even_first_byte"  # Random per sample: mixed groups.
@@ -68,10 +68,10 @@ def test_value_pretraining_raises_explained_variance(smoke_config):
   out, rewards, _ = _held_out_batch(trainer)
   mask = np.asarray(out.response_mask)
   returns = advantages.monte_carlo_returns(advantages.last_token_rewards(rewards, mask), mask)
-  tokens, attention = steps.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
+  tokens, attention = updates.join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
 
   def explained_variance():
-    v = steps.values(trainer.steps.critic_def, trainer.state.critic, tokens, attention, response_len=16)
+    v = updates.values(trainer.steps.critic_def, trainer.state.critic, tokens, attention, response_len=16)
     return float(losses.explained_variance(v, returns, mask))
 
   actor_before = jax.tree.map(np.asarray, trainer.state.actor)

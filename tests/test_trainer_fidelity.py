@@ -10,7 +10,7 @@ from flax import nnx
 
 from vapo_jax.config import AlgoConfig
 from vapo_jax.models.transformer import positions_from_mask
-from vapo_jax.train import steps
+from vapo_jax.train import updates
 from vapo_jax.train.experience import DynamicSamplingCapReached
 from vapo_jax.train.trainer import Trainer, value_pretraining_converged
 
@@ -60,7 +60,7 @@ def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_toke
   critic.value_head[...] = jax.random.normal(jax.random.key(1), critic.value_head[...].shape)  # Zero at init.
   tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
   full, _ = critic(tokens, positions_from_mask(attention), attention)
-  values = steps.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
+  values = updates.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
   prompt_len = tokens.shape[1] - 16
   for t in range(16):
     np.testing.assert_allclose(np.asarray(values)[:, t], np.asarray(full)[:, prompt_len - 1 + t], rtol=1e-6)

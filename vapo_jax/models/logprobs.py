@@ -180,7 +180,7 @@ def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, respo
                       entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """log π(o_t) (and H_t) `[B, Tr]` of each row's response under the causal LM `model`.
 
-  Layout as in `train_step`: `tokens` `[B, S]` is a left-padded prompt followed by `Tr =
+  Layout as in `train/updates.py`: `tokens` `[B, S]` is a left-padded prompt followed by `Tr =
   response_len` response tokens; the hidden state at position S − Tr − 1 + t predicts response
   token t = tokens[:, S − Tr + t]. Only those Tr hidden states go through the output projection,
   with at most B·`chunk`·V logits at a time. Replaces `response_logits` + `token_logprobs` +

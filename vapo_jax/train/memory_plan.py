@@ -19,7 +19,7 @@ What is counted, following the code as it is (`trainer.py`, `experience.py`, `st
   the prefill, whose logits are the last position's only; with `rollout.tensor_parallel` > 1, in the
   rollout layout: the actor's copy, the cache split by heads, the reshard's array in flight), scoring (old log-probs, values,
   reference log-probs: forward passes over the rollout batch in micro-batches of
-  `algo.micro_batch_responses`, `steps.logprobs_and_entropy`), the actor update and the
+  `algo.micro_batch_responses`, `updates.logprobs_and_entropy`), the actor update and the
   critic update (separate jitted calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
   are one micro-batch's; the gradient accumulator in the parameter dtype plus one micro-batch's
   gradient; a float32 parameter-sized AdamW update), and the supervised warm start when

@@ -1,6 +1,6 @@
 """Packed rows: sequences laid end to end in rows of a static token length, so compute follows real tokens.
 
-A batch in the rollout layout (`Rollout`, `train_step.join`): left-padded prompts `[B, Tp]` and
+A batch in the rollout layout (`Rollout`, `updates.join`): left-padded prompts `[B, Tp]` and
 right-padded responses `[B, Tr]` with their masks, spends B·(Tp + Tr) token slots on Σ_b n_b real
 tokens (n_b = prompt length + response length of sequence b). Packed, sequence b occupies n_b
 consecutive columns of one row of L = `row_tokens` slots:
@@ -13,7 +13,7 @@ Rows are filled by first-fit decreasing (`first_fit_decreasing`): at most 11/9·
 (Dósa 2007), with OPT the fewest rows that could hold the batch. The row count varies per batch;
 `bucket_rows` rounds it up so that the number of compiled programs stays bounded.
 
-Time index. As in `train_step.response_values` and `models.logprobs.response_logprobs`, the outputs
+Time index. As in `updates.response_values` and `models.logprobs.response_logprobs`, the outputs
 at the token *before* response token t (its hidden state) predict o_t, and the critic's value there
 is V(s_t). `unpack_predictions` reads response token t's outputs from the column before its own,
 which lies in the same segment: a packed sequence with a response has at least one prompt token.

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from vapo_jax.models.transformer import KVCache
 from vapo_jax.rollout import common
+from vapo_jax.train import packed_batch, packing
 
 
 class Estimate(NamedTuple):
@@ -76,9 +77,15 @@ def _decode(report, program, chips: int) -> tuple[float, float, int]:
 
 
 def _trips(report, phase_name: str) -> float:
-  """How many times the loop bodies cost_analysis counted once run in one RL step."""
+  """How many times the loop bodies cost_analysis counted once run in one RL step: micro-batches of
+  sequences, or packed, of `packing.micro_batch_rows` rows at the rows the report compiled (every
+  response at the cap)."""
   c = report.config
-  n, mini = c.rollout.responses_per_step, c.algo.mini_batch_responses
+  n, mini = c.rollout.responses_per_step, min(c.algo.mini_batch_responses, c.rollout.responses_per_step)
+  if c.packing.enabled:
+    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
+    rows = lambda size: packing.bucket_rows(size, multiple=m) // m
+    return rows(n) if phase_name == "scoring" else c.updates_per_step * rows(mini)
   micro = min(c.algo.micro_batch_responses or mini, mini)
   if phase_name == "scoring":
     return n // micro if micro < n else 1

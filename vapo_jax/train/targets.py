@@ -31,10 +31,11 @@ class Chip(NamedTuple):
   hbm_bandwidth: float  # Bytes/s per chip.
 
 
+# Peak bf16 FLOP/s and HBM bandwidth from the Cloud TPU system-architecture pages (v5p, v6e, v5e).
 # By `device_kind`: libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
 CHIPS = {
     "TPU v5": Chip(int(95.74 * GIB), 459e12, 2765e9),
-    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1638e9),
+    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1640e9),
     "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9),
 }
 _TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
