@@ -100,7 +100,10 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
   print(compile_format.table(report))
   if target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}:
     from vapo_jax.train import roofline
-    print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
+    if report.layers:  # cost_analysis saw the programs of a shallower model.
+      print(f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)")
+    else:
+      print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
   if message := compile_format.refusal(report):
     print(f"refused: {message}")
     return 1

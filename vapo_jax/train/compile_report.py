@@ -363,6 +363,16 @@ def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None 
                 run.refill, run.decode_rows)
 
 
+def _micro_batches(run: _Run, size: int) -> str:
+  """How `size` sequences are computed, in words."""
+  steps = run.steps
+  if steps.packed:
+    rows = packing.bucket_rows(size, multiple=steps.micro_rows)
+    return (f", packed: at most {rows} rows of {steps.row_tokens} tokens in micro-batches of {steps.micro_rows} "
+            "rows")
+  return f" in micro-batches of {min(steps.micro, size)}"
+
+
 def _rollout_onwards(run: _Run, log, phases) -> list[Phase]:
   """The rollout, value pretraining, scoring and the update, each compiled when asked for or needed."""
   config = run.config
@@ -376,10 +386,11 @@ def _rollout_onwards(run: _Run, log, phases) -> list[Phase]:
     _update(run, phase, log, state, batch, actor=False, held=chip_bytes(verified))
     done.append(phase)
   if {"scoring", "update"} & set(phases):
-    done.append(scoring := Phase("scoring", f"{lengths.shape[0]} sequences in micro-batches of {run.steps.micro}"))
+    done.append(scoring := Phase("scoring", f"{lengths.shape[0]} sequences{_micro_batches(run, lengths.shape[0])}"))
     batch = _scoring(run, scoring, log, run.state("rl"), verified, critic_only=False)
   if "update" in phases:
     done.append(update := Phase("update", f"{config.updates_per_step} mini-batch updates of "
-                                          f"{config.algo.mini_batch_responses} sequences, micro-batches of {run.steps.micro}"))
+                                          f"{config.algo.mini_batch_responses} sequences"
+                                          f"{_micro_batches(run, config.algo.mini_batch_responses)}"))
     _update(run, update, log, run.state("rl"), batch, actor=True, held=chip_bytes(verified))
   return done
