@@ -61,7 +61,7 @@ def vapo() -> ExperimentConfig:
       # (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, README "Compiled for the pod").
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=256, kv_cache_budget_gib=77.5, tensor_parallel=8),
+                            prompts_per_generation=128, kv_cache_budget_gib=77.5, tensor_parallel=8),
       # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
       # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.
       mesh=MeshConfig(preset="fsdp", data=1, fsdp=-1, tensor=1),
