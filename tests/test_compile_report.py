@@ -38,8 +38,10 @@ def _trainer_programs(trainer: Trainer, update: bool):
   return programs, (out, rewards, correct)
 
 
-# Every preset's scoring; fsdp's (the aime preset's) update too (the slowest compile of the smoke run).
-@pytest.mark.parametrize("preset", list(LAYOUTS))
+# Every preset's scoring; fsdp's (the aime preset's) update too (the slowest compile of the smoke run). dp
+# (padded) in make test; fsdp and fsdp_tp (packed) in make test-slow, for time (tests/test_compile_tpu.py
+# compiles the packed smoke run's every phase in make test).
+@pytest.mark.parametrize("preset", [p if p == "dp" else pytest.param(p, marks=pytest.mark.slow) for p in LAYOUTS])
 def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
   config = smoke_config(QUICK | {"mesh.preset": preset} | LAYOUTS[preset])
   update = preset == "fsdp"

@@ -146,7 +146,7 @@ def test_response_logprobs_equal_the_model_logits(tied):
   assert float(jnp.max(jnp.abs(dict(flat_want)[head].get_value()))) > 0  # The output kernel gets a gradient.
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True], ids=["untied", "tied"])
 def test_last_logits_are_the_last_position_of_the_full_logits(tied):
   model = _model(tied, seed=1)
   tokens, mask = _batch(s=11, tr=4, b=3)

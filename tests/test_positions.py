@@ -52,7 +52,7 @@ def binned_inputs(draw):
   return x, mask, draw(st.integers(1, 12))
 
 
-@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(binned_inputs())
 def test_random_masks_against_the_definition(inputs):
   x, mask, bins = inputs

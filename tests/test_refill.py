@@ -85,7 +85,8 @@ CASES = {"greedy-stop-at-first-step": dict(temperature=0.0),
          "top-k-top-p": dict(temperature=1.3, top_k=5, top_p=0.8)}
 
 
-@pytest.mark.parametrize("case", CASES)
+# top-k-top-p in make test; the other two cases in make test-slow, for time.
+@pytest.mark.parametrize("case", [c if c == "top-k-top-p" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_refill_equals_static(model, case):
   settings = dict(CASES[case])
   if case.startswith("greedy"):
@@ -114,6 +115,7 @@ def test_refill_equals_static(model, case):
     assert metrics[name] == static_metrics[name]
 
 
+@pytest.mark.slow  # For time (half a minute).
 def test_fewer_sequences_than_slots_and_length_limits(model):
   """4 sequences in 6 slots (2 never used), with per-sequence length limits 3, 10, 1, 7."""
   spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,), temperature=1.0)
@@ -133,7 +135,7 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
       np.arange(4), lengths - 1], [EOS])] == common.FINISH_LENGTH)
 
 
-@pytest.mark.parametrize("slots", [8, 16])
+@pytest.mark.parametrize("slots", [pytest.param(8, marks=pytest.mark.slow), 16])
 def test_sharded_refill_equals_unsharded(model, slots):
   """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking
   to 8 in the tail."""

@@ -23,8 +23,8 @@ ALGORITHMS = ("vapo", "ppo", "grpo", "dapo")  # VAPO and experiments/variants.py
 QUICK = {"sft.steps": 0, "eval.path": None}  # No warm start and no held-out evaluation.
 
 
-# VAPO and DAPO (group advantages, dynamic sampling) in make test; PPO and GRPO in make test-slow, for time.
-@pytest.mark.parametrize("name", [n if n in ("vapo", "dapo") else pytest.param(n, marks=pytest.mark.slow)
+# VAPO in make test; PPO, GRPO and DAPO in make test-slow, for time.
+@pytest.mark.parametrize("name", [n if n == "vapo" else pytest.param(n, marks=pytest.mark.slow)
                                   for n in ALGORITHMS])
 def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
@@ -135,7 +135,7 @@ def test_one_and_eight_devices_give_the_same_losses_and_parameters(smoke_config)
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("packed", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["packed", "padded"])
 def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeypatch, packed):
   """Host→device: the prompts and the verifier's rewards and verdicts, placed by `distributed`'s two
   placement functions (any other transfer raises under the guard), and with packed rows each
@@ -169,6 +169,7 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
   trainer.close()
 
 
+@pytest.mark.slow  # The engines' own tests cover the layout's tokens in make test (test_refill, test_rollout).
 def test_a_tensor_parallel_rollout_samples_the_training_layouts_tokens(smoke_config):
   """`rollout.tensor_parallel=2`: the rollout decodes on 4 groups of 2 devices (the actor resharded, the KV
   cache split by its 2 heads) and samples the tokens the training layout samples (`tensor_parallel=1`); an
