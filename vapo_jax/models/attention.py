@@ -102,7 +102,7 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
       out = (cudnn if kernel == "cudnn" else splash)(q, k, v, **given, causal=causal)
       note(kernel)
       return out
-    except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
+    except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:  # The kernels' refusals.
       reason = f"{kernel} rejected q {q.shape} {q.dtype}, k {k.shape}: {error}"
       if impl != "auto":
         raise ConfigError(f"model.attention={impl!r} cannot run here: {reason}; use 'auto' or 'chunked'") from error
@@ -199,10 +199,11 @@ def cudnn(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: bo
   cuDNN's masks know sequence lengths, not starts: each row is rotated so that its real tokens
   begin at slot 0 (a gather, O(T)), attended with lengths end − start, and rotated back.
   `implementation="xla"` runs the same path on any platform (tests). Segment ids are refused
-  (NotImplementedError): jax 0.10.2's `jax.nn.dot_product_attention` has no packed-sequence input
+  (ValueError; `attend` then falls back to `chunked`): jax 0.10.2's `jax.nn.dot_product_attention` has no packed-sequence input
   (cuDNN's packed layout, `q_offsets`, is reachable only through a private JAX module)."""
   if segment_ids is not None:
-    raise NotImplementedError("jax.nn.dot_product_attention takes no segment ids (packed rows)")
+    raise ValueError("cudnn attention takes no segment ids (packed rows): jax.nn.dot_product_attention has no "
+                     "packed-sequence input")
   t = q.shape[1]
   forward = (jnp.arange(t)[None] + key_start[:, None]) % t  # [B, T]: slot read into slot i.
   backward = (jnp.arange(t)[None] - key_start[:, None]) % t
