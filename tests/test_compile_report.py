@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from vapo_jax.train import aot, compile_format, compile_report, memory_plan, packing, targets
+from vapo_jax.train import aot, compile_format, compile_report, memory_plan, targets
 from vapo_jax.train.trainer import Trainer
 
 QUICK = {"sft.steps": 0, "eval.path": None}
@@ -26,7 +26,7 @@ def _trainer_programs(trainer: Trainer, update: bool):
   steps, size = trainer.steps, rewards.shape[0]
   plan = steps.plan(state, out)
   placement = plan and plan.placement
-  rows = lambda n: packing.bucket_rows(n, multiple=steps.micro_rows) if steps.packed else None
+  rows = steps.largest_rows
   score = steps.score_program(critic_only=False, rows=rows(size))
   args = (state, out, rewards, correct, placement)
   programs = {"score": (score.lower(*args), args)}

@@ -48,7 +48,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, experience, memory_plan, packing
+from vapo_jax.train import build, experience, memory_plan
 from vapo_jax.train.aot import Program, chip_bytes, compile_program
 from vapo_jax.train.steps import Steps, TrainBatch
 from vapo_jax.train.targets import GIB, Target
@@ -155,11 +155,8 @@ def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, 
   """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `group` sequences
   (one sequence a row: every response at the cap; `packing.bucket_rows` of that) and the placement
   `[groups, 2, size]` as `Steps.plan` leaves it. Padded: (None, None)."""
-  steps = run.steps
-  if not steps.packed:
-    return None, None
-  rows = packing.bucket_rows(group, multiple=steps.micro_rows)
-  return rows, jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=steps.replicated)
+  rows = run.steps.largest_rows(group)
+  return rows, rows and jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=run.steps.replicated)
 
 
 def _supervised(run: _Run, log) -> Phase:
@@ -366,8 +363,7 @@ def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None 
 def _micro_batches(run: _Run, size: int) -> str:
   """How `size` sequences are computed, in words."""
   steps = run.steps
-  if steps.packed:
-    rows = packing.bucket_rows(size, multiple=steps.micro_rows)
+  if rows := steps.largest_rows(size):
     return (f", packed: at most {rows} rows of {steps.row_tokens} tokens in micro-batches of {steps.micro_rows} "
             "rows")
   return f" in micro-batches of {min(steps.micro, size)}"

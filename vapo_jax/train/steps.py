@@ -34,7 +34,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
 from vapo_jax.rl import advantages, losses, masked
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.train import algorithm, packed_batch
+from vapo_jax.train import algorithm, packed_batch, packing
 from vapo_jax.train.packed_batch import PackedBatch
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.updates import (TrainBatch, actor_update, critic_update, join, logprobs_and_entropy,
@@ -77,6 +77,11 @@ class Steps:
     return self._programs[key]
 
   # --------------------------------------------------------------------------- packed rows
+  def largest_rows(self, sequences: int) -> int | None:
+    """The most rows a plan compiles for a group of `sequences` (each in a row of its own: every
+    response at the cap); None when padded. What the compile report compiles."""
+    return packing.bucket_rows(sequences, multiple=self.micro_rows) if self.packed else None
+
   def _mini(self, size: int) -> int:
     return min(self.config.algo.mini_batch_responses, size)
 
