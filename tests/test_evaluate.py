@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -120,6 +121,38 @@ def test_evaluate_responses_file(tmp_path):
   assert len(written) == 25 and written[0]["answer"] == str(int(aime[0].answer)) and written[0]["correct"]
   assert [w["index"] for w in written[:4]] == [0, 1, 2, 3]
   assert json.loads((tmp_path / "out" / "summary.json").read_text())["overall"] == summary["overall"]
+
+
+def _aime_responses(tmp_path, name, answer_line):
+  """4 samples of each of 3 AIME 2024 problems, 2 of them right, the answer written by `answer_line`."""
+  problems = load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))[:3]
+  lines = [{"id": p.id, "response": "推理过程。\n" + answer_line(int(p.answer) + (i % 2))} for p in problems for i in range(4)]
+  path = tmp_path / f"{name}.jsonl"
+  path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+  return str(path), problems
+
+
+@pytest.mark.parametrize("form", ["答案：{}", "答案: {}", "最终答案：${}$", "Answer：{}", "所以答案是 {}。", "答：{}"])
+def test_chinese_answer_lines_score_as_the_english_one(tmp_path, form):
+  config = RewardConfig(verifier_workers=1)
+  english, problems = _aime_responses(tmp_path, "english", "Answer: {}".format)
+  chinese, _ = _aime_responses(tmp_path, "chinese", form.format)
+  scores = [evaluate.evaluate_responses(path, problems=problems, out_dir=str(tmp_path / name), reward_config=config)
+            for path, name in ((english, "en"), (chinese, "zh"))]
+  assert scores[0]["overall"]["avg@4"] == pytest.approx(0.5)
+  assert scores[1]["overall"] == scores[0]["overall"]  # avg@k, pass@k, maj@k, no_answer_frac, ...
+
+
+def test_many_unanswered_responses_warn_naming_their_ending(tmp_path):
+  path, problems = _aime_responses(tmp_path, "unknown", "ANS => {}".format)  # No known form.
+  with pytest.warns(UserWarning, match=r"no answer was found in 12 of 12 responses .*'ANS => \d+'"):
+    evaluate.evaluate_responses(path, problems=problems, out_dir=str(tmp_path / "out"),
+                                reward_config=RewardConfig(verifier_workers=1))
+  answered, _ = _aime_responses(tmp_path, "answered", "Answer: {}".format)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    evaluate.evaluate_responses(answered, problems=problems, out_dir=str(tmp_path / "out2"),
+                                reward_config=RewardConfig(verifier_workers=1))
 
 
 def test_bad_responses_file(tmp_path):

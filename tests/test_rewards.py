@@ -41,9 +41,23 @@ EXTRACTION_CASES = [
     (r"truncated \boxed{\frac{1}{2", extract.DEFAULT_FORMS, None, "none"),
     ("", extract.ALL_FORMS, None, "none"),
 ]
+# The answer lines of bilingual (Chinese) math data, and lines that mention 答案 without giving one.
+CHINESE_EXTRACTION_CASES = [
+    ("计算过程。\n答案：2", extract.DEFAULT_FORMS, "2", "answer_line"),
+    ("答案: 2", extract.DEFAULT_FORMS, "2", "answer_line"),
+    ("最终答案：$\\frac{4}{3}$", extract.DEFAULT_FORMS, r"\frac{4}{3}", "answer_line"),
+    ("Answer：2", extract.DEFAULT_FORMS, "2", "answer_line"),  # The full-width colon of a Chinese keyboard.
+    ("答：7", extract.DEFAULT_FORMS, "7", "answer_line"),
+    ("所以答案是 5。", extract.DEFAULT_FORMS, "5", "answer_line"),
+    ("因此答案为 $12$，", extract.DEFAULT_FORMS, "12", "answer_line"),
+    ("**答案**：$\\boxed{9}$。", extract.DEFAULT_FORMS, "9", "answer_line"),
+    ("先写 \\boxed{3}\n最终答案：4", extract.DEFAULT_FORMS, "4", "answer_line"),
+    ("我们来找答案。", extract.DEFAULT_FORMS, None, "none"),
+    ("答案在最后给出", extract.DEFAULT_FORMS, None, "none"),
+]
 
 
-@pytest.mark.parametrize("response,forms,answer,form", EXTRACTION_CASES)
+@pytest.mark.parametrize("response,forms,answer,form", EXTRACTION_CASES + CHINESE_EXTRACTION_CASES)
 def test_extraction(response, forms, answer, form):
   got = extract.extract_answer(response, forms=forms)
   assert (got.answer, got.form) == (answer, form)

@@ -19,6 +19,7 @@ if it failed to score, why (`error`) to `<out>/samples.jsonl`; the metrics and t
 file, line and field), a reward function failing on every response, or a full disk.
 """
 
+import collections
 import contextlib
 import json
 import os
@@ -120,11 +121,30 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
       "responses": responses_path, "verify_responses_per_s": batch.metrics["perf/verify_responses_per_s"],
       "failed_to_score": {"responses": len(failed), "first": batch.first_error, "reasons": accuracy.failures(samples)}}
   write_results(samples, summary, out_dir)
+  if warning := unanswered_warning(samples):
+    warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl")
   try:
     reward.check_errors(batch, pool, max_error_frac=c.max_error_frac)
   except RewardFunctionError as e:
     raise RewardFunctionError(f"{e} Each response's reason is in {out_dir}/samples.jsonl (field 'error').") from None
   return summary
+
+
+NO_ANSWER_WARNING_FRAC = 0.2  # Above this fraction of responses with no answer found, `make eval` warns.
+
+
+def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO_ANSWER_WARNING_FRAC) -> str | None:
+  """A warning naming the most common ending (last line, 40 characters at most) of the responses in which
+  no answer form was found, when they are more than `threshold` of `samples`: an answer written in a form
+  the extraction does not know is then noticed, not only scored as wrong."""
+  unanswered = [s for s in samples if s.form == "none" and s.status == "ok"]
+  if not samples or len(unanswered) <= threshold * len(samples):
+    return None
+  endings = collections.Counter((s.response.strip().splitlines() or [""])[-1].strip()[-40:] for s in unanswered)
+  ending, count = endings.most_common(1)[0]
+  return (f"no answer was found in {len(unanswered)} of {len(samples)} responses ({len(unanswered) / len(samples):.0%}); "
+          f"the most common ending of those ({count}): {ending!r}. If it gives an answer, its form is not one of "
+          "reward.answer_forms' (rewards/extract.py lists the forms)")
 
 
 def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
@@ -141,7 +161,8 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   if not e.path:
     raise DataError("generating evaluation samples needs eval.path (the problems)")
   model = huggingface.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
-                                     attention=config.model.attention)
+                                     attention=config.model.attention, scan_layers=config.model.scan_layers,
+                                     scan_unroll=config.model.scan_unroll)
   tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
   tok_lib.check_tokenizer_matches(model.cfg, tokenizer, checkpoint_dir)
   rows, key = problems.eval_problems(config, tokenizer), jax.random.key(config.seed)

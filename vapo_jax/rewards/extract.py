@@ -6,7 +6,9 @@ Forms, in the order a response is searched:
                a box inside a box is unwrapped (`\\boxed{\\boxed{5}}` → `5`).
   answer_line  the text after the last `Answer:` up to the end of its line (the DAPO / VAPO
                prompt's instruction, matched as DAPO's `math_dapo` does; also `Final Answer:`,
-               `**Answer:**`; a box or the last `$...$` in it is the value).
+               `**Answer:**`, the full-width colon `Answer：`, and the Chinese lines `答案：`,
+               `最终答案：`, `答：`, `答案是` / `答案为`; a box or the last `$...$` in it is the value,
+               a trailing 。 or ， dropped).
   last_number  the last number in the text (GSM8K style; thousands separators removed).
   math_verify  math-verify's own free-text extraction (the last LaTeX or plain expression);
                it happens in the verifier (`equivalence.py`), here it only passes the text on.
@@ -28,7 +30,10 @@ DEFAULT_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line")
 ALL_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line", "last_number", "math_verify")
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\b\s*")
-_ANSWER_LINE = re.compile(r"(?i)\banswer[^\S\n]*[*_]*[^\S\n]*:[*_]*[^\S\n]*([^\n]*)")
+# `Answer:` (ASCII or full-width colon), and the Chinese answer lines of bilingual math data: 最终答案 / 答案 / 答
+# followed by a colon, or by 是 / 为 ("the answer is").
+_ANSWER_LINE = re.compile(r"(?i)(?:\banswer[^\S\n]*[*_]*[^\S\n]*[:：]|(?:最终答案|答案|答)[^\S\n]*[*_]*[^\S\n]*(?:[:：]|是|为))"
+                          r"[*_]*[^\S\n]*([^\n]*)")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
 _DOLLARS = re.compile(r"^\$+\s*(.*?)\s*\$+$", re.S)
 _MATH = re.compile(r"\$+([^$]+)\$+")  # `$...$` segments: the answer in "Answer: $5$ minutes".
@@ -108,6 +113,7 @@ def unwrap(answer: str) -> str:
       answer = boxes[0][0]
     if answer.endswith(".") and not answer.endswith("..."):
       answer = answer[:-1]
+    answer = answer.rstrip("。，．")  # A Chinese sentence's full stop or comma after the value.
   return answer.strip()
 
 
