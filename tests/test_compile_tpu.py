@@ -70,8 +70,20 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_
 def test_bad_topologies_are_user_errors(capsys):
   assert memory.main(["--smoke", "--topology", "v5p-8"]) == 2
   assert "is not a TPU topology name" in capsys.readouterr().err
-  assert memory.main(["--smoke", "--topology", "v5p:3x3x3x3"]) == 2
+  assert memory.main(["--smoke", "--topology", "v4:3x3x3x3"]) == 2  # A generation without a slice table here.
   assert "libtpu refused it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,near", [("v5p:8x8x5", "4x8x8 (256 chips), 8x8x8 (512 chips)"),
+                                       ("v5p:3x3x3x3", "4x4x4 (64 chips)"), ("v6e:16x32", "16x16 (256 chips)")])
+def test_a_topology_that_is_not_a_slice_is_refused_in_one_line_before_compiling(capsys, name, near):
+  """libtpu builds a 320-chip v5p:8x8x5, whose programs then fail deep in the compiler: refused from
+  Cloud TPU's slice tables first, naming the nearest slices."""
+  assert memory.main(["--smoke", "--topology", name]) == 2
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and f"not a {name.split(':')[0]} slice" in err and near in err, err
+  for valid in ("v5p:2x2x1", "v5p:8x8x4", "v5p:4x8x8", "v6e:16x16", "v5e:2x4"):
+    targets.check_slice(valid)
 
 
 def test_splash_compiles_for_the_chips_under_shard_map():

@@ -20,6 +20,8 @@ import os
 import re
 from typing import NamedTuple
 
+import numpy as np
+
 from vapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -39,6 +41,40 @@ CHIPS = {
     "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9),
 }
 _TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
+
+
+# Slice shapes each generation supports, from the Cloud TPU pages (cloud.google.com/tpu/docs/v5p, /v6e,
+# /v5e; 2026-12): v5p's 2x2x1, 2x2x2 and 2x4x4, then whole 4x4x4 cubes (every side a multiple of 4) up to
+# 16x16x24 (6,144 chips); v6e's and v5e's 2-D shapes up to 16x16 (256 chips). libtpu builds other shapes too
+# (a 320-chip v5p:8x8x5), whose programs then fail deep in the compiler; names of other generations go to libtpu.
+_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+# The shapes each page's table lists (sides sorted): what an error suggests.
+COMMON_SLICES = {
+    "v5p": ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8), (8, 8, 16), (8, 16, 16),
+            (16, 16, 16), (16, 16, 24)),
+    "v6e": _2D,
+    "v5e": _2D,
+}
+_CUBES = {(a, b, c) for a in range(4, 17, 4) for b in range(a, 17, 4) for c in range(b, 25, 4)}
+SLICES = {"v5p": frozenset(COMMON_SLICES["v5p"]) | _CUBES, "v6e": frozenset(_2D), "v5e": frozenset(_2D)}
+
+
+def check_slice(name: str) -> None:
+  """A `ConfigError` naming the valid shapes nearest in chips when TPU topology `name` is not a slice its
+  generation supports (`SLICES`; sides in any order); other generations are left to libtpu."""
+  generation, _, shape = name.partition(":")
+  if generation not in SLICES:
+    return
+  sides = tuple(sorted(int(n) for n in shape.split("x")))
+  if sides in SLICES[generation]:
+    return
+  valid, chips = COMMON_SLICES[generation], lambda d: int(np.prod(d))
+  below = max((chips(d) for d in valid if chips(d) <= chips(sides)), default=None)
+  above = min((chips(d) for d in valid if chips(d) >= chips(sides)), default=None)
+  near = [f"{'x'.join(map(str, d))} ({chips(d)} chips)" for d in valid if chips(d) in (below, above)]
+  raise ConfigError(f"--topology {name}: not a {generation} slice ({shape}: {chips(sides)} chips); "
+                    f"the nearest {generation} slices, sides in any order: {', '.join(near)} (Cloud TPU's {generation} "
+                    "page lists them)")
 
 
 class Target(NamedTuple):
@@ -73,6 +109,7 @@ def tpu(name: str) -> Target:
   if not _TOPOLOGY.match(name):
     raise ConfigError(f"--topology {name!r} is not a TPU topology name: use <generation>:<chips per axis> as "
                       "libtpu spells them, e.g. v5p:2x2x1, v5p:8x8x4, v6e:16x16, v5e:16x16 (or 'cpu')")
+  check_slice(name)
   if reason := libtpu_missing():
     raise ConfigError(f"--topology {name}: {reason}")
   _quiet_libtpu()
