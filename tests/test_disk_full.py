@@ -172,3 +172,44 @@ def test_a_full_disk_at_start_leaves_no_probe_file(tmp_path, monkeypatch):
   with pytest.raises(SetupError, match=r"cannot write to the run directory .*: the disk is full"):
     preflight.check_run_dir(str(tmp_path / "runs" / "exp"))
   assert os.listdir(tmp_path) == []
+
+
+# A run directory that turns read-only mid-run, as root sees one (root writes through chmod): from the
+# fourth write of metrics.jsonl on, every write, create, rename or delete under the run's directory is
+# refused with EACCES, Python's and Orbax's alike (Orbax's array files come from tensorstore, which this
+# cannot refuse: its JSON records and the commit of a checkpoint are refused).
+READ_ONLY = """
+    import builtins
+    RUN, state = os.path.abspath(RUN_DIR), {"metrics": 0}
+    def refuse(path, write=True):
+      if write and state["metrics"] >= 4 and os.path.abspath(str(path)).startswith(RUN):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    real_open = builtins.open
+    def guarded_open(path, mode="r", *args, **kwargs):
+      if str(path).endswith("metrics.jsonl") and "a" in mode:
+        state["metrics"] += 1
+      refuse(path, any(c in mode for c in "wax+"))
+      return real_open(path, mode, *args, **kwargs)
+    builtins.open = guarded_open
+    for name in ("unlink", "remove", "rename", "replace", "mkdir", "rmdir"):
+      real = getattr(os, name)
+      setattr(os, name, lambda path, *a, _real=real, **k: (refuse(path), _real(path, *a, **k))[1])
+    """
+
+
+def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_path):
+  """It gave rc 1 and two chained PermissionError tracebacks (metrics.jsonl, then run.lock on closing)."""
+  run = tmp_path / "full"
+  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}", "name=full", "sft.steps=6", "algo.value_pretrain_steps=0",
+          "rl_steps=0", "eval.path=none", "checkpoint.every_steps=1"]
+  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="")
+  train = lambda inject: subprocess.run(
+      [sys.executable, "-c", "import errno, os, sys\n" + inject + f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))"],
+      capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
+  result = train(textwrap.dedent(READ_ONLY).replace("RUN_DIR", repr(str(run))))
+  line = _one_line_error(result)
+  assert f"in {run}: cannot write {run}/metrics.jsonl (Permission denied). Make {run} writable" in line, line
+  assert "ERROR:absl" not in result.stderr and "PermissionError" not in result.stderr, result.stderr[-3000:]
+  assert (run / "checkpoints").is_dir() and os.listdir(run / "checkpoints")  # Its checkpoints stay.
+  result = train("")  # Writable again: the same command resumes.
+  assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-3000:]

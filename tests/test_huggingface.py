@@ -86,9 +86,9 @@ def test_load_into_mesh(tmp_path):
   with pytest.warns(UserWarning, match="'vocab' of size 97 is not divisible .* replicating it"):
     model = huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"), mesh=mesh, rules=rules)
   assert model.lm_head[...].sharding.spec == jax.sharding.PartitionSpec("fsdp")
-  q = model.model.layers[0].self_attn.q_proj[...]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-  assert q.addressable_shards[0].data.shape == (10, 2, 10)
+  q = model.model.layers.self_attn.q_proj[...]  # [L, D, N, H]: the layer axis never split.
+  assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  assert q.addressable_shards[0].data.shape == (2, 10, 2, 10)
   ref = reference("qwen2_untied")
   with sharding.use_rules(mesh, rules), pytest.warns(UserWarning, match="'act_vocab'"):
     logits, _ = jax.jit(lambda m, *a: m(*a))(model, ref["input_ids"], ref["position_ids"], ref["attention_mask"])

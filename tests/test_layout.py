@@ -5,6 +5,7 @@ written by hand)."""
 
 import dataclasses
 import itertools
+import math
 import types
 import warnings
 
@@ -54,8 +55,9 @@ def test_reshard_round_trips_the_parameters_bit_for_bit(trained):
     assert back.sharding == x.sharding
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
     np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
-  kernel = moved["model"]["layers"][0]["mlp"]["gate_proj"].get_value()
-  assert kernel.addressable_shards[0].data.shape == (TP_CFG.hidden_size, TP_CFG.intermediate_size // 4)
+  kernel = moved["model"]["layers"]["mlp"]["gate_proj"].get_value()  # [L, D, F]: the layer axis never split.
+  assert kernel.addressable_shards[0].data.shape == (TP_CFG.num_layers, TP_CFG.hidden_size,
+                                                     TP_CFG.intermediate_size // 4)
   # Cast to the compute dtype on the way.
   half = _layout(mesh, rules, compute_dtype="bfloat16").reshard(state)
   for v, w in zip(jax.tree.leaves(state), jax.tree.leaves(half)):
@@ -136,9 +138,12 @@ def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   layout (fsdp) gathers the weights (XLA:CPU hoists the gathers out of the loop; on a pod they are inside)."""
   _, model, mesh, rules = trained
   graphdef, state = nnx.split(model)
-  kernels = [v.get_value() for v in jax.tree.leaves(state, is_leaf=IS_VARIABLE) if v.get_value().ndim >= 2
+  kernels = [v for v in jax.tree.leaves(state, is_leaf=IS_VARIABLE) if v.get_value().ndim >= 2
              and "embed" in v.get_metadata()["logical_axes"]]  # Projections, embedding and output; not biases.
-  smallest = min(x.size * x.dtype.itemsize for x in kernels)
+  # One layer's weight (a stacked parameter holds L of them), the embedding and output whole.
+  per_layer = lambda v: v.get_value().nbytes // (TP_CFG.num_layers if "layers" in v.get_metadata()["logical_axes"] else 1)
+  smallest = min(map(per_layer, kernels))
+  kernels = [v.get_value() for v in kernels]
   layout = _layout(mesh, rules)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -152,7 +157,8 @@ def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   loop = {c.loops[0][0] for c in found if c.loops}
   assert len(loop) == 1  # The decode while loop; the attention's block loops hold none.
   reductions = [c for c in found if c.loops and c.op == "all-reduce" and c.operand_bytes >= activation]
-  assert len(reductions) >= 2 * TP_CFG.num_layers  # Attention and MLP outputs of every layer.
+  runs = lambda c: math.prod(trips or 1 for _, trips in c.loops[1:])  # Once per layer inside the layers' scan.
+  assert sum(map(runs, reductions)) >= 2 * TP_CFG.num_layers  # Attention and MLP outputs of every layer.
   moved = [max(c.operand_bytes, c.result_bytes) for c in hlo.collectives(training_hlo)]
   assert max(moved) >= smallest and sum(moved) >= sum(x.size * x.dtype.itemsize for x in kernels) // 2
 

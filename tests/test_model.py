@@ -107,7 +107,7 @@ def test_value_model_from_policy_checkpoint():
   directory = str(FIXTURES / "qwen2_untied")
   policy = huggingface.load_causal_lm(directory)
   critic = huggingface.load_value_model(directory, from_policy=True)
-  np.testing.assert_array_equal(critic.model.layers[1].mlp.up_proj[...], policy.model.layers[1].mlp.up_proj[...])
+  np.testing.assert_array_equal(critic.model.layers.mlp.up_proj[1], policy.model.layers.mlp.up_proj[1])
   assert not np.any(critic.value_head[...]) and critic.value_head[...].shape == (policy.cfg.hidden_size, 1)
   ref = reference("qwen2_untied")
   values, _ = critic(ref["input_ids"], ref["position_ids"], ref["attention_mask"])

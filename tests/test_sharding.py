@@ -56,8 +56,8 @@ def test_create_sharded_equals_eager_init():
   eager = CausalLM(CFG, rngs=nnx.Rngs(0))
   for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(sharded)), nnx.to_flat_state(nnx.state(eager))):
     np.testing.assert_allclose(a.get_value(), b.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
-  kernel = sharded.model.layers[0].mlp.gate_proj[...]
-  assert kernel.addressable_shards[0].data.shape == (CFG.hidden_size // 4, CFG.intermediate_size)
+  kernel = sharded.model.layers.mlp.gate_proj[...]  # [L, D, F]: the layer axis never split.
+  assert kernel.addressable_shards[0].data.shape == (CFG.num_layers, CFG.hidden_size // 4, CFG.intermediate_size)
 
 
 @pytest.mark.parametrize("name", list(MESHES))

@@ -87,11 +87,16 @@ class ModelConfig:
   init_seed: int = 0  # Seed of the random initialisation.
   # Log-probs, entropy and SFT hold at most B·logits_chunk·V float32 logits at once (models/logprobs.py).
   logits_chunk: int = 512
+  # Decoder layers as a `lax.scan` over their stacked parameters: programs hold one layer, whatever the depth
+  # (models/transformer.py); false: a Python loop over the same parameters (the tests' oracle).
+  scan_layers: bool = True
+  scan_unroll: int = 1  # Layers per scan iteration (`lax.scan`'s unroll; 1: a loop of L iterations).
 
   def __post_init__(self):
     require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
              self.preset)
     positive_int(self, "logits_chunk")
+    positive_int(self, "scan_unroll")
 
 
 @frozen

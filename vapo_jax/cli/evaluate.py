@@ -94,7 +94,7 @@ def read_responses(path: str, problems: Sequence[Record] | None,
 
 def write_results(samples: Sequence[accuracy.Sample], summary: dict[str, Any], out_dir: str) -> None:
   """samples.jsonl and summary.json, each written whole or not at all; a full disk is one line."""
-  with files.reporting_disk_full(out_dir, "writing the evaluation's results", elsewhere="--out=",
+  with files.reporting_write_failures(out_dir, "writing the evaluation's results", elsewhere="--out=",
                                  after="then run make eval again"):
     os.makedirs(out_dir, exist_ok=True)
     files.write_atomically(os.path.join(out_dir, "samples.jsonl"),
@@ -184,7 +184,7 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
 def _written_whole(path: str) -> Iterator[Any]:
   """A text file written to `path.tmp-<pid>` and renamed when the block ends; removed if it fails."""
   directory, tmp = os.path.dirname(path) or ".", f"{path}.tmp-{os.getpid()}"
-  with files.reporting_disk_full(directory, "writing the generated responses", elsewhere="--out=",
+  with files.reporting_write_failures(directory, "writing the generated responses", elsewhere="--out=",
                                  after="then run make eval again"):
     try:
       os.makedirs(directory, exist_ok=True)

@@ -102,6 +102,9 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
     from vapo_jax.train import roofline
     if report.layers:  # cost_analysis saw the programs of a shallower model.
       print(f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)")
+    elif config.model.scan_layers and report.architecture.num_layers > 1:  # cost_analysis counts a loop body once.
+      print("roofline: not estimated (the layers are a scan, whose body cost_analysis counts once, not once per layer; "
+            "model.scan_layers=false compiles the loop unrolled, which it counts whole)")
     else:
       print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
   if message := compile_format.refusal(report):

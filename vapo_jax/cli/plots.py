@@ -204,7 +204,7 @@ def _save(fig, path: str) -> str:
   fig.savefig(png, format="png")
   plt.close(fig)
   directory = os.path.dirname(os.path.abspath(path))
-  with files.reporting_disk_full(directory, f"writing {os.path.basename(path)}", elsewhere="--out=",
+  with files.reporting_write_failures(directory, f"writing {os.path.basename(path)}", elsewhere="--out=",
                                  after="then draw the plots again"):
     os.makedirs(directory, exist_ok=True)
     files.write_atomically(path, png.getvalue())  # Whole or not at all.

@@ -49,7 +49,7 @@ def resolve(argv: list[str]) -> tuple[ExperimentConfig, bool]:
 def write_resolved_config(config: ExperimentConfig) -> str:
   """Writes `<run_dir>/<name>/config.json` (atomically) and returns the run directory."""
   run_dir = config.run_directory
-  with files.reporting_disk_full(run_dir, "writing config.json"):
+  with files.reporting_write_failures(run_dir, "writing config.json"):
     os.makedirs(run_dir, exist_ok=True)
     files.write_atomically(os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(config), indent=2))
   return run_dir

@@ -222,7 +222,7 @@ def write_report(sweep: str, members: Sequence[str], runs: Sequence, status: dic
   writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
   writer.writeheader()
   writer.writerows(rows)
-  with files.reporting_disk_full(sweep_dir, "writing the sweep's report", after="then report again: "
+  with files.reporting_write_failures(sweep_dir, "writing the sweep's report", after="then report again: "
                                  f"python -m vapo_jax.cli.sweep {sweep} --report"):
     os.makedirs(sweep_dir, exist_ok=True)
     files.write_atomically(written["csv"], table.getvalue())

@@ -51,11 +51,15 @@ def attend_one_reference(q: jax.Array, keys: jax.Array, values: jax.Array, key_m
 
 
 def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array, query_slots: jax.Array,
-               *, block: int | None = None) -> jax.Array:
+               *, block: int | None = None, layer: jax.Array | int | None = None) -> jax.Array:
   """Length-bounded decode attention: `attend_one_reference` reading only blocks [0, ⌈(max slot + 1)/block⌉)
-  (`block` None: `default_block()`)."""
+  (`block` None: `default_block()`). With `layer`, keys and values are a stack of layers `[L, B, K, S, H]`
+  and each block is read as a (layer, block) slice of it: the layer's cache is never copied."""
+  if layer is None:
+    keys, values, layer = keys[None], values[None], 0
   b, n, h = q.shape
-  kv_heads, slots = keys.shape[1], keys.shape[2]
+  kv_heads, slots = keys.shape[2], keys.shape[3]
+  zero, layer = jnp.zeros((), jnp.int32), jnp.asarray(layer, jnp.int32)
   block = min(block or default_block(), slots)
   dtype = q.dtype
   qg = q.reshape(b, kv_heads, n // kv_heads, h)  # [B, K, G, H]
@@ -66,8 +70,8 @@ def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.A
     m, l, acc = carry  # Running max [B, K, G], normaliser [B, K, G], output [B, K, G, H] (float32).
     nominal = j * block
     start = jnp.minimum(nominal, slots - block)  # The last block ends at slot S.
-    kb = lax.dynamic_slice_in_dim(keys, start, block, axis=2).astype(dtype)
-    vb = lax.dynamic_slice_in_dim(values, start, block, axis=2).astype(dtype)
+    read = lambda x: lax.dynamic_slice(x, (layer, zero, zero, start, zero), (1, b, kv_heads, block, h))[0]
+    kb, vb = read(keys).astype(dtype), read(values).astype(dtype)
     slot = start + jnp.arange(block)
     visible = (lax.dynamic_slice_in_dim(key_mask, start, block, axis=1) & (slot >= nominal)[None]
                & (slot[None] <= query_slots[:, None]))[:, None, None]  # [B, 1, 1, block]

@@ -3,6 +3,7 @@
   for c in hlo.collectives(jax.jit(f).lower(*args).compile().as_text()):
     c.op, c.operand_bytes, c.result_bytes, c.shapes, c.loops     # per device
 
+`large_copies` finds buffers XLA copied instead of updating in place.
 `collectives` lists every all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute,
 ragged-all-to-all and collective-broadcast (an asynchronous `-start` once, its `-done` skipped),
 with the bytes of its operands and result per device and the `while` loops around it (outermost
@@ -148,3 +149,12 @@ def bytes_per_iteration(found: list[Collective], loop: str, *, branches: bool = 
       inner = c.loops[names.index(loop) + 1:]
       total += max(c.operand_bytes, c.result_bytes) * math.prod(trips or 1 for _, trips in inner)
   return total
+
+
+def large_copies(text: str, min_bytes: int) -> list[str]:
+  """`name: type` of every copy (`copy`, `copy-start`) of a compiled module whose result holds at least
+  `min_bytes` per device: a buffer XLA could not update in place (a KV cache copied per decode step)."""
+  _, computations, _ = _parse(text)
+  return [f"{name}: {type_text}" for instructions in computations.values()
+          for name, type_text, opcode, _ in instructions
+          if opcode in ("copy", "copy-start") and max((b for *_, b in arrays(type_text)), default=0) >= min_bytes]

@@ -2,9 +2,12 @@
 
 Loading reads one tensor at a time from memory-mapped files and places it directly in the target
 parameter's sharding (`jax.make_array_from_callback` asks only for the slices this process's
-devices hold), so the host never needs the whole model in memory. Errors name the tensor.
+devices hold), so the host never needs the whole model in memory; a decoder layer's tensor is
+written into its stacked parameter `[L, ...]` in place. Export unstacks to the per-layer names.
+Errors name the Hugging Face tensor.
 """
 
+import functools
 import glob
 import json
 import os
@@ -15,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vapo_jax import files
 from vapo_jax.errors import CheckpointError, MissingFileError, SetupError
@@ -163,9 +166,57 @@ def _param_paths(state: nnx.State) -> dict[str, nnx.Variable]:
           if isinstance(v, nnx.Param)}
 
 
+_STACKED = re.compile(r"^(model\.layers)\.(\d+)\.(.+)$")  # A per-layer name of a stacked parameter.
+
+
+def stacked_path(path: str) -> tuple[str, int | None]:
+  """(our parameter's path, layer) for a per-layer path `model.layers.{i}.{name}` (decoder layers are
+  stacked: one parameter `model.layers.{name}` of shape `[L, ...]`); (path, None) for any other."""
+  if m := _STACKED.match(path):
+    return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+  return path, None
+
+
+def per_layer_paths(path: str, variable: nnx.Variable) -> list[str]:
+  """The per-layer paths of a stacked parameter (`model.layers.{i}.{name}`, i < L), or [path]."""
+  if not path.startswith("model.layers."):
+    return [path]
+  return [f"model.layers.{i}.{path.removeprefix('model.layers.')}" for i in range(variable.get_value().shape[0])]
+
+
+# Streaming a checkpoint into stacked parameters: a zero stack in the parameter's sharding, then one layer's
+# tensor written into it at a time (the stack donated), so the devices hold the stack plus one layer.
+@functools.lru_cache(maxsize=None)
+def _zeros(shape: tuple[int, ...], dtype, placement: NamedSharding | None) -> Callable[[], jax.Array]:
+  """A program creating a zero array directly in `placement` (no device ever holds it whole)."""
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=placement)
+
+
+_set_layer = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                     donate_argnums=0)
+_layer_of = jax.jit(lambda stack, i: jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False))
+
+
+def _placed(array: np.ndarray, dtype, shape, sharding) -> jax.Array:
+  """A host tensor on the devices in `sharding` (None: the default device), each device reading only its slice."""
+  if sharding is None:
+    return jnp.asarray(np.asarray(array, dtype))
+  return jax.make_array_from_callback(shape, sharding, lambda index: np.asarray(array[index], dtype))
+
+
+def _hf_name(per_layer: str, params: dict[str, nnx.Variable]) -> str:
+  """The Hugging Face tensor name of one of our per-layer (or unstacked) parameter paths."""
+  path, layer = stacked_path(per_layer)
+  shape = params[path].get_value().shape
+  return ours_to_hf(per_layer, np.zeros(shape if layer is None else shape[1:], np.float32))[0]
+
+
 def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None = None,
          rules: dict | None = None, allow_missing: tuple[str, ...] = ()) -> nnx.Module:
   """Builds `factory()`'s module with its parameters read from a Hugging Face checkpoint.
+
+  Tensors are read one at a time; a decoder layer's tensor is written into its stacked parameter
+  (`stacked_path`), so the host holds one tensor and the devices the stacks plus one layer.
 
   Args:
     directory: holds config.json and `*.safetensors` (optionally `model.safetensors.index.json`).
@@ -178,41 +229,46 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   params = _param_paths(abstract)
   cfg = TransformerConfig.from_pretrained(directory)
   _check_vocab_size(directory, cfg, tensors)
-  loaded, unexpected = {}, []
+  loaded, found, unexpected = {}, set(), []
   for name, file in tensors.items():
     if name == "lm_head.weight" and "lm_head" not in params:
       continue  # Tied embeddings, or a value model built from a policy checkpoint.
     tensor = file.get(name)  # A tensor the index names but its file lacks is an error here.
     try:
-      path, array = hf_to_ours(name, tensor, cfg)
+      per_layer, array = hf_to_ours(name, tensor, cfg)
     except UnknownTensor:
       unexpected.append(name)
       continue
     except CheckpointError as e:
       raise CheckpointError(f"{file.path}: tensor {name!r} {e}") from None
-    if path not in params:
+    path, layer = stacked_path(per_layer)
+    if path not in params or (layer is not None and layer >= params[path].get_value().shape[0]):
       unexpected.append(name)
       continue
     variable = params[path]
     target = variable.get_value()
-    if array.shape != target.shape:
+    shape = target.shape if layer is None else target.shape[1:]
+    if array.shape != shape:
       raise CheckpointError(f"{directory}: tensor {name!r} has shape {file.shape(name)}, which maps "
-                            f"to {array.shape}, but parameter {path!r} needs {target.shape}")
-    if mesh is not None:
-      spec = sharding.partition_spec(variable.get_metadata()["logical_axes"], rules, mesh.shape,
-                                    target.shape)
-    if mesh is not None:
-      loaded[path] = jax.make_array_from_callback(
-          target.shape, NamedSharding(mesh, spec),
-          lambda index, host=array, dtype=target.dtype: np.asarray(host[index], dtype))
+                            f"to {array.shape}, but parameter {per_layer!r} needs {shape}")
+    spec = None if mesh is None else sharding.partition_spec(variable.get_metadata()["logical_axes"], rules,
+                                                             mesh.shape, target.shape)
+    if layer is None:
+      loaded[path] = _placed(array, target.dtype, shape, None if mesh is None else NamedSharding(mesh, spec))
     else:
-      loaded[path] = jnp.asarray(np.asarray(array, target.dtype))
+      if path not in loaded:
+        loaded[path] = _zeros(target.shape, jnp.dtype(target.dtype), None if mesh is None else
+                              NamedSharding(mesh, spec))()
+      layer_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
+      loaded[path] = _set_layer(loaded[path], _placed(array, target.dtype, shape, layer_sharding), layer)
+    found.add(per_layer)
   if unexpected:
     raise CheckpointError(f"{directory}: unexpected tensors {sorted(unexpected)[:10]}"
                           f"{' ...' if len(unexpected) > 10 else ''} (no parameter of the model maps to them)")
-  missing = sorted(set(params) - set(loaded) - set(allow_missing))
+  expected = {name for path, v in params.items() if path not in allow_missing for name in per_layer_paths(path, v)}
+  missing = sorted(expected - found)
   if missing:
-    hf_names = [ours_to_hf(p, np.broadcast_to(np.float32(0), params[p].get_value().shape))[0] for p in missing]
+    hf_names = [_hf_name(p, params) for p in missing]
     raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
                           f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
   if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.
@@ -227,15 +283,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
-def _shard_plan(variables, out_dtype, max_shard_bytes: int) -> list[list]:
-  """The parameters grouped into safetensors files of at most `max_shard_bytes`, from shapes alone."""
+def _tensors_of(state: nnx.State) -> list[tuple[str, nnx.Variable, int | None]]:
+  """(per-layer path, parameter, layer or None) for every tensor an export writes: a stacked decoder-layer
+  parameter is L tensors, `model.layers.{i}.{name}`."""
+  return [(name, v, stacked_path(name)[1]) for path, v in _param_paths(state).items()
+          for name in per_layer_paths(path, v)]
+
+
+def _shard_plan(tensors, out_dtype, max_shard_bytes: int) -> list[list]:
+  """The tensors grouped into safetensors files of at most `max_shard_bytes`, from shapes alone."""
   shards, current, size = [], [], 0
-  for path, variable in variables:
-    nbytes = int(np.prod(variable.get_value().shape)) * out_dtype(variable).itemsize
+  for path, variable, layer in tensors:
+    shape = variable.get_value().shape
+    nbytes = int(np.prod(shape if layer is None else shape[1:])) * out_dtype(variable).itemsize
     if current and size + nbytes > max_shard_bytes:
       shards.append(current)
       current, size = [], 0
-    current.append((path, variable))
+    current.append((path, variable, layer))
     size += nbytes
   shards.append(current)
   return shards
@@ -281,17 +345,18 @@ def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**
   from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
 
   main = distributed.is_main_process()
-  variables = list(_param_paths(nnx.state(module)).items())
+  tensors_out = _tensors_of(nnx.state(module))
   out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
-  hf_config = module.cfg.to_hf() | {"torch_dtype": str(out_dtype(variables[0][1]))}
-  shards = _shard_plan(variables, out_dtype, max_shard_bytes)
+  hf_config = module.cfg.to_hf() | {"torch_dtype": str(out_dtype(tensors_out[0][1]))}
+  shards = _shard_plan(tensors_out, out_dtype, max_shard_bytes)
+  value = lambda v, layer: v.get_value() if layer is None else _layer_of(v.get_value(), layer)
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
   begin = lambda: (os.makedirs(directory, exist_ok=True), files.remove_quietly(os.path.join(directory, "config.json")))
   failure = _attempt(begin) if main else None
   weight_map, total, written = {}, 0, []
   for name, shard in zip(names, shards):
-    tensors = [ours_to_hf(path, distributed.to_host(v.get_value()).astype(out_dtype(v))) for path, v in shard]
+    tensors = [ours_to_hf(path, distributed.to_host(value(v, layer)).astype(out_dtype(v))) for path, v, layer in shard]
     if main and failure is None:
       written.append(name)
       failure = _attempt(lambda: safetensors_io.write(os.path.join(directory, name), tensors))
@@ -304,25 +369,22 @@ def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**
     for name in written if main else ():
       files.remove_quietly(os.path.join(directory, name))
     what = "exporting the model" if main else "exporting the model (process 0 could not write it)"
-    with files.reporting_disk_full(directory, what):
+    with files.reporting_write_failures(directory, what):
       raise failure or SetupError(f"{what} to {directory}: see process 0's error")
   return written if main else names + ["config.json"]
 
 
-def load_causal_lm(directory: str, *, dtype="float32", param_dtype="float32", remat=False,
-                   attention="auto", mesh=None, rules=None) -> CausalLM:
-  """The policy from a Hugging Face checkpoint directory."""
+def load_causal_lm(directory: str, *, mesh=None, rules=None, **model_kwargs) -> CausalLM:
+  """The policy from a Hugging Face checkpoint directory (`model_kwargs`: `CausalLM`'s dtype, param_dtype,
+  remat, attention, scan_layers, scan_unroll)."""
   cfg = TransformerConfig.from_pretrained(directory)
-  return load(directory, lambda: CausalLM(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                          attention=attention, rngs=nnx.Rngs(0)), mesh=mesh, rules=rules)
+  return load(directory, lambda: CausalLM(cfg, rngs=nnx.Rngs(0), **model_kwargs), mesh=mesh, rules=rules)
 
 
-def load_value_model(directory: str, *, from_policy: bool, dtype="float32", param_dtype="float32",
-                     remat=False, attention="auto", mesh=None, rules=None) -> ValueModel:
+def load_value_model(directory: str, *, from_policy: bool, mesh=None, rules=None, **model_kwargs) -> ValueModel:
   """The critic: from a policy checkpoint (backbone copied, value head zero) or its own."""
   cfg = TransformerConfig.from_pretrained(directory)
-  return load(directory, lambda: ValueModel(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                            attention=attention, rngs=nnx.Rngs(0)),
+  return load(directory, lambda: ValueModel(cfg, rngs=nnx.Rngs(0), **model_kwargs),
               mesh=mesh, rules=rules, allow_missing=("value_head",) if from_policy else ())
 
 

@@ -3,14 +3,18 @@
 Weights are named by role as in Hugging Face (`q_proj`, `gate_proj`, ...) so the checkpoint
 mapping is a table. Kernels are stored in einsum-friendly shapes, e.g. q_proj `[D, N, H]`.
 
-Layers are a Python list looped over, not `nnx.scan`-stacked: each layer's parameters then map
-one-to-one onto the checkpoint's per-layer tensors, the KV cache is a plain tuple per layer, and
-rematerialisation is applied per layer with `nnx.remat`. The cost is compile time growing with
-depth (about a minute for 64 layers), paid once per run.
+Decoder layers are stacked: every layer parameter carries a leading layer axis `[L, ...]` (logical
+name `LAYER_AXIS`, which no sharding preset maps, so FSDP never splits it), built once by `nnx.vmap`.
+The forward pass is a `lax.scan` over the stacked parameters (`scan_layers`, the default): every
+program holds one layer, whatever the depth, so compile time and the loop's temporaries do not grow
+with L; `remat` rematerialises each layer inside the scan. With `scan_layers=False` a Python loop
+runs over the same stacked parameters (one copy of the layer per depth): the equality oracle.
 
-The KV cache is stored heads-major, `[B, K, S, H]` per layer: split over KV heads (the rollout's
-tensor-parallel layout, rollout/layout.py), each chip's shard keeps (slots, head dim) as its minor
-dimensions, so writing a token and reading blocks of slots never relayouts the cache.
+The KV cache is one array each for keys and values, `[L, B, K, S, H]` (layers, then heads-major): split
+over KV heads (the rollout's tensor-parallel layout, rollout/layout.py), each chip's shard keeps
+(slots, head dim) as its minor dimensions, so writing a token and reading blocks of slots never
+relayouts the cache. The scan carries both arrays: layer l writes its new token at (l, row, slot) in
+place and decode attention reads (l, block) slices, so no layer's cache is copied per step.
 
 Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
 prompts) and `attention_mask` `[B, T]` (true on real tokens). Packed rows (several sequences end to
@@ -38,16 +42,17 @@ from vapo_jax.models.sharding import constrain
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-# Logical axes of a cache's keys and values `[B, K, S, H]` (models/sharding.py rules map them).
-CACHE_AXES = ("batch", "cache_kv_heads", None, None)
+LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps it (models/sharding.py).
+# Logical axes of a cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
+CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
 
 
 @struct.dataclass
 class KVCache:
-  """Per-layer keys and values `[B, K, S, H]` (heads-major), slot validity `[B, S]`, and slots used so far."""
+  """Keys and values `[L, B, K, S, H]` (stacked layers, heads-major), slot validity `[B, S]`, and slots used so far."""
 
-  keys: tuple[jax.Array, ...]
-  values: tuple[jax.Array, ...]
+  keys: jax.Array
+  values: jax.Array
   mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
   length: jax.Array  # int32 scalar (slots [0, length) are written), or [B] per row (one-token calls).
   # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot;
@@ -57,17 +62,16 @@ class KVCache:
   @classmethod
   def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
             decode_block: int | None = None) -> "KVCache":
-    shape = (batch, cfg.num_kv_heads, slots, cfg.head_dim)
-    kv = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
-    return cls(kv(), kv(), jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), decode_block).constrained()
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), bool),
+               jnp.zeros((), jnp.int32), decode_block).constrained()
 
   def constrained(self) -> "KVCache":
     """This cache with its arrays constrained to their logical axes (`CACHE_AXES`; a no-op outside
     `sharding.use_rules`)."""
     rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    kv = lambda arrays: tuple(constrain(x, CACHE_AXES) for x in arrays)
-    return KVCache(kv(self.keys), kv(self.values), rows(self.mask), rows(self.length) if self.length.ndim else
-                   self.length, self.decode_block)
+    return KVCache(constrain(self.keys, CACHE_AXES), constrain(self.values, CACHE_AXES), rows(self.mask),
+                   rows(self.length) if self.length.ndim else self.length, self.decode_block)
 
   @staticmethod
   def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
@@ -78,8 +82,7 @@ class KVCache:
 
 def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
   """`new` written into `buffer` along its slot axis `axis` at slot `length` (scalar), or row b at
-  slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1), or heads-major keys / values `[B, K, S, H]`
-  (axis 2) from `[B, K, T, H]`."""
+  slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1) from `[B, T]`."""
   new = new.astype(buffer.dtype)
   if jnp.ndim(length) == 0:
     return jax.lax.dynamic_update_slice_in_dim(buffer, new, length, axis=axis)
@@ -87,14 +90,35 @@ def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: i
   return jax.vmap(row)(buffer, new, length)
 
 
-def _decode_attention(q, keys, values, key_mask, query_slots, block: int | None):
-  """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`: `[B, 1, N, H]`."""
+def write_layer(stack: jax.Array, new: jax.Array, layer, length: jax.Array) -> jax.Array:
+  """`new` `[B, K, T, H]` written into the stacked keys or values `[L, B, K, S, H]` at layer `layer`, from
+  slot `length` (scalar), or row b from slot `length[b]` (`[B]`): an in-place update of T slots."""
+  new = new.astype(stack.dtype)
+  zero = jnp.zeros((), jnp.int32)
+  layer = jnp.asarray(layer, jnp.int32)
+  if jnp.ndim(length) == 0:
+    return jax.lax.dynamic_update_slice(stack, new[None], (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
+  # One token per row at (layer, row, length[row]): a scatter batched over the rows (axis 1, where the stack
+  # keeps them: vmapping a slice update over axis 1 would transpose the whole stack), clamped into the slots
+  # as a slice update is.
+  rows, heads, _, dim = new.shape
+  at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)], axis=1)  # [B, 2]: (layer, slot).
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 3),
+                                            scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
+                                            scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(stack, at, new[:, :, 0], numbers, indices_are_sorted=True, unique_indices=True,
+                         mode=jax.lax.GatherScatterMode.CLIP)
+
+
+def _decode_attention(q, keys, values, layer, key_mask, query_slots, block: int | None):
+  """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`, against layer `layer` of the
+  stacked keys and values `[L, B, K, S, H]`: `[B, 1, N, H]`."""
   slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
   note("decode")
   if block == 0:
-    return decode_attention.attend_one_reference(q[:, 0], keys, values, key_mask, slots)[:, None]
+    return decode_attention.attend_one_reference(q[:, 0], keys[layer], values[layer], key_mask, slots)[:, None]
   block = block or decode_attention.default_block(sharding.platform())  # The platform traced for.
-  return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block)[:, None]
+  return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block, layer=layer)[:, None]
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -148,8 +172,10 @@ class Attention(nnx.Module):
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
     """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]` (`[B, 1]` with per-row cache lengths);
-    layer_cache (keys, values, length, decode_block) or None; segment_ids `[B, T]` (packed rows, no
-    cache: replaces key_mask) or None."""
+    layer_cache (stacked keys, stacked values `[L, B, K, S, H]`, this layer's index, length, decode_block)
+    or None; segment_ids `[B, T]` (packed rows, no cache: replaces key_mask) or None. Returns the output
+    and the stacked (keys, values) with this layer's new tokens written (without a cache: this call's
+    (k, v), which the backbone drops)."""
     dtype = x.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
@@ -160,20 +186,21 @@ class Attention(nnx.Module):
     k = _rotate(k, cos, sin)
     keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
     if layer_cache is not None:
-      cached_k, cached_v, length, decode_block = layer_cache
+      cached_k, cached_v, layer, length, decode_block = layer_cache
       heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, T, K, H] <-> [B, K, T, H].
-      new_cache = (write_slots(cached_k, heads_major(k), length, axis=2),
-                   write_slots(cached_v, heads_major(v), length, axis=2))
-      if x.shape[1] == 1:  # One-token decode: read only the filled part of the cache.
-        out = _decode_attention(q, *new_cache, key_mask, query_slots, decode_block)
+      new_cache = (write_layer(cached_k, heads_major(k), layer, length),
+                   write_layer(cached_v, heads_major(v), layer, length))
+      if x.shape[1] == 1:  # One-token decode: read only the filled part of this layer's cache.
+        out = _decode_attention(q, *new_cache, layer, key_mask, query_slots, decode_block)
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
-      keys, values = map(heads_major, new_cache)  # Several tokens (a prefill): `attend` reads [B, S, K, H].
+      # Several tokens (a prefill): `attend` reads this layer's [B, S, K, H].
+      keys, values = (heads_major(stack[layer]) for stack in new_cache)
     if segment_ids is not None:
       validity = dict(segment_ids=segment_ids)
     else:  # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
       key_start, key_end = key_ranges(key_mask)
       validity = dict(key_start=key_start, key_end=key_end)
-    offset = 0 if layer_cache is None else layer_cache[2]  # Queries sit at [offset, offset + T).
+    offset = 0 if layer_cache is None else layer_cache[3]  # Queries sit at [offset, offset + T).
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
@@ -219,23 +246,39 @@ class DecoderLayer(nnx.Module):
     return constrain(x, ("batch", "seq", "embed")), new_cache
 
 
-def _layer_call(layer, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids):
-  return layer(x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
+def stacked_layers(cfg: TransformerConfig, *, param_dtype: str, attention: kinds.Attention,
+                   rngs: nnx.Rngs) -> DecoderLayer:
+  """L decoder layers as one module whose parameters are stacked `[L, ...]` (`nnx.vmap` over split
+  keys: one layer's initialisation traced, whatever the depth), each parameter's `logical_axes`
+  prefixed with `LAYER_AXIS` (vmap does not add it: without it FSDP would split the layer axis)."""
+
+  @nnx.split_rngs(splits=cfg.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(layer_rngs):
+    return DecoderLayer(cfg, param_dtype=param_dtype, attention=attention, rngs=layer_rngs)
+
+  layers = make(rngs)
+  for _, variable in nnx.iter_graph(layers):
+    if isinstance(variable, nnx.Param):
+      variable.set_metadata(logical_axes=(LAYER_AXIS,) + tuple(variable.get_metadata()["logical_axes"]))
+  return layers
 
 
 class Backbone(nnx.Module):
-  """Embedding, decoder layers and final norm: `[B, T]` ids to `[B, T, D]` hidden states."""
+  """Embedding, decoder layers (stacked, scanned: module doc) and final norm: `[B, T]` ids to `[B, T, D]`."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
+               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               scan_unroll: int = 1, rngs: nnx.Rngs):
     select(attention, _DTYPES[dtype])  # An implementation that cannot run here fails now, not at compile.
     self.cfg = cfg
     self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    self.layers = stacked_layers(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = _DTYPES[dtype]
     self.remat = remat
+    self.scan_layers = scan_layers  # False: a Python loop over the stacked layers (the oracle).
+    self.scan_unroll = scan_unroll  # Layers per scan iteration (`lax.scan`'s unroll).
 
   def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
     """Hidden states `[B, T, D]` and the updated cache (None without one). segment_ids: packed rows
@@ -256,26 +299,40 @@ class Backbone(nnx.Module):
         raise ValueError(f"a cache with one length per row takes one token per call, got {steps}")
       key_mask = write_slots(cache.mask, attention_mask, cache.length)
       query_slots = cache.length[..., None] + jnp.arange(steps)  # [T], or [B, 1] per row.
+    graphdef, stacked = nnx.split(self.layers)
+
+    def layer_step(x, kv, params, index):
+      """One decoder layer: its parameters `params` (one slice of the stack), the stacked cache `kv` or None."""
+      layer_cache = None if kv is None else (*kv, index, cache.length, cache.decode_block)
+      x, new_kv = nnx.merge(graphdef, params)(x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
+      return x, None if kv is None else new_kv
+
     # Without a backward pass (a cache: prefill and decode) rematerialisation only costs time.
-    call = nnx.remat(_layer_call) if self.remat and cache is None else _layer_call
-    new_keys, new_values = [], []
-    for i, layer in enumerate(self.layers):
-      layer_cache = None if cache is None else (cache.keys[i], cache.values[i], cache.length, cache.decode_block)
-      x, (k, v) = call(layer, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
-      new_keys.append(k)
-      new_values.append(v)
+    if self.remat and cache is None:
+      layer_step = jax.checkpoint(layer_step, prevent_cse=not self.scan_layers)
+    kv = None if cache is None else (cache.keys, cache.values)
+    if self.scan_layers:
+      def body(carry, xs):  # Returns no parameters: the scan's outputs are empty (no second weight stack).
+        return layer_step(*carry, *xs), None
+      indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+      (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, indices), unroll=self.scan_unroll)
+    else:
+      for i in range(self.cfg.num_layers):
+        x, kv = layer_step(x, kv, jax.tree.map(lambda p, i=i: p[i], stacked), i)
     x = self.norm(x)
     if cache is None:
       return x, None
-    return x, KVCache(tuple(new_keys), tuple(new_values), key_mask, cache.length + steps, cache.decode_block)
+    return x, KVCache(*kv, key_mask, cache.length + steps, cache.decode_block)
 
 
 class CausalLM(nnx.Module):
   """The policy: backbone and output projection to `[B, T, V]` logits (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
-    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
+               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               scan_unroll: int = 1, rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
+                          scan_layers=scan_layers, scan_unroll=scan_unroll, rngs=rngs)
     if not cfg.tie_word_embeddings:
       self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype)
     self.tied = cfg.tie_word_embeddings
@@ -315,8 +372,10 @@ class ValueModel(nnx.Module):
   """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", rngs: nnx.Rngs):
-    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention, rngs=rngs)
+               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               scan_unroll: int = 1, rngs: nnx.Rngs):
+    self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
+                          scan_layers=scan_layers, scan_unroll=scan_unroll, rngs=rngs)
     self.value_head = _param(rngs, (cfg.hidden_size, 1), ("embed", None), param_dtype, init="zeros")
 
   @property

@@ -32,10 +32,11 @@ call. One set of weights serves the whole step (on-policy). Sequence n samples i
 the queues or slots; outputs are written by sequence index (`[N, Tr]`, split over the batch axes),
 so the `Rollout` has the static engine's row order.
 
-Cost: a free slot's refill copies Tp cache slots per layer (inside a `lax.cond`: iterations
-without a refill copy nothing). A shrink gathers the kept rows of each cache array in its own call
-that donates the old array (peak: the R-row cache plus one array's kept rows), and compiles one
-decode program per slot count (at most log2(R / min_slots) of them, cached).
+Cost: a free slot's refill copies Tp cache slots per layer, layer by layer in place (inside a
+`lax.cond`: iterations without a refill copy nothing). A shrink gathers the kept rows of each row
+array in its own call that donates the old array, the stacked keys and values layer by layer (peak:
+the R-row cache plus the kept rows of one of the two stacks), and compiles one decode program per
+slot count (at most log2(R / min_slots) of them, cached).
 """
 
 import functools
@@ -56,8 +57,8 @@ from vapo_jax.rollout import common
 class Prompts(NamedTuple):
   """The prefilled prompts, read when a slot takes a new sequence."""
 
-  keys: tuple[jax.Array, ...]  # Per layer [P, K, Tp, H] (heads-major, as the KV cache).
-  values: tuple[jax.Array, ...]  # Per layer [P, K, Tp, H].
+  keys: jax.Array  # [L, P, K, Tp, H] (stacked layers, heads-major, as the KV cache).
+  values: jax.Array  # [L, P, K, Tp, H].
   mask: jax.Array  # [P, Tp] real prompt tokens.
   logits: jax.Array  # [P, V] next-token logits after the prompt.
   lengths: jax.Array  # [P] int32 real prompt tokens: the position of the first response token.
@@ -120,10 +121,9 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   cfg, (count, prompt_len) = model.cfg, prompt_tokens.shape
   n, width = count * group, prompt_len + max_new_tokens
   rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
-  shape = (slots, cfg.num_kv_heads, width, cfg.head_dim)
-  kv = lambda: tuple(jnp.zeros(shape, cache_dtype) for _ in range(cfg.num_layers))  # Distinct buffers (donation).
-  slot_cache = KVCache(kv(), kv(), jnp.zeros((slots, width), bool), jnp.zeros((slots,), jnp.int32),
-                       decode_block).constrained()
+  shape = (cfg.num_layers, slots, cfg.num_kv_heads, width, cfg.head_dim)
+  slot_cache = KVCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype), jnp.zeros((slots, width), bool),
+                       jnp.zeros((slots,), jnp.int32), decode_block).constrained()
   slot_logits = constrain(jnp.zeros((slots, logits.shape[-1]), jnp.float32), ("batch", "act_vocab"))
   queued = jnp.arange(queues, dtype=jnp.int32) * (n // queues)
   return prompts, Slots(slot_cache, slot_logits, rows((slots,), jnp.int32), rows((slots,), jnp.int32),
@@ -150,22 +150,32 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
   take_by_queue = free & (new_by_queue < _queue_ends(s)[:, None])
   take, new = take_by_queue.reshape(rows), new_by_queue.reshape(rows)
 
-  def insert(s: Slots) -> Slots:
-    n = s.lengths.shape[0]
-    local = jnp.minimum(new - _first_sequence(rows, n, queues), n // queues - 1)  # Within the queue.
-    read = lambda source: _gather(source, local // group, queues)  # The queue's own prompt.
-    fill = lambda buffer, source: lax.dynamic_update_slice_in_dim(
-        buffer, jnp.where(take[:, None, None, None], read(source).astype(buffer.dtype), buffer[:, :, :prompt_len]), 0,
-        axis=2)
+  n = s.lengths.shape[0]
+  local = jnp.minimum(new - _first_sequence(rows, n, queues), n // queues - 1)  # Within the queue.
+  read = lambda source: _gather(source, local // group, queues)  # The queue's own prompt.
+  any_taken = jnp.any(take)
+
+  def fill(buffer, source):
+    """The stacked keys or values with the taken slots' prompt part copied in, layer by layer in place (one
+    layer's prompt slots in flight); no iteration, and no copy, when no slot is taken (a conditional
+    returning the cache would copy it whole on the iterations that take nothing)."""
+    def layer(i, buffer):
+      kept = lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)[:, :, :prompt_len]  # [R, K, Tp, H]
+      new = read(lax.dynamic_index_in_dim(source, i, 0, keepdims=False)).astype(buffer.dtype)
+      return lax.dynamic_update_index_in_dim(buffer, jnp.where(take[:, None, None, None], new, kept), i, 0)
+    return lax.fori_loop(0, jnp.where(any_taken, buffer.shape[0], 0), layer, buffer)
+
+  def insert(s: Slots) -> Slots:  # Every row array but the cache's keys and values.
     responses = s.cache.mask.shape[1] - prompt_len
     mask = jnp.where(take[:, None], jnp.pad(read(prompts.mask), ((0, 0), (0, responses))), s.cache.mask)
-    cache = KVCache(tuple(map(fill, s.cache.keys, prompts.keys)), tuple(map(fill, s.cache.values, prompts.values)),
-                    mask, jnp.where(take, prompt_len, s.cache.length), s.cache.decode_block)
-    return s._replace(cache=cache, logits=jnp.where(take[:, None], read(prompts.logits), s.logits),
+    return s._replace(cache=s.cache.replace(mask=mask, length=jnp.where(take, prompt_len, s.cache.length)),
+                      logits=jnp.where(take[:, None], read(prompts.logits), s.logits),
                       sequence=jnp.where(take, new, s.sequence), step=jnp.where(take, 0, s.step),
                       live=s.live | take, queued=s.queued + jnp.sum(take_by_queue, axis=1, dtype=jnp.int32))
 
-  return lax.cond(jnp.any(take), insert, lambda s: s, s)
+  keys, values = fill(s.cache.keys, prompts.keys), fill(s.cache.values, prompts.values)
+  s = lax.cond(any_taken, insert, lambda s: s, s._replace(cache=s.cache.replace(keys=None, values=None)))
+  return s._replace(cache=s.cache.replace(keys=keys, values=values))
 
 
 def shrink_threshold(slots: int, min_slots: int) -> int:
@@ -237,29 +247,40 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
   return state, status
 
 
+def _gather_layers(stack: jax.Array, index: jax.Array, queues: int) -> jax.Array:
+  """`_gather` of the rows (axis 1) of stacked keys or values `[L, R, ...]`, layer by layer: besides the
+  input, only the output and one layer's gathered rows are held (a one-shot gather would hold a second
+  stack's worth of temporaries)."""
+  out = constrain(jnp.zeros((stack.shape[0], index.shape[0]) + stack.shape[2:], stack.dtype), CACHE_AXES)
+  layer = lambda i, out: lax.dynamic_update_index_in_dim(
+      out, _gather(lax.dynamic_index_in_dim(stack, i, 0, keepdims=False), index, queues), i, 0)
+  return lax.fori_loop(0, stack.shape[0], layer, out)
+
+
 @functools.lru_cache(maxsize=32)
 def row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Callable]:
   """(order: each queue's live slots first, `rows` / Q of them; take: those rows of one array,
-  donating it, laid out by its logical axes)."""
+  donating it, laid out by its logical axes: rows are axis 1 of the stacked cache (`CACHE_AXES`), else 0)."""
   kept = lambda live: jnp.argsort(~live, stable=True)[:rows // queues]
   order = jit(lambda live: jax.vmap(kept)(_by_queue(live, queues)).reshape(rows))
-  take = jit(lambda x, index, axes: constrain(_gather(x, index, queues), axes), donate_argnums=0, static_argnums=2)
+  gather = lambda x, index, axes: (_gather_layers if axes == CACHE_AXES else _gather)(x, index, queues)
+  take = jit(lambda x, index, axes: constrain(gather(x, index, axes), axes), donate_argnums=0, static_argnums=2)
   return order, take
 
 
 def row_arrays(state: Slots) -> list[tuple[jax.Array, tuple]]:
-  """Every row array of `state` (`[R, ...]`: what `compact` gathers), with the logical axes it is laid
-  out by: the cache's keys and values, its mask and lengths, the logits, sequences, steps and flags."""
+  """Every row array of `state` (what `compact` gathers), with the logical axes it is laid out by: the
+  cache's stacked keys and values (`[L, R, ...]`), its mask and lengths, the logits, sequences, steps and
+  flags (`[R, ...]`)."""
   c = state.cache
-  return ([(x, CACHE_AXES) for x in c.keys + c.values] + [(x, _row_axes(x)) for x in (c.mask, c.length)]
+  return ([(c.keys, CACHE_AXES), (c.values, CACHE_AXES)] + [(x, _row_axes(x)) for x in (c.mask, c.length)]
           + [(state.logits, ("batch", "act_vocab"))] + [(x, _row_axes(x)) for x in (state.sequence, state.step, state.live)])
 
 
 def with_rows(state: Slots, arrays: list[jax.Array]) -> Slots:
   """`state` with its row arrays replaced by `arrays` (in `row_arrays`' order)."""
-  layers = len(state.cache.keys)
-  mask, length, logits, sequence, step, live = arrays[2 * layers:]
-  cache = KVCache(tuple(arrays[:layers]), tuple(arrays[layers:2 * layers]), mask, length, state.cache.decode_block)
+  keys, values, mask, length, logits, sequence, step, live = arrays
+  cache = KVCache(keys, values, mask, length, state.cache.decode_block)
   return state._replace(cache=cache, logits=logits, sequence=sequence, step=step, live=live)
 
 

@@ -47,13 +47,13 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
-  # Share each prompt's cache with its G samples, in a cache with room for the response (the slot axis:
-  # 2 of the heads-major keys and values, 1 of the mask).
+  # Share each prompt's cache with its G samples, in a cache with room for the response (rows: axis 1 of the
+  # stacked keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
   expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
-  pad_slots = lambda x, axis: jnp.pad(jnp.repeat(x, group, axis=0), [(0, steps * (i == axis)) for i in range(x.ndim)])
-  kv = lambda arrays: tuple(pad_slots(x, 2) for x in arrays)
-  cache = KVCache(kv(prefill_cache.keys), kv(prefill_cache.values), pad_slots(prefill_cache.mask, 1),
-                  prefill_cache.length, decode_block).constrained()
+  pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, group, axis=rows),
+                                            [(0, steps * (i == axis)) for i in range(x.ndim)])
+  cache = KVCache(pad_slots(prefill_cache.keys, 1, 3), pad_slots(prefill_cache.values, 1, 3),
+                  pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block).constrained()
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)

@@ -26,7 +26,8 @@ from vapo_jax.train.state import TrainState
 def model_kwargs(config: ExperimentConfig) -> dict:
   """The keyword arguments every model of the run is built with."""
   m = config.model
-  return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+  return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat, attention=m.attention,
+              scan_layers=m.scan_layers, scan_unroll=m.scan_unroll)
 
 
 def optimizers(config: ExperimentConfig) -> dict:

@@ -115,7 +115,9 @@ class _NoDiskFullTracebacks(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
-    return not (files.disk_full_cause(error) or any(t in record.getMessage() for t in files.DISK_FULL_TEXTS))
+    texts = files.DISK_FULL_TEXTS + files.UNWRITABLE_TEXTS
+    return not (files.disk_full_cause(error) or files.unwritable_cause(error)
+                or any(t in record.getMessage() for t in texts))
 
 
 def _join_background_saves(timeout_s: float = 120.0) -> None:
@@ -130,8 +132,9 @@ def _join_background_saves(timeout_s: float = 120.0) -> None:
 class RunCheckpoints:
   """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one.
 
-  A full disk while saving (found when the save, or the run, waits for it) is a `SetupError` naming
-  the directory; the partial checkpoint is removed and the complete ones stay, so a resume works.
+  A full disk or an unwritable directory while saving (found when the save, or the run, waits for it) is
+  a `SetupError` naming the directory; the partial checkpoint is removed and the complete ones stay, so a
+  resume works.
   """
 
   def __init__(self, directory: str, config: CheckpointConfig):
@@ -148,13 +151,12 @@ class RunCheckpoints:
 
   @contextlib.contextmanager
   def _saving(self, what: str) -> Iterator[None]:
-    """A full disk in the block: the background saves are let finish, the partial checkpoint removed,
-    and a `SetupError` says what to free and what a resume starts from."""
+    """A full disk (or an unwritable directory) in the block: the background saves are let finish, the
+    partial checkpoint removed, and a `SetupError` says what to do and what a resume starts from."""
     try:
       yield
     except Exception as e:
-      cause = files.disk_full_cause(e)
-      if cause is None:
+      if files.disk_full_cause(e) is None and files.unwritable_cause(e) is None:
         raise
       self.failed = True
       with contextlib.suppress(Exception):
@@ -167,8 +169,7 @@ class RunCheckpoints:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       resume = (f"it resumes from checkpoint {complete[-1]}, which is intact" if complete else
                 "no checkpoint was complete yet, so it starts afresh")
-      raise files.disk_full_error(self.directory, what, cause=cause,
-                                  after=f"then run the same command again: {resume}") from None
+      raise files.write_failure(e, self.directory, what, after=f"then run the same command again: {resume}") from None
 
   def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
     """Saves (in the background when configured: arrays are copied to host before this returns)."""
@@ -278,6 +279,23 @@ class PreemptionFlag:
   def is_set(self) -> bool:
     """Whether any process of the run got the signal (all processes must then stop together)."""
     return distributed.any_process(self.event.is_set())
+
+
+# How a checkpoint's decoder-layer parameters (and their optimizer states) are laid out: "stacked", one
+# `[L, ...]` array per parameter (models/transformer.py). Checkpoints without the record were written by
+# the per-layer code (`model.layers.{i}.*`), whose arrays do not map onto this state's.
+LAYER_LAYOUT = "stacked"
+
+
+def check_layer_layout(meta: dict, checkpoint_dir: str) -> None:
+  """A `ConfigError` (one line) for a checkpoint whose layer layout is not this code's: resuming from
+  it would otherwise fail to restore and start the run afresh."""
+  layout = meta.get("layer_layout", "per-layer")
+  if layout != LAYER_LAYOUT:
+    raise ConfigError(
+        f"the checkpoints in {checkpoint_dir} hold {layout} decoder-layer parameters (model.layers.N.*), and this "
+        f"code stacks them (model.layers.* of shape [L, ...]); refusing to resume (it would start afresh): resume "
+        "them with the code that wrote them, or start a new run (another name= or run_dir=)")
 
 
 def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir: str) -> None:

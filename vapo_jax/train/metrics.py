@@ -52,7 +52,7 @@ class MetricsWriter:
         self._wandb = _start_wandb(run_dir, wandb, resume=keep_bytes > 0)
 
   def _disk_full(self):
-    return files.reporting_disk_full(self.run_dir, "writing the run's logs (metrics.jsonl, tensorboard/)")
+    return files.reporting_write_failures(self.run_dir, "writing the run's logs (metrics.jsonl, tensorboard/)")
 
   def size(self) -> int:
     """Bytes written so far to metrics.jsonl (0 when disabled)."""
@@ -106,7 +106,7 @@ class MetricsWriter:
       with contextlib.suppress(OSError, ValueError):
         with open(path, encoding="utf-8") as f:
           return json.load(f)
-    with files.reporting_disk_full(self.run_dir, "writing summary.json"):
+    with files.reporting_write_failures(self.run_dir, "writing summary.json"):
       files.write_atomically(path, json.dumps(summary, indent=2))
     return summary
 

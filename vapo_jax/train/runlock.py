@@ -10,6 +10,7 @@ over and says so. A clean release deletes the file (and the run directory, when 
 and nothing else was written there). Multi-host runs: take it on the main process only.
 """
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -89,6 +90,9 @@ class RunLock:
       os.unlink(self.path)
     except FileNotFoundError:
       pass
+    except OSError:  # The directory turned read-only: the file stays, emptied if it can be (no holder recorded).
+      with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
     finally:
       fcntl.flock(fd, fcntl.LOCK_UN)
       os.close(fd)

@@ -6,10 +6,9 @@ A run is a sequence of stages, sft → value_pretrain → rl → done, with held
 warm start, every `eval.every_steps` RL steps and after RL (keys: `experience.evaluation_key`). Its
 state is one immutable pytree (`state.TrainState`: parameters, optimizer states, reference policy,
 PRNG key) passed through the jitted programs of `steps.Steps`, plus a host record (`state.Progress`).
-`step` is one RL (or value-pretraining) step from prompts to parameter update. The same loop runs
-VAPO, its ablations, vanilla PPO, GRPO and DAPO: only the config differs. The math is in `algorithm`
-/ `advantages` / `losses`. The critic starts from `model.critic_checkpoint` (the paper's: a reward
-model, VAPO §4.1), else from the policy with a zero value head (`critic_from_actor`).
+`step` is one RL (or value-pretraining) step from prompts to update; one loop runs VAPO, its ablations, PPO,
+GRPO and DAPO (the math: `algorithm`, `advantages`, `losses`). The critic starts from `model.critic_checkpoint`
+(the paper's: a reward model, VAPO §4.1), else from the policy with a zero value head (`critic_from_actor`).
 
 A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
 boundary; a new Trainer on the same run directory continues from the newest complete one, and
@@ -19,6 +18,7 @@ SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Pre
 import contextlib
 import dataclasses
 import os
+import sys
 import time
 import warnings
 
@@ -148,6 +148,7 @@ class Trainer:
       raise ConfigError(f"{directory} holds checkpoints of an earlier run (newest: step {latest[0]}) and "
                         "checkpoint.resume=false: choose another name= or run_dir=, or delete the directory")
     if latest:
+      checkpoints.check_layer_layout(latest[1], directory)
       checkpoints.check_resumable(self.config, latest[1]["config"], directory)
     return found
 
@@ -180,6 +181,7 @@ class Trainer:
 
   # ----------------------------------------------------------------------------- checkpoints
   def _restore_target(self, meta: dict):
+    checkpoints.check_layer_layout(meta, self.checkpoints.directory)
     checkpoints.check_resumable(self.config, meta["config"], self.checkpoints.directory)
     saved = meta["progress"]
     target = self.state._replace(sft_opt=self.state.sft_opt if saved["stage"] == "sft" else None,
@@ -191,7 +193,8 @@ class Trainer:
     if self.checkpoints is not None:
       self.saves += 1
       meta = {"progress": self.progress.to_json(), "metrics_bytes": self.writer.size(),
-              "has_ref": self.state.ref is not None, "config": dataclasses.asdict(self.config)}
+              "has_ref": self.state.ref is not None, "config": dataclasses.asdict(self.config),
+              "layer_layout": checkpoints.LAYER_LAYOUT}
       self.checkpoints.save(self.saves, to_checkpoint(self.state), meta, wait=wait)
 
   def _after_step(self, *, last: bool):
@@ -368,7 +371,7 @@ class Trainer:
       return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
     finally:
       self.preemption.uninstall()
-      self.close()
+      self.close(failed=sys.exc_info()[0] is not None)  # A failing run's error is the one reported.
 
   def close(self, *, failed: bool = False) -> None:
     """Closes the verifier, logs, checkpoints (each, even if one fails) and lock; removes an empty checkpoints/."""
