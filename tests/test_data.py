@@ -244,3 +244,38 @@ def test_huggingface_datasets(tmp_path):
   assert len(load_records(str(tmp_path / "local"), split="test")) == 1
   with pytest.raises(DataError, match="cannot load split 'train'"):
     load_records(str(tmp_path / "local"))
+
+
+def _jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+def test_training_problems_that_are_evaluation_problems_are_warned_about_and_can_be_dropped(tmp_path):
+  import dataclasses
+
+  from vapo_jax.config import ExperimentConfig
+  train = _jsonl(tmp_path / "train.jsonl", [{"id": f"t{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)}
+                                            for i in range(10)])
+  held_out = _jsonl(tmp_path / "eval.jsonl", [{"id": "e0", "problem": "What is 3 +  3?", "answer": "6"},  # Spacing.
+                                              {"id": "e1", "problem": "What is 30 + 30?", "answer": "60"}])
+  base = ExperimentConfig(name="overlap")
+  config = lambda train_path, eval_path, drop=False: dataclasses.replace(
+      base, data=dataclasses.replace(base.data, train_path=train_path, drop_eval_overlap=drop, template="raw"),
+      eval=dataclasses.replace(base.eval, path=eval_path))
+  c = config(train, held_out)
+  eval_rows = problems.eval_problems(c)
+  with pytest.warns(UserWarning, match=r"1 of 10 training problems .* are also evaluation problems .* id 't3'"):
+    assert len(problems.training_problems(c, eval_rows=eval_rows)) == 10
+  with pytest.warns(UserWarning, match="dropped from training"):
+    kept = problems.training_problems(config(train, held_out, drop=True), eval_rows=eval_rows)
+  assert [r.id for r in kept] == [f"t{i}" for i in range(10) if i != 3]
+  same = config(train, train)  # One file as both: every problem, by text and by (source, id).
+  with pytest.warns(UserWarning, match="10 of 10 training problems"):
+    problems.training_problems(same, eval_rows=problems.eval_problems(same))
+  with pytest.raises(DataError, match="every training problem is an evaluation problem"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    problems.training_problems(config(train, train, drop=True), eval_rows=problems.eval_problems(same))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # No overlap: no warning.
+    assert len(problems.training_problems(config(train, None), eval_rows=[])) == 10

@@ -12,7 +12,7 @@ from typing import Any
 from vapo_jax import kinds
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.data import tasks
-from vapo_jax.data.records import Record, deduplicate, kept_for_dropped, load_records
+from vapo_jax.data.records import Record, deduplicate, kept_for_dropped, load_records, problem_key
 from vapo_jax.errors import DataError
 from vapo_jax.kinds import Template
 
@@ -46,6 +46,37 @@ def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup:
   return check_prompt_lengths(records, tokenizer, max_prompt_tokens=config.rollout.max_prompt_tokens,
                                    template=d.template, chat_template=d.chat_template, path=path,
                                    skip_bad_rows=d.skip_bad_rows)
+
+
+def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Sequence[Record] = ()) -> list[Record]:
+  """The training problems of `data.train_path` (`load_problems`), with those that are also evaluation
+  problems (`eval_rows`, see `eval_overlap`) warned about, and dropped when `data.drop_eval_overlap`."""
+  records = load_problems(config.data.train_path, config, tokenizer)
+  shared = eval_overlap(records, eval_rows)
+  if shared:
+    drop = config.data.drop_eval_overlap
+    warnings.warn(f"{len(shared)} of {len(records)} training problems ({config.data.train_path}) are also evaluation "
+                  f"problems ({config.eval.path}), by problem text or by source and id, e.g. id {records[shared[0]].id!r}"
+                  + (": dropped from training (data.drop_eval_overlap=true)" if drop else
+                     ": the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true drops "
+                     "them"), stacklevel=2)
+    if drop:
+      drop_at = set(shared)
+      records = [r for i, r in enumerate(records) if i not in drop_at]
+      if not records:
+        raise DataError(f"{config.data.train_path}: every training problem is an evaluation problem of "
+                        f"{config.eval.path}, and data.drop_eval_overlap=true drops them all: train on other problems")
+  return records
+
+
+def eval_overlap(train: Sequence[Record], eval_rows: Sequence[Record]) -> list[int]:
+  """Indices of the training records that are evaluation records: the same problem text (whitespace
+  normalised, as deduplication compares it), or the same source and id (one file read as both)."""
+  if not eval_rows:
+    return []
+  texts = {problem_key(r.prompt) for r in eval_rows}
+  ids = {(r.source, r.id) for r in eval_rows}
+  return [i for i, r in enumerate(train) if problem_key(r.prompt) in texts or (r.source, r.id) in ids]
 
 
 def eval_problems(config: ExperimentConfig, tokenizer=None) -> list[Record]:

@@ -319,7 +319,7 @@ def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: 
   Held-out problems are matched to their responses by id, so one id must name one problem."""
   keys: dict[str, set[str]] = collections.defaultdict(set)
   for record in records:
-    keys[record.id].add(_problem_key(record.prompt))
+    keys[record.id].add(problem_key(record.prompt))
   shared = {i for i, problems in keys.items() if len(problems) > 1}
   if not shared:
     return list(records)
@@ -336,10 +336,10 @@ def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: 
 def kept_for_dropped(records: Sequence[Record], kept: Sequence[Record]) -> dict[str, Record]:
   """The id of every record of `records` that `deduplicate` left out of `kept` → the kept record of
   its problem (responses to a dropped duplicate belong to that problem)."""
-  by_problem = {_problem_key(r.prompt): r for r in kept}
+  by_problem = {problem_key(r.prompt): r for r in kept}
   kept_ids = {r.id for r in kept}
-  return {r.id: by_problem[_problem_key(r.prompt)] for r in records
-          if r.id not in kept_ids and _problem_key(r.prompt) in by_problem}
+  return {r.id: by_problem[problem_key(r.prompt)] for r in records
+          if r.id not in kept_ids and problem_key(r.prompt) in by_problem}
 
 
 class Conflict(NamedTuple):
@@ -348,7 +348,8 @@ class Conflict(NamedTuple):
   answers: tuple[str, ...]
 
 
-def _problem_key(prompt: str) -> str:
+def problem_key(prompt: str) -> str:
+  """A problem's text as deduplication and the train/eval overlap compare it: whitespace normalised."""
   return " ".join(prompt.split())
 
 
@@ -364,7 +365,7 @@ def deduplicate(records: Sequence[Record], *, warn: bool = True) -> tuple[list[R
   """
   groups: dict[str, list[Record]] = collections.defaultdict(list)
   for record in records:
-    groups[_problem_key(record.prompt)].append(record)
+    groups[problem_key(record.prompt)].append(record)
   conflicts = [Conflict(group[0].prompt, tuple(r.id for r in group), tuple(r.answer for r in group))
                for group in groups.values() if len({_answer_key(r.answer) for r in group}) > 1]
   if conflicts and warn:

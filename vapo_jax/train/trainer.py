@@ -89,8 +89,8 @@ class Trainer:
     self.pool = reward_lib.make_pool(reward_fn=config.reward.reward_fn, workers=config.reward.verifier_workers,
                                      timeout_s=config.reward.verifier_timeout_s,
                                      memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
-    train = problems.load_problems(config.data.train_path, config, self.tokenizer)
     self.eval_rows = problems.eval_problems(config, self.tokenizer)
+    train = problems.training_problems(config, self.tokenizer, self.eval_rows)  # The overlap warned about.
     actor, critic = self._build_models(rules)
     for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
       if path:
