@@ -145,5 +145,6 @@ def test_a_reward_function_returning_non_scores_is_stopped_with_its_reasons(tmp_
   assert err.splitlines() == [f"warning: the reward function 'failing_rewards:returns_what_it_is_told' "
                               f"(reward.reward_fn) failed to score a response: {some}, line 2 (id 'a'): returned "
                               "(True, 1.0) (tuple), expected a bool or a finite number. Such responses score "
-                              "incorrect; this is reported once, then counted in reward/error_frac"]
+                              "incorrect; this is reported once, then counted in summary.json's failed_to_score "
+                              "(each sample's reason: samples.jsonl 'error')"]  # Not the trainer's metric.
   assert f"1 of 4 responses failed to score (they count as incorrect); the first: {some}, line 2" in out

@@ -213,3 +213,20 @@ def test_majority_vote_is_not_available_for_a_user_reward_function(tmp_path, cap
 
 def test_load_function_still_loads():
   assert load_function("failing_rewards:equal_slowly").__name__ == "equal_slowly"
+
+
+@pytest.mark.slow  # A trainer run (its evaluation before RL); make test covers the fractions' source, compute_rewards.
+def test_the_trainers_held_out_evaluation_counts_the_responses_that_failed_to_score(tmp_path):
+  """They counted as incorrect with no trace in the evaluation's records (eval/accuracy only)."""
+  from conftest import build_smoke_config
+  from vapo_jax.train.trainer import Trainer
+
+  run = build_smoke_config(tmp_path, {"reward.reward_fn": "failing_rewards:raises_on_odd_length", "rl_steps": 0,
+                                      "sft.steps": 0, "algo.value_pretrain_steps": 0, "reward.max_error_frac": 1.0,
+                                      "checkpoint.export_final": False})
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # The function's first failure, reported once.
+    Trainer(run).run()
+  records = [json.loads(line) for line in open(os.path.join(run.run_directory, "metrics.jsonl"))]
+  before = next(r for r in records if "eval/error_frac" in r)  # The evaluation before RL.
+  assert 0 < before["eval/error_frac"] < 1 and 0 <= before["eval/no_answer_frac"] <= 1, before

@@ -124,7 +124,8 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
   if warning := unanswered_warning(samples):
     warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl")
   try:
-    reward.check_errors(batch, pool, max_error_frac=c.max_error_frac)
+    reward.check_errors(batch, pool, max_error_frac=c.max_error_frac,
+                        counted_in="summary.json's failed_to_score (each sample's reason: samples.jsonl 'error')")
   except RewardFunctionError as e:
     raise RewardFunctionError(f"{e} Each response's reason is in {out_dir}/samples.jsonl (field 'error').") from None
   return summary

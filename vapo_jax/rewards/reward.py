@@ -181,13 +181,15 @@ def compute_rewards(
   return batch
 
 
-def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: float) -> None:
+def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: float,
+                 counted_in: str = "reward/error_frac") -> None:
   """Warns or stops on responses that failed to score (time-out, crash, exception, invalid value).
 
   A user function's first error is warned about once per pool; more than `max_error_frac` of the
   batch failing is warned about; every response failing raises `RewardFunctionError` with the
   first error's text. Reads the fraction from `batch.metrics["reward/error_frac"]`, so that with
-  several processes, called on the gathered metrics, every process decides the same way.
+  several processes, called on the gathered metrics, every process decides the same way. `counted_in`:
+  where the caller records the failures (the trainer's metric; `make eval`'s summary field).
   """
   frac, first = batch.metrics["reward/error_frac"], batch.first_error or "(on another process: see its log)"
   user = pool.fn != DEFAULT_FN
@@ -206,7 +208,7 @@ def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: floa
                   stacklevel=2)
   elif user and batch.first_error and not pool.failure_reported:
     warnings.warn(f"{what} failed to score a response: {batch.first_error}. Such responses score incorrect; "
-                  "this is reported once, then counted in reward/error_frac", stacklevel=2)
+                  f"this is reported once, then counted in {counted_in}", stacklevel=2)
   if user and batch.first_error:
     pool.failure_reported = True
 

@@ -213,11 +213,13 @@ class Experience:
 
   def evaluate(self, state: TrainState, records: list[Record], *, rl_steps_done: int) -> dict:
     """avg@k on held-out problems with the eval sampling settings, sampled with
-    `evaluation_key(seed, rl_steps_done)` (device scalars)."""
+    `evaluation_key(seed, rl_steps_done)` (device scalars), and the fractions of responses that failed to
+    score (`eval/error_frac`: verifier time-outs, crashes, errors; they count as incorrect) and in which no
+    answer was found (`eval/no_answer_frac`)."""
     evaluation, settings = self.config.eval, self.config.rollout
     key = distributed.replicate_local(evaluation_key(self.config.seed, rl_steps_done), self.steps.mesh)
     per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
-    correct, lengths, policy = [], [], self.policy(state)
+    correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, self.policy(state)
     for n, i in enumerate(range(0, len(records), per_call)):
       part = records[i:i + per_call]
       out, _ = self.generate(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
@@ -225,8 +227,12 @@ class Experience:
       scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
       correct.append(distributed.gather_rows(scored.correct))
       lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
+      for name in failed:  # Fractions of this call's responses (combined over processes), weighted by them.
+        failed[name] += scored.metrics[f"reward/{name}"] * len(correct[-1])
+    responses = sum(map(len, correct))
     return {"eval/accuracy": float(np.concatenate(correct).mean()),
-            "eval/response_len_mean": float(np.concatenate(lengths).mean())}
+            "eval/response_len_mean": float(np.concatenate(lengths).mean())} | {
+                f"eval/{name}": float(total / responses) for name, total in failed.items()}
 
 
 @jax.jit
