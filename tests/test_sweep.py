@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,9 @@ def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
     log = tmp_path / "toy" / "logs" / f"{name}.log"
     assert f"failed: {name}: failed (exit 2); log: {log}" in out
     assert "value_pretrain_steps must be 0 with estimator='group'" in log.read_text()
+    failed = next(line for line in out.splitlines() if line.startswith(f"FAILED  {name} "))
+    assert re.search(r"\(exit 2\) after \d+s: error: .*value_pretrain_steps must be 0 with estimator='group'.*; log: ",
+                     failed), failed  # The run's own error line, not only where its log is.
   with open(tmp_path / "toy" / "runs.csv") as f:
     assert [(r["run"], r["status"]) for r in csv.DictReader(f)] == [(n, "failed (exit 2)") for n in names]
   table = (tmp_path / "toy" / "table.md").read_text()

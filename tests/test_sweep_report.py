@@ -68,3 +68,14 @@ def test_the_table_shows_paired_deltas_their_error_and_the_mde(tmp_path):
   mechanisms = table[table.index("Mechanisms:"):]
   ppo = next(row for row in mechanisms.splitlines() if row.startswith("| `toy_ppo` |"))
   assert ppo.startswith("| `toy_ppo` | 0.200 → -0.200 | – |") and ppo.endswith("| 60.0 → 30.0 |")
+
+
+def test_the_table_links_only_the_plots_written(tmp_path):
+  """It linked every figure and every member's panels, made or not (a member that never finished has none)."""
+  write_csv(tmp_path / "runs.csv")
+  rows = sweep_report.read_rows(str(tmp_path / "runs.csv"))
+  first = sweep_report.FIGURES[0][0]
+  table = sweep_report.markdown_table("toy", MEMBERS, rows, plotted=[first, "mechanism_toy_vapo"])
+  links = [line for line in table.splitlines() if line.startswith("Plots: ")]
+  assert links == [f"Plots: [{first}](plots/{first}.png); per member: [toy_vapo](plots/mechanism_toy_vapo.png)"]
+  assert "Plots:" not in sweep_report.markdown_table("toy", MEMBERS, rows)  # None written (no matplotlib).

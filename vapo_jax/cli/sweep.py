@@ -143,8 +143,23 @@ def _outcome(run: Run, returncode: int, seconds: float, stream) -> str:
           file=stream, flush=True)
     return f"stopped (exit {returncode})"
   why = f"exit {returncode}" if returncode else "exit 0 without summary.json"
-  print(f"FAILED  {run.name} ({why}) after {seconds:.0f}s; log: {run.log}", file=stream, flush=True)
+  said = error_line(run.log)
+  print(f"FAILED  {run.name} ({why}) after {seconds:.0f}s{f': {said}' if said else ''}; log: {run.log}", file=stream,
+        flush=True)
   return f"failed ({why})"
+
+
+def error_line(log: str, *, tail_bytes: int = 65536) -> str | None:
+  """What a failed run said last: its log's last `error: ` line (the trainer's one-line errors), else its
+  last non-empty line (a traceback's exception), at most 300 characters; None for an empty log."""
+  try:
+    with open(log, "rb") as f:
+      f.seek(max(0, os.path.getsize(log) - tail_bytes))
+      lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+  except OSError:
+    return None
+  found = [line for line in lines if line.startswith("error: ")] or lines
+  return found[-1][:300] if found else None
 
 
 def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on_done=None,

@@ -139,9 +139,10 @@ def _fmt_paired(paired: Paired | None) -> tuple[str, str]:
   return f"{paired.delta:+.3f} ± {paired.se:.3f}", f"{paired.mde:.3f}"
 
 
-def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict]) -> str:
+def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict], plotted: Sequence[str] = ()) -> str:
   """Accuracy per member (mean ± std over seeds), paired differences to the first member with their
-  SE and MDE, the paper's row, then the mechanism metrics at the start and end of RL."""
+  SE and MDE, the paper's row, the mechanism metrics at the start and end of RL, and links to the
+  plots written (`plotted`: their names, `plots/<name>.png`)."""
   done = [r for r in rows if r.get("status") in ("done", "skipped")]
   reference = members[0]
   lines = [f"# Sweep `{sweep}`", "",
@@ -177,9 +178,12 @@ def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict]) -> 
   if missing:
     lines += ["", "Not finished (left out above):", ""]
     lines += [f"- `{r['run']}`: {r.get('status', 'not run')}; log `{r['log']}`" for r in missing]
-  lines += ["", "Plots: " + ", ".join(f"[{name}](plots/{name}.png)" for name, *_ in FIGURES)
-            + "; per member: " + ", ".join(f"[{m}](plots/mechanism_{m}.png)" for m in members), ""]
-  return "\n".join(lines)
+  figures = [name for name, *_ in FIGURES if name in plotted]
+  panels = [m for m in members if f"mechanism_{m}" in plotted]
+  if figures or panels:
+    lines += ["", "Plots: " + ", ".join(f"[{name}](plots/{name}.png)" for name in figures)
+              + ("; per member: " + ", ".join(f"[{m}](plots/mechanism_{m}.png)" for m in panels) if panels else "")]
+  return "\n".join(lines + [""])
 
 
 def read_rows(path: str) -> list[dict]:
@@ -222,11 +226,20 @@ def write_report(sweep: str, members: Sequence[str], runs: Sequence, status: dic
   writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
   writer.writeheader()
   writer.writerows(rows)
-  with files.reporting_write_failures(sweep_dir, "writing the sweep's report", after="then report again: "
-                                 f"python -m vapo_jax.cli.sweep {sweep} --report"):
+  report = lambda: files.reporting_write_failures(sweep_dir, "writing the sweep's report", after="then report "
+                                                  f"again: python -m vapo_jax.cli.sweep {sweep} --report")
+  with report():
     os.makedirs(sweep_dir, exist_ok=True)
     files.write_atomically(written["csv"], table.getvalue())
-    files.write_atomically(written["table"], markdown_table(sweep, members, rows))
+  plotted = _write_plots(sweep, members, curves, sweep_dir, stream)
+  with report():  # Last: it links only the plots written.
+    files.write_atomically(written["table"], markdown_table(sweep, members, rows, plotted))
+  return written | plotted
+
+
+def _write_plots(sweep: str, members: Sequence[str], curves: dict, sweep_dir: str, stream) -> dict[str, str]:
+  """The sweep's figures and each member's mechanism panels (members with a finished run): {name: path}."""
+  written = {}
   try:
     import matplotlib  # noqa: F401
   except ImportError:
