@@ -69,3 +69,20 @@ def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="refusing to resume"):
     checkpoints.check_resumable(elsewhere, saved, "runs/x/checkpoints")
   assert not checkpoints.same_path(None, "runs") and checkpoints.same_path("bytes", "bytes")
+
+
+@pytest.mark.parametrize("stage", ["value_pretrain", "rl", "done"])
+def test_a_signal_during_a_stage_is_honoured_on_entering_the_next_one_the_last_included(stage):
+  """A SIGTERM during the final export printed "... stopping (exit 75)", then the run exited 0."""
+  import types
+
+  from vapo_jax.train.trainer import Trainer
+  saved, flag = [], checkpoints.PreemptionFlag()
+  flag.event.set()
+  flag.signum = signal.SIGTERM
+  trainer = types.SimpleNamespace(progress=types.SimpleNamespace(enter=lambda s: None), preemption=flag,
+                                  config=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_steps=5)),
+                                  save=lambda wait=False: saved.append(wait))
+  with pytest.raises(checkpoints.Preempted, match=f"on entering {stage}; checkpoint saved") as stopped:
+    Trainer._enter(trainer, stage)
+  assert stopped.value.exit_code == checkpoints.PREEMPTED_EXIT_CODE and saved == [False]

@@ -218,7 +218,7 @@ class Trainer:
     self.progress.enter(stage)
     if save and self.config.checkpoint.every_steps:
       self.save()
-    if save and stage != "done" and self.preemption.is_set():
+    if save and self.preemption.is_set():  # Entering "done" too: a SIGTERM in the final export exits 75.
       if not self.config.checkpoint.every_steps:
         self.save(wait=True)
       raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} on entering {stage}; checkpoint saved",
