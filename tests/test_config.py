@@ -176,3 +176,19 @@ def test_an_empty_experiment_name_is_an_error_not_the_default():
   for argv in (["--exp="], ["--exp"]):
     with pytest.raises(ConfigError, match="--exp needs an experiment name"):
       resolve.resolve(argv)
+
+
+def test_every_mistake_of_an_override_list_is_reported_together():
+  """They were reported one field at a time: fix one, run, meet the next."""
+  config = experiments.get_experiment("tiny")
+  with pytest.raises(ConfigError) as error:
+    overrides.apply_overrides(config, ["algo.eps_high=abc", "rollout.top_p=2", "no.such=1", "algo.ppo_epochs=0",
+                                       "mesh.preset=zz", "bad"])
+  message = str(error.value)
+  assert message.startswith("6 config errors: (1) ") and "\n" not in message
+  for part in ("algo.eps_high must be float, got 'abc'", "RolloutConfig.top_p must be in (0.0, 1.0], got 2.0",
+               "unknown config field 'no.such'", "AlgoConfig.ppo_epochs must be an integer >= 1, got 0",
+               "mesh.preset must be one of", "override 'bad' is not of the form field.path=value"):
+    assert part in message, part
+  with pytest.raises(ConfigError, match=r"^AlgoConfig.value_pretrain_steps must be 0 with estimator='group'"):
+    overrides.apply_overrides(config, ["algo.estimator=group"])  # A check across fields of one dataclass.

@@ -65,41 +65,72 @@ def field_paths(config: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
   return paths
 
 
-def _replace(config: Any, changes: dict[str, Any]) -> Any:
+def _replace(config: Any, changes: dict[str, Any], errors: list[str]) -> Any:
   """One `dataclasses.replace` per dataclass, with all of its changes at once (so fields that must
-  change together, like `algo.estimator` and `algo.value_pretrain_steps`, validate together)."""
-  nested = {k: _replace(getattr(config, k), v) for k, v in changes.items() if isinstance(v, dict)}
+  change together, like `algo.estimator` and `algo.value_pretrain_steps`, validate together). A change
+  that is refused adds its error to `errors` (each field's own, where each alone is refused) and leaves
+  that dataclass as it was, so that every mistake of an override list is found in one pass."""
+  nested = {k: _replace(getattr(config, k), v, errors) for k, v in changes.items() if isinstance(v, dict)}
   flat = {k: v for k, v in changes.items() if not isinstance(v, dict)}
-  return dataclasses.replace(config, **flat, **nested)
+  try:
+    return dataclasses.replace(config, **flat, **nested)
+  except ConfigError as together:
+    alone = []
+    for key, value in flat.items():
+      try:
+        dataclasses.replace(config, **{key: value})
+      except ConfigError as e:
+        alone.append(str(e))
+    errors.extend(alone or [str(together)])
+    return config
 
 
-def replace_fields(config: Any, values: dict[str, Any]) -> Any:
+def _raise(errors: list[str]) -> None:
+  if len(errors) == 1:
+    raise ConfigError(errors[0])
+  if errors:
+    raise ConfigError(f"{len(errors)} config errors: " + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1)))
+
+
+def replace_fields(config: Any, values: dict[str, Any], errors: list[str] | None = None) -> Any:
   """`config` with each dotted `field.path` set to its (typed) value, checked as a whole: the one
   override syntax, shared by the command line (`apply_overrides`) and the code (the memory plan's
-  alternatives). An unknown path is a `ConfigError` naming it."""
-  known = field_paths(config)
+  alternatives). Unknown paths and refused values are one `ConfigError` naming every one of them
+  (with `errors` given: added to it, for the caller to raise)."""
+  known, found = field_paths(config), [] if errors is None else errors
   changes: dict[str, Any] = {}
   for key, value in values.items():
     if key not in known:
       close = difflib.get_close_matches(key, known, n=3)
       hint = f" (did you mean {', '.join(close)}?)" if close else ""
-      raise ConfigError(f"unknown config field {key!r}{hint}; `--help` lists every field")
+      found.append(f"unknown config field {key!r}{hint}; `--help` lists every field")
+      continue
     *parents, leaf = key.split(".")
     node = changes
     for parent in parents:
       node = node.setdefault(parent, {})
     node[leaf] = value
-  return _replace(config, changes) if changes else config
+  config = _replace(config, changes, found) if changes else config
+  if errors is None:
+    _raise(found)
+  return config
 
 
 def apply_overrides(config: Any, overrides: list[str]) -> Any:
-  """Returns `config` with each `path=value` (a leading `--` is allowed) applied; later wins."""
-  known = field_paths(config)
+  """Returns `config` with each `path=value` (a leading `--` is allowed) applied; later wins. Every
+  malformed, unknown or refused override is reported together, in one `ConfigError`."""
+  known, errors = field_paths(config), []
   values: dict[str, Any] = {}
   for item in overrides:
     key, sep, text = item.removeprefix("--").partition("=")
     key = key.replace("-", "_")
     if not sep:
-      raise ConfigError(f"override {item!r} is not of the form field.path=value")
-    values[key] = _parse(text, known[key][0], key) if key in known else text
-  return replace_fields(config, values)
+      errors.append(f"override {item!r} is not of the form field.path=value")
+      continue
+    try:
+      values[key] = _parse(text, known[key][0], key) if key in known else text
+    except ConfigError as e:
+      errors.append(str(e))
+  config = replace_fields(config, values, errors)
+  _raise(errors)
+  return config
