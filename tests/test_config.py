@@ -192,3 +192,18 @@ def test_every_mistake_of_an_override_list_is_reported_together():
     assert part in message, part
   with pytest.raises(ConfigError, match=r"^AlgoConfig.value_pretrain_steps must be 0 with estimator='group'"):
     overrides.apply_overrides(config, ["algo.estimator=group"])  # A check across fields of one dataclass.
+
+
+def test_entry_points_choose_the_cpu_where_no_accelerator_device_exists(tmp_path):
+  """libtpu's probe of a TPU VM printed errors at the start of CPU runs (train, eval, memory)."""
+  from vapo_jax import cli
+  environ = {}
+  cli.cpu_only_platform(environ, files=(str(tmp_path / "accel*"),))
+  assert environ == {"JAX_PLATFORMS": "cpu"}
+  (tmp_path / "accel0").write_text("")  # A TPU VM's chip: JAX chooses.
+  environ = {}
+  cli.cpu_only_platform(environ, files=(str(tmp_path / "accel*"),))
+  assert environ == {}
+  environ = {"JAX_PLATFORMS": "cuda"}  # Set by the user: kept.
+  cli.cpu_only_platform(environ, files=())
+  assert environ == {"JAX_PLATFORMS": "cuda"}
