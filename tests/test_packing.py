@@ -165,3 +165,16 @@ def test_place_groups_packs_each_group_into_rows_of_its_own():
   lay = packing.layout(row[[0, 2, 4]], offset[[0, 2, 4]], lengths[[0, 2, 4]], rows=2, row_tokens=10)
   np.testing.assert_array_equal(lay.sequence, [[1] * 5 + [2] * 4 + [-1], [0] * 3 + [-1] * 7])
   np.testing.assert_array_equal(lay.segment_ids, [[1] * 5 + [2] * 4 + [0], [1] * 3 + [0] * 7])
+
+
+def test_a_sequence_with_a_response_and_no_prompt_token_is_refused_by_the_plan():
+  """The device path read the previous segment's column (or column −1, wrapping) as its first token's
+  prediction, and dropped that token from the loss where padded rows keep it: the host plan refuses it."""
+  from vapo_jax.errors import DataError
+  from vapo_jax.train import packed_batch
+  orders = np.arange(4)[None, None]
+  fine = packed_batch.plan([3, 2, 0, 1], [4, 5, 0, 2], orders, row_tokens=16, micro_rows=2)  # No response: unplaced.
+  assert fine.scoring_rows >= 2
+  with pytest.raises(DataError, match=r"^sequence 2 of the batch \(1 in all\) has a response of 3 tokens and no "
+                                      r"prompt token"):
+    packed_batch.plan([3, 2, 0, 1], [4, 5, 3, 2], orders, row_tokens=16, micro_rows=2)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vapo_jax.config import ExperimentConfig
+from vapo_jax.errors import DataError
 from vapo_jax.models.sharding import constrain
 from vapo_jax.rollout.common import prompt_bucket
 from vapo_jax.train import packing
@@ -57,8 +58,14 @@ def plan(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_row
   """The host's packing of a batch: `orders` `[E, K, n]` are the sequence ids of the K mini-batches of
   each of E epochs. Padding fractions count the micro-batches that run (compiled ones past the rows a
   group needs are skipped); `phase` names the update's metric ("update", "sft")."""
-  response_lengths = np.asarray(response_lengths, np.int64)
-  lengths = np.where(response_lengths > 0, np.asarray(prompt_lengths, np.int64) + response_lengths, 0)
+  response_lengths, prompt_lengths = np.asarray(response_lengths, np.int64), np.asarray(prompt_lengths, np.int64)
+  unprompted = np.flatnonzero((response_lengths > 0) & (prompt_lengths <= 0))
+  if unprompted.size:  # Response token 0 would be predicted from the previous segment's last column.
+    raise DataError(f"sequence {int(unprompted[0])} of the batch ({unprompted.size} in all) has a response of "
+                    f"{int(response_lengths[unprompted[0]])} tokens and no prompt token: a packed row predicts a "
+                    "response's first token from its prompt's last; give every problem a prompt token (a "
+                    "non-empty problem text or template), or set packing.enabled=false")
+  lengths = np.where(response_lengths > 0, prompt_lengths + response_lengths, 0)
   orders = np.asarray(orders)
   groups = [np.arange(lengths.size)[None]] + list(orders)
   placed = [packing.place_groups(lengths, g, row_tokens) for g in groups]
