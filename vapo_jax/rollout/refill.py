@@ -159,10 +159,13 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
     """The stacked keys or values with the taken slots' prompt part copied in, layer by layer in place (one
     layer's prompt slots in flight); no iteration, and no copy, when no slot is taken (a conditional
     returning the cache would copy it whole on the iterations that take nothing)."""
-    def layer(i, buffer):
-      kept = lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)[:, :, :prompt_len]  # [R, K, Tp, H]
+    zero = jnp.zeros((), jnp.int32)
+
+    def layer(i, buffer):  # Reads and writes only layer i's prompt slots: [R, K, Tp, H].
+      at = (i, zero, zero, zero, zero)
+      kept = lax.dynamic_slice(buffer, at, (1,) + buffer.shape[1:3] + (prompt_len,) + buffer.shape[4:])[0]
       new = read(lax.dynamic_index_in_dim(source, i, 0, keepdims=False)).astype(buffer.dtype)
-      return lax.dynamic_update_index_in_dim(buffer, jnp.where(take[:, None, None, None], new, kept), i, 0)
+      return lax.dynamic_update_slice(buffer, jnp.where(take[:, None, None, None], new, kept)[None], at)
     return lax.fori_loop(0, jnp.where(any_taken, buffer.shape[0], 0), layer, buffer)
 
   def insert(s: Slots) -> Slots:  # Every row array but the cache's keys and values.
