@@ -184,8 +184,7 @@ def per_layer_paths(path: str, variable: nnx.Variable) -> list[str]:
   return [f"model.layers.{i}.{path.removeprefix('model.layers.')}" for i in range(variable.get_value().shape[0])]
 
 
-# Streaming a checkpoint into stacked parameters: a zero stack in the parameter's sharding, then one layer's
-# tensor written into it at a time (the stack donated), so the devices hold the stack plus one layer.
+# Streaming into stacked parameters: a zero stack in its sharding, one layer's tensor written at a time (donated).
 @functools.lru_cache(maxsize=None)
 def _zeros(shape: tuple[int, ...], dtype, placement: NamedSharding | None) -> Callable[[], jax.Array]:
   """A program creating a zero array directly in `placement` (no device ever holds it whole)."""
@@ -207,8 +206,17 @@ def _placed(array: np.ndarray, dtype, shape, sharding) -> jax.Array:
 def _hf_name(per_layer: str, params: dict[str, nnx.Variable]) -> str:
   """The Hugging Face tensor name of one of our per-layer (or unstacked) parameter paths."""
   path, layer = stacked_path(per_layer)
-  shape = params[path].get_value().shape
-  return ours_to_hf(per_layer, np.zeros(shape if layer is None else shape[1:], np.float32))[0]
+  return ours_to_hf(per_layer, np.zeros(params[path].get_value().shape[layer is not None:], np.float32))[0]
+
+
+def _check_complete(directory: str, params: dict[str, nnx.Variable], found: set[str], allow_missing) -> None:
+  """A `CheckpointError` naming (by their Hugging Face names) the tensors of `params` not `found`."""
+  expected = {name for path, v in params.items() if path not in allow_missing for name in per_layer_paths(path, v)}
+  missing = sorted(expected - found)
+  if missing:
+    hf_names = [_hf_name(p, params) for p in missing]
+    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
+                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
 
 
 def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None = None,
@@ -265,12 +273,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   if unexpected:
     raise CheckpointError(f"{directory}: unexpected tensors {sorted(unexpected)[:10]}"
                           f"{' ...' if len(unexpected) > 10 else ''} (no parameter of the model maps to them)")
-  expected = {name for path, v in params.items() if path not in allow_missing for name in per_layer_paths(path, v)}
-  missing = sorted(expected - found)
-  if missing:
-    hf_names = [_hf_name(p, params) for p in missing]
-    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
-                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
+  _check_complete(directory, params, found, allow_missing)
   if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.
     initial = _param_paths(nnx.state(factory()))
     loaded |= {p: initial[p].get_value() for p in set(params) - set(loaded)}
