@@ -172,15 +172,15 @@ def _rollout_shapes(at: "_Shapes") -> "_Shapes":
 
 def _rollout_weights(config: ExperimentConfig, cfg: TransformerConfig, ro: "_Shapes") -> tuple[Item, ...]:
   """In a tensor-parallel rollout layout: the actor's copy in the compute dtype split over each group,
-  and the reshard's transient, one array in flight (at most its largest shard; before the KV cache
-  exists, counted with it)."""
+  and the reshard's transient, one array in flight (at most its largest shard: a stacked decoder-layer
+  parameter holds every layer's; before the KV cache exists, counted with it)."""
   t, m = config.rollout.tensor_parallel, config.model
   if t == 1:
     return ()
   copy = _parameters(cfg, CausalLM, m.dtype, "tp", tuple(ro.shape.items())).param_bytes
   largest = max(math.prod(footprint.local_shape(shape, axes, ro.rules, ro.shape)) for shape, axes in (
-      ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")), ((cfg.hidden_size, cfg.intermediate_size),
-                                                                ("embed", "mlp"))))
+      ((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed")),
+      ((cfg.num_layers, cfg.hidden_size, cfg.intermediate_size), ("layers", "embed", "mlp"))))
   return (Item("rollout_weights", f"actor's rollout copy ({m.dtype}, split over {t} chips)", copy),
           Item("reshard", "reshard: one array in flight (the largest rollout shard)",
                largest * jnp.dtype(m.dtype).itemsize))
