@@ -6,10 +6,9 @@ Task: multi-step addition written out step by step ("7+5+9=" → "7+5=12\\n12+9=
 2 to 5 terms, so responses run from 13 to 35 tokens and longer problems are harder. A short
 supervised warm start on 2-4-term demonstrations leaves the policy imperfect (0.2-0.3 held-out
 accuracy; it has never seen 5 terms); value pretraining fits the critic; VAPO then trains on all
-lengths. Measured: held-out avg@4 on 64 problems before → after RL 0.305 → 0.410 (seed 0, the
-current code); with session 2's code (other sampling keys, 5 min each on 2 idle cores) 0.234 →
-0.457 (seed 0), 0.219 → 0.297 (seed 1), 0.215 → 0.320 (seed 2). It runs exactly the
-code path of the 32B experiment, with small numbers.
+lengths. Held-out avg@4 on 64 problems before → after RL: README "Two commands" gives the figures
+with the commit each was measured at. It runs exactly the code path of the 32B experiment, with
+small numbers.
 """
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig

@@ -3,9 +3,9 @@ the session (this process and the runs its tests start), so tests that build the
 trainer tests' models, samplers and updates) compile each of them once; the one builder of the
 trainer tests' configs (`smoke_config`); and the order `make test` hands test files out in.
 
-XLA's backend runs at its default optimisation level: at `--xla_backend_optimization_level=0` (tried in
-session 5, 5 % faster) LLVM's code differs in floating-point rounding, and 1 device against 8 then
-differed by 1.6e-6 in one parameter, over the test's 1e-6 (`test_one_and_eight_devices_...`)."""
+XLA's backend runs at its default optimisation level: at `--xla_backend_optimization_level=0` (5 %
+faster here) LLVM's code differs in floating-point rounding, and 1 device against 8 differs by 1.6e-6
+in one parameter, over the test's 1e-6 (`test_one_and_eight_devices_...`)."""
 
 import atexit
 import collections

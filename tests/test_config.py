@@ -179,7 +179,7 @@ def test_an_empty_experiment_name_is_an_error_not_the_default():
 
 
 def test_every_mistake_of_an_override_list_is_reported_together():
-  """They were reported one field at a time: fix one, run, meet the next."""
+  """One run names every mistake, not the first alone."""
   config = experiments.get_experiment("tiny")
   with pytest.raises(ConfigError) as error:
     overrides.apply_overrides(config, ["algo.eps_high=abc", "rollout.top_p=2", "no.such=1", "algo.ppo_epochs=0",
@@ -195,7 +195,7 @@ def test_every_mistake_of_an_override_list_is_reported_together():
 
 
 def test_entry_points_choose_the_cpu_where_no_accelerator_device_exists(tmp_path):
-  """libtpu's probe of a TPU VM printed errors at the start of CPU runs (train, eval, memory)."""
+  """A CPU-only machine never starts libtpu, whose probe of a TPU VM prints errors (train, eval, memory)."""
   from vapo_jax import cli
   environ = {}
   cli.cpu_only_platform(environ, files=(str(tmp_path / "accel*"),))

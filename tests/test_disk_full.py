@@ -198,7 +198,7 @@ READ_ONLY = """
 
 
 def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_path):
-  """It gave rc 1 and two chained PermissionError tracebacks (metrics.jsonl, then run.lock on closing)."""
+  """Exit 2 and one line: no PermissionError traceback from metrics.jsonl, nor from run.lock on closing."""
   run = tmp_path / "full"
   args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}", "name=full", "sft.steps=6", "algo.value_pretrain_steps=0",
           "rl_steps=0", "eval.path=none", "checkpoint.every_steps=1", "checkpoint.async_save=false"]

@@ -217,7 +217,7 @@ def test_load_function_still_loads():
 
 @pytest.mark.slow  # A trainer run (its evaluation before RL); make test covers the fractions' source, compute_rewards.
 def test_the_trainers_held_out_evaluation_counts_the_responses_that_failed_to_score(tmp_path):
-  """They counted as incorrect with no trace in the evaluation's records (eval/accuracy only)."""
+  """Responses that fail to score count as incorrect, and the evaluation's records say how many."""
   from conftest import build_smoke_config
   from vapo_jax.train.trainer import Trainer
 

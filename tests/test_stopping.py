@@ -73,7 +73,7 @@ def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("stage", ["value_pretrain", "rl", "done"])
 def test_a_signal_during_a_stage_is_honoured_on_entering_the_next_one_the_last_included(stage):
-  """A SIGTERM during the final export printed "... stopping (exit 75)", then the run exited 0."""
+  """A SIGTERM during the final export stops the run with the exit status it prints (75)."""
   import types
 
   from vapo_jax.train.trainer import Trainer

@@ -71,7 +71,7 @@ def test_the_table_shows_paired_deltas_their_error_and_the_mde(tmp_path):
 
 
 def test_the_table_links_only_the_plots_written(tmp_path):
-  """It linked every figure and every member's panels, made or not (a member that never finished has none)."""
+  """No link to a plot that was not made (a member that never finished has none)."""
   write_csv(tmp_path / "runs.csv")
   rows = sweep_report.read_rows(str(tmp_path / "runs.csv"))
   first = sweep_report.FIGURES[0][0]
