@@ -16,11 +16,10 @@ v6e 918 TFLOP/s, 1,638 GB/s (cloud.google.com/tpu/docs/v6e); v5e 197 TFLOP/s, 81
 (cloud.google.com/tpu/docs/v5e). They serve the roofline estimates only.
 """
 
+import math
 import os
 import re
 from typing import NamedTuple
-
-import numpy as np
 
 from vapo_jax.errors import ConfigError
 
@@ -68,7 +67,7 @@ def check_slice(name: str) -> None:
   sides = tuple(sorted(int(n) for n in shape.split("x")))
   if sides in SLICES[generation]:
     return
-  valid, chips = COMMON_SLICES[generation], lambda d: int(np.prod(d))
+  valid, chips = COMMON_SLICES[generation], math.prod
   below = max((chips(d) for d in valid if chips(d) <= chips(sides)), default=None)
   above = min((chips(d) for d in valid if chips(d) >= chips(sides)), default=None)
   near = [f"{'x'.join(map(str, d))} ({chips(d)} chips)" for d in valid if chips(d) in (below, above)]
