@@ -106,8 +106,8 @@ def _xla_actor_update_temp_bytes(config) -> int:
   """XLA's temporary bytes for one actor update of `config` on one device (the trainer's program)."""
   cfg = preset(config.model.preset)
   m = config.model
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, dtype=m.dtype, remat=m.remat,
-                                                                attention=m.attention, rngs=nnx.Rngs(0))))
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: CausalLM(
+      cfg, dtype=m.dtype, remat=m.remat, scan_layers=m.scan_layers, attention=m.attention, rngs=nnx.Rngs(0))))
   tx = optim.make_optimizer(config.optim, 1e-3)
   r = config.rollout
   b, tr = config.algo.mini_batch_responses, r.max_response_tokens
@@ -131,7 +131,8 @@ def _planned_update_temp_bytes(plan) -> int:
 def test_actor_update_estimate_is_within_50_percent_of_xla():
   """At 96 and 4,096 tokens (flash attention, log-probs from logit blocks). In float32: XLA:CPU
   computes bfloat16 matmuls through float32 copies (measured: the same temp bytes in both dtypes),
-  which a TPU does not, so float32 is where the CPU can check the plan's coefficients."""
+  which a TPU does not, so float32 is where the CPU can check the plan's coefficients. The programs are
+  the scanned ones the model builds by default (`model.scan_layers`)."""
   one_device = {"data": 1, "fsdp": 1, "tensor": 1}
   measured, planned = {}, {}
   for micro, remat, response in ((2, False, 64), (8, False, 64), (2, False, 4064), (2, True, 4064)):

@@ -108,7 +108,8 @@ Head = Literal["logprobs", "values", "last_logits"]
 
 
 def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
-                      remat: bool, backward: bool = True, head: Head = "logprobs", dense_attention: bool = False,
+                      remat: bool, scan_layers: bool = True, backward: bool = True, head: Head = "logprobs",
+                      dense_attention: bool = False,
                       attention_block: tuple[int, int] = (256, 256), logits_chunk: int = 512,
                       heads: int | None = None, kv_heads: int | None = None, mlp: int | None = None,
                       embed: int | None = None) -> ActivationMemory:
@@ -137,9 +138,14 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
   too: 8·N·T² per layer (masked scores and softmax output) and 4·N·T² more in the backward (their
   gradient), and no tiles or log-sum-exp.
 
-  Without remat every layer's tensors are stored (L × kept) and the layer being differentiated
-  adds its backward extra; with remat each layer stores only its input (L·T·D·e) and the layer
-  being differentiated holds kept + extra. The head's buffers are freed before the layers'
+  Without remat every layer's tensors are stored and the layer being differentiated adds its
+  backward extra. Scanned (`scan_layers`, the model's default) a layer stores kept + the extra's
+  per-token part, T·(2eF + 8D + 28NH): the scan's backward body reads every residual from the
+  stacked scan outputs, so XLA cannot fuse the float32 copies away as it does in an unrolled
+  program, which stores L × kept. With remat each layer stores only its input (L·T·D·e) and the
+  layer being differentiated holds its kept tensors and its backward extra: unrolled, all of it;
+  scanned, the MLP and norm gradients, T·(2eF + 8D), and two tiles (measured: XLA fuses the
+  recomputed layer's attention backward). The head's buffers are freed before the layers'
   backward starts, so the peak is stored + max(layer, head). A forward pass alone
   (`backward=False`) holds one layer's kept tensors and tiles, or the head, whichever is larger.
   """
@@ -149,10 +155,13 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
   t, tr = tokens, scored_tokens
   per_token = 3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k)
   tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)  # One float32 score tile.
+  gradients = t * (2 * e * f + 8 * d)  # The MLP's and norms' gradients.
   if dense_attention:
-    kept, extra, tiles = 8 * n * t * t + t * per_token, 4 * n * t * t + t * (2 * e * f + 8 * d), 0
+    kept, extra, tiles = 8 * n * t * t + t * per_token, 4 * n * t * t + gradients, 0
+    scanned_extra, remat_extra = gradients, extra
   else:  # Forward: scores and probabilities; backward: those two and their gradients.
-    kept, extra, tiles = t * (per_token + 4 * n), t * (2 * e * f + 8 * d + 28 * n * h) + 4 * tile, 2 * tile
+    kept, extra, tiles = t * (per_token + 4 * n), gradients + t * 28 * n * h + 4 * tile, 2 * tile
+    scanned_extra, remat_extra = gradients + t * 28 * n * h, gradients + 2 * tile
   block = tr * min(v, -(-v * min(logits_chunk, tr) // tr)) if tr else 0  # Tr·Vb logits per sequence.
   per_row, fixed = {
       "values": (t * (2 * e * d + 8), 0),
@@ -163,5 +172,7 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
   if not backward:
     return ActivationMemory(0, rows * (kept + tiles), head_bytes)
   if remat:
-    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + extra), head_bytes)
-  return ActivationMemory(rows * cfg.num_layers * kept, rows * extra, head_bytes)
+    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + (remat_extra if scan_layers else extra)),
+                            head_bytes)
+  stored = kept + (scanned_extra if scan_layers else 0)
+  return ActivationMemory(rows * cfg.num_layers * stored, rows * extra, head_bytes)

@@ -266,7 +266,8 @@ class _Shapes:
     return footprint.activation_memory(
         cfg, rows=self.rows(n), tokens=self.row_tokens if length is None else length,
         scored_tokens=scored_default if scored is None else scored,
-        dtype_bytes=jnp.dtype(m.dtype).itemsize, remat=m.remat if remat is None else remat, backward=backward,
+        dtype_bytes=jnp.dtype(m.dtype).itemsize, remat=m.remat if remat is None else remat, scan_layers=m.scan_layers,
+        backward=backward,
         head=head, dense_attention=m.attention == "reference", attention_block=(flash.BLOCK_Q, flash.BLOCK_K),
         logits_chunk=m.logits_chunk, heads=heads, kv_heads=kv, mlp=mlp, embed=embed)
 
