@@ -7,7 +7,7 @@ EXP ?= tiny
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slow bench eval clean
+.PHONY: help install train test test-slow bench eval clean clean-cache
 
 help:  ## List the targets.
 	@echo "vapo_jax make targets:"
@@ -23,12 +23,22 @@ $(STAMP): setup.py
 
 install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
 
-train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
-	$(PY) -m vapo_jax.cli.train --exp $(EXP) $(ARGS)
+# XLA's compilation cache for make train and make test: .jax_cache/ in the clone (gitignored; or
+# JAX_COMPILATION_CACHE_DIR), at most JAX_CACHE_GIB GiB: the least recently used files are deleted as a
+# run starts. A run after the first loads what it compiled before; the first run on a fresh machine
+# compiles everything. make clean-cache empties it.
+JAX_CACHE_GIB ?= 2
+JAX_CACHE = JAX_COMPILATION_CACHE_DIR="$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache}" VAPO_JAX_CACHE_MAX_GIB=$(JAX_CACHE_GIB)
 
+train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
+	$(JAX_CACHE) $(PY) -m vapo_jax.cli.train --exp $(EXP) $(ARGS)
+
+# make test compiles at XLA's backend optimisation level 0 (a third less compile time; the levels differ
+# only in rounding, bounded by tests/test_optimisation_level.py); make test-slow and make bench at the default.
 TEST_JOBS ?= 2
-test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2).
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile --durations=15 tests
+test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2); TEST_ARGS: more pytest arguments.
+	$(JAX_CACHE) XLA_FLAGS="--xla_backend_optimization_level=0 $$XLA_FLAGS" \
+	  $(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile --durations=15 $(TEST_ARGS) tests
 
 test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
 	$(PY) -m pytest -q -m slow tests
@@ -67,5 +77,8 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look), else planned on MESH with DEVICE_GIB; exit 1 if over.
 	$(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
 
-clean:  ## Remove .venv, caches and runs/.
-	rm -rf $(VENV) .pytest_cache .hypothesis runs *.egg-info
+clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).
+	rm -rf .jax_cache
+
+clean:  ## Remove .venv, caches (.jax_cache/ too) and runs/.
+	rm -rf $(VENV) .pytest_cache .hypothesis .jax_cache runs *.egg-info

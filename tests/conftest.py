@@ -1,17 +1,19 @@
-"""Test setup: 8 virtual CPU devices, set before JAX is first imported; one XLA compilation cache for
-the session (this process and the runs its tests start), so tests that build the same programs (the
-trainer tests' models, samplers and updates) compile each of them once; the one builder of the
-trainer tests' configs (`smoke_config`); and the order `make test` hands test files out in.
+"""Test setup: 8 virtual CPU devices, set before JAX is first imported; one XLA compilation cache (the
+clone's `.jax_cache/` under `make test`, else a temporary one for this run) shared by the test processes
+and the runs their tests start, so tests that build the same programs (the trainer tests' models,
+samplers and updates) compile each of them once; the one builder of the trainer tests' configs
+(`smoke_config`); and the order `make test` hands test files out in.
 
-XLA's backend runs at its default optimisation level: at `--xla_backend_optimization_level=0` (5 %
-faster here) LLVM's code differs in floating-point rounding, and 1 device against 8 differs by 1.6e-6
-in one parameter, over the test's 1e-6 (`test_one_and_eight_devices_...`)."""
+`make test` sets `--xla_backend_optimization_level=0` (the Makefile; `tests/test_optimisation_level.py`
+bounds what it changes); `make test-slow` compiles at the default, where 1 device against 8 agrees
+within the 1e-6 of `test_one_and_eight_devices_...` (at level 0 they differ by 1.6e-6 in one parameter)."""
 
 import atexit
 import collections
 import json
 import os
 import pathlib
+import resource
 import shutil
 import tempfile
 
@@ -23,6 +25,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+if "PYTEST_XDIST_WORKER" not in os.environ:  # The controller, or a run without xdist: once per run.
+  from vapo_jax.cli import bound_compilation_cache  # noqa: E402  (imports no JAX)
+  bound_compilation_cache()
 import jax  # noqa: E402  (must come after the environment is set)
 import pytest  # noqa: E402
 
@@ -65,15 +70,17 @@ def smoke_config(tmp_path):
 # ----------------------------------------------------------------------------------- test order
 # `make test` hands whole files to its two processes in collection order (`--dist loadfile`); starting
 # with the longest keeps one process from running a long file alone at the end (longest-first
-# scheduling). The seconds each file took are measured: `--record-durations` writes them, per marker
-# expression, to tests/durations.json (committed, so CI orders its run the same way).
+# scheduling). Each file's CPU seconds (user + system, of the test process and the runs it waited for)
+# are measured, as they do not depend on the machine's load as wall time does: `--record-durations`
+# writes them, per marker expression, to tests/durations.json (committed, so CI orders its run the same way).
 DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 _seconds: collections.Counter = collections.Counter()
+_CPU_START = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser):
   parser.addoption("--record-durations", action="store_true",
-                   help="write each test file's measured seconds to tests/durations.json (the order of make test)")
+                   help="write each test file's CPU seconds to tests/durations.json (the order of make test)")
 
 
 def _measured(config) -> dict[str, float]:
@@ -87,8 +94,25 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: -measured.get(item.path.name, new))  # Stable: file order otherwise kept.
 
 
+def _cpu_seconds() -> float:
+  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  item.stash[_CPU_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = (yield).get_result()
+  if call.when == "teardown" and _CPU_START in item.stash:  # Travels to xdist's controller with the report.
+    report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+
+
 def pytest_runtest_logreport(report):
-  _seconds[pathlib.Path(report.location[0]).name] += report.duration
+  _seconds[pathlib.Path(report.location[0]).name] += dict(report.user_properties).get("cpu_s", 0.0)
 
 
 def pytest_sessionfinish(session):

@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
   if want_help:
     print(resolve.usage(config))
     return 0
+  from vapo_jax.cli import bound_compilation_cache
+  bound_compilation_cache()  # make train's cache, at its size before this run adds to it.
   from vapo_jax import distributed  # Imports JAX: kept off the `--help` path.
   from vapo_jax.cli import preflight
   from vapo_jax.train import checkpoints
