@@ -208,14 +208,22 @@ def test_last_token_rewards_and_mask(maybe_jit):
   np.testing.assert_array_equal(maybe_jit(adv.last_token_mask)(mask), last)
 
 
+# Random cases at one padded shape [6, 12] under one `jit`: a drawn [batch, steps] case sits in the
+# top-left corner, the padding is masked (rewards and values there are noise the GAE must skip), and γ
+# and the per-row λ are traced arguments.
+PAD_B, PAD_T = 6, 12
+_gae = jax.jit(lambda rewards, values, mask, lams, gamma: adv.gae(rewards, values, mask, gamma=gamma, lam=lams))
+
+
 @st.composite
 def gae_inputs(draw):
-  batch, steps = draw(st.integers(1, 6)), draw(st.integers(1, 12))
+  batch, steps = draw(st.integers(1, PAD_B)), draw(st.integers(1, PAD_T))
   floats = st.floats(-3, 3, width=32)
-  rewards = draw(hnp.arrays(np.float32, (batch, steps), elements=floats))
-  values = draw(hnp.arrays(np.float32, (batch, steps), elements=floats))
-  mask = draw(hnp.arrays(np.bool_, (batch, steps)))
-  lams = draw(hnp.arrays(np.float32, (batch,), elements=st.floats(0, 1, width=32)))
+  rewards = draw(hnp.arrays(np.float32, (PAD_B, PAD_T), elements=floats))
+  values = draw(hnp.arrays(np.float32, (PAD_B, PAD_T), elements=floats))
+  mask = np.zeros((PAD_B, PAD_T), bool)
+  mask[:batch, :steps] = draw(hnp.arrays(np.bool_, (batch, steps)))
+  lams = draw(hnp.arrays(np.float32, (PAD_B,), elements=st.floats(0, 1, width=32)))
   gamma = draw(st.floats(0, 1, width=32))
   return rewards, values, mask, lams, gamma
 
@@ -224,7 +232,7 @@ def gae_inputs(draw):
 @hypothesis.given(gae_inputs())
 def test_gae_property_random_masks(inputs):
   rewards, values, mask, lams, gamma = inputs
-  a, r = adv.gae(rewards, values, mask, gamma=gamma, lam=jnp.asarray(lams))
+  a, r = _gae(rewards, values, mask, lams, np.float32(gamma))
   expected = reference_gae(rewards, values, mask, gamma, lams)
   np.testing.assert_allclose(a, expected, atol=1e-4, rtol=1e-4)
   assert np.all(np.isfinite(r)) and not np.any(np.asarray(a)[~mask])

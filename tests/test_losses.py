@@ -212,9 +212,22 @@ def test_bfloat16_inputs_are_computed_in_float32():
   assert masked.masked_mean(as_bf16(a), mask).dtype == jnp.float32
 
 
+# Random cases at one padded shape [5, 8] under one `jit` per mode: a drawn [b, t] case sits in the
+# top-left corner, the padding is masked, and t is the Dr. GRPO norm length (traced, not a shape).
+PAD_B, PAD_T = 5, 8
+_ppo_loss = jax.jit(lambda logp, old, a, mask, t, mode: losses.ppo_policy_loss(
+    logp, old, a, mask, eps_low=0.2, eps_high=0.28, mode=mode, norm_length=t), static_argnames="mode")
+
+
+def _padded(x, fill):
+  out = np.full((PAD_B, PAD_T), fill, x.dtype)
+  out[:x.shape[0], :x.shape[1]] = x
+  return out
+
+
 @hypothesis.settings(max_examples=50, deadline=None)
 @hypothesis.given(
-    st.integers(1, 5).flatmap(lambda b: st.integers(1, 8).flatmap(lambda t: st.tuples(
+    st.integers(1, PAD_B).flatmap(lambda b: st.integers(1, PAD_T).flatmap(lambda t: st.tuples(
         hnp.arrays(np.float32, (b, t), elements=st.floats(-4, 0, width=32)),
         hnp.arrays(np.float32, (b, t), elements=st.floats(-4, 0, width=32)),
         hnp.arrays(np.float32, (b, t), elements=st.floats(-3, 3, width=32)),
@@ -222,7 +235,9 @@ def test_bfloat16_inputs_are_computed_in_float32():
     st.sampled_from(MODES))
 def test_ppo_property(inputs, mode):
   logp, old, a, mask = inputs
-  loss, metrics = losses.ppo_policy_loss(logp, old, a, mask, eps_low=0.2, eps_high=0.28, mode=mode)
+  t = mask.shape[1]
+  loss, metrics = _ppo_loss(_padded(logp, -1.0), _padded(old, -2.0), _padded(a, 5.0), _padded(mask, False), t,
+                            mode=mode)
   tokens = np.vectorize(reference_ppo_token)(logp, old, a, 0.2, 0.28)
   np.testing.assert_allclose(loss, reference_aggregate(tokens, mask, mode), atol=1e-4, rtol=1e-4)
   assert all(np.isfinite(v) for v in metrics.values())

@@ -57,7 +57,8 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   tokens = jnp.asarray(rng.integers(3, 259, (b, s)), jnp.int32)
   attention = jnp.ones((b, s), bool)
   mask = jnp.asarray(np.arange(tr)[None] < rng.integers(1, tr + 1, (b, 1)))  # Ragged lengths.
-  old = updates.logprobs_and_entropy(graphdef, params, tokens, attention, response_len=tr, chunk=4)[0]
+  logprobs = jax.jit(lambda p: updates.logprobs_and_entropy(graphdef, p, tokens, attention, response_len=tr, chunk=4))
+  old = logprobs(params)[0]
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   batch = updates.TrainBatch(tokens, attention, mask, returns=f32(rng.normal(size=(b, tr))),
                                 old_values=f32(rng.normal(size=(b, tr))), is_positive=jnp.asarray(rng.random(b) < 0.5),
@@ -68,8 +69,9 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   # would divide near-zero gradients by their own size and magnify rounding).
   tx = optax.apply_if_finite(optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)), 1)  # As make_optimizer.
   opt = tx.init(params)
-  whole = updates.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=b, chunk=4)
-  parts = updates.actor_update(graphdef, tx, params, opt, batch, algo=algo, micro=4, shards=2, chunk=4)
+  update = lambda **split: jax.jit(lambda p, o, mb: updates.actor_update(graphdef, tx, p, o, mb, algo=algo, chunk=4,
+                                                                         **split))(params, opt, batch)
+  whole, parts = update(micro=b), update(micro=4, shards=2)
   for key in whole[2]:
     np.testing.assert_allclose(parts[2][key], whole[2][key], rtol=1e-5, atol=1e-6, err_msg=key)
   for a, b_ in zip(jax.tree.leaves(whole[0]), jax.tree.leaves(parts[0])):
@@ -87,7 +89,7 @@ def test_scoring_in_micro_batches_runs_with_remat():
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(3, 259, (8, 12)), jnp.int32)
   attention = jnp.ones((8, 12), bool)
-  whole = updates.values(critic_def, params, tokens, attention, response_len=5)
+  whole = jax.jit(lambda p: updates.values(critic_def, p, tokens, attention, response_len=5))(params)
   parts = jax.jit(lambda p: updates.values(critic_def, p, tokens, attention, response_len=5, micro=2))(params)
   np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
   packed = packing.pack(tokens[:, :7], np.ones((8, 7), bool), tokens[:, 7:], np.ones((8, 5), bool), row_tokens=24,
