@@ -104,7 +104,7 @@ def test_splash_compiles_for_the_chips_under_shard_map():
   program = sharding.jit(jax.grad(loss, (0, 1, 2)), mesh, rules)
   # conftest's "highest" matmul precision asks Mosaic for float32 contractions of bfloat16 operands,
   # which it refuses ("Bad lhs type"); a run keeps JAX's default.
-  with jax.default_matmul_precision("default"):
+  with jax.default_matmul_precision("default"), targets.persistent_cache_for(target):
     found, _ = aot.compile_program("splash", program, (q, kv, kv, ends, ends))
     text = program.lower(q, kv, kv, ends, ends).compile().as_text()
   assert found.attention == ("splash",) and found.memory is not None

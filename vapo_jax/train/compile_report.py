@@ -48,7 +48,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, experience, memory_plan
+from vapo_jax.train import build, experience, memory_plan, targets
 from vapo_jax.train.aot import Program, chip_bytes, compile_program
 from vapo_jax.train.steps import Steps, TrainBatch
 from vapo_jax.train.targets import GIB, Target
@@ -347,12 +347,13 @@ def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None 
   if unknown:
     raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
   run, done = _Run(config, target, layers, tail), []
-  if "supervised warm start" in phases and config.sft.steps and config.sft.path:
-    done.append(_supervised(run, log))
-  if "reshard" in phases and run.layout.tensor_parallel > 1:
-    done.append(_reshard(run, log))
-  if set(phases) & set(PHASES[2:]):
-    done += _rollout_onwards(run, log, phases)
+  with targets.persistent_cache_for(target):
+    if "supervised warm start" in phases and config.sft.steps and config.sft.path:
+      done.append(_supervised(run, log))
+    if "reshard" in phases and run.layout.tensor_parallel > 1:
+      done.append(_reshard(run, log))
+    if set(phases) & set(PHASES[2:]):
+      done += _rollout_onwards(run, log, phases)
   state = run.state("rl")
   count = lambda params: sum(x.size for x in jax.tree.leaves(params))
   return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done), _weights(run),

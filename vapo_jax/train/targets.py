@@ -16,6 +16,7 @@ v6e 918 TFLOP/s, 1,638 GB/s (cloud.google.com/tpu/docs/v6e); v5e 197 TFLOP/s, 81
 (cloud.google.com/tpu/docs/v5e). They serve the roofline estimates only.
 """
 
+import contextlib
 import math
 import os
 import re
@@ -174,3 +175,19 @@ def probe_hbm_bytes(target: Target) -> float | None:
     match = re.search(r"available HBM \(([\d.]+)G\)", str(error))
     return float(match.group(1)) * GIB if match else None
   return None
+
+
+@contextlib.contextmanager
+def persistent_cache_for(target: Target):
+  """XLA's persistent compilation cache keeps no program compiled for a TPU topology's compile-only
+  devices: JAX cannot load one back without a TPU client (it warns at each read). CPU programs are kept."""
+  if target.platform != "tpu":
+    yield
+    return
+  import jax
+  previous = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # Written by no compile.
+  try:
+    yield
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", previous)
