@@ -40,14 +40,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def child_env(process_id: int, *, num_processes: int, devices_per_process: int, port: int,
-              extra: dict[str, str] | None = None) -> dict[str, str]:
-  """The environment of child `process_id`: the parent's, minus its host device count, plus the run's."""
+def without_device_count(**extra: str) -> dict[str, str]:
+  """This process's environment less its host device count (a child gets one CPU device) and with its
+  other XLA flags (`make test`'s optimisation level), plus `extra`."""
   env = dict(os.environ)
   flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
   if flags:
     env["XLA_FLAGS"] = " ".join(flags)
   env.pop("JAX_NUM_CPU_DEVICES", None)
+  return env | extra
+
+
+def child_env(process_id: int, *, num_processes: int, devices_per_process: int, port: int,
+              extra: dict[str, str] | None = None) -> dict[str, str]:
+  """The environment of child `process_id`: the parent's, minus its host device count, plus the run's."""
+  env = without_device_count()
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", VAPO_COORDINATOR=f"localhost:{port}",
              VAPO_NUM_PROCESSES=str(num_processes), VAPO_PROCESS_ID=str(process_id),
              VAPO_LOCAL_DEVICES=str(devices_per_process))

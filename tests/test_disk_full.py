@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from multiprocess_launch import without_device_count
 
 from vapo_jax import files
 from vapo_jax.cli import preflight
@@ -54,7 +55,7 @@ def run_train(run_dir: Path, inject: str | None = None, after: int = 0) -> subpr
           "algo.value_pretrain_steps=0", "rl_steps=0", "eval.path=none"]
   script = "import errno, os, sys\n" + (textwrap.dedent(INJECT[inject]).replace("AFTER", str(after)) if inject else "")
   script += f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))\n"
-  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="")  # One CPU device: less to compile.
+  env = without_device_count(PYTHONPATH=str(REPO))  # One CPU device: less to compile.
   return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=str(REPO),
                         timeout=600)
 
@@ -205,7 +206,7 @@ def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_p
   # Synchronous saves: none is in flight when the directory turns read-only. (One in flight fails inside
   # Orbax, whose tensorstore writes then complete into a closed event loop and print "Event loop is
   # closed" tracebacks of their own after the one-line error.)
-  env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="")
+  env = without_device_count(PYTHONPATH=str(REPO))
   train = lambda inject: subprocess.run(
       [sys.executable, "-c", "import errno, os, sys\n" + inject + f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))"],
       capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)

@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+from multiprocess_launch import without_device_count
 
 import experiments
 from vapo_jax import overrides, paths
@@ -46,7 +47,8 @@ def mtimes(sweep_dir):
 
 @pytest.mark.slow
 def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
-  monkeypatch.setenv("XLA_FLAGS", "")  # The runs: one CPU device each (the tests' 8 are for this process).
+  # The runs: one CPU device each (the tests' 8 are for this process), at this process's XLA flags otherwise.
+  monkeypatch.setenv("XLA_FLAGS", without_device_count().get("XLA_FLAGS", ""))
   sweep_dir = tmp_path / "toy"
   runs = ["toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0", "toy_vapo_seed1", "toy_vapo_no_clip_higher_seed1"]
 
@@ -192,7 +194,7 @@ def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
   argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-shared-stages",
           "--root", str(tmp_path), *MICRO]
   sweep_process = subprocess.Popen(argv, cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env=dict(os.environ, XLA_FLAGS=""))
+                                   text=True, env=without_device_count())
   assert sweep_process.stdout.readline().startswith("sweep toy:")
   assert sweep_process.stdout.readline().startswith("start   toy_vapo_seed0")
   sweep_process.send_signal(signal.SIGTERM)  # The run is starting: once under way, the trainer saves and exits 75
