@@ -198,8 +198,12 @@ READ_ONLY = """
     """
 
 
+@pytest.mark.slow  # make test-slow; make test covers both halves, see the docstring.
 def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_path):
-  """Exit 2 and one line: no PermissionError traceback from metrics.jsonl, nor from run.lock on closing."""
+  """Exit 2 and one line: no PermissionError traceback from metrics.jsonl, nor from run.lock on closing.
+  In make test: a write failing mid-run is one line and resumes through the same reporting
+  (`files.reporting_write_failures`) in `test_a_full_disk_at_a_checkpoint_save_and_at_the_export_then_a_resume`,
+  and a read-only run directory is named in `test_user_errors.test_a_read_only_run_directory_is_refused`."""
   run = tmp_path / "full"
   args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}", "name=full", "sft.steps=6", "algo.value_pretrain_steps=0",
           "rl_steps=0", "eval.path=none", "checkpoint.every_steps=1", "checkpoint.async_save=false"]

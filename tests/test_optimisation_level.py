@@ -1,7 +1,7 @@
 """`make test` compiles at XLA's backend optimisation level 0 (LLVM unoptimised: a third less compile
 time); `make test-slow`, `make bench` and runs compile at the default, 3. The two levels differ only
 in floating-point rounding (LLVM reorders and fuses arithmetic at 3), which this test bounds on one
-actor update of the tiny model: every updated parameter and every metric agrees within 1e-5, the
+actor update of the micro model: every updated parameter and every metric agrees within 1e-5, the
 tolerance of the suite's packed-vs-padded and micro-batch comparisons. A difference beyond it means
 the suite's level hides a bug that the default would show, or the reverse."""
 
@@ -33,7 +33,7 @@ def _batch():
 
 
 def test_an_actor_update_agrees_at_optimisation_levels_0_and_3():
-  graphdef, params = nnx.split(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(CausalLM(preset("micro"), rngs=nnx.Rngs(0)))
   tx = optim.make_optimizer(OptimizerConfig(), 1e-2)  # A large step, so the update is far from the parameters.
   update = jax.jit(lambda p, o, b: updates.actor_update(graphdef, tx, p, o, b, algo=AlgoConfig(), micro=2, chunk=4))
   lowered = update.lower(params, tx.init(params), _batch())
