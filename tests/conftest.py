@@ -42,7 +42,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
-  """Runs a function as is, or under `jax.jit` (static keyword arguments closed over)."""
+  """Runs a function as is, or under `jax.jit` (static keyword arguments closed over). `make test` runs
+  the eager variant of a test's first case only (`_one_eager_case`: eager ops compile one program
+  each); `make test-slow` runs the others."""
   if not request.param:
     return lambda f, **static: (lambda *a: f(*a, **static))
   return lambda f, **static: jax.jit(lambda *a: f(*a, **static))
@@ -88,7 +90,20 @@ def _measured(config) -> dict[str, float]:
   return table.get(config.getoption("markexpr") or "all", {})
 
 
+def _one_eager_case(items) -> None:
+  """Marks `slow` every eager `maybe_jit` case of a test function but its first."""
+  seen = set()
+  for item in items:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("maybe_jit") is False:
+      if (item.path, item.originalname) in seen:
+        item.add_marker(pytest.mark.slow)
+      seen.add((item.path, item.originalname))
+
+
+@pytest.hookimpl(tryfirst=True)  # Before pytest's own -m selection reads the markers.
 def pytest_collection_modifyitems(config, items):
+  _one_eager_case(items)
   measured = _measured(config)
   new = max(measured.values(), default=0.0)  # A file not measured yet goes first: it may be long.
   items.sort(key=lambda item: -measured.get(item.path.name, new))  # Stable: file order otherwise kept.
