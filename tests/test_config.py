@@ -1,6 +1,7 @@
 """Config validation, overrides, the experiment registry and the `make train` entry point."""
 
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -207,3 +208,17 @@ def test_entry_points_choose_the_cpu_where_no_accelerator_device_exists(tmp_path
   environ = {"JAX_PLATFORMS": "cuda"}  # Set by the user: kept.
   cli.cpu_only_platform(environ, files=())
   assert environ == {"JAX_PLATFORMS": "cuda"}
+
+
+def test_every_entry_points_help_is_its_usage_without_jax():
+  """`python -m vapo_jax.cli.<tool> --help`: the usage and exit 0, in a process that never imports JAX."""
+  import subprocess
+  import sys
+  code = ("import runpy, sys\nsys.argv = ['tool', '--help']\ntry:\n  runpy.run_module('vapo_jax.cli.{}', "
+          "run_name='__main__')\nexcept SystemExit as e:\n  assert e.code in (0, None), e.code\n"
+          "assert 'jax' not in sys.modules, 'imported JAX'")
+  for tool in ("train", "evaluate", "sweep", "plots", "memory"):
+    result = subprocess.run([sys.executable, "-c", code.format(tool)], capture_output=True, text=True,
+                            cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, (tool, result.stderr[-2000:])
+    assert "usage" in result.stdout.lower() or "python -m vapo_jax.cli" in result.stdout, (tool, result.stdout[:300])

@@ -114,6 +114,9 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
 
 
 def main(argv: list[str]) -> int:
+  if "-h" in argv or "--help" in argv:  # The usage, before anything imports JAX.
+    print(__doc__.strip())
+    return 0
   args = list(argv)
   options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp", "--topology": "",
                          "--layers": "", "--phases": ""})
