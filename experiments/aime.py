@@ -58,7 +58,7 @@ def vapo() -> ExperimentConfig:
       # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
       # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
       # once per step: 112 refill slots per group, a 77 GiB KV cache per chip
-      # (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, README "Compiled for the pod").
+      # (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
                             prompts_per_generation=128, kv_cache_budget_gib=77.5, tensor_parallel=8),

@@ -6,7 +6,7 @@ Task: multi-step addition written out step by step ("7+5+9=" → "7+5=12\\n12+9=
 2 to 5 terms, so responses run from 13 to 35 tokens and longer problems are harder. A short
 supervised warm start on 2-4-term demonstrations leaves the policy imperfect (0.2-0.3 held-out
 accuracy; it has never seen 5 terms); value pretraining fits the critic; VAPO then trains on all
-lengths. Held-out avg@4 on 64 problems before → after RL: README "Two commands" gives the figures
+lengths. Held-out avg@4 on 64 problems before → after RL: `docs/results.md` gives the figures
 with the commit each was measured at. It runs exactly the code path of the 32B experiment, with
 small numbers.
 """

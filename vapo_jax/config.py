@@ -110,7 +110,7 @@ class AlgoConfig:
 
 @frozen
 class PackingConfig:
-  """Packed rows (`train/packing.py`, README "Packed training"): scoring, both updates, value
+  """Packed rows (`train/packing.py`, docs/packing.md): scoring, both updates, value
   pretraining and the warm start run on sequences laid end to end in rows of `row_tokens`, so their
   compute follows the real tokens. Off, every sequence is padded to the prompt bucket +
   `rollout.max_response_tokens`: the layout the packed one is tested against."""

@@ -1,4 +1,4 @@
-"""Packed batches of the jitted programs (README "Packed training"): where each sequence sits in packed
+"""Packed batches of the jitted programs (docs/packing.md): where each sequence sits in packed
 rows (`Plan`, made on the host from the lengths), and the rows built from it on the device.
 
   plan = packed_batch.plan(prompt_lengths, response_lengths, orders, row_tokens=L, micro_rows=m)  # host
