@@ -69,8 +69,8 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
 
 
 def test_a_full_disk_at_a_checkpoint_save_and_at_the_export_then_a_resume(tmp_path):
-  """A full disk used to give four stacked tracebacks at a checkpoint save, and at the final export a
-  traceback naming no directory, leaving `export/model.safetensors.tmp`."""
+  """A full disk at a checkpoint save, and at the final export, is one line naming the directory, with
+  no stacked tracebacks and no `export/model.safetensors.tmp` left behind; the same command resumes."""
   run = tmp_path / "full"
   result = run_train(tmp_path, "checkpoint", after=1)  # The first stage checkpoint is saved, the second is not.
   line = _one_line_error(result)
@@ -168,7 +168,7 @@ def test_make_eval_results_on_a_full_disk(tmp_path, monkeypatch, capsys):
 
 
 def test_a_full_disk_at_start_leaves_no_probe_file(tmp_path, monkeypatch):
-  """The run directory's write probe used to stay behind as `.write_probe.<pid>`."""
+  """The run directory's write probe does not stay behind as `.write_probe.<pid>`."""
   _full_after(monkeypatch, preflight, "open")
   with pytest.raises(SetupError, match=r"cannot write to the run directory .*: the disk is full"):
     preflight.check_run_dir(str(tmp_path / "runs" / "exp"))

@@ -67,8 +67,8 @@ def _bad_inputs(tmp):
 
 
 def test_every_input_error_is_one_line_and_exit_2(tmp_path, capsys):
-  """Each used to be a traceback (exit 1): a missing, directory, non-UTF-8 or gzip responses file, a
-  parquet that is not one; an empty directory asked for `pip install datasets`."""
+  """Each is one line and exit 2, not a traceback (exit 1): a missing, directory, non-UTF-8 or gzip
+  responses file, a parquet that is not one, and an empty directory (not a request to `pip install datasets`)."""
   for what, problems, responses, message in _bad_inputs(tmp_path):
     code, out, err = _run(capsys, f"eval.path={problems}", "--responses", responses, "--out", tmp_path / "out")
     assert (code, err.count("\n")) == (USER_ERROR_EXIT_CODE, 1), (what, err)
@@ -77,7 +77,7 @@ def test_every_input_error_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_different_problems_sharing_an_id_are_named_by_their_line(tmp_path, capsys):
-  """Two problems with id 7 used to merge: their responses were scored against one of the answers."""
+  """Two problems with id 7 are named by their lines rather than merged (their responses scored against one answer)."""
   problems = _jsonl(tmp_path / "p.jsonl", [{"id": 7, "problem": "1+1?", "answer": "2"},
                                             {"id": 8, "problem": "2+2?", "answer": "4"},
                                             {"id": 7, "problem": "3+3?", "answer": "6"}])
@@ -100,7 +100,7 @@ def test_different_problems_sharing_an_id_are_named_by_their_line(tmp_path, caps
 
 
 def test_responses_to_a_dropped_duplicate_count_for_the_kept_problem(tmp_path, capsys):
-  """Loading drops a repeated problem; its id's responses used to fail with "no problem has this id"."""
+  """Loading drops a repeated problem; its id's responses count for the kept one (not "no problem has this id")."""
   problems = _jsonl(tmp_path / "p.jsonl", [{"id": "a", "problem": "1+1?", "answer": "2"},
                                             {"id": "b", "problem": "2+2?", "answer": "4"},
                                             {"id": "c", "problem": " 1+1? ", "answer": "2"}])  # = "a".
@@ -115,9 +115,9 @@ def test_responses_to_a_dropped_duplicate_count_for_the_kept_problem(tmp_path, c
 
 
 def test_a_reward_function_returning_non_scores_is_stopped_with_its_reasons(tmp_path, capsys, problem_file):
-  """A function raising or returning NaN, inf, None, a tuple or a dict used to give exit 0, avg 0 and
-  `verifier_errors N`, its reason shown nowhere: make eval now checks the error fraction as training
-  does, and writes every failure's reason to samples.jsonl and summary.json."""
+  """A function raising or returning NaN, inf, None, a tuple or a dict stops make eval with its reasons
+  (not exit 0, avg 0 and `verifier_errors N`): make eval checks the error fraction as training does,
+  and writes every failure's reason to samples.jsonl and summary.json."""
   kinds = ["nan", "inf", "none", "tuple", "dict", "raise"]
   responses = _jsonl(tmp_path / "r.jsonl", [{"id": "a", "response": kind} for kind in kinds])
   args = [f"eval.path={problem_file}", "reward.reward_fn=failing_rewards:returns_what_it_is_told",

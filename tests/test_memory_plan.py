@@ -379,8 +379,8 @@ def test_device_memory_and_the_command_line(capsys):
 
 
 def test_make_memory_says_what_it_assumed_and_did_not_check(capsys):
-  """Without a mesh it used to print a one-device plan (14,030 GiB per device for aime) and exit 0
-  without a word that no device memory was known and nothing was checked."""
+  """Without a mesh it says what it assumed and that no device memory was known, so nothing was
+  checked (not a silent one-device plan of 14,030 GiB per device for aime and exit 0)."""
   assert memory_cli.main(["--exp", "aime"]) == 0
   notes = capsys.readouterr().out.splitlines()[-2:]
   assert notes[0].startswith("assumed: the configured mesh on this machine's 8 cpu devices, data=")

@@ -95,7 +95,7 @@ def _module(tmp_path, name: str, source: str) -> str:
 
 
 def test_a_reward_module_that_blocks_at_import_is_named_after_the_time_limit(tmp_path):
-  """Imported by the workers under a time limit, never by the parent (which used to hang)."""
+  """Imported by the workers under a time limit, never by the parent (which would hang)."""
   folder = _module(tmp_path, "blocks_at_import", """
       import time
       time.sleep(3600)  # Waits for a server, a lock, input...
@@ -142,7 +142,7 @@ def raising_pool():
 
 
 def test_a_reward_function_failing_on_every_response_stops_with_its_error(raising_pool):
-  """It used to train on a constant "incorrect" reward, its exception never shown."""
+  """The run stops with the exception rather than training on a constant "incorrect" reward."""
   batch = reward.compute_rewards(raising_pool, ["a", "b", "c"], ["1", "2", "3"])  # No check asked: a batch.
   assert batch.statuses == ["error"] * 3 and batch.metrics["reward/error_frac"] == 1.0
   assert batch.first_error == "response 0: error: ZeroDivisionError: division by zero"
@@ -185,7 +185,7 @@ def test_max_error_frac_is_validated():
 
 
 def test_verifier_memory_mb_is_validated():
-  """-5 used to be accepted."""
+  """-5, 0 and 1.5 are refused."""
   for value in (-5, 0, 1.5):
     with pytest.raises(ConfigError, match=rf"RewardConfig.verifier_memory_mb must be an integer >= 1, got {value}"):
       config.RewardConfig(verifier_memory_mb=value)
@@ -193,8 +193,8 @@ def test_verifier_memory_mb_is_validated():
 
 
 def test_majority_vote_is_not_available_for_a_user_reward_function(tmp_path, capsys):
-  """`make eval` with a user function used to report maj@k = 0 beside avg@k = 1: there are no
-  extracted answers to vote on, so maj@k is reported as not available."""
+  """`make eval` with a user function reports maj@k as not available (not 0 beside avg@k = 1): there
+  are no extracted answers to vote on."""
   responses = tmp_path / "r.jsonl"
   responses.write_text("".join(json.dumps({"id": f"p{i}", "response": "so \\boxed{7}", "answer": 7}) + "\n"
                                for i in range(3) for _ in range(2)))

@@ -22,7 +22,8 @@ def flag():
 
 
 def test_ctrl_c_stops_after_the_step_and_a_second_one_aborts(flag, capfd):
-  """Ctrl-C used to raise KeyboardInterrupt wherever the run was (a traceback inside Orbax)."""
+  """Ctrl-C sets a flag the run reads after its step, rather than raising KeyboardInterrupt wherever the
+  run is (a traceback inside Orbax)."""
   os.kill(os.getpid(), signal.SIGINT)  # Handled here, in the main thread, before kill returns.
   assert flag.event.is_set() and flag.is_set()
   assert flag.signum == signal.SIGINT and flag.exit_code == checkpoints.INTERRUPTED_EXIT_CODE == 130
@@ -54,7 +55,7 @@ def test_uninstall_restores_the_handlers():
 
 
 def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
-  """`run_dir=runs` then `run_dir=$PWD/runs` used to refuse the resume as a changed config."""
+  """`run_dir=runs` then `run_dir=$PWD/runs` resume: the two spellings are not a changed config."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / "runs").mkdir()
   (tmp_path / "train.jsonl").write_text("")

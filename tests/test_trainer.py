@@ -3,7 +3,7 @@ sampling fills the batch, a memorised batch's losses fall, 1 and 8 devices agree
 moves only its declared host transfers.
 
 Every run is the default experiment at smoke size (`smoke_config`, tests/conftest.py), its baselines
-from experiments/variants.py; programs they share (model, sampler, scoring) compile once per session
+from experiments/variants.py; programs they share (model, sampler, scoring) compile once per test run
 through the compilation cache that tests/conftest.py sets up."""
 
 import dataclasses

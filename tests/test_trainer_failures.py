@@ -64,7 +64,7 @@ def test_a_second_trainer_on_a_busy_run_directory_is_refused(smoke_config):
 
 
 def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp_path, smoke_config):
-  """The refusal used to read "needs 0.00 GiB ... over the budget of 0.00 GiB" and not name the setting."""
+  """The refusal gives sizes in units that show them (not "needs 0.00 GiB ... over 0.00 GiB") and names the setting."""
   config = smoke_config({"rollout.engine": "static", "rollout.kv_cache_budget_gib": 1e-6})
   with pytest.raises(UserError, match=r"KV cache .* needs 16.12 KiB per device .* over the budget of 1.05 KiB "
                                       r"\(rollout.kv_cache_budget_gib\): raise rollout.kv_cache_budget_gib if"):
@@ -79,7 +79,7 @@ def test_a_kv_cache_over_budget_is_refused_at_start_not_after_the_warm_start(tmp
     ({"reward.reward_fn": "no_such_module_here:f"}, "cannot load function 'no_such_module_here:f'"),
 ])
 def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, caplog, fields, message):
-  """`make train` used to leave an empty runs/<name>/ (its start-up check made it) after these."""
+  """`make train` leaves no empty runs/<name>/ (its start-up check makes one) after these."""
   from vapo_jax.cli import train
   args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", *(f"{k}={v}" for k, v in fields.items())]
   assert train.main(args) == 2
@@ -90,7 +90,7 @@ def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, cap
 
 
 def test_rerunning_a_finished_run_keeps_its_summary(smoke_config):
-  """Re-running a finished run used to overwrite summary.json's seconds with the seconds of the re-run."""
+  """Re-running a finished run keeps summary.json's seconds, not the seconds of the re-run."""
   config = smoke_config({"sft.steps": 0, "algo.value_pretrain_steps": 0, "rl_steps": 0, "eval.path": None})
   first = Trainer(config, verbose=False).run()
   summary = json.loads((Path(config.run_directory) / "summary.json").read_text())

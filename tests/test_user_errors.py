@@ -37,7 +37,7 @@ def model_dir(tmp_path):
 
 # ----------------------------------------------------------------------------------- checkpoints
 def test_a_truncated_safetensors_file_names_the_file_and_the_tensor(model_dir):
-  """It used to fail deep in numpy: `cannot reshape array of size 4118 into shape ...`."""
+  """Named before numpy could fail deep inside with `cannot reshape array of size 4118 into shape ...`."""
   weights = model_dir / "model.safetensors"
   raw = weights.read_bytes()
   weights.write_bytes(raw[:len(raw) - 1000])
@@ -53,7 +53,7 @@ def test_a_truncated_safetensors_file_names_the_file_and_the_tensor(model_dir):
 
 
 def test_a_corrupt_header_length_is_not_a_memory_error(model_dir):
-  """A garbage 8-byte length used to make `f.read` ask for exabytes: a bare MemoryError."""
+  """A garbage 8-byte length is refused before `f.read` asks for exabytes (a bare MemoryError)."""
   weights = model_dir / "model.safetensors"
   weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
   with pytest.raises(CheckpointError, match=rf"{weights}: not a safetensors file, or a corrupt one: its header "
@@ -130,7 +130,7 @@ def _rewrite_tensors(weights, edit) -> None:
     ("model.layers.1.self_attn.o_proj.weight", (40, 36), r"needs \(40, 40\)"),
 ])
 def test_a_projection_of_the_wrong_shape_names_the_tensor(model_dir, name, shape, needs):
-  """The reshape used to come first: `ValueError: cannot reshape array ...`, naming no tensor."""
+  """The shape is checked before the reshape, whose `ValueError: cannot reshape array ...` names no tensor."""
   weights = model_dir / "model.safetensors"
   _rewrite_tensors(weights, lambda t: t | {name: np.zeros(shape, np.float32)})
   message = rf"^{weights}: tensor '{name}' has shape {re.escape(str(shape))}, but .*{needs}"
@@ -139,8 +139,8 @@ def test_a_projection_of_the_wrong_shape_names_the_tensor(model_dir, name, shape
 
 
 def test_a_vocab_size_below_the_embedding_blames_config_json(model_dir, smoke_config):
-  """config.json's vocab_size under the tokenizer's used to blame the tokenizer, quoting config.json's
-  number as the embedding's rows; the tensor has 97 rows: config.json is at fault."""
+  """config.json's vocab_size under the tokenizer's blames config.json, not the tokenizer: the tensor
+  has 97 rows, and the message quotes the tensor's rows, not config.json's number."""
   from vapo_jax.train.trainer import Trainer
   config_json = model_dir / "config.json"
   config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {"vocab_size": 50}))
@@ -168,7 +168,8 @@ def test_unknown_model_preset_names_the_setting():
 
 # ------------------------------------------------------------------------------------- tokenizer
 def test_a_checkpoint_directory_without_tokenizer_files_is_refused(model_dir):
-  """transformers used to build an empty tokenizer (1 token, encodes everything to []) from config.json."""
+  """Refused, where transformers would build an empty tokenizer (1 token, encoding everything to [])
+  from config.json."""
   with pytest.raises(TokenizerError, match=rf"'{model_dir}' has no tokenizer files \(tokenizer.json, or vocab.json "
                                            r"and merges.txt, or tokenizer.model\).*model.tokenizer="):
     tok_lib.load(str(model_dir))
@@ -177,7 +178,7 @@ def test_a_checkpoint_directory_without_tokenizer_files_is_refused(model_dir):
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(model_dir):
-  """Ids past the embedding used to be clamped silently by the lookup."""
+  """Refused at start: the lookup would clamp ids past the embedding silently."""
   small = TransformerConfig.from_pretrained(str(model_dir))  # V = 97.
   with pytest.raises(TokenizerError, match=rf"the tokenizer 'ByteTokenizer' uses ids up to 258 \(259 tokens\), but "
                                            rf"the checkpoint '{model_dir}' has an embedding of only 97 rows"):
@@ -201,9 +202,9 @@ def tokenizer_files(tmp_path_factory):
 @pytest.mark.parametrize("name", ["vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
                                   "special_tokens_map.json", "added_tokens.json"])
 def test_a_truncated_tokenizer_file_is_named(tokenizer_files, tmp_path, name):
-  """A truncated vocab.json used to escape as a 70-line tokenizers traceback naming no file, a truncated
-  tokenizer.json or tokenizer_config.json named only the directory, and a truncated
-  special_tokens_map.json or added_tokens.json loaded without a word."""
+  """Each truncated file is named: left to the tokenizers library, vocab.json escapes as a 70-line
+  traceback naming no file, tokenizer.json or tokenizer_config.json names only the directory, and
+  special_tokens_map.json or added_tokens.json loads without a word."""
   directory = tmp_path / "tok"
   shutil.copytree(tokenizer_files, directory)
   if name != "tokenizer.json":
@@ -245,7 +246,7 @@ def test_non_utf8_lines_are_named_and_skipped_when_asked(tmp_path):
 
 
 def test_solutions_are_kept_for_supervised_warm_start(tmp_path):
-  """`sft.path=file.jsonl` used to be refused: the loader dropped the solution field."""
+  """`sft.path=file.jsonl` loads: the loader keeps the solution field."""
   path = tmp_path / "sft.jsonl"
   rows = [{"problem": "1+1?", "answer": "2", "solution": "1+1=2. Answer: 2"},
           {"problem": "2+2?", "answer": "4", "response": "2+2=4. Answer: 4"},
@@ -302,7 +303,7 @@ def test_prompt_length_check_counts_tokens_as_the_rollout_does():
 
 
 def test_eval_max_problems_must_be_positive():
-  """-1 used to drop the last problem silently (`rows[:-1]`)."""
+  """-1 is refused rather than dropping the last problem silently (`rows[:-1]`)."""
   for value in (-1, 0):
     with pytest.raises(ConfigError, match=rf"EvalConfig.max_problems must be an integer >= 1, got {value}"):
       run_config.EvalConfig(max_problems=value)
