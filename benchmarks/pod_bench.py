@@ -3,7 +3,7 @@ devices.
 
   python -m benchmarks.pod_bench [--preset small] [--repeats 5]
 
-  decode    the refill engine's decode program, compiled by the compile report (train/compile_report.py)
+  decode    the refill engine's decode program, compiled by the compile report (memory/xla_report.py)
             for an FSDP run over the 8 devices, in the training layout (rollout.tensor_parallel=1: the
             FSDP-sharded float32 weights) and in the rollout layout (rollout.tensor_parallel=2: four
             groups of two devices holding a bfloat16 copy split by heads): the bytes its decode loop's
@@ -38,11 +38,12 @@ import experiments  # noqa: E402
 from benchmarks.long_seq_bench import Table, Target, best_seconds, print_table, targets_table  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
 from vapo_jax import overrides  # noqa: E402
+from vapo_jax.memory import topologies, xla_report  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
 from vapo_jax.models.transformer import CausalLM  # noqa: E402
 from vapo_jax.rollout import common, refill  # noqa: E402
 from vapo_jax.rollout.layout import layout_for  # noqa: E402
-from vapo_jax.train import compile_report, memory_plan, targets  # noqa: E402
+from vapo_jax.train import build  # noqa: E402
 
 
 def bench_config(preset: str, tensor_parallel: int):
@@ -56,7 +57,7 @@ def bench_config(preset: str, tensor_parallel: int):
 def decode_section(args) -> tuple[list[Table], list[Target], dict]:
   rows, share, decode = [], {}, {}
   for name, t in (("training layout (fsdp)", 1), ("rollout layout (tensor_parallel=2)", 2)):
-    report = compile_report.compile_run(bench_config(args.preset, t), targets.resolve("cpu:8"), phases=("rollout",))
+    report = xla_report.compile_run(bench_config(args.preset, t), topologies.resolve("cpu:8"), phases=("rollout",))
     program = next(p for p in report.phases[0].programs if p.decode is not None)
     outside = sum(max(c.operand_bytes, c.result_bytes) for c in program.collectives if not c.loops)
     share[t] = program.decode.bytes / report.weight_bytes, (outside + program.decode.bytes) / report.weight_bytes
@@ -93,7 +94,7 @@ def _rollout_state(config, layout, cfg):
 
 def reshard_section(args) -> tuple[list[Table], list[Target]]:
   config = bench_config(args.preset, 2)
-  cfg = memory_plan.model_configs(config)[0]
+  cfg = build.model_configs(config)[0]
   mesh = sharding.make_mesh(data=1, fsdp=8, devices=sharding.tensor_groups(jax.devices(), 2))
   layout = layout_for(config.rollout, mesh, compute_dtype=config.model.dtype,
                       training_rules=sharding.PRESETS["fsdp"])

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from vapo_jax.train import aot, compile_format, compile_report, memory_plan, targets
+from vapo_jax.memory import aot, hand_plan, topologies, xla_report, xla_report_text
 from vapo_jax.train.trainer import Trainer
 
 QUICK = {"sft.steps": 0, "eval.path": None}
@@ -45,7 +45,7 @@ def _trainer_programs(trainer: Trainer, update: bool):
 def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
   config = smoke_config(QUICK | {"mesh.preset": preset} | LAYOUTS[preset])
   update = preset == "fsdp"
-  report = compile_report.compile_run(config, targets.resolve("cpu:8"), phases=("update",) if update else ("scoring",))
+  report = xla_report.compile_run(config, topologies.resolve("cpu:8"), phases=("update",) if update else ("scoring",))
   assert [p.name for p in report.phases] == ["rollout", "scoring"] + ["update"] * update
   trainer = Trainer(config, write_logs=False, verbose=False)
   real, verified = _trainer_programs(trainer, update)
@@ -60,28 +60,28 @@ def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
         compiled.alias_size_in_bytes + compiled.temp_size_in_bytes
   if update:  # The rollout, its rewards and verdicts are held beside the update.
     assert report.program("update (critic + actor)").resident == aot.chip_bytes(verified)
-  plan = memory_plan.plan(config, report.mesh_shape)
+  plan = hand_plan.plan(config, report.mesh_shape)
   state_bytes = aot.chip_bytes(trainer.state)
   assert 0 <= state_bytes - plan.resident_bytes <= 256  # The plan's parameters and AdamW moments; the key, the
                                                         # optimizers' counts and learning rates.
-  assert report.budget is None and "no memory budget known" in compile_format.table(report)
+  assert report.budget is None and "no memory budget known" in xla_report_text.table(report)
 
 
 def test_a_budget_refuses_the_phase_over_it(smoke_config):
   """On CPU devices with a given memory (mesh.device_memory_gib), a phase over it is named with what to change."""
   config = smoke_config(QUICK | {"mesh.device_memory_gib": 1e-4})
-  report = compile_report.compile_run(config, targets.resolve("cpu:8"), phases=("rollout",))
+  report = xla_report.compile_run(config, topologies.resolve("cpu:8"), phases=("rollout",))
   assert report.budget == int(1e-4 * 2**30) and [p.name for p in report.over()] == ["rollout"]
-  message = compile_format.refusal(report)
+  message = xla_report_text.refusal(report)
   assert message.splitlines()[1].startswith("  rollout needs ") and "generate" in message
-  assert "does NOT fit (rollout over)" in compile_format.table(report)
+  assert "does NOT fit (rollout over)" in xla_report_text.table(report)
 
 
 def test_a_budget_that_holds_every_phase_passes(smoke_config):
-  report = compile_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), targets.resolve("cpu:8"),
+  report = xla_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), topologies.resolve("cpu:8"),
                                       phases=("rollout",))
-  assert not report.over() and compile_format.refusal(report) is None
-  assert "fits (" in compile_format.table(report)
+  assert not report.over() and xla_report_text.refusal(report) is None
+  assert "fits (" in xla_report_text.table(report)
   program = report.program("generate")
   assert program.decode is not None and program.attention == ("chunked", "decode")
   assert 0 < program.memory.total < 2**30 and program.lower_s > 0 and program.compile_s > 0
@@ -89,9 +89,9 @@ def test_a_budget_that_holds_every_phase_passes(smoke_config):
 
 def test_unknown_phase_and_cpu_count_are_user_errors(smoke_config):
   with pytest.raises(ValueError, match="unknown phase"):
-    compile_report.compile_run(smoke_config(QUICK), targets.resolve("cpu:8"), phases=("rollouts",))
+    xla_report.compile_run(smoke_config(QUICK), topologies.resolve("cpu:8"), phases=("rollouts",))
   with pytest.raises(ValueError, match="device_count=3"):
-    targets.resolve("cpu:3")
-  assert len(targets.resolve("cpu:8").devices) == 8 == len(jax.devices())
-  assert np.isclose(targets.refused_bytes(RuntimeError("... temporaries (155.78G) exceeds available HBM (95.74G)")),
+    topologies.resolve("cpu:3")
+  assert len(topologies.resolve("cpu:8").devices) == 8 == len(jax.devices())
+  assert np.isclose(topologies.refused_bytes(RuntimeError("... temporaries (155.78G) exceeds available HBM (95.74G)")),
                     155.78 * 2**30)

@@ -13,10 +13,11 @@ from jax.sharding import NamedSharding
 
 from conftest import build_smoke_config
 from vapo_jax.cli import memory
-from vapo_jax.models import attention, hlo, sharding
-from vapo_jax.train import aot, compile_format, compile_report, packed_batch, packing, roofline, targets
+from vapo_jax.memory import aot, hlo, roofline, topologies, xla_report, xla_report_text
+from vapo_jax.models import attention, sharding
+from vapo_jax.train import packed_batch, packing
 
-pytestmark = pytest.mark.skipif(targets.libtpu_missing() is not None, reason=str(targets.libtpu_missing()))
+pytestmark = pytest.mark.skipif(topologies.libtpu_missing() is not None, reason=str(topologies.libtpu_missing()))
 TOPOLOGY = "v5p:2x2x1"
 QUICK = {"eval.path": None}
 # 4,096 sequences of 1M tokens: 128 GiB of KV cache per chip.
@@ -26,18 +27,18 @@ TOO_LONG = {"rollout.prompts_per_step": 1024, "rollout.max_response_tokens": 2**
 @pytest.fixture(scope="module")
 def smoke_report(tmp_path_factory):
   config = build_smoke_config(tmp_path_factory.mktemp("run"), QUICK)
-  return compile_report.compile_run(config, targets.resolve(TOPOLOGY))
+  return xla_report.compile_run(config, topologies.resolve(TOPOLOGY))
 
 
 def test_every_phase_of_the_smoke_run_fits(smoke_report):
   names = [p.name for p in smoke_report.phases]
   assert names == ["supervised warm start", "rollout", "value pretraining", "scoring", "update"]
-  assert smoke_report.budget == targets.CHIPS["TPU v5"].hbm_bytes and not smoke_report.over()
+  assert smoke_report.budget == topologies.CHIPS["TPU v5"].hbm_bytes and not smoke_report.over()
   for phase in smoke_report.phases:
     for program in phase.programs:
       assert program.memory is not None and 0 < program.needs < 2**30, program.name
-  assert compile_format.refusal(smoke_report) is None
-  assert "fits (" in compile_format.table(smoke_report)
+  assert xla_report_text.refusal(smoke_report) is None
+  assert "fits (" in xla_report_text.table(smoke_report)
 
 
 def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
@@ -47,18 +48,18 @@ def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
   assert generate.decode is not None
   assert aot.weight_collectives(generate, smoke_report.weights) == []
   fsdp = smoke_config(QUICK | {"mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
-  report = compile_report.compile_run(fsdp, targets.resolve(TOPOLOGY), phases=("rollout",))
+  report = xla_report.compile_run(fsdp, topologies.resolve(TOPOLOGY), phases=("rollout",))
   moving = aot.weight_collectives(report.program("generate"), report.weights)
   assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_path, capsys):
   config = smoke_config(QUICK | TOO_LONG)
-  report = compile_report.compile_run(config, targets.resolve(TOPOLOGY), phases=("rollout",))
+  report = xla_report.compile_run(config, topologies.resolve(TOPOLOGY), phases=("rollout",))
   assert [p.name for p in report.over()] == ["rollout"]
   generate = report.program("generate")
   assert generate.memory is None and generate.refused_bytes > report.budget  # The compiler's own figure.
-  message = compile_format.refusal(report)
+  message = xla_report_text.refusal(report)
   assert message.splitlines()[1].startswith("  rollout needs ") and "(generate)" in message
   assert "rollout.max_response_tokens" in message or "rollout.prompts_per_step" in message
   argv = ["--smoke", "--topology", TOPOLOGY, "--phases", "rollout", f"run_dir={tmp_path}", "eval.path=None"]
@@ -83,13 +84,13 @@ def test_a_topology_that_is_not_a_slice_is_refused_in_one_line_before_compiling(
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and f"not a {name.split(':')[0]} slice" in err and near in err, err
   for valid in ("v5p:2x2x1", "v5p:8x8x4", "v5p:4x8x8", "v6e:16x16", "v5e:2x4"):
-    targets.check_slice(valid)
+    topologies.check_slice(valid)
 
 
 def test_splash_compiles_for_the_chips_under_shard_map():
   """auto picks splash on a TPU mesh; the Mosaic kernel compiles per device, rows and heads split, with
   no collective (forward and backward)."""
-  target = targets.resolve(TOPOLOGY)
+  target = topologies.resolve(TOPOLOGY)
   mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=list(target.devices))
   rules = sharding.PRESETS["fsdp_tp"]
   spec = lambda *axes: NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
@@ -104,7 +105,7 @@ def test_splash_compiles_for_the_chips_under_shard_map():
   program = sharding.jit(jax.grad(loss, (0, 1, 2)), mesh, rules)
   # conftest's "highest" matmul precision asks Mosaic for float32 contractions of bfloat16 operands,
   # which it refuses ("Bad lhs type"); a run keeps JAX's default.
-  with jax.default_matmul_precision("default"), targets.persistent_cache_for(target):
+  with jax.default_matmul_precision("default"), topologies.persistent_cache_for(target):
     found, _ = aot.compile_program("splash", program, (q, kv, kv, ends, ends))
     text = program.lower(q, kv, kv, ends, ends).compile().as_text()
   assert found.attention == ("splash",) and found.memory is not None
@@ -112,9 +113,9 @@ def test_splash_compiles_for_the_chips_under_shard_map():
 
 
 def test_the_hbm_table_is_the_compilers():
-  target = targets.resolve(TOPOLOGY)
+  target = topologies.resolve(TOPOLOGY)
   assert target.device_kind == "TPU v5" and len(target.devices) == 4
-  assert abs(targets.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
+  assert abs(topologies.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
 
 
 def test_the_smoke_runs_compile_time_is_reported(smoke_report):
@@ -131,7 +132,7 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert [p.phase for p in step.phases] == ["rollout", "scoring", "update"]
   for p in step.phases:
     assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s), p.phase
-    assert p.compute_s == p.flops / targets.CHIPS["TPU v5"].peak_flops
+    assert p.compute_s == p.flops / topologies.CHIPS["TPU v5"].peak_flops
   assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])

@@ -2,7 +2,8 @@
 
 from flax import nnx
 
-from vapo_jax.models import footprint, sharding
+from vapo_jax.memory import footprint
+from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 

@@ -1,4 +1,4 @@
-"""The HLO reader (`models/hlo.py`) as the compile report reads decode loops: collectives in a
+"""The HLO reader (`memory/hlo.py`) as the compile report reads decode loops: collectives in a
 conditional's branch flagged, loops found by their `jax.named_scope` (op_name), a loop's traffic per
 iteration with and without branches (`aot.decode_traffic`); on a hand-written module and on programs
 compiled for the 8 CPU devices. (tests/test_layout.py tests the reader's sizes and loops.)"""
@@ -9,8 +9,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from vapo_jax.models import hlo
-from vapo_jax.train import aot
+from vapo_jax.memory import aot, hlo
 
 MODULE = """HloModule jit_f, entry_computation_layout={(f32[8,256]{1,0})->f32[8,256]{1,0}}
 

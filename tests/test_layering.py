@@ -19,6 +19,7 @@ TIERS = (
     ("config", (("vapo_jax.config", "vapo_jax.overrides", "vapo_jax.run_config"),)),
     ("rollout, data, rewards", (("vapo_jax.rollout",), ("vapo_jax.data",), ("vapo_jax.rewards",))),
     ("train", (("vapo_jax.train",),)),
+    ("memory", (("vapo_jax.memory",),)),
     ("experiments", (("experiments",),)),
     ("cli", (("vapo_jax.cli",),)),
 )

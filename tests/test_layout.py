@@ -1,6 +1,6 @@
 """The rollout layout (rollout/layout.py): the reshard round-trips the parameters bit for bit, one program
 per array kind; tensor_parallel 1 is the training layout itself; the tensor groups are physical blocks;
-the compiled decode loop holds no weight-sized collective (read by models/hlo.py, tested on a module
+the compiled decode loop holds no weight-sized collective (read by memory/hlo.py, tested on a module
 written by hand)."""
 
 import dataclasses
@@ -18,7 +18,8 @@ from flax import nnx
 from model_utils import MESHES, TP_CFG, training_layout_model
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.models import hlo, sharding
+from vapo_jax.memory import hlo
+from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout import common, refill

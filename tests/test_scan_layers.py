@@ -18,7 +18,8 @@ from flax import nnx
 from model_utils import FIXTURES, TP_CFG, training_layout_model
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.models import hlo, huggingface, safetensors_io, sharding
+from vapo_jax.memory import hlo
+from vapo_jax.models import huggingface, safetensors_io, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
 from vapo_jax.rollout import common, refill, static

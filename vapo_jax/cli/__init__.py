@@ -6,7 +6,7 @@
   plots      `make plot`: PNG curves of runs                   python -m vapo_jax.cli.plots
   memory     `make memory`: the per-device memory plan         python -m vapo_jax.cli.memory
   resolve    `--exp`, `--smoke` and `field.path=value` overrides into a config (no JAX)
-  preflight  the machine's checks before a run starts: backend, devices, run directory
+  preflight  the checks before a run starts: backend, devices, run directory, the hand memory plan
 
 Importing the package sets JAX_PLATFORMS=cpu on a machine without accelerator devices (`cpu_only_platform`).
 `bound_compilation_cache` keeps XLA's persistent compilation cache under its size (`make train`, `make test`).

@@ -5,15 +5,15 @@
   python -m vapo_jax.cli.memory --exp NAME [--mesh data=1,fsdp=256,tensor=1] [--device-gib 95] [field=value ...]
   python -m vapo_jax.cli.memory --model qwen2.5-32b [--sharding fsdp] [--mesh fsdp=256]
 
-The first compiles every program of a run ahead of time for the target (`train/compile_report.py`:
+The first compiles every program of a run ahead of time for the target (`memory/xla_report.py`:
 a TPU topology's compile-only devices, `cpu:N` for N CPU devices of this process, `cpu` for those it
 has), with the configured mesh (or `--mesh`) laid over its devices, and prints XLA's bytes per device
 of each phase against the chip's HBM; `--layers N` compiles the models with their first N layers only
 (a quick look), `--phases a,b` only those phases (and the ones whose outputs they take), `--tail` also
 the refill engine's decode loop at every slot count it shrinks to. The second
-plans a run by hand (`train/memory_plan.py`) for `--mesh` (axes not named: 1), else for the
+plans a run by hand (`memory/hand_plan.py`) for `--mesh` (axes not named: 1), else for the
 configured mesh on this machine's devices. Both refuse a run whose phase exceeds the device memory,
-naming the phase and what to change (`train/memory_check.py`'s advice). The third prints only the
+naming the phase and what to change (`memory/advice.py`). The third prints only the
 parameters, gradients and AdamW moments per device of a model preset's policy and critic. Exit
 status 1 when a phase does not fit, 2 on a bad argument.
 """
@@ -53,7 +53,8 @@ def parameters(model: str, rules_name: str, mesh_text: str) -> int:
   """Prints the parameter memory per device of preset `model`'s policy and critic."""
   from flax import nnx
 
-  from vapo_jax.models import footprint, sharding
+  from vapo_jax.memory import footprint
+  from vapo_jax.models import sharding
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM, ValueModel
 
@@ -85,21 +86,21 @@ def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None,
 
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool) -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
-  from vapo_jax.train import compile_format, compile_report, targets
+  from vapo_jax.memory import topologies, xla_report, xla_report_text
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")
-  target = targets.resolve(topology)
+  target = topologies.resolve(topology)
   if mesh_text:
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
-  report = compile_report.compile_run(
+  report = xla_report.compile_run(
       config, target, layers=int(layers) if layers else None,
-      phases=tuple(p.strip() for p in phases.split(",")) if phases else compile_report.PHASES, tail=tail,
+      phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail,
       log=lambda message: print(message, file=sys.stderr, flush=True))
-  print(compile_format.table(report))
+  print(xla_report_text.table(report))
   if target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}:
-    from vapo_jax.train import roofline
+    from vapo_jax.memory import roofline
     if report.layers:  # cost_analysis saw the programs of a shallower model.
       print(f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)")
     elif config.model.scan_layers and report.architecture.num_layers > 1:  # cost_analysis counts a loop body once.
@@ -107,7 +108,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
             "model.scan_layers=false compiles the loop unrolled, which it counts whole)")
     else:
       print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
-  if message := compile_format.refusal(report):
+  if message := xla_report_text.refusal(report):
     print(f"refused: {message}")
     return 1
   return 0
@@ -123,9 +124,9 @@ def main(argv: list[str]) -> int:
   topology, tail = options["--topology"], "--tail" in args
   args = [a for a in args if a != "--tail"]
   if topology:  # Compile-only devices need no backend; a CPU target's devices must exist before JAX starts.
-    from vapo_jax.train import targets
+    from vapo_jax.memory import topologies
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    targets.cpu_flags(topology)
+    topologies.cpu_flags(topology)
   try:
     if options["--model"]:
       return parameters(options["--model"], options["--sharding"], options["--mesh"])
@@ -134,8 +135,8 @@ def main(argv: list[str]) -> int:
       return compiled(config, topology, options["--mesh"], options["--layers"], options["--phases"], tail)
     import jax
 
+    from vapo_jax.memory import advice, hand_plan
     from vapo_jax.models import sharding
-    from vapo_jax.train import memory_check, memory_plan
 
     if options["--device-gib"]:
       config = dataclasses.replace(config, mesh=dataclasses.replace(
@@ -146,16 +147,16 @@ def main(argv: list[str]) -> int:
       sizes = {a: getattr(config.mesh, a) for a in sharding.MESH_AXES}
       known = math.prod(s for s in sizes.values() if s != -1)
       sizes = {a: max(1, jax.device_count() // known) if s == -1 else s for a, s in sizes.items()}
-    plan = memory_plan.plan(config, sizes)
+    plan = hand_plan.plan(config, sizes)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  device_bytes = memory_plan.device_memory_bytes(config)
+  device_bytes = hand_plan.device_memory_bytes(config)
   print(plan.format(device_bytes))
   for note in assumptions(options["--mesh"], sizes, device_bytes, jax.devices()):
     print(note)
   try:
-    memory_check.check(plan, device_bytes)
+    advice.check(plan, device_bytes)
   except ConfigError as e:
     print(f"refused: {e}")
     return 1

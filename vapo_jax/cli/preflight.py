@@ -1,7 +1,8 @@
-"""Start-up checks of the machine, each a `SetupError` with one message saying what to change.
+"""Start-up checks of the machine and the run, each an error with one message saying what to change.
 
   devices = preflight.check_backend()        # after distributed.initialize(), before any JAX work
   preflight.check_run_dir("runs/aime_vapo")  # the run directory can be created and written
+  preflight.check_memory(config, devices)    # the hand memory plan, printed; refused when a phase is over
 
 The device count a mesh needs is checked by `models.sharding.make_mesh` (a `ConfigError` naming
 mesh.data / mesh.fsdp / mesh.tensor).
@@ -72,6 +73,23 @@ def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> list[str]:
     raise SetupError(f"the run directory {run_dir!r} has {free / 2**30:.2f} GiB free, less than the "
                      f"{min_free_bytes / 2**30:.2f} GiB needed: free space there, or choose another run_dir=")
   return missing
+
+
+def check_memory(config, devices: list, *, show: bool = True) -> None:
+  """Prints (with `show`) the hand memory plan of `config` (`memory.hand_plan`) on the mesh its run has on
+  `devices`, and with `mesh.check_memory` raises `ConfigError` when a phase exceeds the device memory
+  (`mesh.device_memory_gib`, else the device's own), naming each phase over it and the settings, with
+  their values, that bring it under (`memory.advice`). Runs before the trainer builds anything."""
+  from vapo_jax.memory import advice, hand_plan
+  from vapo_jax.models import sharding
+
+  m = config.mesh
+  mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
+  plan = hand_plan.plan(config, dict(mesh.shape))
+  if show:
+    print(plan.format(), flush=True)
+  if m.check_memory:
+    advice.check(plan, hand_plan.device_memory_bytes(config))
 
 
 def remove_empty(directories: list[str]) -> None:

@@ -4,8 +4,9 @@
   python -m vapo_jax.cli.train --exp aime --help      (every field with its current value)
   python -m vapo_jax.cli.train --exp aime --smoke     (the same experiment at smoke-test size)
 
-Runs the experiment's stages (supervised warm start, value pretraining, RL) with
-`trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
+Prints the run's hand memory plan and refuses a run with a phase over the device memory, naming the
+phase and the settings to change (`preflight.check_memory`); then runs the experiment's stages
+(supervised warm start, value pretraining, RL) with `trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
 Running the same command again resumes from the run directory's newest checkpoint. Exit codes:
 0 done; 1 the run diverged (non-finite updates) or crashed; 2 a user error (configuration,
 data, checkpoint, reward function, machine, a second start on a busy run directory: one line
@@ -39,8 +40,9 @@ def main(argv: list[str]) -> int:
   run_dir, created = config.run_directory, []
   try:
     distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
-    preflight.check_backend()
+    devices = preflight.check_backend()
     created = preflight.check_run_dir(run_dir)
+    preflight.check_memory(config, devices, show=distributed.is_main_process())
     trainer = Trainer(config)
     if distributed.is_main_process():
       resolve.write_resolved_config(config)

@@ -1,1 +1,12 @@
-"""Decoder-only transformers (Qwen2 / Qwen2.5 and Llama families) as Flax NNX modules."""
+"""Decoder-only transformers (Qwen2 / Qwen2.5 and Llama families) as Flax NNX modules.
+
+  config            the architecture, read from a Hugging Face `config.json`, and the named presets
+  transformer       the causal LM and the value model, decoder layers stacked and scanned, with KV cache
+  attention         `attend`: flash attention in pure JAX, the platform kernels, the dense oracle
+  flash             `chunked`, the pure-JAX flash attention that runs everywhere
+  decode_attention  one-token decode attention over the filled part of a KV cache
+  logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
+  sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation
+  huggingface       Hugging Face checkpoints in and out: config.json + safetensors
+  safetensors_io    the safetensors format, read and written one tensor at a time
+"""

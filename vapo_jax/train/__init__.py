@@ -1,13 +1,19 @@
 """Training: one run from its config to an exported policy.
 
   state          `TrainState` (one immutable pytree of arrays) and `Progress` (the host record beside it)
+  build          what a run is built from: the models' architectures and settings, optimizers, abstract state
   algorithm      which advantage estimator and losses an `AlgoConfig` selects
   optim          AdamW with warm-up, clipping and skipped non-finite updates
   steps          the jitted programs: scoring a rollout, the actor / critic / supervised updates
+  updates        a mini-batch's forward passes and updates as pure functions, padded or packed
+  micro_batches  splitting a mini-batch, accumulating gradients, forward passes part by part
+  packing        packed rows: sequences laid end to end in rows of a static token length
+  packed_batch   a packed batch's plan (made on the host) and its rows (built on the device)
   experience     prompts → sampled responses → verifier rewards (training and evaluation)
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation, export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption
   metrics        metrics.jsonl, TensorBoard, W&B, the progress line, collapse warnings
-  memory_plan    the per-device memory of every phase, before compiling; memory_check: its refusal
   runlock        the lock that keeps a second start out of a run directory
+
+A run's memory, planned by hand or compiled, is `vapo_jax.memory`, a tier above this one.
 """

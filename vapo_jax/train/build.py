@@ -1,6 +1,7 @@
-"""What a run is built from, shared by the trainer and the compile report: the models' architecture
+"""What a run is built from, shared by the trainer and the memory reports: the models' architecture
 and settings, the optimizers, and the run's `TrainState` as abstract arrays.
 
+  actor_cfg, critic_cfg = build.model_configs(config)
   txs = build.optimizers(config)
   actor_def, critic_def, state = build.abstract_state(config, mesh, rules, txs, stage="rl")
 
@@ -18,9 +19,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.models import sharding
+from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
-from vapo_jax.train import memory_plan, optim
+from vapo_jax.train import optim
 from vapo_jax.train.state import TrainState
+
+
+def model_configs(config: ExperimentConfig) -> tuple[TransformerConfig, TransformerConfig]:
+  """Architectures of the policy and the critic (from their checkpoints' config.json when given)."""
+  m = config.model
+  actor = TransformerConfig.from_pretrained(m.checkpoint) if m.checkpoint else preset(m.preset)
+  critic = TransformerConfig.from_pretrained(m.critic_checkpoint) if m.critic_checkpoint else actor
+  return actor, critic
 
 
 def model_kwargs(config: ExperimentConfig) -> dict:
@@ -41,7 +51,7 @@ def abstract_state(config: ExperimentConfig, mesh, rules, txs: dict, *, stage: s
   `stage` ("sft": with the warm start's optimizer state; "rl": with the reference policy when
   `algo.kl_coef` > 0). `layers`: only the first this many decoder layers (a quick look at a deep model)."""
   actor_cfg, critic_cfg = (c if layers is None else dataclasses.replace(c, num_layers=layers)
-                           for c in memory_plan.model_configs(config))
+                           for c in model_configs(config))
   kwargs, seed = model_kwargs(config), config.model.init_seed
   actor_def, actor = sharding.abstract_sharded(lambda: CausalLM(actor_cfg, rngs=nnx.Rngs(seed), **kwargs), mesh, rules)
   critic_def, critic = sharding.abstract_sharded(lambda: ValueModel(critic_cfg, rngs=nnx.Rngs(seed), **kwargs), mesh,

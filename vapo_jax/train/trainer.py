@@ -37,7 +37,7 @@ from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, checkpoints, memory_check, memory_plan, metrics as metrics_lib, optim, runlock
+from vapo_jax.train import build, checkpoints, metrics as metrics_lib, optim, runlock
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
 from vapo_jax.train.steps import Steps
@@ -78,11 +78,7 @@ class Trainer:
                                    devices=devices)  # Rollout tensor groups: physical neighbours (rollout/layout.py).
     rules = sharding.PRESETS[config.mesh.preset]
     self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=rules)
-    self.layout.check_model(memory_plan.model_configs(config)[0])
-    self.memory = memory_plan.plan(config, dict(self.mesh.shape))
-    self.log(self.memory.format())
-    if config.mesh.check_memory:
-      memory_check.check(self.memory, memory_plan.device_memory_bytes(config))
+    self.layout.check_model(build.model_configs(config)[0])
     self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
     tok_lib.check_tokenizer_matches(huggingface.read_config(config.model.checkpoint) if config.model.checkpoint
                                     else model_preset(config.model.preset), self.tokenizer, config.model.checkpoint)

@@ -1,7 +1,7 @@
 """Where a compile report compiles for: a TPU topology's compile-only devices, or this machine's CPUs.
 
-  target = targets.resolve("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
-  target = targets.resolve("cpu:8")       # 8 CPU devices of this process (the tests' devices)
+  target = topologies.resolve("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
+  target = topologies.resolve("cpu:8")       # 8 CPU devices of this process (the tests' devices)
 
 A TPU topology comes from libtpu (`jax.experimental.topologies.get_topology_desc`, installed by
 `pip install "jax[tpu]==<jax's version>"`); its names are `<generation>:<chips per axis>` as libtpu

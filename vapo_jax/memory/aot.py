@@ -21,9 +21,9 @@ from typing import Any, NamedTuple
 
 import jax
 
-from vapo_jax.models import attention, hlo
+from vapo_jax.memory import hlo, topologies
+from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
-from vapo_jax.train import targets
 
 
 class Memory(NamedTuple):
@@ -128,7 +128,7 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   try:
     compiled, refused = lowered.compile(), None
   except Exception as error:  # noqa: BLE001  (XLA's runtime error type is private)
-    if (refused := targets.refused_bytes(error)) is None:
+    if (refused := topologies.refused_bytes(error)) is None:
       raise
     compiled = None
   done = time.perf_counter()

@@ -1,8 +1,8 @@
 """The compile report: every program a run executes, compiled ahead of time for a target, and what
 each needs per device against the device's memory.
 
-  report = compile_report.compile_run(config, targets.resolve("v5p:8x8x4"))
-  print(report.format()); report.check()     # ConfigError naming each phase that does not fit
+  report = xla_report.compile_run(config, topologies.resolve("v5p:8x8x4"))
+  print(xla_report_text.table(report)); xla_report_text.refusal(report)   # each phase that does not fit
 
 It builds the run's training mesh on the target's devices (in `sharding.tensor_groups` order, as the
 trainer does), its rollout layout, and its `TrainState`, batches and rollout inputs as abstract arrays (`build.abstract_state`: shapes, dtypes and shardings, nothing
@@ -30,9 +30,8 @@ Each program's inputs are the outputs of the programs before it as compiled (a b
 the scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs'
 own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them
 (the `TrainState` parts that are not arguments, the KV cache while the rollout finishes, ...).
-The budget is the chip's HBM as the TPU compiler counts it (`targets.CHIPS`), lowered to
+The budget is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`), lowered to
 `mesh.device_memory_gib` when that is set; a CPU has none unless `mesh.device_memory_gib` gives one.
-XLA's figures are the truth here; the hand plan (`memory_plan`, `memory_check`) only words what to change.
 """
 
 import dataclasses
@@ -45,13 +44,14 @@ from flax import nnx
 
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
+from vapo_jax.memory import topologies
+from vapo_jax.memory.aot import Program, chip_bytes, compile_program
+from vapo_jax.memory.topologies import GIB, Target
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, experience, memory_plan, targets
-from vapo_jax.train.aot import Program, chip_bytes, compile_program
+from vapo_jax.train import build, experience
 from vapo_jax.train.steps import Steps, TrainBatch
-from vapo_jax.train.targets import GIB, Target
 
 PAD_ID = 0  # A constant of the rollout programs: the tokenizer's pad id changes nothing compiled.
 
@@ -114,7 +114,7 @@ class _Run:
     devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     self.rules = sharding.PRESETS[m.preset]
-    self.full_cfg = memory_plan.model_configs(config)[0]  # The rollout engine sizes its slots for the whole model.
+    self.full_cfg = build.model_configs(config)[0]  # The rollout engine sizes its slots for the whole model.
     self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=self.rules)
     self.layout.check_model(self.full_cfg)
     txs = build.optimizers(config)
@@ -347,7 +347,7 @@ def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None 
   if unknown:
     raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
   run, done = _Run(config, target, layers, tail), []
-  with targets.persistent_cache_for(target):
+  with topologies.persistent_cache_for(target):
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
     if "reshard" in phases and run.layout.tensor_parallel > 1:

@@ -1,5 +1,5 @@
 """A roofline estimate of one RL step from a compile report: each phase's FLOPs and HBM bytes per chip,
-at the chip's peak bfloat16 FLOP/s and HBM bandwidth (`targets.CHIPS`), the slower of the two.
+at the chip's peak bfloat16 FLOP/s and HBM bandwidth (`topologies.CHIPS`), the slower of the two.
 
   estimate = roofline.estimate(report)       # needs a target with a known chip
   print(roofline.format_estimate(estimate))

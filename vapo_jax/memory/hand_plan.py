@@ -1,14 +1,15 @@
-"""Memory planning: bytes per device of every phase of a run, before anything is compiled.
+"""The hand plan: bytes per device of every phase of a run, before anything is compiled (an estimate;
+which figure governs: `vapo_jax/memory/__init__.py`).
 
   python -m vapo_jax.cli.memory --exp aime --mesh data=1,fsdp=256,tensor=1 --device-gib 95 [field=value ...]
 
 `plan(config, mesh_shape)` lays out, per device, what the trainer holds in each phase, and
-`memory_check.check(plan, device_bytes)` refuses a configuration whose largest phase exceeds the device's
+`advice.check(plan, device_bytes)` refuses a configuration whose largest phase exceeds the device's
 memory, naming the settings that would fix it and the values they would need. Nothing is
 allocated: parameter shapes come from `nnx.eval_shape`, everything else from the config's sizes.
 
-What is counted, following the code as it is (`trainer.py`, `experience.py`, `steps.py`,
-`rollout/`, `models/`; change this file with them):
+What is counted, phase by phase as the run's code (`trainer.py`, `experience.py`, `steps.py`,
+`rollout/`, `models/`) holds it:
 
 - Resident in every phase: actor and critic parameters (`model.param_dtype`) and their AdamW
   moments (two float32 per parameter; the trainer builds the critic even when `algo.estimator`
@@ -30,7 +31,7 @@ What is counted, following the code as it is (`trainer.py`, `experience.py`, `st
   tokens, each projected onto the vocabulary whole (prompts included). A batch axis is split over the data × fsdp devices when it divides
   evenly and replicated otherwise, as `sharding.partition_spec` does; tensor parallelism
   (`fsdp_tp`) splits the activations' heads and MLP width, not the KV cache.
-- Activations: `models.footprint.activation_memory` (flash attention unless `model.attention` is
+- Activations: `footprint.activation_memory` (flash attention unless `model.attention` is
   "reference", whose float32 `[N, T, T]` scores it then counts; log-probs from vocabulary blocks
   of B·`model.logits_chunk`·V float32 logits; within 1.5× of XLA:CPU in float32, up to 4,096
   tokens). FSDP gathers weights in the compute dtype: two layers in flight (and one layer's
@@ -49,11 +50,12 @@ from flax import nnx
 
 from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
-from vapo_jax.models import flash, footprint, sharding
-from vapo_jax.models.config import TransformerConfig, preset
+from vapo_jax.memory import footprint
+from vapo_jax.models import flash, sharding
+from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common, layout
-from vapo_jax.train import packed_batch
+from vapo_jax.train import build, packed_batch
 
 GIB = 2**30
 
@@ -117,14 +119,6 @@ class MemoryPlan:
                   (f"does NOT fit ({', '.join(over)} over)" if over else
                    f"fits ({(device_bytes - self.peak_bytes) / GIB:.2f} GiB spare)"))
     return "\n".join(lines + [verdict])
-
-
-def model_configs(config: ExperimentConfig) -> tuple[TransformerConfig, TransformerConfig]:
-  """Architectures of the policy and the critic (from their checkpoints' config.json when given)."""
-  m = config.model
-  actor = TransformerConfig.from_pretrained(m.checkpoint) if m.checkpoint else preset(m.preset)
-  critic = TransformerConfig.from_pretrained(m.critic_checkpoint) if m.critic_checkpoint else actor
-  return actor, critic
 
 
 _PARAMETERS: dict = {}
@@ -315,7 +309,7 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
     raise ValueError(f"mesh sizes must be >= 1, got {dict(mesh)}")
   m, algo, r = config.model, config.algo, config.rollout
   at = _Shapes(config, dict(mesh))
-  actor_cfg, critic_cfg = model_configs(config)
+  actor_cfg, critic_cfg = build.model_configs(config)
   actor_p = _parameters(actor_cfg, CausalLM, m.param_dtype, config.mesh.preset, mesh)
   critic_p = _parameters(critic_cfg, ValueModel, m.param_dtype, config.mesh.preset, mesh)
   batch_rows, resp = at.rows(r.responses_per_step), r.max_response_tokens

@@ -1,7 +1,7 @@
 """The compile report in words: its table (`table`), and for each phase that does not fit, what to
 change (`refusal`).
 
-What to change comes from the hand plan (`memory_check.fixes`, the settings and values that bring a
+What to change comes from the hand plan (`advice.fixes`, the settings and values that bring a
 planned phase under a budget), asked for a budget lowered by what the compiled phase needs beyond
 the plan's figure for it, so that its advice aims at XLA's number; for the refill engine's rollout
 also from the KV cache's bytes per slot.
@@ -10,9 +10,10 @@ also from the KV cache's bytes per slot.
 import math
 
 from vapo_jax.errors import ConfigError
+from vapo_jax.memory import advice, hand_plan
+from vapo_jax.memory.topologies import GIB
 from vapo_jax.rollout import common
-from vapo_jax.train import memory_check, memory_plan
-from vapo_jax.train.targets import GIB
+from vapo_jax.train import build
 
 MIB = 2**20
 _PLANNED = {"supervised warm start": ("supervised update",), "rollout": ("rollout",), "scoring": ("scoring",),
@@ -83,9 +84,9 @@ def table(report) -> str:
 def _slot_advice(report, phase) -> str | None:
   """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot."""
   c = report.config
-  cfg = memory_plan.model_configs(c)[0]
-  groups = memory_plan.rollout_groups(c, report.mesh_shape)  # Slots are a multiple of the data groups.
-  slots = memory_plan.refill_slots(c, cfg, groups)
+  cfg = build.model_configs(c)[0]
+  groups = hand_plan.rollout_groups(c, report.mesh_shape)  # Slots are a multiple of the data groups.
+  slots = hand_plan.refill_slots(c, cfg, groups)
   if not slots:
     return None
   per_slot = common.cache_bytes(cfg, batch=1, prompt_tokens=common.prompt_bucket(c.rollout.max_prompt_tokens),
@@ -98,13 +99,13 @@ def _slot_advice(report, phase) -> str | None:
 
 def _plan_advice(report, phase) -> list[str]:
   """The hand plan's fixes, aimed at the compiled figure (see the module docstring)."""
-  plan = memory_plan.plan(report.config, report.mesh_shape)
+  plan = hand_plan.plan(report.config, report.mesh_shape)
   planned = {name: b for name, b in plan.phase_bytes().items() if name in _PLANNED.get(phase.name, ())}
   if not planned:
     return []
   name = max(planned, key=planned.get)
   aim = report.budget - (phase.needs - planned[name])
-  return memory_check.fixes(plan, name, int(aim)) if aim > 0 else []
+  return advice.fixes(plan, name, int(aim)) if aim > 0 else []
 
 
 def refusal(report) -> str | None:

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 
 from vapo_jax import overrides
 from vapo_jax.errors import ConfigError
+from vapo_jax.memory.hand_plan import GIB, MemoryPlan, plan, refill_slots, rollout_groups
 from vapo_jax.train import packed_batch
-from vapo_jax.train.memory_plan import GIB, MemoryPlan, model_configs, plan, refill_slots, rollout_groups
+from vapo_jax.train.build import model_configs
 
 
 def _variant(p: MemoryPlan, mesh: Mapping[str, int] | None = None, changes: dict | None = None) -> MemoryPlan | None:
