@@ -57,7 +57,7 @@ def bench_config(preset: str, tensor_parallel: int):
 def decode_section(args) -> tuple[list[Table], list[Target], dict]:
   rows, share, decode = [], {}, {}
   for name, t in (("training layout (fsdp)", 1), ("rollout layout (tensor_parallel=2)", 2)):
-    report = xla_report.compile_run(bench_config(args.preset, t), topologies.resolve("cpu:8"), phases=("rollout",))
+    report = xla_report.compile_run(bench_config(args.preset, t), topologies.named("cpu:8"), phases=("rollout",))
     program = next(p for p in report.phases[0].programs if p.decode is not None)
     outside = sum(max(c.operand_bytes, c.result_bytes) for c in program.collectives if not c.loops)
     share[t] = program.decode.bytes / report.weight_bytes, (outside + program.decode.bytes) / report.weight_bytes

@@ -45,13 +45,13 @@ def _trainer_programs(trainer: Trainer, update: bool):
 def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
   config = smoke_config(QUICK | {"mesh.preset": preset} | LAYOUTS[preset])
   update = preset == "fsdp"
-  report = xla_report.compile_run(config, topologies.resolve("cpu:8"), phases=("update",) if update else ("scoring",))
+  report = xla_report.compile_run(config, topologies.named("cpu:8"), phases=("update",) if update else ("scoring",))
   assert [p.name for p in report.phases] == ["rollout", "scoring"] + ["update"] * update
   trainer = Trainer(config, write_logs=False, verbose=False)
   real, verified = _trainer_programs(trainer, update)
   for name, (lowered, args) in real.items():
     program = report.program(name)
-    assert program.fingerprint == aot.fingerprint(lowered), name
+    assert program.fingerprint == aot.lowered_fingerprint(lowered), name
     compiled = lowered.compile().memory_analysis()
     assert program.memory.arguments == compiled.argument_size_in_bytes, name
     assert program.memory.temporaries == compiled.temp_size_in_bytes, name
@@ -60,7 +60,7 @@ def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
         compiled.alias_size_in_bytes + compiled.temp_size_in_bytes
   if update:  # The rollout, its rewards and verdicts are held beside the update.
     assert report.program("update (critic + actor)").resident == aot.chip_bytes(verified)
-  plan = hand_plan.plan(config, report.mesh_shape)
+  plan = hand_plan.plan_memory(config, report.mesh_shape)
   state_bytes = aot.chip_bytes(trainer.state)
   assert 0 <= state_bytes - plan.resident_bytes <= 256  # The plan's parameters and AdamW moments; the key, the
                                                         # optimizers' counts and learning rates.
@@ -70,7 +70,7 @@ def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
 def test_a_budget_refuses_the_phase_over_it(smoke_config):
   """On CPU devices with a given memory (mesh.device_memory_gib), a phase over it is named with what to change."""
   config = smoke_config(QUICK | {"mesh.device_memory_gib": 1e-4})
-  report = xla_report.compile_run(config, topologies.resolve("cpu:8"), phases=("rollout",))
+  report = xla_report.compile_run(config, topologies.named("cpu:8"), phases=("rollout",))
   assert report.budget == int(1e-4 * 2**30) and [p.name for p in report.over()] == ["rollout"]
   message = xla_report_text.refusal(report)
   assert message.splitlines()[1].startswith("  rollout needs ") and "generate" in message
@@ -78,7 +78,7 @@ def test_a_budget_refuses_the_phase_over_it(smoke_config):
 
 
 def test_a_budget_that_holds_every_phase_passes(smoke_config):
-  report = xla_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), topologies.resolve("cpu:8"),
+  report = xla_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), topologies.named("cpu:8"),
                                       phases=("rollout",))
   assert not report.over() and xla_report_text.refusal(report) is None
   assert "fits (" in xla_report_text.table(report)
@@ -89,9 +89,9 @@ def test_a_budget_that_holds_every_phase_passes(smoke_config):
 
 def test_unknown_phase_and_cpu_count_are_user_errors(smoke_config):
   with pytest.raises(ValueError, match="unknown phase"):
-    xla_report.compile_run(smoke_config(QUICK), topologies.resolve("cpu:8"), phases=("rollouts",))
+    xla_report.compile_run(smoke_config(QUICK), topologies.named("cpu:8"), phases=("rollouts",))
   with pytest.raises(ValueError, match="device_count=3"):
-    topologies.resolve("cpu:3")
-  assert len(topologies.resolve("cpu:8").devices) == 8 == len(jax.devices())
+    topologies.named("cpu:3")
+  assert len(topologies.named("cpu:8").devices) == 8 == len(jax.devices())
   assert np.isclose(topologies.refused_bytes(RuntimeError("... temporaries (155.78G) exceeds available HBM (95.74G)")),
                     155.78 * 2**30)

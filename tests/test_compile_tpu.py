@@ -27,7 +27,7 @@ TOO_LONG = {"rollout.prompts_per_step": 1024, "rollout.max_response_tokens": 2**
 @pytest.fixture(scope="module")
 def smoke_report(tmp_path_factory):
   config = build_smoke_config(tmp_path_factory.mktemp("run"), QUICK)
-  return xla_report.compile_run(config, topologies.resolve(TOPOLOGY))
+  return xla_report.compile_run(config, topologies.named(TOPOLOGY))
 
 
 def test_every_phase_of_the_smoke_run_fits(smoke_report):
@@ -48,14 +48,14 @@ def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
   assert generate.decode is not None
   assert aot.weight_collectives(generate, smoke_report.weights) == []
   fsdp = smoke_config(QUICK | {"mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
-  report = xla_report.compile_run(fsdp, topologies.resolve(TOPOLOGY), phases=("rollout",))
+  report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
   moving = aot.weight_collectives(report.program("generate"), report.weights)
   assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_path, capsys):
   config = smoke_config(QUICK | TOO_LONG)
-  report = xla_report.compile_run(config, topologies.resolve(TOPOLOGY), phases=("rollout",))
+  report = xla_report.compile_run(config, topologies.named(TOPOLOGY), phases=("rollout",))
   assert [p.name for p in report.over()] == ["rollout"]
   generate = report.program("generate")
   assert generate.memory is None and generate.refused_bytes > report.budget  # The compiler's own figure.
@@ -90,7 +90,7 @@ def test_a_topology_that_is_not_a_slice_is_refused_in_one_line_before_compiling(
 def test_splash_compiles_for_the_chips_under_shard_map():
   """auto picks splash on a TPU mesh; the Mosaic kernel compiles per device, rows and heads split, with
   no collective (forward and backward)."""
-  target = topologies.resolve(TOPOLOGY)
+  target = topologies.named(TOPOLOGY)
   mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=list(target.devices))
   rules = sharding.PRESETS["fsdp_tp"]
   spec = lambda *axes: NamedSharding(mesh, jax.sharding.PartitionSpec(*axes))
@@ -113,7 +113,7 @@ def test_splash_compiles_for_the_chips_under_shard_map():
 
 
 def test_the_hbm_table_is_the_compilers():
-  target = topologies.resolve(TOPOLOGY)
+  target = topologies.named(TOPOLOGY)
   assert target.device_kind == "TPU v5" and len(target.devices) == 4
   assert abs(topologies.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
 

@@ -76,7 +76,7 @@ def _placed_parameters(cls, cfg, mesh, rules):
                                                ("fsdp_tp", {"data": 1, "fsdp": 2, "tensor": 4})])
 def test_parameter_and_optimizer_bytes_equal_the_real_shards(mesh_preset, shape):
   config = _config(mesh_preset=mesh_preset, kl_coef=0.1)
-  plan = hand_plan.plan(config, shape)
+  plan = hand_plan.plan_memory(config, shape)
   mesh, rules, cfg = sharding.make_mesh(**shape), sharding.PRESETS[mesh_preset], preset("tiny")
   actor = _placed_parameters(CausalLM, cfg, mesh, rules)
   critic = _placed_parameters(ValueModel, cfg, mesh, rules)
@@ -141,7 +141,7 @@ def test_actor_update_estimate_is_within_50_percent_of_xla():
     config = _config(micro=micro, remat=remat, response_tokens=response)
     key = micro, remat, response
     measured[key] = _xla_actor_update_temp_bytes(config)
-    planned[key] = _planned_update_temp_bytes(hand_plan.plan(config, one_device))
+    planned[key] = _planned_update_temp_bytes(hand_plan.plan_memory(config, one_device))
     assert 1 / 1.5 < planned[key] / measured[key] < 1.5, (key, planned, measured)
   # Four times the micro-batch: activations grow about four-fold in both (the fixed part is small).
   growth = lambda d: (d[8, False, 64] - d[2, False, 64]) / d[2, False, 64]
@@ -152,7 +152,7 @@ def test_actor_update_estimate_is_within_50_percent_of_xla():
   # Rematerialisation lowers both, by a similar factor.
   saving = lambda d: d[2, True, 4064] / d[2, False, 4064]
   assert saving(measured) < 0.75 and saving(planned) < 0.75
-  plan = hand_plan.plan(_config(micro=2, remat=True, response_tokens=4064), one_device)
+  plan = hand_plan.plan_memory(_config(micro=2, remat=True, response_tokens=4064), one_device)
   assert _item(plan, "actor update", "activations") < next(
       i.bytes for i in plan.phases[2].items if i.key == "activations_other")
 
@@ -161,9 +161,9 @@ def test_the_reference_attention_is_planned_with_its_scores():
   """`model.attention=reference` materialises float32 [N, T, T] scores per layer; the others do not."""
   one_device = {"data": 1, "fsdp": 1, "tensor": 1}
   config = _config(micro=2, response_tokens=4064)
-  flash = hand_plan.plan(config, one_device)
-  dense = hand_plan.plan(dataclasses.replace(config, model=dataclasses.replace(config.model, attention="reference")),
-                           one_device)
+  flash = hand_plan.plan_memory(config, one_device)
+  dense = hand_plan.plan_memory(
+      dataclasses.replace(config, model=dataclasses.replace(config.model, attention="reference")), one_device)
   scores = 3 * 2 * 8 * 6 * 4096**2  # L · rows · 8 bytes (scores and softmax, float32) · N · T².
   extra = _item(dense, "actor update", "activations") - _item(flash, "actor update", "activations")
   assert scores < extra < 1.5 * scores
@@ -171,11 +171,11 @@ def test_the_reference_attention_is_planned_with_its_scores():
 
 def test_kv_cache_is_rollout_cache_bytes():
   cfg = preset("tiny")
-  plan = hand_plan.plan(_config(prompts=8, samples=4, mini=32), {"data": 2, "fsdp": 4, "tensor": 1})
+  plan = hand_plan.plan_memory(_config(prompts=8, samples=4, mini=32), {"data": 2, "fsdp": 4, "tensor": 1})
   expected = common.cache_bytes(cfg, batch=32, prompt_tokens=32, max_new_tokens=64, dtype=jnp.float32, devices=8)
   assert _item(plan, "rollout", "kv_cache") == expected
   # 3 · 2 = 6 sequences do not split over 8 devices: each holds all of them (the batch is replicated).
-  plan = hand_plan.plan(_config(prompts=3, samples=2, mini=6), {"data": 2, "fsdp": 4, "tensor": 1})
+  plan = hand_plan.plan_memory(_config(prompts=3, samples=2, mini=6), {"data": 2, "fsdp": 4, "tensor": 1})
   assert _item(plan, "rollout", "kv_cache") == common.cache_bytes(cfg, batch=6, prompt_tokens=32, max_new_tokens=64)
   assert "6 sequences per device" in plan.format()
 
@@ -192,7 +192,7 @@ def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
       config.rollout, engine="refill", kv_cache_budget_gib=5.5 * per_sequence / GIB))
   engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.float32, devices=8)
   assert engine.kind == "refill" and engine.slots == 40  # 5 per device, fewer than the 128 sequences.
-  plan = hand_plan.plan(config, mesh)
+  plan = hand_plan.plan_memory(config, mesh)
   assert _item(plan, "rollout", "kv_cache") == 5 * per_sequence
   assert _item(plan, "rollout", "prompt_cache") == KVCache.bytes(cfg, 2, 32, jnp.float32)  # 16 prompts, 8 devices.
   assert "through 40 refill slots, 5 per device" in plan.format()
@@ -201,7 +201,7 @@ def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
   message = _refusal(plan, budget)
   slots = int(re.search(r"fewer refill slots: rollout\.slots=(\d+)", message).group(1))
   fewer = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, slots=slots))
-  assert slots == 24 and hand_plan.plan(fewer, mesh).phase_bytes()["rollout"] <= budget
+  assert slots == 24 and hand_plan.plan_memory(fewer, mesh).phase_bytes()["rollout"] <= budget
 
 
 def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
@@ -216,7 +216,7 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992, dtype=jnp.bfloat16, tensor=2)
   config = dataclasses.replace(config, rollout=dataclasses.replace(
       config.rollout, engine="refill", tensor_parallel=2, kv_cache_budget_gib=5.5 * per_sequence / GIB))
-  plan = hand_plan.plan(config, shape)
+  plan = hand_plan.plan_memory(config, shape)
   mesh, rules = sharding.make_mesh(**shape), sharding.PRESETS["fsdp"]
   layout = layout_for(config.rollout, mesh, compute_dtype="bfloat16", training_rules=rules)
   assert hand_plan.rollout_groups(config, shape) == layout.data_devices == 4
@@ -235,26 +235,27 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   largest = cfg.vocab_size * cfg.hidden_size  # The embedding and the output projection: 259 rows, not split by 2.
   assert _item(plan, "rollout", "reshard") == 2 * largest
   # Tensor parallelism 1: the plan of the training layout, as before.
-  flat = hand_plan.plan(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=1)),
-                          shape)
+  flat = hand_plan.plan_memory(
+      dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=1)), shape)
   assert _item(flat, "rollout", "rollout_weights") == _item(flat, "rollout", "reshard") == 0
   with pytest.raises(ConfigError, match="rollout.tensor_parallel=4 must divide the model's 2 KV heads"):
-    hand_plan.plan(dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=4)), shape)
+    hand_plan.plan_memory(
+        dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, tensor_parallel=4)), shape)
 
 
 def test_check_accepts_a_fitting_plan_and_skips_an_unknown_device():
-  plan = hand_plan.plan(_config(), {"data": 8})
-  group = hand_plan.plan(_config(estimator="group"), {"data": 8})  # GRPO: no critic update, critic still held.
+  plan = hand_plan.plan_memory(_config(), {"data": 8})
+  group = hand_plan.plan_memory(_config(estimator="group"), {"data": 8})  # GRPO: no critic update, critic still held.
   assert "critic update" not in group.phase_bytes() and _resident(group, "critic_params") > 0
-  advice.check(plan, plan.peak_bytes)
-  advice.check(plan, None)
+  advice.refuse(plan, plan.peak_bytes)
+  advice.refuse(plan, None)
   with pytest.raises(ConfigError):
-    advice.check(plan, plan.peak_bytes - 1)
+    advice.refuse(plan, plan.peak_bytes - 1)
 
 
 def _refusal(plan, budget) -> str:
   with pytest.raises(ConfigError) as error:
-    advice.check(plan, budget)
+    advice.refuse(plan, budget)
   return str(error.value)
 
 
@@ -262,7 +263,7 @@ def test_packed_phases_count_rows_of_row_tokens_and_check_names_the_rows():
   packing = PackingConfig(micro_batch_rows=16)
   config = _config(model="small", prompts=8, samples=8, response_tokens=992, mini=64, packing=packing)
   mesh = {"data": 8}
-  plan = hand_plan.plan(config, mesh)  # Rows of 32 + 992 tokens (the padded sequence's length), 2 per device.
+  plan = hand_plan.plan_memory(config, mesh)  # Rows of 32 + 992 tokens (the padded sequence's length), 2 per device.
   assert "micro-batch 16 rows of 1024 tokens, 2 per device" in plan.format()
   assert "micro-batches of 16 rows of 1024 tokens" in plan.format()
   m = config.model
@@ -273,8 +274,8 @@ def test_packed_phases_count_rows_of_row_tokens_and_check_names_the_rows():
                                      kv_heads=cfg.num_kv_heads, mlp=cfg.intermediate_size, embed=cfg.hidden_size)
   assert _item(plan, "actor update", "activations") == want.total
   # Over budget: the refusal names the rows per micro-batch, a multiple of the 8 batch devices.
-  smaller = lambda rows: hand_plan.plan(dataclasses.replace(config, packing=PackingConfig(micro_batch_rows=rows)),
-                                          mesh)
+  smaller = lambda rows: hand_plan.plan_memory(
+      dataclasses.replace(config, packing=PackingConfig(micro_batch_rows=rows)), mesh)
   budget = smaller(8).phase_bytes()["actor update"]
   message = _refusal(plan, budget)
   assert "set packing.micro_batch_rows=8 " in message, message
@@ -283,8 +284,9 @@ def test_packed_phases_count_rows_of_row_tokens_and_check_names_the_rows():
 def test_check_names_remat_and_the_micro_batch_that_fit():
   mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   config = _config(model="small", prompts=8, samples=8, response_tokens=992, mini=64, remat=False)
-  plan = hand_plan.plan(config, mesh)
-  with_remat = hand_plan.plan(dataclasses.replace(config, model=dataclasses.replace(config.model, remat=True)), mesh)
+  plan = hand_plan.plan_memory(config, mesh)
+  with_remat = hand_plan.plan_memory(
+      dataclasses.replace(config, model=dataclasses.replace(config.model, remat=True)), mesh)
   budget = max(with_remat.phase_bytes()["actor update"], with_remat.phase_bytes()["critic update"],
                plan.phase_bytes()["rollout"], plan.phase_bytes()["scoring"])
   message = _refusal(plan, budget)
@@ -293,14 +295,14 @@ def test_check_names_remat_and_the_micro_batch_that_fit():
   assert micro < 64 and 64 % micro == 0
   # The named micro-batch fits and is the largest that does.
   smaller = lambda m: dataclasses.replace(config, algo=dataclasses.replace(config.algo, micro_batch_responses=m))
-  assert hand_plan.plan(smaller(micro), mesh).phase_bytes()["actor update"] <= budget
+  assert hand_plan.plan_memory(smaller(micro), mesh).phase_bytes()["actor update"] <= budget
   larger = min(d for d in range(micro + 1, 65) if 64 % d == 0)
-  assert hand_plan.plan(smaller(larger), mesh).phase_bytes()["actor update"] > budget
+  assert hand_plan.plan_memory(smaller(larger), mesh).phase_bytes()["actor update"] > budget
 
 
 def test_check_names_the_mesh_when_one_sequence_per_device_is_too_much():
   config = _config(model="small", prompts=8, samples=8, response_tokens=4064, mini=64, micro=8, remat=True)
-  plan = hand_plan.plan(config, {"data": 1, "fsdp": 8, "tensor": 1})  # 1 sequence per device already
+  plan = hand_plan.plan_memory(config, {"data": 1, "fsdp": 8, "tensor": 1})  # 1 sequence per device already
   budget = plan.phase_bytes()["actor update"] * 3 // 4
   message = _refusal(plan, budget)
   assert "algo.micro_batch_responses=" not in message.split("raise mesh.tensor")[0]  # Not enough alone.
@@ -310,13 +312,13 @@ def test_check_names_the_mesh_when_one_sequence_per_device_is_too_much():
   fsdp, tensor, micro = map(int, layout.groups())
   tp = dataclasses.replace(config, mesh=MeshConfig(preset="fsdp_tp"),
                            algo=dataclasses.replace(config.algo, micro_batch_responses=micro))
-  fitted = hand_plan.plan(tp, {"data": 1, "fsdp": fsdp, "tensor": tensor})
+  fitted = hand_plan.plan_memory(tp, {"data": 1, "fsdp": fsdp, "tensor": tensor})
   assert fsdp * tensor == 8 and fitted.phase_bytes()["actor update"] <= budget
 
 
 def test_check_names_prompts_and_response_length_for_the_kv_cache():
   config = _config(prompts=64, samples=8, response_tokens=8160, mini=64)
-  plan = hand_plan.plan(config, {"data": 8})
+  plan = hand_plan.plan_memory(config, {"data": 8})
   rollout_bytes = plan.phase_bytes()["rollout"]
   message = _refusal(plan, rollout_bytes // 3)
   prompts = int(re.search(r"lower rollout\.prompts_per_step to (\d+)", message).group(1))
@@ -330,15 +332,15 @@ def test_the_aime_plan_on_256_chips():
   config = get_experiment("aime")
   assert config.mesh.preset == "fsdp" and config.mesh.tensor == 1 and config.algo.micro_batch_responses is None
   mesh = {"data": 1, "fsdp": 256, "tensor": 1}
-  shipped = hand_plan.plan(config, mesh)
-  advice.check(shipped, 95 * GIB)
+  shipped = hand_plan.plan_memory(config, mesh)
+  advice.refuse(shipped, 95 * GIB)
   cfg = preset("qwen2.5-32b")
   assert math.isclose(_resident(shipped, "actor_params"), 4 * cfg.num_parameters() / 256, rel_tol=0.01)
   text = shipped.format(95 * GIB)
   assert "micro-batch 256 rows of 22528 tokens, 1 per device" in text and "fits" in text
   config = dataclasses.replace(config, packing=PackingConfig(enabled=False))
-  padded = hand_plan.plan(config, mesh)
-  advice.check(padded, 95 * GIB)
+  padded = hand_plan.plan_memory(config, mesh)
+  advice.refuse(padded, 95 * GIB)
   assert "micro-batch 512 sequences, 2 per device" in padded.format(95 * GIB)
   assert _item(shipped, "actor update", "activations") < _item(padded, "actor update", "activations")
   # The rollout in 32 tensor-parallel groups of 8 chips: 112 slots per group, the cache split by KV heads.
@@ -350,15 +352,15 @@ def test_the_aime_plan_on_256_chips():
   # The static engine (rollout.engine=static) in rounds of 128 prompts fits as well (256 would not,
   # beside the rollout copy: 100 GiB).
   static = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine="static"))
-  advice.check(hand_plan.plan(static, mesh), 95 * GIB)
+  advice.refuse(hand_plan.plan_memory(static, mesh), 95 * GIB)
   # With the dense reference attention (float32 [N, T, T] scores) the same layout is refused, naming
   # tensor parallelism: why the layout before flash attention split the heads over 4 chips.
   dense = dataclasses.replace(config, model=dataclasses.replace(config.model, attention="reference"))
-  message = _refusal(hand_plan.plan(dense, mesh), 95 * GIB)
+  message = _refusal(hand_plan.plan_memory(dense, mesh), 95 * GIB)
   assert re.search(r"actor update needs [\d.]+ GiB: raise mesh\.tensor", message), message
   # All 8192 responses generated at once by the static engine: refused, naming rounds.
   at_once = dataclasses.replace(static, rollout=dataclasses.replace(static.rollout, prompts_per_generation=None))
-  message = _refusal(hand_plan.plan(at_once, mesh), 95 * GIB)
+  message = _refusal(hand_plan.plan_memory(at_once, mesh), 95 * GIB)
   assert "rollout.prompts_per_generation=" in message and "lower rollout.prompts_per_step to" in message
 
 

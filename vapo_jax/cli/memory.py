@@ -27,7 +27,7 @@ from vapo_jax.cli import resolve
 from vapo_jax.errors import ConfigError
 
 
-def _take(args: list[str], flags: dict[str, str]) -> dict[str, str]:
+def _pop_options(args: list[str], flags: dict[str, str]) -> dict[str, str]:
   """Removes `--flag value` pairs of `flags` from `args`; their values (the defaults where absent)."""
   values = dict(flags)
   for flag in flags:
@@ -90,7 +90,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")
-  target = topologies.resolve(topology)
+  target = topologies.named(topology)
   if mesh_text:
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     print(__doc__.strip())
     return 0
   args = list(argv)
-  options = _take(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp", "--topology": "",
+  options = _pop_options(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp", "--topology": "",
                          "--layers": "", "--phases": ""})
   topology, tail = options["--topology"], "--tail" in args
   args = [a for a in args if a != "--tail"]
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
       sizes = {a: getattr(config.mesh, a) for a in sharding.MESH_AXES}
       known = math.prod(s for s in sizes.values() if s != -1)
       sizes = {a: max(1, jax.device_count() // known) if s == -1 else s for a, s in sizes.items()}
-    plan = hand_plan.plan(config, sizes)
+    plan = hand_plan.plan_memory(config, sizes)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
   for note in assumptions(options["--mesh"], sizes, device_bytes, jax.devices()):
     print(note)
   try:
-    advice.check(plan, device_bytes)
+    advice.refuse(plan, device_bytes)
   except ConfigError as e:
     print(f"refused: {e}")
     return 1

@@ -85,11 +85,11 @@ def check_memory(config, devices: list, *, show: bool = True) -> None:
 
   m = config.mesh
   mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
-  plan = hand_plan.plan(config, dict(mesh.shape))
+  plan = hand_plan.plan_memory(config, dict(mesh.shape))
   if show:
     print(plan.format(), flush=True)
   if m.check_memory:
-    advice.check(plan, hand_plan.device_memory_bytes(config))
+    advice.refuse(plan, hand_plan.device_memory_bytes(config))
 
 
 def remove_empty(directories: list[str]) -> None:

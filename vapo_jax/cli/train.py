@@ -6,7 +6,8 @@
 
 Prints the run's hand memory plan and refuses a run with a phase over the device memory, naming the
 phase and the settings to change (`preflight.check_memory`); then runs the experiment's stages
-(supervised warm start, value pretraining, RL) with `trainer.Trainer` and prints held-out accuracy before and after RL and where the run directory is.
+(supervised warm start, value pretraining, RL) with `trainer.Trainer` and prints held-out accuracy
+before and after RL and where the run directory is.
 Running the same command again resumes from the run directory's newest checkpoint. Exit codes:
 0 done; 1 the run diverged (non-finite updates) or crashed; 2 a user error (configuration,
 data, checkpoint, reward function, machine, a second start on a busy run directory: one line

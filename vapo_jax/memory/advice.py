@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from vapo_jax import overrides
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory.hand_plan import GIB, MemoryPlan, plan, refill_slots, rollout_groups
+from vapo_jax.memory.hand_plan import GIB, MemoryPlan, plan_memory, refill_slots, rollout_groups
 from vapo_jax.train import packed_batch
 from vapo_jax.train.build import model_configs
 
@@ -17,7 +17,7 @@ from vapo_jax.train.build import model_configs
 def _variant(p: MemoryPlan, mesh: Mapping[str, int] | None = None, changes: dict | None = None) -> MemoryPlan | None:
   """`p`'s config re-planned with `{"field.path": value}` changes (and a mesh); None if invalid."""
   try:
-    return plan(overrides.replace_fields(p.config, changes or {}), dict(p.mesh_shape) if mesh is None else mesh)
+    return plan_memory(overrides.replace_fields(p.config, changes or {}), dict(p.mesh_shape) if mesh is None else mesh)
   except (ConfigError, ValueError):
     return None
 
@@ -118,7 +118,7 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
   return fixes
 
 
-def check(plan: MemoryPlan, device_bytes: int | None) -> None:
+def refuse(plan: MemoryPlan, device_bytes: int | None) -> None:
   """Raises `ConfigError` when a phase of `plan` exceeds `device_bytes` (None: unknown, no check),
   naming for each phase over it the settings that would bring that phase under, with their values."""
   over = {n: b for n, b in plan.phase_bytes().items() if device_bytes is not None and b > device_bytes}

@@ -98,11 +98,6 @@ def chip_bytes(tree) -> int:
   return total
 
 
-def abstract(tree):
-  """The `jax.ShapeDtypeStruct`s (with shardings) of a tree of arrays or abstract arrays."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
 def _outputs(lowered, compiled, fallback):
   """The program's outputs as abstract arrays laid out as compiled (refused: `fallback(shape)`)."""
   shardings = compiled.output_shardings if compiled is not None else jax.tree.map(
@@ -111,7 +106,7 @@ def _outputs(lowered, compiled, fallback):
                       shardings)
 
 
-def fingerprint(lowered) -> str:
+def lowered_fingerprint(lowered) -> str:
   """A short hash of a lowered module's text: equal for the same program on the same input layouts."""
   return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
 
@@ -143,7 +138,7 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
     found = tuple(hlo.collectives(text))
     traffic = decode_traffic(list(found), hlo.while_op_names(text))
   program = Program(name, memory, refused, chip_bytes(args), resident, flops, accessed, lowered_at - start,
-                    done - lowered_at, tuple(sorted(used)), traffic, found, fingerprint(lowered))
+                    done - lowered_at, tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered))
   return program, _outputs(lowered, compiled, fallback)
 
 

@@ -3,8 +3,8 @@ which figure governs: `vapo_jax/memory/__init__.py`).
 
   python -m vapo_jax.cli.memory --exp aime --mesh data=1,fsdp=256,tensor=1 --device-gib 95 [field=value ...]
 
-`plan(config, mesh_shape)` lays out, per device, what the trainer holds in each phase, and
-`advice.check(plan, device_bytes)` refuses a configuration whose largest phase exceeds the device's
+`plan_memory(config, mesh_shape)` lays out, per device, what the trainer holds in each phase, and
+`advice.refuse(plan, device_bytes)` refuses a configuration whose largest phase exceeds the device's
 memory, naming the settings that would fix it and the values they would need. Nothing is
 allocated: parameter shapes come from `nnx.eval_shape`, everything else from the config's sizes.
 
@@ -68,7 +68,7 @@ class Item(NamedTuple):
   note: str = ""  # Printed after the figure.
 
 
-class Phase(NamedTuple):
+class PlannedPhase(NamedTuple):
   name: str  # "rollout", "scoring", "actor update", "critic update", "supervised update".
   detail: str  # Batch per device, in words.
   items: tuple[Item, ...]
@@ -88,7 +88,7 @@ class MemoryPlan:
   mesh_shape: tuple[tuple[str, int], ...]  # (axis, size) pairs.
   summary: str  # Model, dtypes, mesh and sequence sizes, in words.
   resident: tuple[Item, ...]  # Held in every phase.
-  phases: tuple[Phase, ...]  # Run one after another.
+  phases: tuple[PlannedPhase, ...]  # Run one after another.
 
   @property
   def resident_bytes(self) -> int:
@@ -180,7 +180,7 @@ def _rollout_weights(config: ExperimentConfig, cfg: TransformerConfig, ro: "_Sha
                largest * jnp.dtype(m.dtype).itemsize))
 
 
-def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes") -> Phase:
+def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes") -> PlannedPhase:
   """The rollout: the prefill (last-position logits only) and the KV cache of the sequences decoded
   at once, in the rollout layout (`rollout.tensor_parallel` = T > 1: the actor's copy split over
   groups of T chips, which split the KV cache by heads; the batch split over the groups). The refill
@@ -210,7 +210,7 @@ def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes
     detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples in rounds of {per_call} prompts, "
               f"{rows(generated)} sequences {where}")
     items = (Item("kv_cache", f"KV cache ({config.model.dtype}, {tokens} slots)", kv(generated, tokens)),)
-  return Phase("rollout", detail, _rollout_weights(config, cfg, ro) + items + (
+  return PlannedPhase("rollout", detail, _rollout_weights(config, cfg, ro) + items + (
       Item("prefill", "prefill activations (one layer's; last-position logits)", prefill.total),
       Item("samples", "sampled tokens and log-probs", rows(sequences) * r.max_response_tokens * 12)))
 
@@ -282,12 +282,12 @@ class _Shapes:
             Item("head", f"  {head}", act.head, counted=False),
             Item("gathered", f"{name}: FSDP-gathered weights", self.gathered(cfg, backward=False, value_head=value_head)))
 
-  def update(self, name, cfg, params, n, *, value_head=False, extra=()) -> Phase:
+  def update(self, name, cfg, params, n, *, value_head=False, extra=()) -> PlannedPhase:
     m = self.config.model
     on, off = (self.activations(cfg, n, remat=x, head="values" if value_head else "logprobs")
                for x in (m.remat, not m.remat))
     with_on, with_off = ("with", "without") if m.remat else ("without", "with")
-    return Phase(f"{name} update", f"micro-batch {self.unit(n)}, {self.rows(n)} per device", tuple(extra) + (
+    return PlannedPhase(f"{name} update", f"micro-batch {self.unit(n)}, {self.rows(n)} per device", tuple(extra) + (
         Item("grads", f"gradients: accumulator + one micro-batch ({m.param_dtype})", 2 * params.grad_bytes),
         Item("update", "AdamW update (float32)", params.optimizer_bytes // 2),
         Item("gathered", "FSDP-gathered weights and gradient", self.gathered(cfg, backward=True, value_head=value_head)),
@@ -302,7 +302,7 @@ class _Shapes:
              note="  (not counted)")))
 
 
-def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
+def plan_memory(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   """The memory plan of `config` on a mesh of this shape (axes data, fsdp, tensor; missing: 1)."""
   mesh = tuple((a, int(mesh_shape.get(a, 1))) for a in sharding.MESH_AXES)
   if any(size < 1 for _, size in mesh):
@@ -315,7 +315,7 @@ def plan(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> MemoryPlan:
   batch_rows, resp = at.rows(r.responses_per_step), r.max_response_tokens
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * at.tokens + 25 * resp))
   phases = [rollout_phase(config, actor_cfg, at),
-            Phase("scoring", f"micro-batches of {at.unit(at.micro)}, {at.rows(at.micro)} per device",
+            PlannedPhase("scoring", f"micro-batches of {at.unit(at.micro)}, {at.rows(at.micro)} per device",
                   (train_batch,) + max([at.forward("actor", actor_cfg), at.forward("critic", critic_cfg, value_head=True)],
                                        key=lambda items: sum(i.bytes for i in items))),
             at.update("actor", actor_cfg, actor_p, at.micro, extra=(train_batch,))]

@@ -76,7 +76,7 @@ def _operands(body: str, opcode: str) -> list[str]:
   return []
 
 
-def _parse(text: str):
+def _computations(text: str):
   """(entry computation, {computation: [(name, type, opcode, body)]}, {instruction name: type})."""
   computations, types, entry, current = {}, {}, None, None
   for line in text.splitlines():
@@ -96,7 +96,7 @@ def _parse(text: str):
 
 def collectives(text: str) -> list[Collective]:
   """Every collective of a compiled module (`compiled.as_text()`), with the while loops around it."""
-  entry, computations, types = _parse(text)
+  entry, computations, types = _computations(text)
   calls = defaultdict(list)  # computation -> (callee, (while name, trips) or None, via a conditional)
   for comp, instructions in computations.items():
     for name, _, opcode, body in instructions:
@@ -128,7 +128,7 @@ def collectives(text: str) -> list[Collective]:
 def while_op_names(text: str) -> dict[str, str]:
   """Every while instruction of a compiled module → its op_name metadata, which keeps the
   `jax.named_scope`s it was traced in (`jit(f)/decode_loop/while`): a loop found by its scope."""
-  _, computations, _ = _parse(text)
+  _, computations, _ = _computations(text)
   names = {}
   for instructions in computations.values():
     for name, _, opcode, body in instructions:
@@ -154,7 +154,7 @@ def bytes_per_iteration(found: list[Collective], loop: str, *, branches: bool = 
 def large_copies(text: str, min_bytes: int) -> list[str]:
   """`name: type` of every copy (`copy`, `copy-start`) of a compiled module whose result holds at least
   `min_bytes` per device: a buffer XLA could not update in place (a KV cache copied per decode step)."""
-  _, computations, _ = _parse(text)
+  _, computations, _ = _computations(text)
   return [f"{name}: {type_text}" for instructions in computations.values()
           for name, type_text, opcode, _ in instructions
           if opcode in ("copy", "copy-start") and max((b for *_, b in arrays(type_text)), default=0) >= min_bytes]

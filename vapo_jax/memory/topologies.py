@@ -1,7 +1,7 @@
 """Where a compile report compiles for: a TPU topology's compile-only devices, or this machine's CPUs.
 
-  target = topologies.resolve("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
-  target = topologies.resolve("cpu:8")       # 8 CPU devices of this process (the tests' devices)
+  target = topologies.named("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
+  target = topologies.named("cpu:8")       # 8 CPU devices of this process (the tests' devices)
 
 A TPU topology comes from libtpu (`jax.experimental.topologies.get_topology_desc`, installed by
 `pip install "jax[tpu]==<jax's version>"`); its names are `<generation>:<chips per axis>` as libtpu
@@ -77,7 +77,7 @@ def check_slice(name: str) -> None:
                     "page lists them)")
 
 
-class Target(NamedTuple):
+class Topology(NamedTuple):
   """Devices to compile for, with what a chip holds and does (None: unknown, e.g. a CPU)."""
 
   name: str  # "v5p:8x8x4", or "cpu:8".
@@ -104,7 +104,7 @@ def libtpu_missing() -> str | None:
   return None
 
 
-def tpu(name: str) -> Target:
+def tpu(name: str) -> Topology:
   """The compile-only devices of TPU topology `name`; a bad name is a `ConfigError`."""
   if not _TOPOLOGY.match(name):
     raise ConfigError(f"--topology {name!r} is not a TPU topology name: use <generation>:<chips per axis> as "
@@ -120,17 +120,17 @@ def tpu(name: str) -> Target:
     raise ConfigError(f"--topology {name}: libtpu refused it ({str(error).strip().splitlines()[0][:200]}); "
                       "e.g. v5p:2x2x1, v5p:8x8x4, v6e:16x16, v5e:16x16") from None
   kind = devices[0].device_kind
-  return Target(name, devices, "tpu", kind, CHIPS.get(kind))
+  return Topology(name, devices, "tpu", kind, CHIPS.get(kind))
 
 
-def cpu(count: int | None = None) -> Target:
+def cpu(count: int | None = None) -> Topology:
   """This process's CPU devices (`count` of them, checked: `cpu_flags` makes them before JAX starts)."""
   import jax
   devices = tuple(jax.devices("cpu"))
   if count is not None and len(devices) != count:
     raise ConfigError(f"--topology cpu:{count}: JAX has {len(devices)} CPU devices; set XLA_FLAGS="
                       f"--xla_force_host_platform_device_count={count} before JAX starts (python -m vapo_jax.cli.memory does)")
-  return Target(f"cpu:{len(devices)}", devices, "cpu", devices[0].device_kind, None)
+  return Topology(f"cpu:{len(devices)}", devices, "cpu", devices[0].device_kind, None)
 
 
 def cpu_count(name: str) -> int | None:
@@ -145,7 +145,7 @@ def cpu_flags(name: str) -> None:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}").strip()
 
 
-def resolve(name: str) -> Target:
+def named(name: str) -> Topology:
   """`cpu` (this process's CPU devices), `cpu:N`, or a TPU topology name."""
   if name == "cpu" or cpu_count(name) is not None:
     return cpu(cpu_count(name))
@@ -161,7 +161,7 @@ def refused_bytes(error: BaseException) -> float | None:
   return float(match.group(1)) * 1024 ** "KMGT".index(match.group(2)) * 1024
 
 
-def probe_hbm_bytes(target: Target) -> float | None:
+def probe_hbm_bytes(target: Topology) -> float | None:
   """The per-chip HBM the compiler allows, read from its refusal of a 1 TiB program (a few seconds)."""
   import jax
   import jax.numpy as jnp
@@ -178,7 +178,7 @@ def probe_hbm_bytes(target: Target) -> float | None:
 
 
 @contextlib.contextmanager
-def persistent_cache_for(target: Target):
+def persistent_cache_for(target: Topology):
   """XLA's persistent compilation cache keeps no program compiled for a TPU topology's compile-only
   devices: JAX cannot load one back without a TPU client (it warns at each read). CPU programs are kept."""
   if target.platform != "tpu":

@@ -1,7 +1,7 @@
 """The compile report: every program a run executes, compiled ahead of time for a target, and what
 each needs per device against the device's memory.
 
-  report = xla_report.compile_run(config, topologies.resolve("v5p:8x8x4"))
+  report = xla_report.compile_run(config, topologies.named("v5p:8x8x4"))
   print(xla_report_text.table(report)); xla_report_text.refusal(report)   # each phase that does not fit
 
 It builds the run's training mesh on the target's devices (in `sharding.tensor_groups` order, as the
@@ -46,7 +46,7 @@ from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program
-from vapo_jax.memory.topologies import GIB, Target
+from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
@@ -57,7 +57,7 @@ PAD_ID = 0  # A constant of the rollout programs: the tokenizer's pad id changes
 
 
 @dataclasses.dataclass
-class Phase:
+class CompiledPhase:
   """Programs that run one after another; a device needs the largest of them."""
 
   name: str  # "rollout", "scoring", ...
@@ -79,10 +79,10 @@ class Report:
   """What every phase of a run needs per device on a target (see the module docstring)."""
 
   config: ExperimentConfig
-  target: Target
+  target: Topology
   mesh_shape: dict
   budget: int | None  # Bytes per device; None: unknown (nothing is refused).
-  phases: tuple[Phase, ...]
+  phases: tuple[CompiledPhase, ...]
   weights: frozenset  # Element counts of the policy's weight matrices, whole and per device.
   parameters: tuple[int, int]  # Of the policy and the critic, as compiled.
   architecture: object  # The policy's `TransformerConfig` as compiled (`layers` applied).
@@ -95,7 +95,7 @@ class Report:
     """The policy's weights in the compute dtype, whole: what FSDP decoding gathers every step."""
     return self.parameters[0] * jnp.dtype(self.config.model.dtype).itemsize
 
-  def over(self) -> list[Phase]:
+  def over(self) -> list[CompiledPhase]:
     """The phases that need more than the budget."""
     return [p for p in self.phases if self.budget is not None and p.needs > self.budget]
 
@@ -107,7 +107,7 @@ class Report:
 class _Run:
   """A run's meshes, programs and abstract state on a target, built as the trainer builds them."""
 
-  def __init__(self, config: ExperimentConfig, target: Target, layers: int | None, tail: bool):
+  def __init__(self, config: ExperimentConfig, target: Topology, layers: int | None, tail: bool):
     m = config.mesh
     self.config, self.target, self.tail = config, target, tail
     self.refill, self.decode_rows = None, 0  # Set by the rollout.
@@ -140,7 +140,7 @@ class _Run:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=(self.decoding if rollout else self.training)(shape))
 
 
-def _add(phase: Phase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None):
+def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None):
   """Compiles one program into `phase`; its outputs (abstract)."""
   program, outputs = compile_program(name, fn, args, resident=resident, fallback=fallback)
   phase.programs.append(program)
@@ -159,12 +159,12 @@ def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, 
   return rows, rows and jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=run.steps.replicated)
 
 
-def _supervised(run: _Run, log) -> Phase:
+def _supervised(run: _Run, log) -> CompiledPhase:
   c, state = run.config, run.state("sft")
   tp, tr, b = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens, c.sft.batch_size
   batch = TrainBatch(run.rows((b, tp + tr), jnp.int32), run.rows((b, tp + tr), jnp.bool_),
                      run.rows((b, tr), jnp.bool_), None, None, run.rows((b,), jnp.bool_))
-  phase = Phase("supervised warm start", f"{b} demonstrations of {tp} + {tr} tokens")
+  phase = CompiledPhase("supervised warm start", f"{b} demonstrations of {tp} + {tr} tokens")
   rows, placement = _packed(run, b, 2, b)
   _add(phase, log, "sft update", run.steps.sft_program(state, b, rows=rows), (state, batch, placement))
   return phase
@@ -178,12 +178,12 @@ def _stop_ids(config: ExperimentConfig) -> tuple[int, ...]:
   return experience.stop_ids(config, tok_lib.load(name)) if name else tuple(sorted(set(config.rollout.stop_token_ids)))
 
 
-def _reshard(run: _Run, log) -> Phase:
+def _reshard(run: _Run, log) -> CompiledPhase:
   """`RolloutLayout.reshard`'s programs, one per kind of array: at the last, the training state and the
   whole rollout copy are held, with one array in flight."""
   state = run.state("rl")
   copy, kinds = run.layout.abstract_copy(state.actor), run.layout.reshard_programs(state.actor)
-  phase = Phase("reshard", f"the actor's {len(jax.tree.leaves(state.actor))} arrays into the rollout layout "
+  phase = CompiledPhase("reshard", f"the actor's {len(jax.tree.leaves(state.actor))} arrays into the rollout layout "
                            f"(tensor_parallel={run.layout.tensor_parallel}, {run.layout.compute_dtype.name}) by "
                            f"{len(kinds)} programs")
   held = chip_bytes(state) + chip_bytes(copy)
@@ -195,7 +195,7 @@ def _reshard(run: _Run, log) -> Phase:
   return phase
 
 
-def _rollout(run: _Run, log) -> tuple[Phase, common.Rollout]:
+def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
   """The configured engine's programs for one training rollout, as `Experience.sample` calls them: the
   actor's rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
   c, layout = run.config, run.layout
@@ -216,17 +216,17 @@ def _rollout(run: _Run, log) -> tuple[Phase, common.Rollout]:
   if engine.kind == "refill" and 0 < engine.slots < prompts * group:
     run.refill, run.decode_rows = True, engine.slots
     queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)  # As rollout.sample chooses them.
-    phase = Phase("rollout", f"refill engine, {prompts} prompts x {group} samples in {engine.slots} slots, "
+    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {engine.slots} slots, "
                              f"{queues} queue(s), tensor_parallel={layout.tensor_parallel}")
     tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
     out = _refill(run, phase, log, engine, dict(settings, queues=queues), model, tokens, key, beside)
   else:
-    out = _static(run, phase := Phase("rollout", ""), log, engine, settings, model, key, beside)
+    out = _static(run, phase := CompiledPhase("rollout", ""), log, engine, settings, model, key, beside)
   return phase, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.training(x.shape)), out) \
       if layout.tensor_parallel > 1 else out  # RolloutLayout.to_training.
 
 
-def _static(run: _Run, phase: Phase, log, engine, settings, model, key, beside: int) -> common.Rollout:
+def _static(run: _Run, phase: CompiledPhase, log, engine, settings, model, key, beside: int) -> common.Rollout:
   """The static engine's generate: the first round's program, and the later rounds' (their offset passed)."""
   c = run.config
   prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
@@ -254,7 +254,7 @@ def _shrink_sizes(slots: int, min_slots: int) -> list[int]:
   return sizes
 
 
-def _refill(run: _Run, phase: Phase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
+def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
   """`refill.generate`'s programs: start, decode, compaction (and decode at every slot count), finish."""
   shared = dict(group=run.config.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call,
                 min_slots=engine.min_slots, **settings)
@@ -281,7 +281,8 @@ def _refill(run: _Run, phase: Phase, log, engine, settings, model, tokens, key, 
               resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))
 
 
-def _compact(run: _Run, phase: Phase, log, slots: refill.Slots, rows: int, smaller: int, held: int) -> refill.Slots:
+def _compact(run: _Run, phase: CompiledPhase, log, slots: refill.Slots, rows: int, smaller: int,
+             held: int) -> refill.Slots:
   """`refill.compact`'s programs (the order, and one gather per kind of row array, each donating its
   array while the others are held): the state with `smaller` slots."""
   order, take = refill.row_programs(smaller, slots.queued.shape[0], run.layout.jit)
@@ -297,7 +298,7 @@ def _compact(run: _Run, phase: Phase, log, slots: refill.Slots, rows: int, small
   return refill.with_rows(slots, [taken[kind(leaf, axes)] for leaf, axes in refill.row_arrays(slots)])
 
 
-def _scoring(run: _Run, phase: Phase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
+def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
   """`Steps.score_program` on the verified rollout (rollout, rewards, verdicts)."""
   name = "score (critic only)" if critic_only else "score"
   size = verified[1].shape[0]
@@ -307,7 +308,7 @@ def _scoring(run: _Run, phase: Phase, log, state, verified: tuple, *, critic_onl
   return batch
 
 
-def _update(run: _Run, phase: Phase, log, state, batch: TrainBatch, *, actor: bool, held: int) -> None:
+def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, actor: bool, held: int) -> None:
   """`Steps.ppo_program`; `held`: the rollout, its rewards and verdicts, held until the step ends."""
   critic = run.config.algo.uses_critic
   name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
@@ -323,7 +324,7 @@ def _weights(run: _Run) -> frozenset:
   return frozenset({x.size for x in matrices} | {math.prod(x.sharding.shard_shape(x.shape)) for x in matrices})
 
 
-def budget(config: ExperimentConfig, target: Target) -> int | None:
+def budget(config: ExperimentConfig, target: Topology) -> int | None:
   """Bytes per device the programs must fit: the chip's HBM, or `mesh.device_memory_gib` if lower
   (or if the chip's is unknown)."""
   chip = target.chip.hbm_bytes if target.chip else None
@@ -335,7 +336,7 @@ def budget(config: ExperimentConfig, target: Target) -> int | None:
 PHASES = ("supervised warm start", "reshard", "rollout", "value pretraining", "scoring", "update")
 
 
-def compile_run(config: ExperimentConfig, target: Target, *, layers: int | None = None, phases=PHASES,
+def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | None = None, phases=PHASES,
                 tail: bool = False, log: Callable = lambda message: None) -> Report:
   """Every program of a run of `config` compiled for `target` (see the module docstring).
   `layers`: compile the models with only their first this many decoder layers (a quick look; the
@@ -370,7 +371,7 @@ def _micro_batches(run: _Run, size: int) -> str:
   return f" in micro-batches of {min(steps.micro, size)}"
 
 
-def _rollout_onwards(run: _Run, log, phases) -> list[Phase]:
+def _rollout_onwards(run: _Run, log, phases) -> list[CompiledPhase]:
   """The rollout, value pretraining, scoring and the update, each compiled when asked for or needed."""
   config = run.config
   rollout_phase, out = _rollout(run, log)
@@ -378,15 +379,17 @@ def _rollout_onwards(run: _Run, log, phases) -> list[Phase]:
   lengths = out.response_lengths  # The verifier's rewards and verdicts are placed like the rollout's rows.
   verified = (out, *(jax.ShapeDtypeStruct(lengths.shape, t, sharding=lengths.sharding) for t in (jnp.float32, bool)))
   if "value pretraining" in phases and config.algo.uses_critic and config.algo.value_pretrain_steps:
-    phase, state = Phase("value pretraining", "the critic alone on the rollout batch"), run.state("value_pretrain")
+    phase = CompiledPhase("value pretraining", "the critic alone on the rollout batch")
+    state = run.state("value_pretrain")
     batch = _scoring(run, phase, log, state, verified, critic_only=True)
     _update(run, phase, log, state, batch, actor=False, held=chip_bytes(verified))
     done.append(phase)
   if {"scoring", "update"} & set(phases):
-    done.append(scoring := Phase("scoring", f"{lengths.shape[0]} sequences{_micro_batches(run, lengths.shape[0])}"))
+    scoring = CompiledPhase("scoring", f"{lengths.shape[0]} sequences{_micro_batches(run, lengths.shape[0])}")
+    done.append(scoring)
     batch = _scoring(run, scoring, log, run.state("rl"), verified, critic_only=False)
   if "update" in phases:
-    done.append(update := Phase("update", f"{config.updates_per_step} mini-batch updates of "
+    done.append(update := CompiledPhase("update", f"{config.updates_per_step} mini-batch updates of "
                                           f"{config.algo.mini_batch_responses} sequences"
                                           f"{_micro_batches(run, config.algo.mini_batch_responses)}"))
     _update(run, update, log, run.state("rl"), batch, actor=True, held=chip_bytes(verified))

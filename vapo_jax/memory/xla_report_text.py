@@ -9,7 +9,6 @@ also from the KV cache's bytes per slot.
 
 import math
 
-from vapo_jax.errors import ConfigError
 from vapo_jax.memory import advice, hand_plan
 from vapo_jax.memory.topologies import GIB
 from vapo_jax.rollout import common
@@ -20,7 +19,7 @@ _PLANNED = {"supervised warm start": ("supervised update",), "rollout": ("rollou
             "value pretraining": ("scoring", "critic update"), "update": ("actor update", "critic update")}
 
 
-def size(n: float) -> str:
+def readable_bytes(n: float) -> str:
   """Bytes in the largest binary unit below them: "3.20 GiB", "512.00 KiB"."""
   unit = next((u for u in ("GiB", "MiB", "KiB") if n >= 2 ** (10 * ("KMG".index(u[0]) + 1))), "B")
   return f"{n / 2 ** (10 * ('KMG'.index(unit[0]) + 1)):.2f} {unit}" if unit != "B" else f"{n:.0f} B"
@@ -45,10 +44,11 @@ def _decode_lines(report) -> list[str]:
     for p in phase.programs:
       if p.decode is not None and p.memory is not None:
         share = p.decode.bytes / report.weight_bytes
-        lines.append(f"  {p.name}: the decode loop moves {size(p.decode.bytes)} per device per step in "
-                     f"{p.decode.count} collectives ({share:.2%} of the policy's {size(report.weight_bytes)} of "
-                     f"weights; largest {size(p.decode.largest)}"
-                     + (f"; {size(p.decode.branch_bytes)} more on refill steps" if p.decode.branch_bytes else "") + ")")
+        lines.append(f"  {p.name}: the decode loop moves {readable_bytes(p.decode.bytes)} per device per step in "
+                     f"{p.decode.count} collectives ({share:.2%} of the policy's "
+                     f"{readable_bytes(report.weight_bytes)} of weights; largest {readable_bytes(p.decode.largest)}"
+                     + (f"; {readable_bytes(p.decode.branch_bytes)} more on refill steps"
+                        if p.decode.branch_bytes else "") + ")")
   return lines
 
 
@@ -69,13 +69,13 @@ def table(report) -> str:
     lines += [_row(p, unit) for p in phase.programs] + ([f"    ({phase.skipped})"] if phase.skipped else [])
   lines += _decode_lines(report)
   worst = max(report.phases, key=lambda phase: phase.needs)
-  peak = f"  peak {size(worst.needs)} per device ({worst.name}: {worst.worst.name})"
+  peak = f"  peak {readable_bytes(worst.needs)} per device ({worst.name}: {worst.worst.name})"
   if report.budget is None:
     return "\n".join(lines + [peak + ": no memory budget known (mesh.device_memory_gib)"])
   over = report.over()
   verdict = (f"does NOT fit ({', '.join(p.name for p in over)} over)" if over else
-             f"fits ({size(report.budget - worst.needs)} spare)")
-  return "\n".join(lines + [f"{peak} against {size(report.budget)}: {verdict}",
+             f"fits ({readable_bytes(report.budget - worst.needs)} spare)")
+  return "\n".join(lines + [f"{peak} against {readable_bytes(report.budget)}: {verdict}",
                             "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
                             "does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
@@ -93,13 +93,13 @@ def _slot_advice(report, phase) -> str | None:
                                 max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
                                 tensor=c.rollout.tensor_parallel)  # Per chip.
   keep = (slots // groups - math.ceil((phase.needs - report.budget) / per_slot)) * groups
-  return (f"rollout.slots={keep} (now {slots}; {size(per_slot)} of KV cache per slot per chip, about)"
+  return (f"rollout.slots={keep} (now {slots}; {readable_bytes(per_slot)} of KV cache per slot per chip, about)"
           if keep > 0 else None)
 
 
 def _plan_advice(report, phase) -> list[str]:
   """The hand plan's fixes, aimed at the compiled figure (see the module docstring)."""
-  plan = hand_plan.plan(report.config, report.mesh_shape)
+  plan = hand_plan.plan_memory(report.config, report.mesh_shape)
   planned = {name: b for name, b in plan.phase_bytes().items() if name in _PLANNED.get(phase.name, ())}
   if not planned:
     return []
@@ -121,8 +121,3 @@ def refusal(report) -> str | None:
     lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)
 
-
-def check(report) -> None:
-  """Raises `ConfigError` with `refusal`'s lines when a phase does not fit."""
-  if message := refusal(report):
-    raise ConfigError(message)
