@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-import os
 import re
 import warnings
 
@@ -394,15 +393,3 @@ def test_make_memory_says_what_it_assumed_and_did_not_check(capsys):
   out = capsys.readouterr().out
   assert "assumed:" not in out and "not checked:" not in out
 
-
-def test_make_train_prints_the_plan_and_refuses_a_phase_over_the_device_memory(tmp_path, capsys):
-  """`make train` prints the hand plan before the trainer builds anything and, with a phase over the
-  device memory, exits 2 naming the phase and the setting to change; it leaves no run directory."""
-  from vapo_jax.cli import train
-  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", "mesh.device_memory_gib=0.001"]
-  assert train.main(args) == 2
-  out, err = capsys.readouterr()
-  assert out.startswith("memory plan of x: ") and "peak, with resident" in out
-  assert err.startswith("error: the run needs ") and "mesh.check_memory=false skips this check" in err
-  assert re.search(r"\n  (rollout|scoring|actor update|critic update|supervised update) needs [\d.]+ GiB: \w", err), err
-  assert os.listdir(tmp_path) == []

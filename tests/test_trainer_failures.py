@@ -1,10 +1,12 @@
 """The trainer fails loudly and loses nothing: NaN weights are refused at start, non-finite updates
 are skipped with a warning and stop the run after a few steps, a failed start leaves no empty run
-directory behind, and a second trainer on a busy run directory is refused."""
+directory behind, a second trainer on a busy run directory is refused, and `make train` refuses a
+run whose hand memory plan exceeds the device memory before the trainer builds anything."""
 
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -113,3 +115,16 @@ def test_supervised_warm_start_from_a_file(tmp_path, smoke_config):
   trainer.run()
   nll = [h["sft/nll"] for h in trainer.history if h["stage"] == "sft"]
   assert len(nll) == 2 and all(np.isfinite(nll))
+
+
+def test_make_train_prints_the_plan_and_refuses_a_phase_over_the_device_memory(tmp_path, capsys):
+  """`make train` prints the hand plan before the trainer builds anything and, with a phase over the
+  device memory, exits 2 naming the phase and the setting to change; it leaves no run directory."""
+  from vapo_jax.cli import train
+  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", "mesh.device_memory_gib=0.001"]
+  assert train.main(args) == 2
+  out, err = capsys.readouterr()
+  assert out.startswith("memory plan of x: ") and "peak, with resident" in out
+  assert err.startswith("error: the run needs ") and "mesh.check_memory=false skips this check" in err
+  assert re.search(r"\n  (rollout|scoring|actor update|critic update|supervised update) needs [\d.]+ GiB: \w", err), err
+  assert os.listdir(tmp_path) == []

@@ -51,17 +51,16 @@ from flax import nnx
 from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.memory import footprint
+from vapo_jax.memory.topologies import GIB
 from vapo_jax.models import flash, sharding
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common, layout
 from vapo_jax.train import build, packed_batch
 
-GIB = 2**30
-
 
 class Item(NamedTuple):
-  key: str  # Stable name (`check` looks components up by it).
+  key: str  # Stable name (`advice` looks components up by it).
   label: str  # What the report prints.
   bytes: int  # Per device.
   counted: bool = True  # False: shown for comparison only (the other remat setting, a part of another row).
@@ -84,7 +83,7 @@ class PlannedPhase(NamedTuple):
 class MemoryPlan:
   """Bytes per device of each phase of a run on a mesh (see the module docstring)."""
 
-  config: ExperimentConfig  # What was planned (`check` re-plans variants of it).
+  config: ExperimentConfig  # What was planned (`advice` re-plans variants of it).
   mesh_shape: tuple[tuple[str, int], ...]  # (axis, size) pairs.
   summary: str  # Model, dtypes, mesh and sequence sizes, in words.
   resident: tuple[Item, ...]  # Held in every phase.
@@ -125,7 +124,7 @@ _PARAMETERS: dict = {}
 
 
 def _parameters(cfg: TransformerConfig, cls, param_dtype: str, preset_name: str, mesh: tuple) -> footprint.MemoryReport:
-  """Parameter memory (eval_shape of one- and two-layer models), memoised: `check` re-plans variants."""
+  """Parameter memory (eval_shape of one- and two-layer models), memoised: `advice` re-plans variants."""
   key = (cfg, cls.__name__, param_dtype, preset_name, mesh)
   if key not in _PARAMETERS:
     _PARAMETERS[key] = footprint.layered_parameter_memory(
