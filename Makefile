@@ -14,11 +14,13 @@ help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "Variables: EXP=<experiment> (default tiny), ARGS=\"field.path=value ...\" (config overrides), TOPOLOGY=v5p:8x8x4 (make memory)"
 
+# --no-compile: Python writes the bytecode of the modules a run imports as it first imports them, a fraction of
+# the installed files; pip would compile every file of every package first (half the install's CPU time).
 $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile -e ".[test]"
 	@touch $(STAMP)
 
 install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
