@@ -33,7 +33,7 @@ from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.run_config import MeshConfig, ModelConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.train import optim
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps

@@ -37,7 +37,7 @@ from flax import nnx  # noqa: E402
 import experiments  # noqa: E402
 from benchmarks.long_seq_bench import Table, Target, best_seconds, print_table, targets_table  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
-from vapo_jax import overrides  # noqa: E402
+from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
 from vapo_jax.models.transformer import CausalLM  # noqa: E402
 from vapo_jax.rollout import common, refill  # noqa: E402

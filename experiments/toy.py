@@ -47,8 +47,8 @@ Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dap
 import dataclasses
 
 from experiments import variants
-from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig
-from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, MeshConfig, ModelConfig
+from vapo_jax.config import (AlgoConfig, CheckpointConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig,
+                             ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
 
 TRAIN = "synthetic:arithmetic?terms=2-11&count=4000&seed=0"
 HELD_OUT = "synthetic:arithmetic?terms=2-11&count=256&seed=1"

@@ -34,8 +34,7 @@ import pytest  # noqa: E402
 import experiments  # noqa: E402
 from experiments import variants  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
-from vapo_jax import overrides  # noqa: E402
-from vapo_jax.config import ExperimentConfig  # noqa: E402
+from vapo_jax.config import ExperimentConfig, overrides  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -7,11 +7,10 @@ import pytest
 
 import experiments
 from experiments import aime
-from vapo_jax import overrides
 from vapo_jax.cli import resolve, train as train_cli
-from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RewardConfig, RolloutConfig
+from vapo_jax.config import (AlgoConfig, EvalConfig, ExperimentConfig, MeshConfig, OptimizerConfig, PackingConfig,
+                             RewardConfig, RolloutConfig, overrides)
 from vapo_jax.errors import ConfigError
-from vapo_jax.run_config import EvalConfig, MeshConfig
 
 
 @pytest.mark.parametrize("factory,field,value,message", [

@@ -7,9 +7,8 @@ import signal
 
 import pytest
 
-from vapo_jax.config import ExperimentConfig
+from vapo_jax.config import DataConfig, ExperimentConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.run_config import DataConfig
 from vapo_jax.train import checkpoints
 
 

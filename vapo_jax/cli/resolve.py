@@ -12,8 +12,8 @@ import os
 
 import experiments
 from experiments.smoke import smoke
-from vapo_jax import files, overrides
-from vapo_jax.config import ExperimentConfig
+from vapo_jax import files
+from vapo_jax.config import ExperimentConfig, overrides
 from vapo_jax.errors import ConfigError
 
 DEFAULT_EXPERIMENT = "tiny"

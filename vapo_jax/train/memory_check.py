@@ -7,7 +7,7 @@ rounds of prompts, fewer prompts, shorter responses).
 import math
 from collections.abc import Mapping
 
-from vapo_jax import overrides
+from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
 from vapo_jax.train import packed_batch
 from vapo_jax.train.memory_plan import GIB, MemoryPlan, model_configs, plan, refill_slots, rollout_groups
