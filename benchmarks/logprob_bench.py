@@ -66,7 +66,7 @@ def measure(repeats: int, chunk: int) -> dict:
 
 def logprob_section(args):
   """The `long_seq_bench` section: (tables, targets)."""
-  from benchmarks.long_seq_bench import Table, Target  # Not at the top: long_seq_bench imports this module.
+  from benchmarks.long_seq_bench import Table, RatioTarget  # Not at the top: long_seq_bench imports this module.
 
   m = measure(args.repeats, getattr(args, "chunk", CHUNK))
   dense, chunked = m["temp"]  # Names, in order.
@@ -78,8 +78,8 @@ def logprob_section(args):
                 ("path", "temp MiB", "temp / dense", "seconds", "time / dense"), rows)
   agreement = Table("chunked against dense: max |difference| / max |dense|", ("quantity", "relative"),
                     [(k, f"{v:.1e}") for k, v in m["agreement"].items()])
-  targets = [Target("log-probs temp: chunked / dense", m["temp"][chunked] / m["temp"][dense], "<=", 1 / 8),
-             Target("log-probs time: chunked / dense", m["seconds"][chunked] / m["seconds"][dense], "<=", 1.3)]
+  targets = [RatioTarget("log-probs temp: chunked / dense", m["temp"][chunked] / m["temp"][dense], "<=", 1 / 8),
+             RatioTarget("log-probs time: chunked / dense", m["seconds"][chunked] / m["seconds"][dense], "<=", 1.3)]
   return [table, agreement], targets
 
 

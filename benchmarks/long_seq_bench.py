@@ -37,7 +37,7 @@ class Table(NamedTuple):
   rows: list[tuple]
 
 
-class Target(NamedTuple):
+class RatioTarget(NamedTuple):
   """One measured ratio against its target: `value op bound` (op "<=" or ">=")."""
 
   name: str
@@ -64,7 +64,7 @@ def print_table(table: Table) -> None:
       print("  " + "  ".join("-" * w for w in widths))
 
 
-def targets_table(targets: list[Target]) -> Table:
+def targets_table(targets: list[RatioTarget]) -> Table:
   rows = [(t.name, t.value, f"{t.op} {t.bound:g}", "yes" if t.met else "NO") for t in targets]
   return Table("targets", ("ratio", "measured", "target", "met"), rows)
 
@@ -110,7 +110,7 @@ def _attention_step(impl: str, length: int, **options):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def attention_section(args) -> tuple[list[Table], list[Target]]:
+def attention_section(args) -> tuple[list[Table], list[RatioTarget]]:
   mib = lambda n: n / 2**20
   memory, rows = {}, []
   for length in (2048, 4096, 8192):
@@ -133,14 +133,14 @@ def attention_section(args) -> tuple[list[Table], list[Target]]:
                      ("T", "impl", "seconds"), rows)
 
   targets = [
-      Target("attention temp @4096: chunked / reference", memory["chunked", 4096] / memory["reference", 4096],
+      RatioTarget("attention temp @4096: chunked / reference", memory["chunked", 4096] / memory["reference", 4096],
              "<=", 1 / 8),
-      Target("attention temp 8192 / 4096: chunked", memory["chunked", 8192] / memory["chunked", 4096], "<=", 2.5),
-      Target("attention temp 8192 / 4096: reference (≈ 4)",
+      RatioTarget("attention temp 8192 / 4096: chunked", memory["chunked", 8192] / memory["chunked", 4096], "<=", 2.5),
+      RatioTarget("attention temp 8192 / 4096: reference (≈ 4)",
              memory["reference", 8192] / memory["reference", 4096], ">=", 3.0),
-      Target("attention time @2048: chunked / reference", seconds["chunked", 2048] / seconds["reference", 2048],
+      RatioTarget("attention time @2048: chunked / reference", seconds["chunked", 2048] / seconds["reference", 2048],
              "<=", 1.5),
-      Target("attention time @4096: no skipping / skipping",
+      RatioTarget("attention time @4096: no skipping / skipping",
              seconds["chunked, no skipping", 4096] / seconds["chunked", 4096], ">=", 1.6),
   ]
   return [memory_table, time_table], targets
@@ -174,7 +174,7 @@ def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, len
   return analysis.temp_size_in_bytes, total
 
 
-def actor_update_section(args) -> tuple[list[Table], list[Target]]:
+def actor_update_section(args) -> tuple[list[Table], list[RatioTarget]]:
   """The `small` preset's actor update at T = 4,096: dense attention and whole-response logits (the
   layout before the long-sequence work) against flash attention and 512-position logit blocks."""
   mib = lambda n: n / 2**20
@@ -184,7 +184,7 @@ def actor_update_section(args) -> tuple[list[Table], list[Target]]:
           ("after: chunked attention, logits_chunk=512", mib(after[0]), mib(after[1]))]
   table = Table("actor update, small preset, B=2, T=4,096 (4,032 response), remat: compiled memory (MiB)",
                 ("layout", "temp MiB", "peak MiB (temp + args + outputs)"), rows)
-  return [table], [Target("actor update temp @4096: after / before", after[0] / before[0], "<=", 1 / 4)]
+  return [table], [RatioTarget("actor update temp @4096: after / before", after[0] / before[0], "<=", 1 / 4)]
 
 
 # Each section: (name, function(args) -> (tables, targets)). Later sections append here.

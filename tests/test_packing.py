@@ -181,8 +181,9 @@ def test_a_sequence_with_a_response_and_no_prompt_token_is_refused_by_the_plan()
   from vapo_jax.errors import DataError
   from vapo_jax.train import packed_batch
   orders = np.arange(4)[None, None]
-  fine = packed_batch.plan([3, 2, 0, 1], [4, 5, 0, 2], orders, row_tokens=16, micro_rows=2)  # No response: unplaced.
+  # No response: unplaced.
+  fine = packed_batch.plan_rows([3, 2, 0, 1], [4, 5, 0, 2], orders, row_tokens=16, micro_rows=2)
   assert fine.scoring_rows >= 2
   with pytest.raises(DataError, match=r"^sequence 2 of the batch \(1 in all\) has a response of 3 tokens and no "
                                       r"prompt token"):
-    packed_batch.plan([3, 2, 0, 1], [4, 5, 3, 2], orders, row_tokens=16, micro_rows=2)
+    packed_batch.plan_rows([3, 2, 0, 1], [4, 5, 3, 2], orders, row_tokens=16, micro_rows=2)

@@ -123,7 +123,7 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
-  refilled, steps, row_steps = refill.generate(model, tokens, mask, jax.random.key(9), sampling=spec,
+  refilled, steps, row_steps = refill.generate_refill(model, tokens, mask, jax.random.key(9), sampling=spec,
                                                samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
                                                length_limits=limits)
   assert_same(refilled, static)

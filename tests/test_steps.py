@@ -15,7 +15,7 @@ from vapo_jax.train import micro_batches, steps, updates
 @pytest.mark.parametrize("b,micro,shards", [(32, 8, 4), (32, 8, 1), (16, 16, 8), (24, 6, 3), (8, 4, 8)])
 def test_micro_split_round_trips_and_takes_a_part_of_every_block(b, micro, shards):
   x = np.arange(b * 3).reshape(b, 3)
-  chunks = np.asarray(micro_batches.split(jnp.asarray(x), micro, shards))
+  chunks = np.asarray(micro_batches.split_micro(jnp.asarray(x), micro, shards))
   assert chunks.shape == (b // micro, micro, 3)
   np.testing.assert_array_equal(np.asarray(micro_batches.unsplit(jnp.asarray(chunks), shards)), x)
   rows = chunks[..., 0] // 3  # Row indices in each micro-batch.

@@ -148,10 +148,10 @@ def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO
           "reward.answer_forms' (rewards/extract.py lists the forms)")
 
 
-def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
+def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
   """Samples `eval.samples_per_problem` responses per held-out problem from a checkpoint, at the eval
   temperature and top-p, through the trainer's own path (`problems.eval_problems` and
-  `experience.generate`), and writes them as a responses file."""
+  `experience.generate_responses`), and writes them as a responses file."""
   import jax
 
   from vapo_jax.data import problems, tokenizer as tok_lib
@@ -170,8 +170,9 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   with _written_whole(path) as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
-      out, _ = experience.generate(model, chunk, jax.random.fold_in(key, start), config=config, tokenizer=tokenizer,
-                                   group=e.samples_per_problem, temperature=e.temperature, top_p=e.top_p)
+      out, _ = experience.generate_responses(model, chunk, jax.random.fold_in(key, start), config=config,
+                                             tokenizer=tokenizer, group=e.samples_per_problem,
+                                             temperature=e.temperature, top_p=e.top_p)
       out = jax.device_get(out)
       for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):
         row = chunk[b // e.samples_per_problem]
@@ -233,7 +234,7 @@ def _evaluate(own: dict[str, str | None], rest: list[str]) -> int:
   out_dir = own["--out"] or str(Path(config.run_directory) / "eval" /
                                 (Path(responses).stem if responses else Path(own["--ckpt"]).name))
   if responses is None:
-    responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
+    responses = sample_from_checkpoint(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()
   summary = evaluate_responses(responses, problems=problems or None, aliases=aliases, out_dir=out_dir,
                                reward_config=config.reward)

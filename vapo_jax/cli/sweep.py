@@ -107,8 +107,8 @@ def members_of(sweep: str) -> list[str]:
   return list(experiments.SWEEPS[sweep]())
 
 
-def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *,
-         stages: Sequence[experiments.SharedStage] = ()) -> list[Run]:
+def plan_runs(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *,
+              stages: Sequence[experiments.SharedStage] = ()) -> list[Run]:
   """The shared `stages` first, in order, each once (seed 0, whatever the seeds) and each starting from
   the ones before it; then every member × seed, seed by seed, each starting from all of them, as every
   row of the paper starts from one base model: the seeds vary the RL (its sampling and data order),
@@ -268,12 +268,12 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   extra = ["--smoke"] * args.smoke + args.overrides
   stages = () if args.no_shared_stages else experiments.SHARED_STAGES.get(args.sweep, ())
   if args.print_commands:  # In order: the shared stages before the members.
-    for run in plan(members, args.seeds, sweep_dir, stages=stages):
+    for run in plan_runs(members, args.seeds, sweep_dir, stages=stages):
       print(run.make_command(extra), file=stream)
     return 0
   status: dict[str, str] = {}
   # Absolute paths: the runs start in the repository root.
-  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
+  everything = plan_runs(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
   runs = everything[len(stages):]  # The table's rows.
   if not args.report:
     start = time.perf_counter()

@@ -183,7 +183,7 @@ def unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
   return _take_columns(values, index, packed.response_mask)
 
 
-class Layout(NamedTuple):
+class RowLayout(NamedTuple):
   """Packed rows `[R, L]` on the device, from each sequence's (row, offset) (`layout`)."""
 
   sequence: jax.Array  # [R, L] int32 index of the column's sequence among those given; −1 on padding.
@@ -191,7 +191,7 @@ class Layout(NamedTuple):
   segment_ids: jax.Array  # [R, L] int32 1, 2, ... per sequence of a row in column order; 0 on padding.
 
 
-def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> Layout:
+def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> RowLayout:
   """jnp, static shapes: which sequence and which of its tokens each column of `rows` × `row_tokens`
   holds, from the sequences' row, offset and length `[n]` (row −1 or length 0: not placed). Each
   sequence start marks its column with the sequence's index; a running maximum of the start columns
@@ -207,4 +207,4 @@ def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> Layout:
   position = column - first
   real = (first >= 0) & (position < lengths[jnp.maximum(sequence, 0)])
   segment_ids = jnp.cumsum(owner >= 0, axis=1, dtype=jnp.int32)
-  return Layout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))
+  return RowLayout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))

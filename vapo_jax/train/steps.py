@@ -10,7 +10,7 @@ held in one `state.TrainState`; the forward passes and updates of a mini-batch a
 mini-batch's denominators, so the accumulated gradient equals the mini-batch gradient exactly).
 
 Two layouts (`packing.enabled`), the same programs: padded, a micro-batch is `micro` sequences of
-S tokens; packed (`packed_batch`: `plan = steps.plan(state, rollout)` on the host, then
+S tokens; packed (`packed_batch`: `plan = steps.plan_packing(state, rollout)` on the host, then
 `score(..., plan=plan)` and `ppo_update(..., plan=plan)`), a micro-batch is m rows of L tokens
 holding whole sequences end to end, the losses' arrays at the rows' prediction columns, and
 micro-batches without a response token are skipped.
@@ -92,7 +92,7 @@ class Steps:
     lengths = [jnp.sum(m, axis=-1, dtype=jnp.int32) for m in (prompt_mask, response_mask)]
     return jnp.concatenate([jnp.stack(lengths), orders.reshape(epochs, size)]).astype(jnp.int32)
 
-  def plan(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
+  def plan_packing(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
     """Packed rows for this step's scoring and mini-batches (None when `packing.enabled` is false).
     Host transfers: the lengths and mini-batch orders `[2 + E, B]` int32 come to the host (the
     orders from the state's key, as the update draws them); each sequence's (row, offset) go back."""
@@ -101,7 +101,7 @@ class Steps:
     start = time.perf_counter()
     host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
     orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(host.shape[1]))
-    found = packed_batch.plan(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
+    found = packed_batch.plan_rows(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
     return found._replace(placement=distributed.global_array(found.placement, self.replicated),
                           scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
@@ -110,7 +110,7 @@ class Steps:
     if not self.packed:
       return None
     response = np.sum(batch.response_mask, axis=-1)
-    found = packed_batch.plan(np.sum(batch.attention_mask, axis=-1) - response, response,
+    found = packed_batch.plan_rows(np.sum(batch.attention_mask, axis=-1) - response, response,
                               np.arange(response.size)[None, None], row_tokens=self.row_tokens,
                               micro_rows=self.micro_rows, phase="sft")
     return found._replace(placement=distributed.global_array(found.placement, self.replicated))
@@ -124,7 +124,7 @@ class Steps:
             plan: packed_batch.Plan | None = None):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
-    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan`)."""
+    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan_packing`)."""
     program = self.score_program(critic_only=critic_only, rows=plan and plan.scoring_rows)
     batch, stats = program(state, out, rewards, correct, plan and plan.placement)
     return batch, stats | (plan.scoring_metrics if plan else {})
@@ -203,7 +203,7 @@ class Steps:
   def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool,
                  plan: packed_batch.Plan | None = None):
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
-    averaged over the updates. `plan`: on packed rows (`plan`)."""
+    averaged over the updates. `plan`: on packed rows (`plan_packing`)."""
     program = self.ppo_program(state, actor=actor, critic=critic, rows=plan and plan.update_rows)
     state, metrics = program(state, batch, plan and plan.placement)
     if plan is None:

@@ -232,7 +232,7 @@ class Trainer:
     state, key = state.split_key()
     out, rewards, correct, stats = self.experience.sample(state, self.progress.prompts, key)
     sampled = time.perf_counter()
-    plan = self.steps.plan(state, out)  # None unless packing.enabled.
+    plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
     batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan)
     jax.block_until_ready(batch)
     scored = time.perf_counter()

@@ -53,7 +53,7 @@ def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Ar
 
 def _chunks(batch: TrainBatch | PackedBatch, micro: int, shards: int):
   """The micro-batches `[M, ...]` of a mini-batch: packed rows come split; padded, `micro` sequences each."""
-  return batch.rows if isinstance(batch, PackedBatch) else micro_batches.split(batch, micro, shards)
+  return batch.rows if isinstance(batch, PackedBatch) else micro_batches.split_micro(batch, micro, shards)
 
 
 def _sequences(batch: TrainBatch | PackedBatch) -> tuple[jax.Array, jax.Array]:
