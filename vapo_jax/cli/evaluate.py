@@ -208,33 +208,33 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def main(argv: list[str]) -> int:
-  own, rest, args = {"--ckpt": None, "--responses": None, "--out": None}, [], iter(argv)
-  for arg in args:
-    key, sep, value = arg.partition("=")
-    if key in own:
-      own[key] = value if sep else next(args, None)
-    else:
-      rest.append(arg)
+  parser = resolve.parser("vapo_jax.cli.evaluate", __doc__)
+  parser.add_argument("--responses", metavar="FILE", help="saved responses to score (.jsonl, .json, .parquet)")
+  parser.add_argument("--ckpt", metavar="DIR", help="a checkpoint to sample the responses from first")
+  parser.add_argument("--out", metavar="DIR", help="where samples.jsonl and summary.json go "
+                      "(default <run_dir>/eval/<responses' or checkpoint's name>)")
   with warnings.catch_warnings():
     warnings.showwarning = _one_line_warning  # Restored on leaving the block.
     try:
-      return _evaluate(own, rest)
+      config, args = resolve.resolve(argv, parser)
+      if args.help:
+        print(resolve.usage(parser, config))
+        return 0
+      if not (args.ckpt or args.responses):
+        parser.error("give --responses FILE (saved responses) or --ckpt DIR (a checkpoint to sample from)")
+      return _evaluate(config, args)
     except UserError as e:
       print(f"error: {e}", file=sys.stderr)
       return USER_ERROR_EXIT_CODE
 
 
-def _evaluate(own: dict[str, str | None], rest: list[str]) -> int:
-  config, want_help = resolve.resolve(rest)
-  if want_help or not (own["--ckpt"] or own["--responses"]):
-    print(__doc__, file=sys.stdout if want_help else sys.stderr)
-    return 0 if want_help else USER_ERROR_EXIT_CODE
+def _evaluate(config, args) -> int:
   problems, aliases = held_out_problems(config)  # Read as the trainer reads them (schema, fields, dedup).
-  responses = own["--responses"]
-  out_dir = own["--out"] or str(Path(config.run_directory) / "eval" /
-                                (Path(responses).stem if responses else Path(own["--ckpt"]).name))
+  responses = args.responses
+  out_dir = args.out or str(Path(config.run_directory) / "eval" /
+                            (Path(responses).stem if responses else Path(args.ckpt).name))
   if responses is None:
-    responses = sample_from_checkpoint(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
+    responses = sample_from_checkpoint(config, args.ckpt, str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()
   summary = evaluate_responses(responses, problems=problems or None, aliases=aliases, out_dir=out_dir,
                                reward_config=config.reward)

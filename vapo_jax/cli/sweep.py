@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import experiments
 from vapo_jax import paths
-from vapo_jax.cli import sweep_report
+from vapo_jax.cli import ArgumentParser, sweep_report
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 DEFAULT_ROOT = os.path.join("runs", "sweeps")
@@ -232,7 +232,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
-  parser = argparse.ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
   parser.add_argument("sweep", help="a registered sweep (experiments.SWEEPS), e.g. toy")
   parser.add_argument("overrides", nargs="*", help="field.path=value overrides for every run")
   parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
