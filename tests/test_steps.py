@@ -94,7 +94,7 @@ def test_scoring_in_micro_batches_runs_with_remat():
   np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
   packed = packing.pack(tokens[:, :7], np.ones((8, 7), bool), tokens[:, 7:], np.ones((8, 5), bool), row_tokens=24,
                         rows=4)
-  rows = packed_batch.split(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
-                                                  packed.segment_ids > 0), 2)
+  rows = packed_batch.split_rows(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
+                                                       packed.segment_ids > 0), 2)
   values = jax.jit(lambda p: steps.packed_values(critic_def, p, rows))(params)
   np.testing.assert_allclose(packing.unpack_predictions(values.reshape(4, 24), packed), whole, rtol=1e-5, atol=1e-5)
