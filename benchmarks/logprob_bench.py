@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.tables import RatioTarget, Table, print_table, targets_table
 from vapo_jax.models import logprobs
 
 SHAPE = dict(batch=1, tokens=2048, width=896, vocab=151936)  # Qwen2.5-0.5B's output layer.
@@ -66,8 +67,6 @@ def measure(repeats: int, chunk: int) -> dict:
 
 def logprob_section(args):
   """The `long_seq_bench` section: (tables, targets)."""
-  from benchmarks.long_seq_bench import Table, RatioTarget  # Not at the top: long_seq_bench imports this module.
-
   m = measure(args.repeats, getattr(args, "chunk", CHUNK))
   dense, chunked = m["temp"]  # Names, in order.
   rows = [(name, m["temp"][name] / 2**20, m["temp"][name] / m["temp"][dense], m["seconds"][name],
@@ -84,8 +83,6 @@ def logprob_section(args):
 
 
 def main(argv) -> int:
-  from benchmarks.long_seq_bench import print_table, targets_table
-
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per path (best of)")
   parser.add_argument("--chunk", type=int, default=CHUNK, help="logits budget: B·chunk·V at a time")

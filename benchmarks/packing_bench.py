@@ -27,13 +27,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.long_seq_bench import Table, RatioTarget, print_table, targets_table
+from benchmarks.tables import RatioTarget, Table, print_table, targets_table
 from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.train import optim
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import experiments  # noqa: E402
-from benchmarks.long_seq_bench import Table, RatioTarget, best_seconds, print_table, targets_table  # noqa: E402
+from benchmarks.tables import RatioTarget, Table, best_seconds, print_table, targets_table  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
 from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
