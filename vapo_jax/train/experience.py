@@ -162,22 +162,15 @@ class Experience:
     config, settings = self.config, self.config.rollout
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     if not config.algo.dynamic_sampling:
-      records = next(prompts)
-      out, generated = self.generate_in_layout(policy, records, key, group=group, temperature=settings.temperature,
-                                               top_p=settings.top_p, top_k=settings.top_k)
+      _, out, scored, generated = self._sample_round(policy, prompts, key)
       del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
-      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       rewards, correct = self._place_share(scored, out)
       return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
     kept, spare, parts, rounds, rollout_s = [], [], [], 0, 0.0
     while True:
-      records = next(prompts)
       key, sample_key = jax.random.split(key)
-      out, generated = self.generate_in_layout(policy, records, sample_key, group=group,
-                                               temperature=settings.temperature, top_p=settings.top_p,
-                                               top_k=settings.top_k)
+      records, out, scored, generated = self._sample_round(policy, prompts, sample_key)
       rollout_s += generated["time/rollout_s"]
-      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
       rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
       offset = sum(len(p[0].response_lengths) for p in parts)
@@ -205,6 +198,17 @@ class Experience:
                               "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
                               "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
     return out, rewards, correct, stats
+
+  def _sample_round(self, policy: nnx.Module, prompts: PromptIterator, key: jax.Array):
+    """One round of sampling: the next P prompts, G responses to each with the training sampling
+    settings, verified: (records, rollout, verifier's `RewardBatch`, rollout metrics)."""
+    settings = self.config.rollout
+    records = next(prompts)
+    out, generated = self.generate_in_layout(policy, records, key, group=settings.samples_per_prompt,
+                                             temperature=settings.temperature, top_p=settings.top_p,
+                                             top_k=settings.top_k)
+    scored = self.verify(out, [x.answer for x in records for _ in range(settings.samples_per_prompt)])
+    return records, out, scored, generated
 
   def _place_share(self, scored: reward_lib.RewardBatch, out: common.Rollout):
     """This process's rewards and verdicts as global arrays laid out like the rollout's rows."""
