@@ -156,7 +156,8 @@ def actor_loss(
     nll, nll_metrics = losses.positive_example_nll_loss(logprobs, response_mask, is_positive,
                                                         denominator=d.positive_tokens)
     total = total + algo.positive_nll_coef * nll
-    metrics |= {"actor/nll_loss": nll} | {f"actor/{k}": v for k, v in nll_metrics.items()}
+    # The positive fraction is the rollout's accuracy (`rollout/accuracy`, from scoring): not repeated here.
+    metrics |= {"actor/nll_loss": nll, "actor/positive_tokens": nll_metrics["positive_tokens"]}
   if algo.kl_coef > 0:
     if ref_logprobs is None:
       raise ValueError("algo.kl_coef > 0 needs ref_logprobs")

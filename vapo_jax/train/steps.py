@@ -165,7 +165,6 @@ class Steps:
     value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, scoring_place,
                                                       critic_only=critic_only, rows=rows)
     stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
-             "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),
              "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
              "rollout/prompt_len_mean": jnp.mean(jnp.sum(out.prompt_mask, axis=-1)),
              "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}

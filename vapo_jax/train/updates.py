@@ -130,7 +130,7 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
   chunks = _chunks(batch, micro, shards)
   params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks, prefix="actor",
                                                             loss_name="loss")
-  return params, opt_state, metrics | {"actor/positive_frac": jnp.mean(verdicts.astype(jnp.float32))}
+  return params, opt_state, metrics
 
 
 def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
