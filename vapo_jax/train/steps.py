@@ -32,7 +32,7 @@ from vapo_jax import distributed
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
-from vapo_jax.rl import advantages, losses, masked
+from vapo_jax.rl import advantages, losses
 from vapo_jax.rollout.common import Rollout
 from vapo_jax.train import algorithm, packed_batch, packing
 from vapo_jax.train.packed_batch import PackedBatch
@@ -159,15 +159,12 @@ class Steps:
                      rows: int | None):
     config, algo, mask = self.config, self.config.algo, out.response_mask
     tokens, attention = join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
-    lengths = jnp.sum(mask, axis=-1)
     token_rewards = advantages.last_token_rewards(rewards, mask)
     scoring_place = None if place is None else place[0]
     value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, scoring_place,
                                                       critic_only=critic_only, rows=rows)
-    stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
-             "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
-             "rollout/prompt_len_mean": jnp.mean(jnp.sum(out.prompt_mask, axis=-1)),
-             "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}
+    stats = algorithm.batch_metrics(rewards, correct, mask, out.prompt_mask,
+                                    max_response_tokens=config.rollout.max_response_tokens)
     if place is None:
       stats["perf/padding_frac_scoring"] = 1.0 - jnp.mean(attention.astype(jnp.float32))
     if critic_only:
@@ -178,15 +175,7 @@ class Steps:
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
-    critic_stats = {"critic/explained_variance": losses.explained_variance(value, est.returns, mask),
-                    "critic/value_mean": masked.masked_mean(value, mask)} if value is not None else {
-                        "critic/explained_variance": 0.0, "critic/value_mean": 0.0}
-    stats |= critic_stats | {
-        "actor/entropy": masked.masked_mean(entropy, mask),  # Of the rollout policy, on this batch.
-        "rollout/logprob_gap": masked.masked_mean(jnp.abs(out.policy_logprobs - old_logprobs), mask),
-        "critic/return_mean": masked.masked_mean(est.returns, mask),
-        "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
-        "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+    stats |= algorithm.advantage_metrics(est, value, entropy, jnp.abs(out.policy_logprobs - old_logprobs), mask)
     stats |= algorithm.position_metrics(
         est, value, None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
         mask)
