@@ -70,9 +70,9 @@ def test_pack_by_hand():
   np.testing.assert_array_equal(packed.segment_ids, [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
   np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 0, 0, 0], [0, 1, 2, 3, 0, 1, 2, 3]])
   np.testing.assert_array_equal(packed.response_index, [[10, 11, 0], [4, 0, 0], [13, 14, 15]])
-  np.testing.assert_array_equal(packing.unpack_tokens(packed.tokens, packed), _batch()[2])
+  np.testing.assert_array_equal(packing.reference_unpack_tokens(packed.tokens, packed), _batch()[2])
   # Each response token's prediction column holds the token before it.
-  np.testing.assert_array_equal(packing.unpack_predictions(packed.tokens, packed), [[12, 13, 0], [24, 0, 0],
+  np.testing.assert_array_equal(packing.reference_unpack_predictions(packed.tokens, packed), [[12, 13, 0], [24, 0, 0],
                                                                                     [31, 32, 33]])
   assert packing.pack(*_batch(), row_tokens=8, rows=4).tokens.shape == (4, 8)
   with pytest.raises(ValueError, match="needs 2 packed rows of 8 tokens, got rows=1"):
@@ -104,8 +104,8 @@ def _batches(draw):
 
 
 _to_rows = jax.jit(packing.to_rows)
-_unpack_tokens = jax.jit(packing.unpack_tokens)
-_unpack_predictions = jax.jit(packing.unpack_predictions)
+_unpack_tokens = jax.jit(packing.reference_unpack_tokens)
+_unpack_predictions = jax.jit(packing.reference_unpack_predictions)
 _layout = jax.jit(packing.layout, static_argnames=("rows", "row_tokens"))
 
 

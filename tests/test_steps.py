@@ -97,4 +97,5 @@ def test_scoring_in_micro_batches_runs_with_remat():
   rows = packed_batch.split_rows(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
                                                        packed.segment_ids > 0), 2)
   values = jax.jit(lambda p: steps.packed_values(critic_def, p, rows))(params)
-  np.testing.assert_allclose(packing.unpack_predictions(values.reshape(4, 24), packed), whole, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packing.reference_unpack_predictions(values.reshape(4, 24), packed), whole,
+                             rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ needs (a power of two times m: few programs). A sequence without a response is n
 
 Time index. A loss's per-token arrays sit at each response token's prediction column, the column
 before its own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
-(`packing.unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
+(`packing.reference_unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
 sequence's (row, offset): `packing.layout` expands them here.
 """
 

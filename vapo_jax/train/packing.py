@@ -15,13 +15,13 @@ Rows are filled by first-fit decreasing (`first_fit_decreasing`): at most 11/9·
 
 Time index. As in `updates.response_values` and `models.logprobs.response_logprobs`, the outputs
 at the token *before* response token t (its hidden state) predict o_t, and the critic's value there
-is V(s_t). `unpack_predictions` reads response token t's outputs from the column before its own,
+is V(s_t). `reference_unpack_predictions` reads response token t's outputs from the column before its own,
 which lies in the same segment: a packed sequence with a response has at least one prompt token.
-`unpack_tokens` reads the token's own column (the inverse of packing).
+`reference_unpack_tokens` reads the token's own column (the inverse of packing).
 
 Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the host in numpy (they
-need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `unpack_tokens`,
-`unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
+need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `reference_unpack_tokens`,
+`reference_unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
 token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
 (row, offset), `place_groups`'s `[B]` arrays, and `layout` expands them on the device into the
 columns' sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
@@ -168,14 +168,14 @@ def _take_columns(values: jax.Array, index, mask) -> jax.Array:
   return jnp.where(mask, out, jnp.zeros((), out.dtype))
 
 
-def unpack_tokens(values: jax.Array, packed: Packed) -> jax.Array:
+def reference_unpack_tokens(values: jax.Array, packed: Packed) -> jax.Array:
   """Per-token values `[R, L, ...]` at each response token's own column → `[B, Tr, ...]` (0 where
-  masked): the inverse of packing for the response (`unpack_tokens(packed.tokens, packed)` gives the
+  masked): the inverse of packing for the response (`reference_unpack_tokens(packed.tokens, packed)` gives the
   response tokens back)."""
   return _take_columns(values, packed.response_index, packed.response_mask)
 
 
-def unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
+def reference_unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
   """Per-position outputs `[R, L, ...]` (log-probs of the next token, values, entropy) at the column
   before each response token → `[B, Tr, ...]` (0 where masked): output t is the one that predicts
   response token t, and the value there is V(s_t) (module doc, time index)."""
