@@ -60,6 +60,14 @@ def build_smoke_config(run_dir, fields: dict | None = None, *, algorithm: str = 
   return overrides.replace_fields(smoke(base), {"name": name, "run_dir": str(run_dir)} | (fields or {}))
 
 
+@pytest.fixture(scope="module")
+def model():
+  """The untied Qwen2 parity checkpoint (tests/fixtures/parity/qwen2_untied) as a `CausalLM`, once per module."""
+  from model_utils import FIXTURES
+  from vapo_jax.models import huggingface
+  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
+
+
 @pytest.fixture
 def smoke_config(tmp_path):
   """`build_smoke_config` in the test's `tmp_path` (or `run_dir=`): the one builder of the trainer tests."""
