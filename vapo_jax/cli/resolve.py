@@ -25,29 +25,29 @@ DEFAULT_EXPERIMENT = "tiny"
 def parser(program: str, description: str) -> ArgumentParser:
   """The arguments of an entry point that runs an experiment: `--exp`, `--smoke`, `--help` (the usage and
   every field of the experiment with its value) and `field.path=value` overrides; add the program's own."""
-  found = ArgumentParser(prog=f"python -m {program}", description=description, add_help=False,
+  command = ArgumentParser(prog=f"python -m {program}", description=description, add_help=False,
                          allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
-  found.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's value")
-  found.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
+  command.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's value")
+  command.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
                      help=f"the experiment (experiments/; default {DEFAULT_EXPERIMENT})")
-  found.add_argument("--smoke", action="store_true",
+  command.add_argument("--smoke", action="store_true",
                      help="the experiment at smoke-test size (experiments/smoke.py), before the overrides")
-  found.add_argument("overrides", nargs="*", metavar="field.path=value", help="config overrides; later wins")
-  return found
+  command.add_argument("overrides", nargs="*", metavar="field.path=value", help="config overrides; later wins")
+  return command
 
 
-def usage(found: argparse.ArgumentParser, config: ExperimentConfig) -> str:
-  """`found`'s help, then every field of `config` with its value."""
+def usage(command: argparse.ArgumentParser, config: ExperimentConfig) -> str:
+  """`command`'s help, then every field of `config` with its value."""
   fields = [f"  {path} = {value!r}" for path, (_, value) in overrides.field_paths(config).items()]
-  return "\n".join([found.format_help(), f"fields of {config.name}:", *fields])
+  return "\n".join([command.format_help(), f"fields of {config.name}:", *fields])
 
 
-def resolve(argv: list[str], found: argparse.ArgumentParser | None = None
+def resolve(argv: list[str], command: argparse.ArgumentParser | None = None
             ) -> tuple[ExperimentConfig, argparse.Namespace]:
-  """Parses `argv` with `found` (default: `parser`'s for `make train`) into a validated config and the
+  """Parses `argv` with `command` (default: `parser`'s for `make train`) into a validated config and the
   parsed arguments. An option the parser does not know is an override (`--algo.eps-high=0.3`), in its
   place among the others."""
-  args, unknown = (found or parser("vapo_jax.cli.train", "")).parse_known_intermixed_args(argv)
+  args, unknown = (command or parser("vapo_jax.cli.train", "")).parse_known_intermixed_args(argv)
   if not args.exp:
     raise ConfigError(f"--exp needs an experiment name, e.g. --exp {DEFAULT_EXPERIMENT} (make train EXP=...)")
   config = experiments.get_experiment(args.exp)
