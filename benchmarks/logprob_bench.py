@@ -18,6 +18,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks.tables import RatioTarget, Table, print_table, targets_table
 from vapo_jax.models import logprobs
 
 SHAPE = dict(batch=1, tokens=2048, width=896, vocab=151936)  # Qwen2.5-0.5B's output layer.
@@ -66,8 +67,6 @@ def measure(repeats: int, chunk: int) -> dict:
 
 def logprob_section(args):
   """The `long_seq_bench` section: (tables, targets)."""
-  from benchmarks.long_seq_bench import Table, Target  # Not at the top: long_seq_bench imports this module.
-
   m = measure(args.repeats, getattr(args, "chunk", CHUNK))
   dense, chunked = m["temp"]  # Names, in order.
   rows = [(name, m["temp"][name] / 2**20, m["temp"][name] / m["temp"][dense], m["seconds"][name],
@@ -78,14 +77,12 @@ def logprob_section(args):
                 ("path", "temp MiB", "temp / dense", "seconds", "time / dense"), rows)
   agreement = Table("chunked against dense: max |difference| / max |dense|", ("quantity", "relative"),
                     [(k, f"{v:.1e}") for k, v in m["agreement"].items()])
-  targets = [Target("log-probs temp: chunked / dense", m["temp"][chunked] / m["temp"][dense], "<=", 1 / 8),
-             Target("log-probs time: chunked / dense", m["seconds"][chunked] / m["seconds"][dense], "<=", 1.3)]
+  targets = [RatioTarget("log-probs temp: chunked / dense", m["temp"][chunked] / m["temp"][dense], "<=", 1 / 8),
+             RatioTarget("log-probs time: chunked / dense", m["seconds"][chunked] / m["seconds"][dense], "<=", 1.3)]
   return [table, agreement], targets
 
 
 def main(argv) -> int:
-  from benchmarks.long_seq_bench import print_table, targets_table
-
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per path (best of)")
   parser.add_argument("--chunk", type=int, default=CHUNK, help="logits budget: B·chunk·V at a time")

@@ -21,66 +21,14 @@ Sections:
 
 import argparse
 import sys
-import time
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import logprob_bench
+from benchmarks.tables import RatioTarget, Table, best_seconds, print_table, targets_table
 from vapo_jax.models import attention, flash
-
-
-class Table(NamedTuple):
-  title: str
-  header: tuple[str, ...]
-  rows: list[tuple]
-
-
-class Target(NamedTuple):
-  """One measured ratio against its target: `value op bound` (op "<=" or ">=")."""
-
-  name: str
-  value: float
-  op: str
-  bound: float
-
-  @property
-  def met(self) -> bool:
-    return self.value <= self.bound if self.op == "<=" else self.value >= self.bound
-
-
-def _cell(x) -> str:
-  return f"{x:,.3f}" if isinstance(x, float) else str(x)
-
-
-def print_table(table: Table) -> None:
-  cells = [table.header] + [tuple(_cell(x) for x in row) for row in table.rows]
-  widths = [max(len(row[i]) for row in cells) for i in range(len(table.header))]
-  print(f"\n{table.title}")
-  for i, row in enumerate(cells):
-    print("  " + "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
-    if i == 0:
-      print("  " + "  ".join("-" * w for w in widths))
-
-
-def targets_table(targets: list[Target]) -> Table:
-  rows = [(t.name, t.value, f"{t.op} {t.bound:g}", "yes" if t.met else "NO") for t in targets]
-  return Table("targets", ("ratio", "measured", "target", "met"), rows)
-
-
-def best_seconds(fns: dict[str, Callable], *args, repeats: int) -> dict[str, float]:
-  """Best wall time of each function, calls interleaved (a, b, a, b, ...) after a warm-up call each,
-  so that the ratio of two is measured side by side under the same load."""
-  for fn in fns.values():
-    jax.block_until_ready(fn(*args))
-  best = {name: float("inf") for name in fns}
-  for _ in range(repeats):
-    for name, fn in fns.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      best[name] = min(best[name], time.perf_counter() - start)
-  return best
 
 
 def temp_bytes(fn: Callable, *args) -> int:
@@ -110,7 +58,7 @@ def _attention_step(impl: str, length: int, **options):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def attention_section(args) -> tuple[list[Table], list[Target]]:
+def attention_section(args) -> tuple[list[Table], list[RatioTarget]]:
   mib = lambda n: n / 2**20
   memory, rows = {}, []
   for length in (2048, 4096, 8192):
@@ -133,14 +81,14 @@ def attention_section(args) -> tuple[list[Table], list[Target]]:
                      ("T", "impl", "seconds"), rows)
 
   targets = [
-      Target("attention temp @4096: chunked / reference", memory["chunked", 4096] / memory["reference", 4096],
+      RatioTarget("attention temp @4096: chunked / reference", memory["chunked", 4096] / memory["reference", 4096],
              "<=", 1 / 8),
-      Target("attention temp 8192 / 4096: chunked", memory["chunked", 8192] / memory["chunked", 4096], "<=", 2.5),
-      Target("attention temp 8192 / 4096: reference (≈ 4)",
+      RatioTarget("attention temp 8192 / 4096: chunked", memory["chunked", 8192] / memory["chunked", 4096], "<=", 2.5),
+      RatioTarget("attention temp 8192 / 4096: reference (≈ 4)",
              memory["reference", 8192] / memory["reference", 4096], ">=", 3.0),
-      Target("attention time @2048: chunked / reference", seconds["chunked", 2048] / seconds["reference", 2048],
+      RatioTarget("attention time @2048: chunked / reference", seconds["chunked", 2048] / seconds["reference", 2048],
              "<=", 1.5),
-      Target("attention time @4096: no skipping / skipping",
+      RatioTarget("attention time @4096: no skipping / skipping",
              seconds["chunked, no skipping", 4096] / seconds["chunked", 4096], ">=", 1.6),
   ]
   return [memory_table, time_table], targets
@@ -174,7 +122,7 @@ def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, len
   return analysis.temp_size_in_bytes, total
 
 
-def actor_update_section(args) -> tuple[list[Table], list[Target]]:
+def actor_update_section(args) -> tuple[list[Table], list[RatioTarget]]:
   """The `small` preset's actor update at T = 4,096: dense attention and whole-response logits (the
   layout before the long-sequence work) against flash attention and 512-position logit blocks."""
   mib = lambda n: n / 2**20
@@ -184,7 +132,7 @@ def actor_update_section(args) -> tuple[list[Table], list[Target]]:
           ("after: chunked attention, logits_chunk=512", mib(after[0]), mib(after[1]))]
   table = Table("actor update, small preset, B=2, T=4,096 (4,032 response), remat: compiled memory (MiB)",
                 ("layout", "temp MiB", "peak MiB (temp + args + outputs)"), rows)
-  return [table], [Target("actor update temp @4096: after / before", after[0] / before[0], "<=", 1 / 4)]
+  return [table], [RatioTarget("actor update temp @4096: after / before", after[0] / before[0], "<=", 1 / 4)]
 
 
 # Each section: (name, function(args) -> (tables, targets)). Later sections append here.

@@ -6,7 +6,7 @@ A batch of 64 sequences, each a 256-token prompt and a response of at most 4,096
 sequence and a packed row are both S = L = 4,352 tokens. Response lengths: the quantiles (i + ½)/64 of
 an exponential capped at 4,096 tokens, its scale chosen (by bisection) so that mean/max is 0.3 (long-
 tailed, about 4 % at the cap), then 0.9. One PPO update is what `Trainer.step` runs after sampling:
-`Steps.plan` (packed: the lengths to the host, first-fit decreasing, the placements back), `Steps.score`
+`Steps.plan_packing` (packed: the lengths to the host, first-fit decreasing, the placements back), `Steps.score`
 (critic values, actor log-probs and entropy, GAE) and `Steps.ppo_update` (one mini-batch of all 64:
 critic update, then actor update), float32, `model.remat` on, chunked attention. Padded: micro-batches
 of 8 sequences; packed: micro-batches of 8 rows, the same [8, 4,352] shape, and only those holding a
@@ -27,13 +27,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.long_seq_bench import Table, Target, print_table, targets_table
+from benchmarks.tables import RatioTarget, Table, print_table, targets_table
 from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.run_config import MeshConfig, ModelConfig
 from vapo_jax.train import optim
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
@@ -62,7 +62,7 @@ def _config(packed: bool, sequences: int) -> ExperimentConfig:
       mesh=MeshConfig(preset="dp"))
 
 
-class Layout:
+class LayoutBench:
   """One layout's programs, state and batch on one device; `update()` runs one PPO update."""
 
   def __init__(self, packed: bool, lengths: np.ndarray):
@@ -90,7 +90,7 @@ class Layout:
   def update(self) -> float:
     """Seconds of one PPO update (plan, score, update), synchronised at the end."""
     start = time.perf_counter()
-    plan = self.steps.plan(self.state, self.out)
+    plan = self.steps.plan_packing(self.state, self.out)
     batch, _ = self.steps.score(self.state, self.out, self.rewards, self.correct, plan=plan)
     self.state, metrics = self.steps.ppo_update(self.state, batch, actor=True, critic=True, plan=plan)
     self.metrics = jax.device_get(metrics)
@@ -115,7 +115,7 @@ class Layout:
 
 def measure(mean_over_max: float, sequences: int, repeats: int) -> dict:
   lengths = response_lengths(sequences, mean_over_max)
-  layouts = {"padded": Layout(False, lengths), "packed": Layout(True, lengths)}
+  layouts = {"padded": LayoutBench(False, lengths), "packed": LayoutBench(True, lengths)}
   for layout in layouts.values():
     layout.update()  # Compiles.
   best = {name: float("inf") for name in layouts}
@@ -146,11 +146,11 @@ def main(argv) -> int:
     rows.append(("", "packed / padded", "", "", "", speed, *(result["packed"]["temps"][k] / result["padded"]["temps"][k]
                                                                for k in ("score", "update"))))
     if ratio < 0.5:
-      targets += [Target("tokens/s @0.3: packed / padded", speed, ">=", 2.5)] + [
-          Target(f"{k} temp @0.3: packed / padded", result["packed"]["temps"][k] / result["padded"]["temps"][k],
+      targets += [RatioTarget("tokens/s @0.3: packed / padded", speed, ">=", 2.5)] + [
+          RatioTarget(f"{k} temp @0.3: packed / padded", result["packed"]["temps"][k] / result["padded"]["temps"][k],
                  "<=", 1.0) for k in ("score", "update")]
     else:
-      targets.append(Target("tokens/s @0.9: packed / padded", speed, ">=", 0.9))
+      targets.append(RatioTarget("tokens/s @0.9: packed / padded", speed, ">=", 0.9))
   print_table(Table(f"one PPO update (plan + score + actor and critic updates), small preset, {args.sequences} x "
                     f"({PROMPT} + up to {RESPONSE}) tokens, micro-batches of {MICRO} sequences / rows of "
                     f"{PROMPT + RESPONSE}, best of {args.repeats}, {jax.devices()[0].platform}",

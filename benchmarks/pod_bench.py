@@ -35,9 +35,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import experiments  # noqa: E402
-from benchmarks.long_seq_bench import Table, Target, best_seconds, print_table, targets_table  # noqa: E402
+from benchmarks.tables import RatioTarget, Table, best_seconds, print_table, targets_table  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
-from vapo_jax import overrides  # noqa: E402
+from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.memory import topologies, xla_report  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
 from vapo_jax.models.transformer import CausalLM  # noqa: E402
@@ -54,7 +54,7 @@ def bench_config(preset: str, tensor_parallel: int):
       "rollout.max_response_tokens=256", f"rollout.tensor_parallel={tensor_parallel}", "eval.path=None"])
 
 
-def decode_section(args) -> tuple[list[Table], list[Target], dict]:
+def decode_section(args) -> tuple[list[Table], list[RatioTarget], dict]:
   rows, share, decode = [], {}, {}
   for name, t in (("training layout (fsdp)", 1), ("rollout layout (tensor_parallel=2)", 2)):
     report = xla_report.compile_run(bench_config(args.preset, t), topologies.named("cpu:8"), phases=("rollout",))
@@ -69,8 +69,8 @@ def decode_section(args) -> tuple[list[Table], list[Target], dict]:
                  "temp", "needs"), rows)
   # XLA:CPU gathers the FSDP weights once per call, before the loop (the TPU compiler, at 4 to 256 chips, inside
   # it); either way they move and sit in the temporaries.
-  found = [Target("rollout layout: decode loop bytes per step / weight bytes", share[2][0], "<=", 0.01),
-           Target("training layout: decode bytes per call (one step) / weight bytes", share[1][1], ">=", 0.5)]
+  found = [RatioTarget("rollout layout: decode loop bytes per step / weight bytes", share[2][0], "<=", 0.01),
+           RatioTarget("training layout: decode bytes per call (one step) / weight bytes", share[1][1], ">=", 0.5)]
   return [table], found, decode
 
 
@@ -92,7 +92,7 @@ def _rollout_state(config, layout, cfg):
   return params, model, fns, prompts, state
 
 
-def reshard_section(args) -> tuple[list[Table], list[Target]]:
+def reshard_section(args) -> tuple[list[Table], list[RatioTarget]]:
   config = bench_config(args.preset, 2)
   cfg = build.model_configs(config)[0]
   mesh = sharding.make_mesh(data=1, fsdp=8, devices=sharding.tensor_groups(jax.devices(), 2))
@@ -111,7 +111,7 @@ def reshard_section(args) -> tuple[list[Table], list[Target]]:
           ("reshard / decode step", seconds["reshard"] / decode)]
   table = Table(f"reshard against a decode step, {args.preset} preset, fsdp over 8 -> tensor_parallel=2, "
                 f"{config.rollout.slots} slots (ms, best of {args.repeats})", ("what", "value"), rows)
-  return [table], [Target("reshard / one decode step", seconds["reshard"] / decode, "<=", 100)]
+  return [table], [RatioTarget("reshard / one decode step", seconds["reshard"] / decode, "<=", 100)]
 
 
 def main(argv) -> int:

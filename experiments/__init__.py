@@ -7,8 +7,8 @@
 from collections.abc import Callable
 
 from experiments import aime, tiny, toy
-from vapo_jax.checks import frozen, require
 from vapo_jax.config import ExperimentConfig
+from vapo_jax.config.checks import frozen, require
 from vapo_jax.errors import ConfigError
 
 EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {

@@ -46,9 +46,8 @@ Members (`experiments/variants.py`): `toy_vapo`, `toy_ppo`, `toy_grpo`, `toy_dap
 
 import dataclasses
 
-from experiments import variants
-from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig
-from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, MeshConfig, ModelConfig
+from experiments import tiny, variants
+from vapo_jax.config import ExperimentConfig, overrides
 
 TRAIN = "synthetic:arithmetic?terms=2-11&count=4000&seed=0"
 HELD_OUT = "synthetic:arithmetic?terms=2-11&count=256&seed=1"
@@ -57,24 +56,17 @@ RL_STEPS = 100
 
 
 def vapo() -> ExperimentConfig:
-  """VAPO, every technique on: byte-level `small` model, 16 prompts × 8 samples, ≤ 176-token responses."""
-  return ExperimentConfig(
-      name="toy_vapo",
-      rl_steps=RL_STEPS,
-      model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
+  """VAPO, every technique on: byte-level `small` model, 16 prompts × 8 samples, ≤ 176-token responses:
+  `tiny.tiny()` (its model, α = 1, sampling, learning rates but the critic's, evaluation settings) on
+  the longer task, with more value pretraining and supervised steps."""
+  return overrides.replace_fields(tiny.tiny(), {
+      "name": "toy_vapo", "rl_steps": RL_STEPS,
       # α = 1: see the module docstring (toy_vapo_paper_alpha runs the paper's 0.05). 16 updates per step.
-      algo=AlgoConfig(value_pretrain_steps=20, mini_batch_responses=8, length_adaptive_alpha=1.0),
-      optim=OptimizerConfig(actor_lr=5e-5, critic_lr=1e-4, warmup_updates=5, weight_decay=0.0),
+      "algo.value_pretrain_steps": 20, "algo.mini_batch_responses": 8, "optim.critic_lr": 1e-4,
       # 176 tokens: room above the longest solution (131) for DAPO's overlong buffer (the last 35).
-      rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
-                            max_response_tokens=176),
-      reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=1),
-      data=DataConfig(train_path=TRAIN, template="raw", chat_template=False),
-      eval=EvalConfig(path=HELD_OUT, samples_per_problem=4, temperature=1.0, top_p=0.7, every_steps=RL_STEPS // 4),
-      sft=SFTConfig(path=DEMONSTRATIONS, steps=1000, batch_size=32, lr=2e-3),
-      mesh=MeshConfig(preset="dp"),
-      checkpoint=CheckpointConfig(export_final=False),
-  )
+      "rollout.max_response_tokens": 176, "reward.verifier_workers": 1,
+      "data.train_path": TRAIN, "eval.path": HELD_OUT, "eval.every_steps": RL_STEPS // 4,
+      "sft.path": DEMONSTRATIONS, "sft.steps": 1000, "checkpoint.export_final": False})
 
 
 def paper_alpha() -> ExperimentConfig:

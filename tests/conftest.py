@@ -34,8 +34,7 @@ import pytest  # noqa: E402
 import experiments  # noqa: E402
 from experiments import variants  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
-from vapo_jax import overrides  # noqa: E402
-from vapo_jax.config import ExperimentConfig  # noqa: E402
+from vapo_jax.config import ExperimentConfig, overrides  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -59,6 +58,14 @@ def build_smoke_config(run_dir, fields: dict | None = None, *, algorithm: str = 
   if algorithm != "vapo":
     base = getattr(variants, algorithm)(base, name=name)
   return overrides.replace_fields(smoke(base), {"name": name, "run_dir": str(run_dir)} | (fields or {}))
+
+
+@pytest.fixture(scope="module")
+def model():
+  """The untied Qwen2 parity checkpoint (tests/fixtures/parity/qwen2_untied) as a `CausalLM`, once per module."""
+  from model_utils import FIXTURES
+  from vapo_jax.models import huggingface
+  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
 @pytest.fixture

@@ -19,6 +19,9 @@ MESHES = {"dp": dict(data=8), "fsdp": dict(data=2, fsdp=4), "fsdp_tp": dict(data
           "tp": dict(data=4, tensor=2)}
 # The rollout-layout tests' model: 4 KV heads and a vocabulary that a tensor-parallel group of 4 splits.
 TP_CFG = dataclasses.replace(preset("tiny"), num_heads=8, num_kv_heads=4, vocab_size=264, num_layers=2)
+# The rollout tests' prompts (4 lengths, one of a single token) for the parity checkpoints, and their stop token.
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
+EOS = 2
 
 
 def reference(name: str) -> dict[str, np.ndarray]:

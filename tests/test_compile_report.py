@@ -24,7 +24,7 @@ def _trainer_programs(trainer: Trainer, update: bool):
   state, key = trainer.state.split_key()
   out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
   steps, size = trainer.steps, rewards.shape[0]
-  plan = steps.plan(state, out)
+  plan = steps.plan_packing(state, out)
   placement = plan and plan.placement
   rows = steps.largest_rows
   score = steps.score_program(critic_only=False, rows=rows(size))

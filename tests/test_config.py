@@ -7,11 +7,10 @@ import pytest
 
 import experiments
 from experiments import aime
-from vapo_jax import overrides
 from vapo_jax.cli import resolve, train as train_cli
-from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RewardConfig, RolloutConfig
+from vapo_jax.config import (AlgoConfig, EvalConfig, ExperimentConfig, MeshConfig, OptimizerConfig, PackingConfig,
+                             RewardConfig, RolloutConfig, overrides)
 from vapo_jax.errors import ConfigError
-from vapo_jax.run_config import EvalConfig, MeshConfig
 
 
 @pytest.mark.parametrize("factory,field,value,message", [
@@ -210,15 +209,34 @@ def test_entry_points_choose_the_cpu_where_no_accelerator_device_exists(tmp_path
   assert environ == {"JAX_PLATFORMS": "cuda"}
 
 
-def test_every_entry_points_help_is_its_usage_without_jax():
-  """`python -m vapo_jax.cli.<tool> --help`: the usage and exit 0, in a process that never imports JAX."""
+ENTRY_POINTS = ("train", "evaluate", "sweep", "plots", "memory")
+
+
+def _run_entry_point(tool: str, *argv: str):
+  """`python -m vapo_jax.cli.<tool> argv...` in a process that fails (exit 3) if it imports JAX."""
   import subprocess
   import sys
-  code = ("import runpy, sys\nsys.argv = ['tool', '--help']\ntry:\n  runpy.run_module('vapo_jax.cli.{}', "
-          "run_name='__main__')\nexcept SystemExit as e:\n  assert e.code in (0, None), e.code\n"
-          "assert 'jax' not in sys.modules, 'imported JAX'")
-  for tool in ("train", "evaluate", "sweep", "plots", "memory"):
-    result = subprocess.run([sys.executable, "-c", code.format(tool)], capture_output=True, text=True,
-                            cwd=pathlib.Path(__file__).resolve().parents[1])
+  code = (f"import runpy, sys\nsys.argv = ['tool', *{list(argv)!r}]\ncode = 0\ntry:\n"
+          f"  runpy.run_module('vapo_jax.cli.{tool}', run_name='__main__')\nexcept SystemExit as e:\n"
+          "  code = e.code or 0\nif 'jax' in sys.modules:\n  sys.exit(3)\nsys.exit(code)")
+  return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).resolve().parents[1])
+
+
+def test_every_entry_points_help_is_its_usage_without_jax():
+  """`python -m vapo_jax.cli.<tool> --help`: the usage and exit 0, in a process that never imports JAX."""
+  for tool in ENTRY_POINTS:
+    result = _run_entry_point(tool, "--help")
     assert result.returncode == 0, (tool, result.stderr[-2000:])
     assert "usage" in result.stdout.lower() or "python -m vapo_jax.cli" in result.stdout, (tool, result.stdout[:300])
+
+
+def test_every_entry_points_bad_argument_is_one_line_and_exit_2_without_jax():
+  """`python -m vapo_jax.cli.<tool> [its positional arguments] --no-such-option`: one line on stderr
+  naming it, exit 2, no JAX."""
+  positional = {"sweep": ("toy",), "plots": ("runs/tiny_vapo",)}
+  for tool in ENTRY_POINTS:
+    result = _run_entry_point(tool, *positional.get(tool, ()), "--no-such-option")
+    assert result.returncode == 2, (tool, result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "no-such-option" in lines[0], (tool, lines)

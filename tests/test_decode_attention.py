@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_utils import FIXTURES
-from vapo_jax.models import decode_attention, huggingface
+from vapo_jax.models import decode_attention
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 
 
@@ -61,11 +60,6 @@ def test_reads_only_filled_blocks(case):
   poisoned = decode_attention.attend_one(q, poisoned_k, poisoned_v, mask, short, block=8)
   np.testing.assert_array_equal(clean, poisoned)
   assert np.all(np.isnan(decode_attention.attend_one_reference(q, poisoned_k, poisoned_v, mask, short)[:4]))
-
-
-@pytest.fixture(scope="module")
-def model():
-  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
 _step = jax.jit(lambda model, tokens, positions, cache: model(tokens, positions, jnp.ones_like(tokens, bool), cache))

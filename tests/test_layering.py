@@ -12,11 +12,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Tier by tier, lowest first; each tier's rooms (module prefixes). A module may import any module of a
 # lower tier, and modules of its own room; never a higher tier, nor another room of its tier.
 TIERS = (
-    ("base", (("vapo_jax", "vapo_jax.checks", "vapo_jax.distributed", "vapo_jax.errors", "vapo_jax.files",
-               "vapo_jax.kinds", "vapo_jax.paths"),)),
+    ("base", (("vapo_jax", "vapo_jax.distributed", "vapo_jax.errors", "vapo_jax.files", "vapo_jax.kinds",
+               "vapo_jax.paths"),)),
     ("rl", (("vapo_jax.rl",),)),
     ("models", (("vapo_jax.models",),)),
-    ("config", (("vapo_jax.config", "vapo_jax.overrides", "vapo_jax.run_config"),)),
+    ("config", (("vapo_jax.config",),)),
     ("rollout, data, rewards", (("vapo_jax.rollout",), ("vapo_jax.data",), ("vapo_jax.rewards",))),
     ("train", (("vapo_jax.train",),)),
     ("memory", (("vapo_jax.memory",),)),

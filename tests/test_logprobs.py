@@ -116,7 +116,7 @@ def _dense_response(model, tokens, mask, tr):
   start = tokens.shape[1] - tr
   logits = logits[:, start - 1:start - 1 + tr]
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return jnp.take_along_axis(logp, tokens[:, start:, None], -1)[..., 0], losses.entropy_from_logits(logits)
+  return jnp.take_along_axis(logp, tokens[:, start:, None], -1)[..., 0], losses.reference_entropy_from_logits(logits)
 
 
 @pytest.mark.slow  # make test-slow, for time (the chunked-vs-dense tests above run in make test).
@@ -263,9 +263,12 @@ def _packed_case(tied: bool):
   assert packed.tokens.shape == (3, 12)
   weights = tuple(jnp.asarray(rng.normal(size=(b, tr)) * response_mask, jnp.float32) for _ in range(2))
   padded = lambda m: lp.response_logprobs(m, tokens, mask, tr, chunk=4, entropy=True)
-  packed_fn = lambda m: lp.packed_response_logprobs(m, packed.tokens, packed.segment_ids, packed.positions,
-                                                    packed.response_index, packed.response_mask, chunk=4,
-                                                    entropy=True)
+
+  def packed_fn(m):  # Every column of the rows scored, then each response token's read from the column before it.
+    logprobs, entropy = lp.packed_token_logprobs(m, packed.tokens, packed.segment_ids, packed.positions, chunk=4,
+                                                 entropy=True)
+    return packing.reference_unpack_predictions(logprobs, packed), packing.reference_unpack_predictions(entropy, packed)
+
   return _model(tied, seed=2), padded, packed_fn, response_mask, weights
 
 

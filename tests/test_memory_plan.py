@@ -15,14 +15,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import get_experiment
 from vapo_jax.cli import memory as memory_cli
-from vapo_jax.config import AlgoConfig, ExperimentConfig, PackingConfig, RolloutConfig
+from vapo_jax.config import AlgoConfig, ExperimentConfig, MeshConfig, ModelConfig, PackingConfig, RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import advice, footprint, hand_plan
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common
-from vapo_jax.run_config import MeshConfig, ModelConfig
 from vapo_jax.train import optim, updates
 
 GIB = 2**30

@@ -153,7 +153,7 @@ def wandb_env(tmp_path, monkeypatch):
 def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, wandb_env):
   import wandb
 
-  from vapo_jax.run_config import LogConfig
+  from vapo_jax.config import LogConfig
 
   args = metrics.wandb_init_args(LogConfig(wandb=True, wandb_project="p"), name="exp", config={"seed": 3})
   assert args["mode"] == "offline"  # "auto" with no API key anywhere.
@@ -187,7 +187,7 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, 
 
 
 def test_wandb_mode_and_a_missing_package(tmp_path, wandb_env, monkeypatch):
-  from vapo_jax.run_config import LogConfig
+  from vapo_jax.config import LogConfig
   from vapo_jax.errors import ConfigError
 
   assert metrics.wandb_init_args(LogConfig(), name="x") is None

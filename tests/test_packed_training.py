@@ -16,12 +16,11 @@ import pytest
 from flax import nnx
 
 from vapo_jax import distributed
-from vapo_jax.config import AlgoConfig, ExperimentConfig, PackingConfig, RolloutConfig
+from vapo_jax.config import AlgoConfig, ExperimentConfig, MeshConfig, ModelConfig, PackingConfig, RolloutConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.run_config import MeshConfig, ModelConfig
 from vapo_jax.train import optim
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
@@ -88,7 +87,7 @@ def _run(config: ExperimentConfig, devices, *, critic_only: bool = False):
                      key=distributed.replicate_local(jax.random.key(3), mesh),
                      ref=jax.tree.map(lambda x: x * 1.01, actor_params) if config.algo.kl_coef else None)
   out, rewards, correct = steps.place(_rollout())
-  plan = steps.plan(state, out)
+  plan = steps.plan_packing(state, out)
   batch, stats = steps.score(state, out, rewards, correct, plan=plan, critic_only=critic_only)
   state, metrics = steps.ppo_update(state, batch, actor=not critic_only, critic=True, plan=plan)
   grads = [jax.tree.map(np.asarray, opt.inner_state[0]) for opt in (state.actor_opt, state.critic_opt)]

@@ -70,9 +70,9 @@ def test_pack_by_hand():
   np.testing.assert_array_equal(packed.segment_ids, [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2]])
   np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 0, 0, 0], [0, 1, 2, 3, 0, 1, 2, 3]])
   np.testing.assert_array_equal(packed.response_index, [[10, 11, 0], [4, 0, 0], [13, 14, 15]])
-  np.testing.assert_array_equal(packing.unpack_tokens(packed.tokens, packed), _batch()[2])
+  np.testing.assert_array_equal(packing.reference_unpack_tokens(packed.tokens, packed), _batch()[2])
   # Each response token's prediction column holds the token before it.
-  np.testing.assert_array_equal(packing.unpack_predictions(packed.tokens, packed), [[12, 13, 0], [24, 0, 0],
+  np.testing.assert_array_equal(packing.reference_unpack_predictions(packed.tokens, packed), [[12, 13, 0], [24, 0, 0],
                                                                                     [31, 32, 33]])
   assert packing.pack(*_batch(), row_tokens=8, rows=4).tokens.shape == (4, 8)
   with pytest.raises(ValueError, match="needs 2 packed rows of 8 tokens, got rows=1"):
@@ -104,8 +104,8 @@ def _batches(draw):
 
 
 _to_rows = jax.jit(packing.to_rows)
-_unpack_tokens = jax.jit(packing.unpack_tokens)
-_unpack_predictions = jax.jit(packing.unpack_predictions)
+_unpack_tokens = jax.jit(packing.reference_unpack_tokens)
+_unpack_predictions = jax.jit(packing.reference_unpack_predictions)
 _layout = jax.jit(packing.layout, static_argnames=("rows", "row_tokens"))
 
 
@@ -181,8 +181,9 @@ def test_a_sequence_with_a_response_and_no_prompt_token_is_refused_by_the_plan()
   from vapo_jax.errors import DataError
   from vapo_jax.train import packed_batch
   orders = np.arange(4)[None, None]
-  fine = packed_batch.plan([3, 2, 0, 1], [4, 5, 0, 2], orders, row_tokens=16, micro_rows=2)  # No response: unplaced.
+  # No response: unplaced.
+  fine = packed_batch.plan_rows([3, 2, 0, 1], [4, 5, 0, 2], orders, row_tokens=16, micro_rows=2)
   assert fine.scoring_rows >= 2
   with pytest.raises(DataError, match=r"^sequence 2 of the batch \(1 in all\) has a response of 3 tokens and no "
                                       r"prompt token"):
-    packed_batch.plan([3, 2, 0, 1], [4, 5, 3, 2], orders, row_tokens=16, micro_rows=2)
+    packed_batch.plan_rows([3, 2, 0, 1], [4, 5, 3, 2], orders, row_tokens=16, micro_rows=2)

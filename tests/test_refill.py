@@ -9,22 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import FIXTURES, place_module, training_layout_model
+from model_utils import EOS, PROMPTS, place_module, training_layout_model
 from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
-from vapo_jax.models import huggingface, sharding
+from vapo_jax.models import sharding
 from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rollout import common, refill
 from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.static import make_generate
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model():
-  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
 def sample(model, prompts, engine, *, group, key=0, limits=None, **settings):
@@ -123,7 +116,7 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
-  refilled, steps, row_steps = refill.generate(model, tokens, mask, jax.random.key(9), sampling=spec,
+  refilled, steps, row_steps = refill.generate_refill(model, tokens, mask, jax.random.key(9), sampling=spec,
                                                samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
                                                length_limits=limits)
   assert_same(refilled, static)

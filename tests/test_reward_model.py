@@ -49,8 +49,8 @@ def test_evaluation_keys_are_fixed_by_the_seed_and_step_and_leave_the_key_chain(
   assert len({data(s, d).tobytes() for s, d in [(0, 0), (0, 1), (1, 0), (1, 1)]}) == 4
   trainer = Trainer(smoke_config({"sft.steps": 0, "seed": 3}), write_logs=False, verbose=False)
   keys = []
-  generate = trainer.experience.generate
-  monkeypatch.setattr(trainer.experience, "generate",
+  generate = trainer.experience.generate_in_layout
+  monkeypatch.setattr(trainer.experience, "generate_in_layout",
                       lambda state, records, key, **kw: keys.append(np.asarray(jax.random.key_data(key)))
                       or generate(state, records, key, **kw))
   chain = np.asarray(jax.random.key_data(trainer.state.key))

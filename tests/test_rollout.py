@@ -9,22 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import FIXTURES, place_module, training_layout_model
+from model_utils import EOS, PROMPTS, place_module, training_layout_model
 from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
-from vapo_jax.models import huggingface, sharding
+from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import KVCache, positions_from_mask
 from vapo_jax.rollout import common, sampling, static
 from vapo_jax.rollout.layout import layout_for
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [40], [3, 3, 8, 21]]
-EOS = 2
-
-
-@pytest.fixture(scope="module")
-def model():
-  return huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
 
 
 def run(model, prompts, *, key=0, group=1, engine=rollout.Engine(kind="static"), metrics=False, **sampling):

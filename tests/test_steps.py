@@ -15,7 +15,7 @@ from vapo_jax.train import micro_batches, steps, updates
 @pytest.mark.parametrize("b,micro,shards", [(32, 8, 4), (32, 8, 1), (16, 16, 8), (24, 6, 3), (8, 4, 8)])
 def test_micro_split_round_trips_and_takes_a_part_of_every_block(b, micro, shards):
   x = np.arange(b * 3).reshape(b, 3)
-  chunks = np.asarray(micro_batches.split(jnp.asarray(x), micro, shards))
+  chunks = np.asarray(micro_batches.split_micro(jnp.asarray(x), micro, shards))
   assert chunks.shape == (b // micro, micro, 3)
   np.testing.assert_array_equal(np.asarray(micro_batches.unsplit(jnp.asarray(chunks), shards)), x)
   rows = chunks[..., 0] // 3  # Row indices in each micro-batch.
@@ -94,7 +94,8 @@ def test_scoring_in_micro_batches_runs_with_remat():
   np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-6)
   packed = packing.pack(tokens[:, :7], np.ones((8, 7), bool), tokens[:, 7:], np.ones((8, 5), bool), row_tokens=24,
                         rows=4)
-  rows = packed_batch.split(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
-                                                  packed.segment_ids > 0), 2)
+  rows = packed_batch.split_rows(packed_batch.RowBatch(packed.tokens, packed.segment_ids, packed.positions,
+                                                       packed.segment_ids > 0), 2)
   values = jax.jit(lambda p: steps.packed_values(critic_def, p, rows))(params)
-  np.testing.assert_allclose(packing.unpack_predictions(values.reshape(4, 24), packed), whole, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(packing.reference_unpack_predictions(values.reshape(4, 24), packed), whole,
+                             rtol=1e-5, atol=1e-5)

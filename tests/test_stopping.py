@@ -7,9 +7,8 @@ import signal
 
 import pytest
 
-from vapo_jax.config import ExperimentConfig
+from vapo_jax.config import DataConfig, ExperimentConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.run_config import DataConfig
 from vapo_jax.train import checkpoints
 
 
@@ -83,7 +82,8 @@ def test_a_signal_during_a_stage_is_honoured_on_entering_the_next_one_the_last_i
   flag.signum = signal.SIGTERM
   trainer = types.SimpleNamespace(progress=types.SimpleNamespace(enter=lambda s: None), preemption=flag,
                                   config=types.SimpleNamespace(checkpoint=types.SimpleNamespace(every_steps=5)),
-                                  save=lambda wait=False: saved.append(wait))
+                                  save=lambda wait=False: saved.append(wait), checkpoints=None)
+  trainer._save_or_stop = lambda *args, **kwargs: Trainer._save_or_stop(trainer, *args, **kwargs)
   with pytest.raises(checkpoints.Preempted, match=f"on entering {stage}; checkpoint saved") as stopped:
     Trainer._enter(trainer, stage)
   assert stopped.value.exit_code == checkpoints.PREEMPTED_EXIT_CODE and saved == [False]

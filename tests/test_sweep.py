@@ -22,8 +22,9 @@ import pytest
 from multiprocess_launch import without_device_count
 
 import experiments
-from vapo_jax import overrides, paths
+from vapo_jax import paths
 from vapo_jax.cli import sweep, sweep_report
+from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
 
 pytest.importorskip("matplotlib")

@@ -191,8 +191,8 @@ def test_a_tensor_parallel_rollout_samples_the_training_layouts_tokens(smoke_con
       training_rules=trainer.steps.rules), model_cfg=trainer.model_cfg, tokenizer=trainer.tokenizer, pool=trainer.pool)
   records, key = next(trainer.progress.prompts), jax.random.key(3)
   settings = dict(group=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-  tp, _ = trainer.experience.generate(trainer.experience.policy(trainer.state), records, key, **settings)
-  reference, _ = one.generate(one.policy(trainer.state), records, key, **settings)
+  tp, _ = trainer.experience.generate_in_layout(trainer.experience.policy(trainer.state), records, key, **settings)
+  reference, _ = one.generate_in_layout(one.policy(trainer.state), records, key, **settings)
   assert tp.response_tokens.sharding.is_equivalent_to(reference.response_tokens.sharding, 2)  # The training layout.
   np.testing.assert_array_equal(tp.response_tokens, reference.response_tokens)
   np.testing.assert_allclose(tp.policy_logprobs, reference.policy_logprobs, rtol=1e-5, atol=1e-5)

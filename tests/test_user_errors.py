@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from model_utils import FIXTURES
-from vapo_jax import run_config
 from vapo_jax.cli import preflight
+from vapo_jax.config import sections
 from vapo_jax.data import problems, tokenizer as tok_lib
 from vapo_jax.data.records import Record, load_records
 from vapo_jax.errors import (CheckpointError, ConfigError, DataError, MissingFileError, SetupError, TokenizerError,
@@ -161,7 +161,7 @@ def test_a_vocab_size_below_the_embedding_blames_config_json(model_dir, smoke_co
 
 def test_unknown_model_preset_names_the_setting():
   with pytest.raises(ConfigError, match=r"ModelConfig.preset must be one of tiny, .*qwen2.5-32b, got 'qwen3-8b'"):
-    run_config.ModelConfig(preset="qwen3-8b")
+    sections.ModelConfig(preset="qwen3-8b")
   with pytest.raises(ConfigError, match=r"unknown model preset 'qwen3-8b' \(model.preset\)"):
     preset("qwen3-8b")
 
@@ -306,8 +306,8 @@ def test_eval_max_problems_must_be_positive():
   """-1 is refused rather than dropping the last problem silently (`rows[:-1]`)."""
   for value in (-1, 0):
     with pytest.raises(ConfigError, match=rf"EvalConfig.max_problems must be an integer >= 1, got {value}"):
-      run_config.EvalConfig(max_problems=value)
-  assert run_config.EvalConfig(max_problems=None).max_problems is None and run_config.EvalConfig(max_problems=3).max_problems == 3
+      sections.EvalConfig(max_problems=value)
+  assert sections.EvalConfig(max_problems=None).max_problems is None and sections.EvalConfig(max_problems=3).max_problems == 3
 
 
 # ------------------------------------------------------------------------------------- machine

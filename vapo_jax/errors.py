@@ -5,7 +5,7 @@ the command-line entry points print its message on one line and exit with
 `USER_ERROR_EXIT_CODE`, without a traceback. Anything else is a bug and keeps its traceback.
 
   UserError             (a ValueError, so older `except ValueError` handlers still catch it)
-    ConfigError         an invalid setting (config.py, overrides, experiments, mesh, presets)
+    ConfigError         an invalid setting (config/, overrides, experiments, mesh, presets)
     DataError           a data file that cannot be used (data.py)
     CheckpointError     a model checkpoint that cannot be read or does not match (models/)
     TokenizerError      a tokenizer that is missing or does not fit the model (tokenizer.py)

@@ -3,20 +3,34 @@
   train      `make train`: resolve an experiment, run it       python -m vapo_jax.cli.train
   evaluate   `make eval`: avg@k / pass@k / maj@k of responses  python -m vapo_jax.cli.evaluate
   sweep      `make sweep`: every member × seed, then a report  python -m vapo_jax.cli.sweep
+  sweep_report  a sweep's runs.csv, table.md and plots/, rebuilt from the runs' own metrics
   plots      `make plot`: PNG curves of runs                   python -m vapo_jax.cli.plots
   memory     `make memory`: the per-device memory plan         python -m vapo_jax.cli.memory
   resolve    `--exp`, `--smoke` and `field.path=value` overrides into a config (no JAX)
   preflight  the checks before a run starts: backend, devices, run directory, the hand memory plan
 
+Every entry point parses its arguments with `ArgumentParser` before it imports JAX: `--help` prints its
+usage (exit 0) at once, and a bad argument is one line on stderr (exit 2).
 Importing the package sets JAX_PLATFORMS=cpu on a machine without accelerator devices (`cpu_only_platform`).
 `bound_compilation_cache` keeps XLA's persistent compilation cache under its size (`make train`, `make test`).
 """
 
+import argparse
 import glob
 import os
 
+from vapo_jax.errors import USER_ERROR_EXIT_CODE
+
 # Device files of the accelerators JAX could use: TPU (/dev/accel*, /dev/vfio), NVIDIA and AMD GPUs.
 ACCELERATOR_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse's parser whose mistakes are one line on stderr and exit status 2 (`USER_ERROR_EXIT_CODE`),
+  as every user error of the entry points."""
+
+  def error(self, message: str):
+    self.exit(USER_ERROR_EXIT_CODE, f"error: {message} (--help: the usage)\n")
 
 
 def cpu_only_platform(environ=os.environ, *, files=ACCELERATOR_FILES) -> None:

@@ -148,10 +148,10 @@ def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO
           "reward.answer_forms' (rewards/extract.py lists the forms)")
 
 
-def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
+def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
   """Samples `eval.samples_per_problem` responses per held-out problem from a checkpoint, at the eval
   temperature and top-p, through the trainer's own path (`problems.eval_problems` and
-  `experience.generate`), and writes them as a responses file."""
+  `experience.generate_responses`), and writes them as a responses file."""
   import jax
 
   from vapo_jax.data import problems, tokenizer as tok_lib
@@ -170,8 +170,9 @@ def generate_responses(config, checkpoint_dir: str, path: str, *, prompts_per_ca
   with _written_whole(path) as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
-      out, _ = experience.generate(model, chunk, jax.random.fold_in(key, start), config=config, tokenizer=tokenizer,
-                                   group=e.samples_per_problem, temperature=e.temperature, top_p=e.top_p)
+      out, _ = experience.generate_responses(model, chunk, jax.random.fold_in(key, start), config=config,
+                                             tokenizer=tokenizer, group=e.samples_per_problem,
+                                             temperature=e.temperature, top_p=e.top_p)
       out = jax.device_get(out)
       for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):
         row = chunk[b // e.samples_per_problem]
@@ -207,33 +208,33 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def main(argv: list[str]) -> int:
-  own, rest, args = {"--ckpt": None, "--responses": None, "--out": None}, [], iter(argv)
-  for arg in args:
-    key, sep, value = arg.partition("=")
-    if key in own:
-      own[key] = value if sep else next(args, None)
-    else:
-      rest.append(arg)
+  parser = resolve.parser("vapo_jax.cli.evaluate", __doc__)
+  parser.add_argument("--responses", metavar="FILE", help="saved responses to score (.jsonl, .json, .parquet)")
+  parser.add_argument("--ckpt", metavar="DIR", help="a checkpoint to sample the responses from first")
+  parser.add_argument("--out", metavar="DIR", help="where samples.jsonl and summary.json go "
+                      "(default <run_dir>/eval/<responses' or checkpoint's name>)")
   with warnings.catch_warnings():
     warnings.showwarning = _one_line_warning  # Restored on leaving the block.
     try:
-      return _evaluate(own, rest)
+      config, args = resolve.resolve(argv, parser)
+      if args.help:
+        print(resolve.usage(parser, config))
+        return 0
+      if not (args.ckpt or args.responses):
+        parser.error("give --responses FILE (saved responses) or --ckpt DIR (a checkpoint to sample from)")
+      return _evaluate(config, args)
     except UserError as e:
       print(f"error: {e}", file=sys.stderr)
       return USER_ERROR_EXIT_CODE
 
 
-def _evaluate(own: dict[str, str | None], rest: list[str]) -> int:
-  config, want_help = resolve.resolve(rest)
-  if want_help or not (own["--ckpt"] or own["--responses"]):
-    print(__doc__, file=sys.stdout if want_help else sys.stderr)
-    return 0 if want_help else USER_ERROR_EXIT_CODE
+def _evaluate(config, args) -> int:
   problems, aliases = held_out_problems(config)  # Read as the trainer reads them (schema, fields, dedup).
-  responses = own["--responses"]
-  out_dir = own["--out"] or str(Path(config.run_directory) / "eval" /
-                                (Path(responses).stem if responses else Path(own["--ckpt"]).name))
+  responses = args.responses
+  out_dir = args.out or str(Path(config.run_directory) / "eval" /
+                            (Path(responses).stem if responses else Path(args.ckpt).name))
   if responses is None:
-    responses = generate_responses(config, own["--ckpt"], str(Path(out_dir) / "responses.jsonl"))
+    responses = sample_from_checkpoint(config, args.ckpt, str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()
   summary = evaluate_responses(responses, problems=problems or None, aliases=aliases, out_dir=out_dir,
                                reward_config=config.reward)

@@ -12,7 +12,6 @@ number of updates behind them (0 before RL, s + 1 after step s, `rl_steps` after
 pretraining (`critic/` curves) at negative steps, from −value_pretrain_steps to −1.
 """
 
-import argparse
 import io
 import json
 import os
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vapo_jax import files
+from vapo_jax.cli import ArgumentParser
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 Curve = tuple[np.ndarray, np.ndarray]  # (x [N], y [N]) of one run.
@@ -236,7 +236,7 @@ def plot_runs(runs: dict[str, str], out_dir: str) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> int:
-  parser = argparse.ArgumentParser(prog="python -m vapo_jax.cli.plots", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m vapo_jax.cli.plots", description=__doc__.split("\n\n")[0])
   parser.add_argument("runs", nargs="+", help="run directories (runs/<name>) or their metrics.jsonl files")
   parser.add_argument("--out", help="where to write the PNGs (default: <run>/plots for one run, else plots/)")
   args = parser.parse_args(argv)

@@ -1,49 +1,58 @@
 """Command-line config resolution shared by `make train`, `make eval`, `make memory` and `make sweep`.
 
-  resolve(["--exp", "aime", "algo.eps_high=0.3"]) -> (ExperimentConfig, want_help)
+  parser = resolve.parser("vapo_jax.cli.train", __doc__)      # --exp, --smoke, --help, overrides
+  config, args = resolve.resolve(["--exp", "aime", "algo.eps_high=0.3"], parser)
 
 It imports the configs, the overrides and the experiment registry (the repository's
 `experiments/`, which only the command-line layer may import), and no JAX, so `--help` answers at once.
 """
 
+import argparse
 import dataclasses
 import json
 import os
 
 import experiments
 from experiments.smoke import smoke
-from vapo_jax import files, overrides
-from vapo_jax.config import ExperimentConfig
+from vapo_jax import files
+from vapo_jax.cli import ArgumentParser
+from vapo_jax.config import ExperimentConfig, overrides
 from vapo_jax.errors import ConfigError
 
 DEFAULT_EXPERIMENT = "tiny"
 
 
-def usage(config: ExperimentConfig, program: str = "vapo_jax.cli.train") -> str:
-  lines = [f"usage: python -m {program} [--exp NAME] [--smoke] [field.path=value ...]", "",
-           "--smoke: the experiment at smoke-test size (experiments/smoke.py), before the overrides", "", "fields:"]
-  for path, (_, value) in overrides.field_paths(config).items():
-    lines.append(f"  {path} = {value!r}")
-  return "\n".join(lines)
+def parser(program: str, description: str) -> ArgumentParser:
+  """The arguments of an entry point that runs an experiment: `--exp`, `--smoke`, `--help` (the usage and
+  every field of the experiment with its value) and `field.path=value` overrides; add the program's own."""
+  command = ArgumentParser(prog=f"python -m {program}", description=description, add_help=False,
+                         allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
+  command.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's value")
+  command.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
+                     help=f"the experiment (experiments/; default {DEFAULT_EXPERIMENT})")
+  command.add_argument("--smoke", action="store_true",
+                     help="the experiment at smoke-test size (experiments/smoke.py), before the overrides")
+  command.add_argument("overrides", nargs="*", metavar="field.path=value", help="config overrides; later wins")
+  return command
 
 
-def resolve(argv: list[str]) -> tuple[ExperimentConfig, bool]:
-  """Parses `--exp NAME`, `--smoke`, `--help` and `field.path=value` overrides into a validated config."""
-  name, rest, want_help, small = DEFAULT_EXPERIMENT, [], False, False
-  args = iter(argv)
-  for arg in args:
-    if arg in ("-h", "--help"):
-      want_help = True
-    elif arg == "--smoke":
-      small = True
-    elif arg == "--exp" or arg.startswith("--exp="):
-      name = arg.split("=", 1)[1] if "=" in arg else next(args, "")
-      if not name:
-        raise ConfigError(f"--exp needs an experiment name, e.g. --exp {DEFAULT_EXPERIMENT} (make train EXP=...)")
-    else:
-      rest.append(arg)
-  config = experiments.get_experiment(name)
-  return overrides.apply_overrides(smoke(config) if small else config, rest), want_help
+def usage(command: argparse.ArgumentParser, config: ExperimentConfig) -> str:
+  """`command`'s help, then every field of `config` with its value."""
+  fields = [f"  {path} = {value!r}" for path, (_, value) in overrides.field_paths(config).items()]
+  return "\n".join([command.format_help(), f"fields of {config.name}:", *fields])
+
+
+def resolve(argv: list[str], command: argparse.ArgumentParser | None = None
+            ) -> tuple[ExperimentConfig, argparse.Namespace]:
+  """Parses `argv` with `command` (default: `parser`'s for `make train`) into a validated config and the
+  parsed arguments. An option the parser does not know is an override (`--algo.eps-high=0.3`), in its
+  place among the others."""
+  args, unknown = (command or parser("vapo_jax.cli.train", "")).parse_known_intermixed_args(argv)
+  if not args.exp:
+    raise ConfigError(f"--exp needs an experiment name, e.g. --exp {DEFAULT_EXPERIMENT} (make train EXP=...)")
+  config = experiments.get_experiment(args.exp)
+  changes = sorted(args.overrides + unknown, key=argv.index)
+  return overrides.apply_overrides(smoke(config) if args.smoke else config, changes), args
 
 
 def write_resolved_config(config: ExperimentConfig) -> str:

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import experiments
 from vapo_jax import paths
-from vapo_jax.cli import sweep_report
+from vapo_jax.cli import ArgumentParser, sweep_report
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 DEFAULT_ROOT = os.path.join("runs", "sweeps")
@@ -107,8 +107,8 @@ def members_of(sweep: str) -> list[str]:
   return list(experiments.SWEEPS[sweep]())
 
 
-def plan(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *,
-         stages: Sequence[experiments.SharedStage] = ()) -> list[Run]:
+def plan_runs(members: Sequence[str], seeds: Sequence[int], sweep_dir: str, *,
+              stages: Sequence[experiments.SharedStage] = ()) -> list[Run]:
   """The shared `stages` first, in order, each once (seed 0, whatever the seeds) and each starting from
   the ones before it; then every member × seed, seed by seed, each starting from all of them, as every
   row of the paper starts from one base model: the seeds vary the RL (its sampling and data order),
@@ -232,7 +232,7 @@ def _seeds(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
-  parser = argparse.ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
+  parser = ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
   parser.add_argument("sweep", help="a registered sweep (experiments.SWEEPS), e.g. toy")
   parser.add_argument("overrides", nargs="*", help="field.path=value overrides for every run")
   parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
@@ -268,12 +268,12 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   extra = ["--smoke"] * args.smoke + args.overrides
   stages = () if args.no_shared_stages else experiments.SHARED_STAGES.get(args.sweep, ())
   if args.print_commands:  # In order: the shared stages before the members.
-    for run in plan(members, args.seeds, sweep_dir, stages=stages):
+    for run in plan_runs(members, args.seeds, sweep_dir, stages=stages):
       print(run.make_command(extra), file=stream)
     return 0
   status: dict[str, str] = {}
   # Absolute paths: the runs start in the repository root.
-  everything = plan(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
+  everything = plan_runs(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
   runs = everything[len(stages):]  # The table's rows.
   if not args.report:
     start = time.perf_counter()

@@ -22,13 +22,14 @@ from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def main(argv: list[str]) -> int:
+  parser = resolve.parser("vapo_jax.cli.train", __doc__)
   try:
-    config, want_help = resolve.resolve(argv)
+    config, args = resolve.resolve(argv, parser)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     return USER_ERROR_EXIT_CODE
-  if want_help:
-    print(resolve.usage(config))
+  if args.help:
+    print(resolve.usage(parser, config))
     return 0
   from vapo_jax.cli import bound_compilation_cache
   bound_compilation_cache()  # make train's cache, at its size before this run adds to it.

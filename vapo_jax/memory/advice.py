@@ -7,7 +7,7 @@ rounds of prompts, fewer prompts, shorter responses).
 import math
 from collections.abc import Mapping
 
-from vapo_jax import overrides
+from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory.hand_plan import GIB, MemoryPlan, plan_memory, refill_slots, rollout_groups
 from vapo_jax.train import packed_batch

@@ -154,7 +154,7 @@ def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, res
 def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, jax.ShapeDtypeStruct | None]:
   """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `group` sequences
   (one sequence a row: every response at the cap; `packing.bucket_rows` of that) and the placement
-  `[groups, 2, size]` as `Steps.plan` leaves it. Padded: (None, None)."""
+  `[groups, 2, size]` as `Steps.plan_packing` leaves it. Padded: (None, None)."""
   rows = run.steps.largest_rows(group)
   return rows, rows and jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=run.steps.replicated)
 
@@ -255,7 +255,7 @@ def _shrink_sizes(slots: int, min_slots: int) -> list[int]:
 
 
 def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
-  """`refill.generate`'s programs: start, decode, compaction (and decode at every slot count), finish."""
+  """`refill.generate_refill`'s programs: start, decode, compaction (and decode at every slot count), finish."""
   shared = dict(group=run.config.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call,
                 min_slots=engine.min_slots, **settings)
   fns = refill.programs(slots=engine.slots, **shared)

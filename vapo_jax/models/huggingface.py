@@ -219,6 +219,18 @@ def _check_complete(directory: str, params: dict[str, nnx.Variable], found: set[
                           f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
 
 
+def _placed_parameter(current, variable, array: np.ndarray, layer: int | None, *, mesh, rules) -> jax.Array:
+  """`array` as parameter `variable` (sharded on `mesh` by `rules`), or as layer `layer` of its stack
+  `current` (None: zeros of the stack's shape, at the stack's first tensor)."""
+  target, axes = variable.get_value(), variable.get_metadata()["logical_axes"]
+  spec = () if mesh is None else tuple(sharding.partition_spec(axes, rules, mesh.shape, target.shape))
+  placement = lambda *parts: None if mesh is None else NamedSharding(mesh, PartitionSpec(*parts))
+  if layer is None:
+    return _placed(array, target.dtype, target.shape, placement(*spec))
+  current = _zeros(target.shape, jnp.dtype(target.dtype), placement(*spec))() if current is None else current
+  return _set_layer(current, _placed(array, target.dtype, target.shape[1:], placement(*spec[1:])), layer)
+
+
 def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None = None,
          rules: dict | None = None, allow_missing: tuple[str, ...] = ()) -> nnx.Module:
   """Builds `factory()`'s module with its parameters read from a Hugging Face checkpoint.
@@ -234,8 +246,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   """
   tensors = _open_tensors(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(factory))
-  params = _param_paths(abstract)
-  cfg = TransformerConfig.from_pretrained(directory)
+  params, cfg = _param_paths(abstract), TransformerConfig.from_pretrained(directory)
   _check_vocab_size(directory, cfg, tensors)
   loaded, found, unexpected = {}, set(), []
   for name, file in tensors.items():
@@ -253,22 +264,11 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
     if path not in params or (layer is not None and layer >= params[path].get_value().shape[0]):
       unexpected.append(name)
       continue
-    variable = params[path]
-    target = variable.get_value()
-    shape = target.shape if layer is None else target.shape[1:]
+    shape = params[path].get_value().shape[0 if layer is None else 1:]  # A stack's layer: its own shape.
     if array.shape != shape:
       raise CheckpointError(f"{directory}: tensor {name!r} has shape {file.shape(name)}, which maps "
                             f"to {array.shape}, but parameter {per_layer!r} needs {shape}")
-    spec = None if mesh is None else sharding.partition_spec(variable.get_metadata()["logical_axes"], rules,
-                                                             mesh.shape, target.shape)
-    if layer is None:
-      loaded[path] = _placed(array, target.dtype, shape, None if mesh is None else NamedSharding(mesh, spec))
-    else:
-      if path not in loaded:
-        loaded[path] = _zeros(target.shape, jnp.dtype(target.dtype), None if mesh is None else
-                              NamedSharding(mesh, spec))()
-      layer_sharding = None if mesh is None else NamedSharding(mesh, PartitionSpec(*tuple(spec)[1:]))
-      loaded[path] = _set_layer(loaded[path], _placed(array, target.dtype, shape, layer_sharding), layer)
+    loaded[path] = _placed_parameter(loaded.get(path), params[path], array, layer, mesh=mesh, rules=rules)
     found.add(per_layer)
   if unexpected:
     raise CheckpointError(f"{directory}: unexpected tensors {sorted(unexpected)[:10]}"

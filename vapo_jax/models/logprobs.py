@@ -184,7 +184,7 @@ def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, respo
   response_len` response tokens; the hidden state at position S − Tr − 1 + t predicts response
   token t = tokens[:, S − Tr + t]. Only those Tr hidden states go through the output projection,
   with at most B·`chunk`·V logits at a time. Replaces `response_logits` + `token_logprobs` +
-  `losses.entropy_from_logits` without the `[B, Tr, V]` logits.
+  `losses.reference_entropy_from_logits` without the `[B, Tr, V]` logits.
   """
   hidden, _ = model.hidden_states(tokens, positions_from_mask(attention_mask), attention_mask)
   prompt_len = tokens.shape[1] - response_len
@@ -203,20 +203,3 @@ def packed_token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, posi
   targets = jnp.pad(jnp.where(same, tokens[:, 1:], 0), ((0, 0), (0, 1)))
   kernel, transposed = model.output_projection()
   return token_logprobs_entropy(hidden, kernel, targets, chunk=chunk, entropy=entropy, transposed=transposed)
-
-
-def packed_response_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array,
-                             response_index: jax.Array, response_mask: jax.Array, *, chunk: int,
-                             entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
-  """`response_logprobs` on packed rows (`train.packing.Packed`'s fields): log π(o_t) (and H_t)
-  `[B, Tr]`, 0 where `response_mask` is false.
-
-  `tokens`, `segment_ids`, `positions` `[R, L]`; `response_index` `[B, Tr]` the flat column r·L + c of
-  response token t. Every position scores the next token of its own segment (`packed_token_logprobs`),
-  and response token t reads its value from the column before its own. The projection runs over all
-  R·L columns (prompts included): about the real tokens of the batch, against B·Tr positions, padding
-  included, unpacked."""
-  logprobs, ent = packed_token_logprobs(model, tokens, segment_ids, positions, chunk=chunk, entropy=entropy)
-  index = jnp.maximum(response_index - 1, 0)  # The column whose hidden state predicts token t.
-  take = lambda x: jnp.where(response_mask, x.reshape(-1)[index], 0.0)
-  return take(logprobs), (take(ent) if entropy else None)

@@ -8,4 +8,5 @@ keyword-only, masks explicit. `train/algorithm.py` chooses which of them a confi
               Monte-Carlo returns, group-normalised advantages, last-token rewards
   losses      the clipped policy loss (clip-higher, dual clip), loss aggregations, value loss,
               positive-example NLL, KL estimators, entropy, explained variance
+  positions   batch statistics by relative position within each response (deciles)
 """

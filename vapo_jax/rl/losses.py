@@ -180,7 +180,7 @@ def positive_example_nll_loss(
   return loss, metrics
 
 
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
+def reference_entropy_from_logits(logits: jax.Array) -> jax.Array:
   """Entropy H = logsumexp(z) − Σ_v softmax(z)_v·z_v of the categorical over the last axis.
 
   `[..., V]` logits to `[...]` entropies, in float32.

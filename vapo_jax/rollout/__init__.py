@@ -14,8 +14,8 @@ The package, one module a part:
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
   here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
 
-`sample` runs the static engine (`static.generate`, optionally in rounds of prompts) or the refill
-engine (`refill.generate`); with at least as many slots as sequences there is nothing to refill
+`sample` runs the static engine (`static.generate_static`, optionally in rounds of prompts) or the refill
+engine (`refill.generate_refill`); with at least as many slots as sequences there is nothing to refill
 and the static engine runs. Both sample the same tokens for the same key (sequence n of the call
 draws from `fold_in(key, n)`), so the engine is a speed setting, never a change of results.
 
@@ -108,7 +108,7 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   refilled = engine.kind == "refill" and 0 < engine.slots < sequences
   if refilled:
     queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
-    out, decode_steps, row_steps = refill.generate(
+    out, decode_steps, row_steps = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
         slots=engine.slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
         decode_block=engine.decode_block, min_slots=engine.min_slots, jit=jit,

@@ -317,12 +317,13 @@ def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int =
       finish=jit(functools.partial(common.finished_rollout, group=group, pad_id=pad_id)))
 
 
-def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *, sampling: common.Sampling,
-             samples_per_prompt: int, slots: int, queues: int = 1, steps_per_call: int = 256, pad_id: int = 0,
-             cache_dtype=jnp.float32, decode_block: int | None = None, min_slots: int = 0,
-             jit: Callable = jax.jit, length_limits: jax.Array | None = None) -> tuple[common.Rollout, int, int]:
-  """`static.generate`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots in
-  `queues` queues (dividing the slots, the prompts and `min_slots`), the decode iterations run and the
+def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+                    sampling: common.Sampling, samples_per_prompt: int, slots: int, queues: int = 1,
+                    steps_per_call: int = 256, pad_id: int = 0, cache_dtype=jnp.float32,
+                    decode_block: int | None = None, min_slots: int = 0, jit: Callable = jax.jit,
+                    length_limits: jax.Array | None = None) -> tuple[common.Rollout, int, int]:
+  """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode
+  slots in `queues` queues (dividing the slots, the prompts and `min_slots`), the decode iterations run and the
   rows decoded (Σ slots × iterations). `min_slots` > 0: shrink the slots in the tail down to this many
   (a multiple of the data-parallel devices); 0: never. `length_limits` `[P·G]`, in [1, max_new_tokens]."""
   if slots % queues or prompt_tokens.shape[0] % queues or min_slots % queues:

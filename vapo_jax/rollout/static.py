@@ -30,10 +30,10 @@ class Loop(NamedTuple):
   policy: jax.Array
 
 
-def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-             sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0, cache_dtype=jnp.float32,
-             decode_block: int | None = None, first_sequence: jax.Array | int = 0,
-             length_limits: jax.Array | None = None) -> Rollout:
+def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
+                    sampling: Sampling, samples_per_prompt: int = 1, pad_id: int = 0, cache_dtype=jnp.float32,
+                    decode_block: int | None = None, first_sequence: jax.Array | int = 0,
+                    length_limits: jax.Array | None = None) -> Rollout:
   """The static engine: `samples_per_prompt` responses for each of the P left-padded prompts `[P, Tp]`.
 
   Jit it with the keyword arguments static except `first_sequence` and `length_limits` (see
@@ -91,9 +91,9 @@ def generate(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.A
 @functools.lru_cache(maxsize=32)
 def make_generate(*, sampling: Sampling, samples_per_prompt: int, pad_id: int, cache_dtype=jnp.float32,
                   decode_block: int | None = None, jit: Callable = jax.jit):
-  """The static `generate` jitted for one setting: `fn(model, prompt_tokens, prompt_mask, key,
+  """`generate_static` jitted for one setting: `fn(model, prompt_tokens, prompt_mask, key,
   first_sequence=0, length_limits=None)`."""
-  return jit(lambda model, tokens, mask, key, first_sequence=0, length_limits=None: generate(
+  return jit(lambda model, tokens, mask, key, first_sequence=0, length_limits=None: generate_static(
       model, tokens, mask, key, sampling=sampling, samples_per_prompt=samples_per_prompt, pad_id=pad_id,
       cache_dtype=cache_dtype, decode_block=decode_block, first_sequence=first_sequence,
       length_limits=length_limits))

@@ -102,6 +102,35 @@ def value_targets(algo: AlgoConfig, rewards: jax.Array, response_mask: jax.Array
       raise ValueError(f"unknown value pretraining target {algo.value_pretrain_target!r}")
 
 
+def batch_metrics(rewards: jax.Array, correct: jax.Array, response_mask: jax.Array, prompt_mask: jax.Array, *,
+                  max_response_tokens: int) -> dict[str, jax.Array]:
+  """The scored rollout `[B]`: `rollout/reward_mean`, `rollout/accuracy` (the fraction of responses the
+  verifier judged correct), `rollout/response_len_mean` / `_min`, `rollout/prompt_len_mean` and
+  `rollout/truncated_frac` (responses that reached `max_response_tokens`)."""
+  lengths = jnp.sum(response_mask, axis=-1)
+  return {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
+          "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
+          "rollout/prompt_len_mean": jnp.mean(jnp.sum(prompt_mask, axis=-1)),
+          "rollout/truncated_frac": jnp.mean((lengths >= max_response_tokens).astype(jnp.float32))}
+
+
+def advantage_metrics(est: Advantages, values: jax.Array | None, entropy: jax.Array, logprob_gap: jax.Array,
+                      response_mask: jax.Array) -> dict[str, jax.Array]:
+  """A scored batch's estimates, token means over `response_mask`: the critic's explained variance and
+  mean value (0 without a critic), the rollout policy's entropy, `rollout/logprob_gap` (|rollout −
+  scoring log-probs|, given per token), the mean return, λ_actor's mean / min / max and |advantage|."""
+  mask = response_mask
+  critic = {"critic/explained_variance": losses.explained_variance(values, est.returns, mask),
+            "critic/value_mean": masked.masked_mean(values, mask)} if values is not None else {
+                "critic/explained_variance": 0.0, "critic/value_mean": 0.0}
+  return critic | {
+      "actor/entropy": masked.masked_mean(entropy, mask),  # Of the rollout policy, on this batch.
+      "rollout/logprob_gap": masked.masked_mean(logprob_gap, mask),
+      "critic/return_mean": masked.masked_mean(est.returns, mask),
+      "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
+      "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+
+
 # Relative-position bins of the per-step statistics below: deciles of each response.
 DECILES = 10
 
@@ -156,7 +185,8 @@ def actor_loss(
     nll, nll_metrics = losses.positive_example_nll_loss(logprobs, response_mask, is_positive,
                                                         denominator=d.positive_tokens)
     total = total + algo.positive_nll_coef * nll
-    metrics |= {"actor/nll_loss": nll} | {f"actor/{k}": v for k, v in nll_metrics.items()}
+    # The positive fraction is the rollout's accuracy (`rollout/accuracy`, from scoring): not repeated here.
+    metrics |= {"actor/nll_loss": nll, "actor/positive_tokens": nll_metrics["positive_tokens"]}
   if algo.kl_coef > 0:
     if ref_logprobs is None:
       raise ValueError("algo.kl_coef > 0 needs ref_logprobs")

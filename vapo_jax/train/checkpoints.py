@@ -33,8 +33,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from vapo_jax import distributed, files
-from vapo_jax.config import ExperimentConfig
-from vapo_jax.run_config import CheckpointConfig
+from vapo_jax.config import CheckpointConfig, ExperimentConfig
 
 from vapo_jax.errors import ConfigError
 

@@ -10,7 +10,7 @@ the prompts' token ids (in), the token ids and lengths of this process's share o
 (out, for the verifier), and the verifier's rewards and verdicts (in). Dynamic sampling also
 brings every process the verdicts of the whole batch and sends back the rows it keeps.
 
-`generate` is the one path from problems to sampled responses: the trainer's rollouts, its
+`generate_responses` is the one path from problems to sampled responses: the trainer's rollouts, its
 held-out evaluation and `make eval` all call it.
 """
 
@@ -62,9 +62,9 @@ def engine(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, pro
   return chosen
 
 
-def generate(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer, group: int,
-             temperature: float, top_p: float, top_k: int = 0, jit=jax.jit, place=None,
-             devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
+def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
+                       group: int, temperature: float, top_p: float, top_k: int = 0, jit=jax.jit, place=None,
+                       devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
   """`group` sampled responses for each record's prompt (B = len(records)·group; sequence n draws from
   fold_in(key, n) whatever the engine) and the rollout's metrics, with the configured engine.
   `jit`, `place` and `devices`: a run's mesh (`Steps.jit`, `Steps.place`, its data-parallel devices);
@@ -124,11 +124,11 @@ class Experience:
     once generation is done."""
     return nnx.merge(self.steps.actor_def, self.layout.reshard(state.actor))
 
-  def generate(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int, temperature: float,
-               top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
-    """`generate` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back as
+  def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int,
+                         temperature: float, top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
+    """`generate_responses` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back as
     global arrays laid out for scoring on the training mesh."""
-    out, stats = generate(policy, records, key, config=self.config, tokenizer=self.tokenizer, group=group,
+    out, stats = generate_responses(policy, records, key, config=self.config, tokenizer=self.tokenizer, group=group,
                           temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
                           place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
@@ -162,21 +162,15 @@ class Experience:
     config, settings = self.config, self.config.rollout
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     if not config.algo.dynamic_sampling:
-      records = next(prompts)
-      out, generated = self.generate(policy, records, key, group=group, temperature=settings.temperature,
-                                     top_p=settings.top_p, top_k=settings.top_k)
+      _, out, scored, generated = self._sample_round(policy, prompts, key)
       del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
-      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       rewards, correct = self._place_share(scored, out)
       return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
     kept, spare, parts, rounds, rollout_s = [], [], [], 0, 0.0
     while True:
-      records = next(prompts)
       key, sample_key = jax.random.split(key)
-      out, generated = self.generate(policy, records, sample_key, group=group, temperature=settings.temperature,
-                                     top_p=settings.top_p, top_k=settings.top_k)
+      records, out, scored, generated = self._sample_round(policy, prompts, sample_key)
       rollout_s += generated["time/rollout_s"]
-      scored = self.verify(out, [x.answer for x in records for _ in range(group)])
       correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
       rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
       offset = sum(len(p[0].response_lengths) for p in parts)
@@ -198,12 +192,23 @@ class Experience:
     groups = np.asarray((kept + spare)[:settings.prompts_per_step])
     rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-    out = _take(out, self.steps.place(rows.astype(np.int32)))
+    out = _take_rows(out, self.steps.place(rows.astype(np.int32)))
     rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
     stats = generated | scored.metrics | {"time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
                               "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
                               "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
     return out, rewards, correct, stats
+
+  def _sample_round(self, policy: nnx.Module, prompts: PromptIterator, key: jax.Array):
+    """One round of sampling: the next P prompts, G responses to each with the training sampling
+    settings, verified: (records, rollout, verifier's `RewardBatch`, rollout metrics)."""
+    settings = self.config.rollout
+    records = next(prompts)
+    out, generated = self.generate_in_layout(policy, records, key, group=settings.samples_per_prompt,
+                                             temperature=settings.temperature, top_p=settings.top_p,
+                                             top_k=settings.top_k)
+    scored = self.verify(out, [x.answer for x in records for _ in range(settings.samples_per_prompt)])
+    return records, out, scored, generated
 
   def _place_share(self, scored: reward_lib.RewardBatch, out: common.Rollout):
     """This process's rewards and verdicts as global arrays laid out like the rollout's rows."""
@@ -222,8 +227,8 @@ class Experience:
     correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, self.policy(state)
     for n, i in enumerate(range(0, len(records), per_call)):
       part = records[i:i + per_call]
-      out, _ = self.generate(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
-                             temperature=evaluation.temperature, top_p=evaluation.top_p)
+      out, _ = self.generate_in_layout(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
+                                       temperature=evaluation.temperature, top_p=evaluation.top_p)
       scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
       correct.append(distributed.gather_rows(scored.correct))
       lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
@@ -245,5 +250,5 @@ def _concat(parts: list[common.Rollout]) -> common.Rollout:
 
 
 @jax.jit
-def _take(tree, rows):
+def _take_rows(tree, rows):
   return jax.tree.map(lambda x: x[rows], tree)

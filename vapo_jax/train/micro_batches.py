@@ -1,7 +1,7 @@
 """Micro-batches: splitting a mini-batch, accumulating gradients over its parts, and forward passes
 part by part, in either layout (padded sequences or packed rows, `packed_batch`).
 
-  chunks = micro_batches.split(batch, micro, shards)                  # padded: [B, ...] -> [M, micro, ...]
+  chunks = micro_batches.split_micro(batch, micro, shards)            # padded: [B, ...] -> [M, micro, ...]
   loss, grads, metrics = micro_batches.accumulate(loss_fn, params, chunks)
   params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks, ...)
 
@@ -17,7 +17,7 @@ import optax
 from vapo_jax.train.optim import learning_rate
 
 
-def split(tree, micro: int, shards: int = 1):
+def split_micro(tree, micro: int, shards: int = 1):
   """Splits the leading batch axis `[B, ...]` into `[M, micro, ...]` micro-batches.
 
   With the batch in `shards` equal contiguous blocks (one per device along the batch axes),
@@ -35,7 +35,7 @@ def split(tree, micro: int, shards: int = 1):
 
 
 def unsplit(tree, shards: int = 1):
-  """`[M, micro, ...]` back to `[B, ...]` (the inverse of `split`)."""
+  """`[M, micro, ...]` back to `[B, ...]` (the inverse of `split_micro`)."""
   def join_(x):
     m, micro = x.shape[:2]
     b = m * micro
@@ -95,7 +95,7 @@ def forward(fn, params, args, micro: int | None, shards: int):
   """`fn(params, args)` on padded sequences, `micro` at a time (None, or not dividing the batch: all at once)."""
   if micro is None or micro >= args[0].shape[0] or args[0].shape[0] % micro:
     return fn(params, args)
-  return unsplit(_map(fn, params, split(args, micro, shards)), shards)
+  return unsplit(_map(fn, params, split_micro(args, micro, shards)), shards)
 
 
 def forward_rows(fn, params, rows):

@@ -1,9 +1,9 @@
 """Packed batches of the jitted programs (docs/packing.md): where each sequence sits in packed
 rows (`Plan`, made on the host from the lengths), and the rows built from it on the device.
 
-  plan = packed_batch.plan(prompt_lengths, response_lengths, orders, row_tokens=L, micro_rows=m)  # host
-  inputs, unpack = packed_batch.scoring_rows(tokens, lengths, row, offset, ...)                   # device
-  mb = packed_batch.mini_batch(batch, sequences, lengths, row, offset, ...)                       # device
+  plan = packed_batch.plan_rows(prompt_lengths, response_lengths, orders, row_tokens=L, micro_rows=m)  # host
+  inputs, unpack = packed_batch.scoring_rows(tokens, lengths, row, offset, ...)                        # device
+  mb = packed_batch.mini_batch(batch, sequences, lengths, row, offset, ...)                            # device
 
 A group of sequences (scoring's whole batch, or one mini-batch) is placed by first-fit decreasing
 (`packing.place_groups`) into R = M·m rows of L = `row_tokens` tokens, laid out `[M, m, L]`: micro-
@@ -14,7 +14,7 @@ needs (a power of two times m: few programs). A sequence without a response is n
 
 Time index. A loss's per-token arrays sit at each response token's prediction column, the column
 before its own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
-(`packing.unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
+(`packing.reference_unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
 sequence's (row, offset): `packing.layout` expands them here.
 """
 
@@ -53,8 +53,8 @@ class Plan(NamedTuple):
   update_metrics: dict[str, float]  # perf/padding_frac_<phase>, perf/micro_batches, perf/micro_batches_compiled.
 
 
-def plan(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_rows: int,
-         phase: str = "update") -> Plan:
+def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_rows: int,
+              phase: str = "update") -> Plan:
   """The host's packing of a batch: `orders` `[E, K, n]` are the sequence ids of the K mini-batches of
   each of E epochs. Padding fractions count the micro-batches that run (compiled ones past the rows a
   group needs are skipped); `phase` names the update's metric ("update", "sft")."""
@@ -125,7 +125,7 @@ class PackedBatch(NamedTuple):
   is_positive: jax.Array  # [n] bool.
 
 
-def split(tree, micro_rows: int):
+def split_rows(tree, micro_rows: int):
   """`[R, ...]` → `[M, m, ...]` micro-batches of m = `micro_rows` rows, each split over the batch devices."""
   return jax.tree.map(lambda x: constrain(x.reshape((-1, micro_rows) + x.shape[1:]),
                                           (None, "batch") + (None,) * (x.ndim - 1)), tree)
@@ -146,7 +146,7 @@ def scoring_rows(tokens, lengths: Lengths, row, offset, *, response_len: int, ro
   `unpack(x [M, m, L]) -> [B, Tr]`: each response token's prediction column (0 where masked)."""
   sequences = jnp.arange(tokens.shape[0], dtype=jnp.int32)
   _, lay, packed = _rows(tokens, response_len, lengths, sequences, row, offset, rows=rows, row_tokens=row_tokens)
-  inputs = split(RowBatch(packed, lay.segment_ids, lay.position, lay.segment_ids > 0), micro_rows)
+  inputs = split_rows(RowBatch(packed, lay.segment_ids, lay.position, lay.segment_ids > 0), micro_rows)
   t = jnp.arange(response_len, dtype=jnp.int32)[None]
   valid = (t < lengths.response[:, None]) & (row[:, None] >= 0)
   index = jnp.where(valid, (row * row_tokens + offset + lengths.prompt)[:, None] + t - 1, 0)
@@ -167,4 +167,4 @@ def mini_batch(batch, sequences, lengths: Lengths, row, offset, *, rows: int, mi
   packed = RowBatch(tokens, lay.segment_ids, lay.position, predicts, predicts & batch.is_positive[seq],
                     at(batch.returns), at(batch.old_values), at(batch.old_logprobs), at(batch.advantages),
                     at(batch.ref_logprobs), at(batch.value_mask))
-  return PackedBatch(split(packed, micro_rows), lengths.response[sequences], batch.is_positive[sequences])
+  return PackedBatch(split_rows(packed, micro_rows), lengths.response[sequences], batch.is_positive[sequences])

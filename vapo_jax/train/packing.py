@@ -15,13 +15,13 @@ Rows are filled by first-fit decreasing (`first_fit_decreasing`): at most 11/9·
 
 Time index. As in `updates.response_values` and `models.logprobs.response_logprobs`, the outputs
 at the token *before* response token t (its hidden state) predict o_t, and the critic's value there
-is V(s_t). `unpack_predictions` reads response token t's outputs from the column before its own,
+is V(s_t). `reference_unpack_predictions` reads response token t's outputs from the column before its own,
 which lies in the same segment: a packed sequence with a response has at least one prompt token.
-`unpack_tokens` reads the token's own column (the inverse of packing).
+`reference_unpack_tokens` reads the token's own column (the inverse of packing).
 
 Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the host in numpy (they
-need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `unpack_tokens`,
-`unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
+need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `reference_unpack_tokens`,
+`reference_unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
 token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
 (row, offset), `place_groups`'s `[B]` arrays, and `layout` expands them on the device into the
 columns' sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
@@ -168,14 +168,14 @@ def _take_columns(values: jax.Array, index, mask) -> jax.Array:
   return jnp.where(mask, out, jnp.zeros((), out.dtype))
 
 
-def unpack_tokens(values: jax.Array, packed: Packed) -> jax.Array:
+def reference_unpack_tokens(values: jax.Array, packed: Packed) -> jax.Array:
   """Per-token values `[R, L, ...]` at each response token's own column → `[B, Tr, ...]` (0 where
-  masked): the inverse of packing for the response (`unpack_tokens(packed.tokens, packed)` gives the
+  masked): the inverse of packing for the response (`reference_unpack_tokens(packed.tokens, packed)` gives the
   response tokens back)."""
   return _take_columns(values, packed.response_index, packed.response_mask)
 
 
-def unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
+def reference_unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
   """Per-position outputs `[R, L, ...]` (log-probs of the next token, values, entropy) at the column
   before each response token → `[B, Tr, ...]` (0 where masked): output t is the one that predicts
   response token t, and the value there is V(s_t) (module doc, time index)."""
@@ -183,7 +183,7 @@ def unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array:
   return _take_columns(values, index, packed.response_mask)
 
 
-class Layout(NamedTuple):
+class RowLayout(NamedTuple):
   """Packed rows `[R, L]` on the device, from each sequence's (row, offset) (`layout`)."""
 
   sequence: jax.Array  # [R, L] int32 index of the column's sequence among those given; −1 on padding.
@@ -191,7 +191,7 @@ class Layout(NamedTuple):
   segment_ids: jax.Array  # [R, L] int32 1, 2, ... per sequence of a row in column order; 0 on padding.
 
 
-def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> Layout:
+def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> RowLayout:
   """jnp, static shapes: which sequence and which of its tokens each column of `rows` × `row_tokens`
   holds, from the sequences' row, offset and length `[n]` (row −1 or length 0: not placed). Each
   sequence start marks its column with the sequence's index; a running maximum of the start columns
@@ -207,4 +207,4 @@ def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> Layout:
   position = column - first
   real = (first >= 0) & (position < lengths[jnp.maximum(sequence, 0)])
   segment_ids = jnp.cumsum(owner >= 0, axis=1, dtype=jnp.int32)
-  return Layout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))
+  return RowLayout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))

@@ -10,7 +10,7 @@ held in one `state.TrainState`; the forward passes and updates of a mini-batch a
 mini-batch's denominators, so the accumulated gradient equals the mini-batch gradient exactly).
 
 Two layouts (`packing.enabled`), the same programs: padded, a micro-batch is `micro` sequences of
-S tokens; packed (`packed_batch`: `plan = steps.plan(state, rollout)` on the host, then
+S tokens; packed (`packed_batch`: `plan = steps.plan_packing(state, rollout)` on the host, then
 `score(..., plan=plan)` and `ppo_update(..., plan=plan)`), a micro-batch is m rows of L tokens
 holding whole sequences end to end, the losses' arrays at the rows' prediction columns, and
 micro-batches without a response token are skipped.
@@ -32,7 +32,7 @@ from vapo_jax import distributed
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
-from vapo_jax.rl import advantages, losses, masked
+from vapo_jax.rl import advantages, losses
 from vapo_jax.rollout.common import Rollout
 from vapo_jax.train import algorithm, packed_batch, packing
 from vapo_jax.train.packed_batch import PackedBatch
@@ -92,7 +92,7 @@ class Steps:
     lengths = [jnp.sum(m, axis=-1, dtype=jnp.int32) for m in (prompt_mask, response_mask)]
     return jnp.concatenate([jnp.stack(lengths), orders.reshape(epochs, size)]).astype(jnp.int32)
 
-  def plan(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
+  def plan_packing(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
     """Packed rows for this step's scoring and mini-batches (None when `packing.enabled` is false).
     Host transfers: the lengths and mini-batch orders `[2 + E, B]` int32 come to the host (the
     orders from the state's key, as the update draws them); each sequence's (row, offset) go back."""
@@ -101,7 +101,7 @@ class Steps:
     start = time.perf_counter()
     host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
     orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(host.shape[1]))
-    found = packed_batch.plan(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
+    found = packed_batch.plan_rows(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
     return found._replace(placement=distributed.global_array(found.placement, self.replicated),
                           scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
@@ -110,7 +110,7 @@ class Steps:
     if not self.packed:
       return None
     response = np.sum(batch.response_mask, axis=-1)
-    found = packed_batch.plan(np.sum(batch.attention_mask, axis=-1) - response, response,
+    found = packed_batch.plan_rows(np.sum(batch.attention_mask, axis=-1) - response, response,
                               np.arange(response.size)[None, None], row_tokens=self.row_tokens,
                               micro_rows=self.micro_rows, phase="sft")
     return found._replace(placement=distributed.global_array(found.placement, self.replicated))
@@ -124,7 +124,7 @@ class Steps:
             plan: packed_batch.Plan | None = None):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
-    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan`)."""
+    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan_packing`)."""
     program = self.score_program(critic_only=critic_only, rows=plan and plan.scoring_rows)
     batch, stats = program(state, out, rewards, correct, plan and plan.placement)
     return batch, stats | (plan.scoring_metrics if plan else {})
@@ -159,16 +159,12 @@ class Steps:
                      rows: int | None):
     config, algo, mask = self.config, self.config.algo, out.response_mask
     tokens, attention = join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
-    lengths = jnp.sum(mask, axis=-1)
     token_rewards = advantages.last_token_rewards(rewards, mask)
     scoring_place = None if place is None else place[0]
     value, old_logprobs, entropy, ref = self._forward(state, tokens, attention, mask, scoring_place,
                                                       critic_only=critic_only, rows=rows)
-    stats = {"rollout/reward_mean": jnp.mean(rewards), "rollout/accuracy": jnp.mean(correct.astype(jnp.float32)),
-             "actor/positive_frac": jnp.mean(correct.astype(jnp.float32)),
-             "rollout/response_len_mean": jnp.mean(lengths), "rollout/response_len_min": jnp.min(lengths),
-             "rollout/prompt_len_mean": jnp.mean(jnp.sum(out.prompt_mask, axis=-1)),
-             "rollout/truncated_frac": jnp.mean((lengths >= config.rollout.max_response_tokens).astype(jnp.float32))}
+    stats = algorithm.batch_metrics(rewards, correct, mask, out.prompt_mask,
+                                    max_response_tokens=config.rollout.max_response_tokens)
     if place is None:
       stats["perf/padding_frac_scoring"] = 1.0 - jnp.mean(attention.astype(jnp.float32))
     if critic_only:
@@ -179,15 +175,7 @@ class Steps:
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
-    critic_stats = {"critic/explained_variance": losses.explained_variance(value, est.returns, mask),
-                    "critic/value_mean": masked.masked_mean(value, mask)} if value is not None else {
-                        "critic/explained_variance": 0.0, "critic/value_mean": 0.0}
-    stats |= critic_stats | {
-        "actor/entropy": masked.masked_mean(entropy, mask),  # Of the rollout policy, on this batch.
-        "rollout/logprob_gap": masked.masked_mean(jnp.abs(out.policy_logprobs - old_logprobs), mask),
-        "critic/return_mean": masked.masked_mean(est.returns, mask),
-        "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
-        "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+    stats |= algorithm.advantage_metrics(est, value, entropy, jnp.abs(out.policy_logprobs - old_logprobs), mask)
     stats |= algorithm.position_metrics(
         est, value, None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
         mask)
@@ -203,7 +191,7 @@ class Steps:
   def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool,
                  plan: packed_batch.Plan | None = None):
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
-    averaged over the updates. `plan`: on packed rows (`plan`)."""
+    averaged over the updates. `plan`: on packed rows (`plan_packing`)."""
     program = self.ppo_program(state, actor=actor, critic=critic, rows=plan and plan.update_rows)
     state, metrics = program(state, batch, plan and plan.placement)
     if plan is None:

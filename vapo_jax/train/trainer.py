@@ -198,27 +198,27 @@ class Trainer:
     self.progress.step_done()
     every = self.config.checkpoint.every_steps
     periodic = bool(every and not last and self.progress.stage_step % every == 0)
-    if periodic:
-      self.save()
-    if self.preemption.is_set():
-      if periodic and self.checkpoints is not None:
-        self.checkpoints.wait()
-      else:
-        self.save(wait=True)
-      raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} after {self.progress.stage} step "
-                                    f"{self.progress.stage_step}; checkpoint saved in "
-                                    f"{self.checkpoints and self.checkpoints.directory}",
-                                    exit_code=self.preemption.exit_code)
+    self._save_or_stop(f"after {self.progress.stage} step {self.progress.stage_step}", periodic=periodic)
 
   def _enter(self, stage: str, *, save: bool = True):
     self.progress.enter(stage)
-    if save and self.config.checkpoint.every_steps:
+    if save:  # Entering "done" too: a SIGTERM in the final export exits 75.
+      self._save_or_stop(f"on entering {stage}", periodic=bool(self.config.checkpoint.every_steps))
+
+  def _save_or_stop(self, where: str, *, periodic: bool):
+    """Saves when `periodic`; after SIGTERM or Ctrl-C, that checkpoint finished (else one saved now), then
+    `checkpoints.Preempted` saying `where` the run stopped."""
+    if periodic:
       self.save()
-    if save and self.preemption.is_set():  # Entering "done" too: a SIGTERM in the final export exits 75.
-      if not self.config.checkpoint.every_steps:
-        self.save(wait=True)
-      raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} on entering {stage}; checkpoint saved",
-                                    exit_code=self.preemption.exit_code)
+    if not self.preemption.is_set():
+      return
+    if not periodic:
+      self.save(wait=True)
+    elif self.checkpoints is not None:
+      self.checkpoints.wait()
+    directory = self.checkpoints and self.checkpoints.directory
+    raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} {where}; checkpoint saved in {directory}",
+                                exit_code=self.preemption.exit_code)
 
   # ------------------------------------------------------------------------------------ steps
   def step(self, state: TrainState, *, value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
@@ -228,7 +228,7 @@ class Trainer:
     state, key = state.split_key()
     out, rewards, correct, stats = self.experience.sample(state, self.progress.prompts, key)
     sampled = time.perf_counter()
-    plan = self.steps.plan(state, out)  # None unless packing.enabled.
+    plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
     batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan)
     jax.block_until_ready(batch)
     scored = time.perf_counter()

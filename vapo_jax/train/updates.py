@@ -53,7 +53,7 @@ def response_values(critic, tokens, attention_mask, response_len: int) -> jax.Ar
 
 def _chunks(batch: TrainBatch | PackedBatch, micro: int, shards: int):
   """The micro-batches `[M, ...]` of a mini-batch: packed rows come split; padded, `micro` sequences each."""
-  return batch.rows if isinstance(batch, PackedBatch) else micro_batches.split(batch, micro, shards)
+  return batch.rows if isinstance(batch, PackedBatch) else micro_batches.split_micro(batch, micro, shards)
 
 
 def _sequences(batch: TrainBatch | PackedBatch) -> tuple[jax.Array, jax.Array]:
@@ -130,7 +130,7 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
   chunks = _chunks(batch, micro, shards)
   params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks, prefix="actor",
                                                             loss_name="loss")
-  return params, opt_state, metrics | {"actor/positive_frac": jnp.mean(verdicts.astype(jnp.float32))}
+  return params, opt_state, metrics
 
 
 def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,

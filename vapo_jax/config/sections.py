@@ -1,10 +1,10 @@
 """The run's surroundings: the model and its numerics, the device mesh, the data, the held-out
-evaluation, checkpoints and logs (the sections of `config.ExperimentConfig` besides the algorithm's).
-Frozen, keyword-only dataclasses, validated at construction like `config.py`'s."""
+evaluation, checkpoints and logs (the sections of `ExperimentConfig` besides the algorithm's).
+Frozen, keyword-only dataclasses, validated at construction like `experiment.py`'s."""
 
 from typing import Literal
 
-from vapo_jax.checks import frozen, in_range, positive_int, require
+from vapo_jax.config.checks import frozen, in_range, positive_int, require
 from vapo_jax.kinds import Attention, DType, MeshPreset, Schema, Template
 from vapo_jax.models.config import PRESETS as MODEL_PRESETS
 

@@ -4,7 +4,7 @@ All configs are frozen, keyword-only dataclasses. Invalid values are rejected at
 with a message naming the field and its valid range; derived values are properties. An
 `ExperimentConfig` is the whole run: the algorithm and what it samples and learns from are here
 (`AlgoConfig`, `PackingConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's
-surroundings (model, mesh, data, evaluation, checkpoints, logs) in `run_config.py`. Each VAPO
+surroundings (model, mesh, data, evaluation, checkpoints, logs) in `sections.py`. Each VAPO
 technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the section
 of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 
@@ -20,9 +20,9 @@ of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 import os
 from typing import Literal
 
-from vapo_jax.checks import frozen, in_range, positive_int, require
+from vapo_jax.config.checks import frozen, in_range, positive_int, require
+from vapo_jax.config.sections import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
 from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine, ValueTarget, names
-from vapo_jax.run_config import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
 
 
 @frozen
