@@ -107,6 +107,34 @@ class ActivationMemory(NamedTuple):
 Head = Literal["logprobs", "values", "last_logits"]
 
 
+def _head_bytes(cfg: TransformerConfig, head: Head, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
+                backward: bool, logits_chunk: int, embed: int) -> int:
+  """The head's bytes of `activation_memory` (its docstring: policy head, last logits, critic head)."""
+  e, d, v, t, tr = dtype_bytes, cfg.hidden_size, cfg.vocab_size, tokens, scored_tokens
+  block = tr * min(v, -(-v * min(logits_chunk, tr) // tr)) if tr else 0  # Tr·Vb logits per sequence.
+  per_row, fixed = {
+      "values": (t * (2 * e * d + 8), 0),
+      "last_logits": (v * (e + 4), 0),
+      "logprobs": ((8 + e) * block + (e + 4) * tr * d, 4 * embed * v) if backward else (8 * block + e * tr * d, 0),
+  }[head]
+  return rows * per_row + fixed
+
+
+def _layer_bytes(t: int, e: int, d: int, h: int, n: int, k: int, f: int, *, attention_block: tuple[int, int],
+                 dense_attention: bool) -> tuple[int, int, int, int, int]:
+  """One sequence's (kept, backward extra, forward tiles, scanned extra, remat extra) bytes of one layer, as
+  `activation_memory`'s docstring counts them (T = t tokens, D = d, H = h, N = n, K = k, F = f)."""
+  per_token = 3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k)
+  tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)  # One float32 score tile.
+  gradients = t * (2 * e * f + 8 * d)  # The MLP's and norms' gradients.
+  if dense_attention:
+    extra = 4 * n * t * t + gradients
+    return 8 * n * t * t + t * per_token, extra, 0, gradients, extra
+  # Forward: scores and probabilities; backward: those two and their gradients.
+  return (t * (per_token + 4 * n), gradients + t * 28 * n * h + 4 * tile, 2 * tile, gradients + t * 28 * n * h,
+          gradients + 2 * tile)
+
+
 def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
                       remat: bool, scan_layers: bool = True, backward: bool = True, head: Head = "logprobs",
                       dense_attention: bool = False,
@@ -149,30 +177,16 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
   backward starts, so the peak is stored + max(layer, head). A forward pass alone
   (`backward=False`) holds one layer's kept tensors and tiles, or the head, whichever is larger.
   """
-  e, d, h, v = dtype_bytes, cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-  n, k = heads or cfg.num_heads, kv_heads or cfg.num_kv_heads
-  f, width = mlp or cfg.intermediate_size, embed or cfg.hidden_size
-  t, tr = tokens, scored_tokens
-  per_token = 3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k)
-  tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)  # One float32 score tile.
-  gradients = t * (2 * e * f + 8 * d)  # The MLP's and norms' gradients.
-  if dense_attention:
-    kept, extra, tiles = 8 * n * t * t + t * per_token, 4 * n * t * t + gradients, 0
-    scanned_extra, remat_extra = gradients, extra
-  else:  # Forward: scores and probabilities; backward: those two and their gradients.
-    kept, extra, tiles = t * (per_token + 4 * n), gradients + t * 28 * n * h + 4 * tile, 2 * tile
-    scanned_extra, remat_extra = gradients + t * 28 * n * h, gradients + 2 * tile
-  block = tr * min(v, -(-v * min(logits_chunk, tr) // tr)) if tr else 0  # Tr·Vb logits per sequence.
-  per_row, fixed = {
-      "values": (t * (2 * e * d + 8), 0),
-      "last_logits": (v * (e + 4), 0),
-      "logprobs": ((8 + e) * block + (e + 4) * tr * d, 4 * width * v) if backward else (8 * block + e * tr * d, 0),
-  }[head]
-  head_bytes = rows * per_row + fixed
+  e, d, t = dtype_bytes, cfg.hidden_size, tokens
+  kept, extra, tiles, scanned_extra, remat_extra = _layer_bytes(
+      t, e, d, cfg.head_dim, heads or cfg.num_heads, kv_heads or cfg.num_kv_heads, mlp or cfg.intermediate_size,
+      attention_block=attention_block, dense_attention=dense_attention)
+  head_bytes = _head_bytes(cfg, head, rows=rows, tokens=t, scored_tokens=scored_tokens, dtype_bytes=e,
+                           backward=backward, logits_chunk=logits_chunk, embed=embed or d)
   if not backward:
     return ActivationMemory(0, rows * (kept + tiles), head_bytes)
   if remat:
-    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * (kept + (remat_extra if scan_layers else extra)),
-                            head_bytes)
+    layer = kept + (remat_extra if scan_layers else extra)
+    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * layer, head_bytes)
   stored = kept + (scanned_extra if scan_layers else 0)
   return ActivationMemory(rows * cfg.num_layers * stored, rows * extra, head_bytes)
