@@ -148,7 +148,11 @@ def test_scanned_equals_unrolled_prefill_and_eight_decode_steps_in_the_rollout_l
   np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.slow  # make test covers it: the scanned and unrolled decoding's logits, see the docstring.
 def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
+  """Whole greedy generations in both engines. In make test the same property is checked at the level of
+  logits by `test_scanned_equals_unrolled_prefill_and_eight_decode_steps_in_the_rollout_layout`, and the
+  engines against each other by tests/test_refill.py's `test_refill_equals_static`."""
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
   tokens, mask = layout.place((tokens, mask))
