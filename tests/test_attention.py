@@ -184,14 +184,15 @@ def _pairs_by_definition(visible, block: int) -> int:
 
 
 def test_each_row_visits_only_its_own_block_pairs():
-  """Segments: a full row, a row of short segments, an empty row; ranges: left and right padding, an
-  empty row. Each row's pairs (forward and backward) are those it needs, not those of the union of the
-  call's rows (the union would count every row at the full row's 528 for segments)."""
+  """Segments (a full row, short segments, an empty row) and ranges (left and right padding, an empty row):
+  each row's pairs (forward and backward) are those it needs, not those of the union of the call's rows."""
   t, block = 256, 8
   count = jax.jit(lambda **validity: flash.visited_block_pairs(t, t, block_q=block, block_k=block, **validity))
   ids = jnp.asarray(_segments([[256], [16, 5, 40, 3, 8, 24], []], t))
   want = _pairs_by_definition(attention.segment_visibility(ids), block)
   assert [int(x) for x in count(segment_ids=ids)] == [want] * 2 and want < 2 * 528
+  with flash.defaults(per_row=False):  # The union: every row at the full row's 528.
+    assert int(flash.visited_block_pairs(t, t, block_q=block, block_k=block, segment_ids=ids)[0]) == 3 * 528
   ranges = dict(key_start=jnp.array([200, 0, 0, 17]), key_end=jnp.array([256, 64, 0, 100]))
   want = _pairs_by_definition(attention.visibility(**ranges, queries=t, keys=t), block)
   assert [int(x) for x in count(**ranges)] == [want] * 2
@@ -206,8 +207,7 @@ def test_a_row_never_reads_blocks_that_only_another_row_needs():
   q, k, v, weights = _inputs(2, t, t, kv_heads=1, groups=2, seed=10)
   ids = jnp.asarray(_segments([[32], [4, 4, 4]], t))
   expected = _out_and_grads(lambda *a: attention.reference(*a, segment_ids=ids), q, k, v, weights)
-  k, v = (x.at[1, :4].set(jnp.nan) for x in (k, v))
-  q = q.at[1, 8:12].set(jnp.nan)
+  q, k, v = q.at[1, 8:12].set(jnp.nan), k.at[1, :4].set(jnp.nan), v.at[1, :4].set(jnp.nan)
   got = _out_and_grads(lambda *a: flash.chunked(*a, segment_ids=ids, block_q=block, block_k=block), q, k, v, weights)
   for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
     for part in (np.s_[0], np.s_[1, 4:8]):

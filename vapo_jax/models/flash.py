@@ -24,19 +24,21 @@ from jax import lax
 
 BLOCK_Q = 256  # Default query block of `chunked` (tokens).
 BLOCK_K = 256  # Default key/value block of `chunked` (tokens).
-_BLOCKS: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("vapo_jax_flash_blocks",
-                                                                          default=(BLOCK_Q, BLOCK_K))
+_DEFAULTS = contextvars.ContextVar("vapo_jax_flash_defaults", default=dict(block_q=BLOCK_Q, block_k=BLOCK_K,
+                                                                            per_row=True))
 
 
 @contextlib.contextmanager
-def default_blocks(block_q: int, block_k: int):
-  """Within this context, the (query, key) blocks of a `chunked` call that names none, as programs are
-  traced (benchmarks that scale a shape down scale its blocks with it)."""
-  token = _BLOCKS.set((block_q, block_k))
+def defaults(**options):
+  """Within this context, the options of `chunked` calls that name none, as programs are traced:
+  `block_q`, `block_k` (benchmarks that scale a shape down scale its blocks with it) and `per_row`
+  (False: the rows of a call run together, every row over the union of the rows' key blocks: the
+  layout that benchmarks compare against)."""
+  token = _DEFAULTS.set(_DEFAULTS.get() | options)
   try:
     yield
   finally:
-    _BLOCKS.reset(token)
+    _DEFAULTS.reset(token)
 
 
 def validity(key_start, key_end, segment_ids) -> dict:
@@ -74,6 +76,7 @@ class _Plan(NamedTuple):
   """Static block layout of one `chunked` call."""
 
   skip: bool  # Visit only blocks that the queries' key intervals reach (False: every block, for benchmarks).
+  per_row: bool  # Each row's loops run their own trip counts (False: the union of the call's rows; `defaults`).
   bq: int  # Query block.
   bk: int  # Key block.
   nq: int
@@ -84,8 +87,9 @@ class _Plan(NamedTuple):
 
 
 def _plan(queries: int, keys: int, head_dim: int, block_q: int | None, block_k: int | None, skip: bool) -> _Plan:
-  bq, bk = min(block_q or _BLOCKS.get()[0], queries), min(block_k or _BLOCKS.get()[1], keys)
-  return _Plan(skip, bq, bk, -(-queries // bq), -(-keys // bk), queries, keys, head_dim ** -0.5)
+  found = _DEFAULTS.get()
+  bq, bk = min(block_q or found["block_q"], queries), min(block_k or found["block_k"], keys)
+  return _Plan(skip, found["per_row"], bq, bk, -(-queries // bq), -(-keys // bk), queries, keys, head_dim ** -0.5)
 
 
 def chunked(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_offset=0, causal: bool = True,
@@ -124,8 +128,8 @@ def _by_row(fn, *arrays):
 
 
 def _key_blocks(plan: _Plan, lo, hi):
-  """`[nq]` each: the key blocks [first, end) that query block i of one row (lo, hi `[1, nq·bq]`)
-  visits: the hull of its queries' intervals."""
+  """`[nq]` each: the key blocks [first, end) that query block i of one row (lo, hi `[1, nq·bq]`; of
+  every row given, without `per_row`) visits: the hull of its queries' intervals."""
   if not plan.skip:
     return jnp.zeros(plan.nq, jnp.int32), jnp.full(plan.nq, plan.nk, jnp.int32)
   blocks = lambda x: x.reshape(x.shape[0], plan.nq, plan.bq)
@@ -163,6 +167,8 @@ def visited_block_pairs(queries: int, keys: int, *, key_start=None, key_end=None
   plan = _plan(queries, keys, 1, block_q, block_k, skip_masked_blocks)
   lo, hi = _padded_intervals(plan, **validity(key_start, key_end, segment_ids), query_offset=query_offset,
                              causal=causal)
+  if not plan.per_row:
+    return tuple(lo.shape[0] * x for x in _row_block_pairs(plan, lo, hi))
   forward, backward = jax.vmap(lambda lo, hi: _row_block_pairs(plan, lo[None], hi[None]))(lo, hi)
   return jnp.sum(forward), jnp.sum(backward)
 
@@ -196,6 +202,8 @@ def _scores(plan: _Plan, qb, kb):
 
 def _forward(plan: _Plan, q, k, v, lo, hi):
   """(out, lse) of every row, one row at a time (`_by_row`)."""
+  if not plan.per_row:
+    return _row_forward(plan, q, k, v, lo, hi)
   return _by_row(functools.partial(_row_forward, plan), q, k, v, lo, hi)
 
 
@@ -249,7 +257,9 @@ def _flash_bwd(plan, residuals, d_out):
   """dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)), recomputing P = exp(S − lse) one block pair at a time, one row
   at a time (`_by_row`)."""
   q, k, v, lo, hi, out, lse = residuals
-  dq, dk, dv = _by_row(functools.partial(_row_backward, plan), q, k, v, lo, hi, out, lse, d_out)
+  row_backward = functools.partial(_row_backward, plan)
+  dq, dk, dv = (row_backward if not plan.per_row else functools.partial(_by_row, row_backward))(
+      q, k, v, lo, hi, out, lse, d_out)
   return dq, dk, dv, None, None
 
 
