@@ -17,15 +17,15 @@ by s, every term by s², so the FLOP ceiling is the full size's up to rounding (
 
 One PPO update is what `Trainer.step` runs after sampling: `Steps.plan` (packed: lengths to the host,
 first-fit decreasing, placements back), `Steps.score` (critic values, actor log-probs and entropy, GAE)
-and `Steps.ppo_update` (one mini-batch of all 64: critic, then actor), float32, `model.remat` on,
-chunked attention, each row's block loops over its own key blocks. Padded: micro-batches of 8 sequences;
-packed: micro-batches of 8 rows, the same [8, L] shape, and only those holding a sequence run. "union"
-is padded with every row of a call over the union of its rows' key blocks (`flash.defaults(per_row=False)`,
-the attention of commit 46f9118), for the figures against it.
+and `Steps.ppo_update` (one mini-batch of all 64: critic, then actor), float32 (`--dtype`), `model.remat`
+on, chunked attention (`--attention`), each row's block loops over its own key blocks. Padded:
+micro-batches of 8 sequences; packed: micro-batches of 8 rows, the same [8, L] shape, and only those
+holding a sequence run. "union" is padded with every row of a call over the union of its rows' key
+blocks (`flash.defaults(per_row=False)`, the attention of commit 46f9118), for the figures against it.
 
 Measured: the state is committed to its sharding before the warm-up, warm-up updates run until one
-compiles nothing, and a timed update that compiles raises. The layouts take turns (the order rotated each round) for
-`--repeats` updates each; the median wall time gives real tokens/s = Σ (prompt + response) tokens /
+compiles nothing, and a timed update that compiles raises. The layouts take turns (the order rotated
+each round) for `--repeats` updates each; the median wall time gives real tokens/s = Σ (prompt + response) tokens /
 time; CPU seconds and the 1-minute load stand beside it. The FLOP model (`flops`) counts the linear
 layers over every computed column, attention over the (row, query block, key block) triples that
 `flash.visited_block_pairs` counts, and the log-prob head over scored columns (padded: the response
@@ -87,10 +87,9 @@ def response_lengths(mean_over_max: float, scale: int, seed: int = 0) -> np.ndar
   return -(-np.random.default_rng(seed).permutation(lengths(high)) // scale)
 
 
-def _config(cfg: TransformerConfig, packed: bool, scale: int) -> ExperimentConfig:
+def _config(packed: bool, scale: int, model: dict) -> ExperimentConfig:
   return ExperimentConfig(
-      name="packing_bench", model=ModelConfig(preset="small", dtype="float32", remat=True, random_init=True,
-                                              attention="chunked"),
+      name="packing_bench", model=ModelConfig(preset="small", remat=True, random_init=True, **model),
       algo=AlgoConfig(mini_batch_responses=SEQUENCES, micro_batch_responses=MICRO, value_pretrain_steps=0),
       packing=PackingConfig(enabled=packed, micro_batch_rows=MICRO), optim=OptimizerConfig(warmup_updates=0),
       rollout=RolloutConfig(prompts_per_step=SEQUENCES // 4, samples_per_prompt=4, max_prompt_tokens=PROMPT // scale,
@@ -101,13 +100,14 @@ def _config(cfg: TransformerConfig, packed: bool, scale: int) -> ExperimentConfi
 class Layout:
   """One layout's programs and committed state on one device; `update` times one PPO update."""
 
-  def __init__(self, cfg: TransformerConfig, packed: bool, scale: int, *, per_row: bool = True):
+  def __init__(self, cfg: TransformerConfig, packed: bool, scale: int, model: dict, *, per_row: bool = True):
+    """model: the `dtype` and `attention` of `ModelConfig`."""
     self.cfg, self.scale = cfg, scale
     self.attention = dict(block_q=BLOCK // scale, block_k=BLOCK // scale, per_row=per_row)
-    config = _config(cfg, packed, scale)
+    config = _config(packed, scale, model)
     mesh = sharding.make_mesh(data=1, devices=jax.devices()[:1])
-    actor_def, actor = nnx.split(CausalLM(cfg, remat=True, attention="chunked", rngs=nnx.Rngs(0)))
-    critic_def, critic = nnx.split(ValueModel(cfg, remat=True, attention="chunked", rngs=nnx.Rngs(1)))
+    actor_def, actor = nnx.split(CausalLM(cfg, remat=True, **model, rngs=nnx.Rngs(0)))
+    critic_def, critic = nnx.split(ValueModel(cfg, remat=True, **model, rngs=nnx.Rngs(1)))
     txs = [optim.make_optimizer(config.optim, lr) for lr in (1e-5, 1e-5)]
     self.steps = Steps(config, mesh, sharding.PRESETS["dp"], actor_def=actor_def, critic_def=critic_def,
                        actor_tx=txs[0], critic_tx=txs[1], sft_tx=txs[0])
@@ -193,11 +193,11 @@ def measure(layouts: dict[str, Layout], lengths: np.ndarray, repeats: int) -> di
   return found
 
 
-def run_shape(name: str, scale: int, repeats: int) -> tuple[list, list, list]:
+def run_shape(name: str, scale: int, repeats: int, model: dict) -> tuple[list, list, list]:
   """(table rows, summary lines, targets) of one shape at both mean/max ratios."""
   cfg = model_shape(name, scale)
-  layouts = {"padded": Layout(cfg, False, scale), "union": Layout(cfg, False, scale, per_row=False),
-             "packed": Layout(cfg, True, scale)}
+  layouts = {"padded": Layout(cfg, False, scale, model), "union": Layout(cfg, False, scale, model, per_row=False),
+             "packed": Layout(cfg, True, scale, model)}
   rows, lines, targets = [], [], []
   for ratio in RATIOS:
     lengths = response_lengths(ratio, scale)
@@ -223,21 +223,26 @@ def run_shape(name: str, scale: int, repeats: int) -> tuple[list, list, list]:
 
 def main(argv) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--scale", type=int, default=32, help="divide the lengths, the attention blocks and the width D by this")
+  parser.add_argument("--scale", type=int, default=32,
+                      help="divide the lengths, the attention blocks and the width D by this")
   parser.add_argument("--repeats", type=int, default=3, help="timed updates per layout (median of)")
   parser.add_argument("--shapes", default="small,qwen0.5b", help="comma-separated: small, qwen0.5b")
+  parser.add_argument("--dtype", default="float32", help="model.dtype (bfloat16 on a GPU: padded runs cuDNN)")
+  parser.add_argument("--attention", default="chunked", help="model.attention (auto: the platform's kernel)")
   args = parser.parse_args(argv)
+  model = dict(dtype=args.dtype, attention=args.attention)
   print(f"packing benchmark on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; "
         f"load average {os.getloadavg()[0]:.1f} at the start")
   summary, targets = [], []
   for name in args.shapes.split(","):
-    rows, lines, found = run_shape(name, args.scale, args.repeats)
+    rows, lines, found = run_shape(name, args.scale, args.repeats, model)
     summary += lines
     targets += found
     print_table(Table(
         f"{name}: one PPO update (plan + score + actor and critic updates), {SEQUENCES} x ({PROMPT} + up to "
         f"{RESPONSE}) tokens / {args.scale}, micro-batches of {MICRO} sequences / rows, median of {args.repeats} "
-        f"(rotating order), {jax.devices()[0].platform}; ratio rows: CPU s, full-size and measured-size FLOP ceilings",
+        f"(rotating order), {jax.devices()[0].platform}, {args.dtype}, attention {args.attention}; ratio rows: "
+        "CPU s, full-size and measured-size FLOP ceilings",
         ("mean/max", "layout", "micro-batches", "median s", "best s", "CPU s", "load", "real tokens/s",
          "block triples", "GFLOP"), rows))
   print_table(targets_table(targets))
