@@ -186,14 +186,14 @@ def _pairs_by_definition(visible, block: int) -> int:
 def test_each_row_visits_only_its_own_block_pairs():
   """Segments (a full row, short segments, an empty row) and ranges (left and right padding, an empty row):
   each row's pairs (forward and backward) are those it needs, not those of the union of the call's rows."""
-  t, block = 256, 8
+  t, block = 128, 8
   count = jax.jit(lambda **validity: flash.visited_block_pairs(t, t, block_q=block, block_k=block, **validity))
-  ids = jnp.asarray(_segments([[256], [16, 5, 40, 3, 8, 24], []], t))
+  ids = jnp.asarray(_segments([[128], [16, 5, 40, 3, 8, 24], []], t))
   want = _pairs_by_definition(attention.segment_visibility(ids), block)
-  assert [int(x) for x in count(segment_ids=ids)] == [want] * 2 and want < 2 * 528
-  with flash.defaults(per_row=False):  # The union: every row at the full row's 528.
-    assert int(flash.visited_block_pairs(t, t, block_q=block, block_k=block, segment_ids=ids)[0]) == 3 * 528
-  ranges = dict(key_start=jnp.array([200, 0, 0, 17]), key_end=jnp.array([256, 64, 0, 100]))
+  assert [int(x) for x in count(segment_ids=ids)] == [want] * 2 and want < 2 * 136
+  with flash.defaults(per_row=False):  # The union: every row at the full row's 136 (16 query blocks: Σ (i + 1)).
+    assert int(flash.visited_block_pairs(t, t, block_q=block, block_k=block, segment_ids=ids)[0]) == 3 * 136
+  ranges = dict(key_start=jnp.array([72, 0, 0, 17]), key_end=jnp.array([128, 64, 0, 100]))
   want = _pairs_by_definition(attention.visibility(**ranges, queries=t, keys=t), block)
   assert [int(x) for x in count(**ranges)] == [want] * 2
 
