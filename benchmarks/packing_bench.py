@@ -97,7 +97,7 @@ def _config(packed: bool, scale: int, model: dict) -> ExperimentConfig:
       mesh=MeshConfig(preset="dp"))
 
 
-class Layout:
+class LayoutBench:
   """One layout's programs and committed state on one device; `update` times one PPO update."""
 
   def __init__(self, cfg: TransformerConfig, packed: bool, scale: int, model: dict, *, per_row: bool = True):
@@ -167,7 +167,7 @@ def flops(cfg: TransformerConfig, lengths: np.ndarray, scale: int) -> dict[str, 
   return found
 
 
-def measure(layouts: dict[str, Layout], lengths: np.ndarray, repeats: int) -> dict[str, dict]:
+def measure(layouts: dict[str, LayoutBench], lengths: np.ndarray, repeats: int) -> dict[str, dict]:
   """Per layout: median and best wall seconds, median CPU seconds, real tokens/s and the update's metrics.
   Warm-up updates run until one compiles nothing; a timed update that compiles raises."""
   for name, layout in layouts.items():
@@ -196,8 +196,9 @@ def measure(layouts: dict[str, Layout], lengths: np.ndarray, repeats: int) -> di
 def run_shape(name: str, scale: int, repeats: int, model: dict) -> tuple[list, list, list]:
   """(table rows, summary lines, targets) of one shape at both mean/max ratios."""
   cfg = model_shape(name, scale)
-  layouts = {"padded": Layout(cfg, False, scale, model), "union": Layout(cfg, False, scale, model, per_row=False),
-             "packed": Layout(cfg, True, scale, model)}
+  layouts = {"padded": LayoutBench(cfg, False, scale, model),
+             "union": LayoutBench(cfg, False, scale, model, per_row=False),
+             "packed": LayoutBench(cfg, True, scale, model)}
   rows, lines, targets = [], [], []
   for ratio in RATIOS:
     lengths = response_lengths(ratio, scale)
