@@ -175,6 +175,56 @@ def test_block_pairs_visited_grow_with_the_sum_of_squared_lengths():
   assert [int(x) for x in ranges] == [triangle([t - 56])] * 2
 
 
+def _pairs_by_definition(visible, block: int) -> int:
+  """Σ over rows b of the (query block i, key block j) pairs where some query of block i of row b sees
+  some key of block j of row b: a loop over the dense `[B, T, S]` visibility (T, S multiples of block)."""
+  visible, (b, t, s) = np.asarray(visible), visible.shape
+  return sum(bool(visible[row, i * block:(i + 1) * block, j * block:(j + 1) * block].any())
+             for row in range(b) for i in range(t // block) for j in range(s // block))
+
+
+def test_each_row_visits_only_its_own_block_pairs():
+  """Segments (a full row, short segments, an empty row) and ranges (left and right padding, an empty row):
+  each row's pairs (forward and backward) are those it needs, not those of the union of the call's rows."""
+  t, block = 128, 8
+  count = jax.jit(lambda **validity: flash.visited_block_pairs(t, t, block_q=block, block_k=block, **validity))
+  ids = jnp.asarray(_segments([[128], [16, 5, 40, 3, 8, 24], []], t))
+  want = _pairs_by_definition(attention.segment_visibility(ids), block)
+  assert [int(x) for x in count(segment_ids=ids)] == [want] * 2 and want < 2 * 136
+  with flash.defaults(per_row=False):  # The union: every row at the full row's 136 (16 query blocks: Σ (i + 1)).
+    assert int(flash.visited_block_pairs(t, t, block_q=block, block_k=block, segment_ids=ids)[0]) == 3 * 136
+  ranges = dict(key_start=jnp.array([72, 0, 0, 17]), key_end=jnp.array([128, 64, 0, 100]))
+  want = _pairs_by_definition(attention.visibility(**ranges, queries=t, keys=t), block)
+  assert [int(x) for x in count(**ranges)] == [want] * 2
+
+
+def test_a_row_never_reads_blocks_that_only_another_row_needs():
+  """Row 0 is one segment, row 1 three block-aligned ones; NaN in row 1's first segment's keys and values
+  and in its third segment's queries. A masked score does not hide NaN in `P·V` or in `dS·Q`, so row 1's
+  middle segment keeps the reference's outputs and gradients only if its loops (forward and backward)
+  never visit the key blocks that row 0's queries reach and its own do not."""
+  t, block = 32, 4
+  q, k, v, weights = _inputs(2, t, t, kv_heads=1, groups=2, seed=10)
+  ids = jnp.asarray(_segments([[32], [4, 4, 4]], t))
+  expected = _out_and_grads(lambda *a: attention.reference(*a, segment_ids=ids), q, k, v, weights)
+  q, k, v = q.at[1, 8:12].set(jnp.nan), k.at[1, :4].set(jnp.nan), v.at[1, :4].set(jnp.nan)
+  got = _out_and_grads(lambda *a: flash.chunked(*a, segment_ids=ids, block_q=block, block_k=block), q, k, v, weights)
+  for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
+    for part in (np.s_[0], np.s_[1, 4:8]):
+      np.testing.assert_allclose(have[part], want[part], atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_chunked_on_a_mesh_runs_each_device_on_its_rows():
+  """On a (data 2, fsdp 2, tensor 2) mesh of 8 CPU devices (`use_rules`), forward and backward equal the reference."""
+  q, k, v, weights = _inputs(4, 24, 24, kv_heads=2, groups=2, seed=11)
+  mask = dict(segment_ids=jnp.asarray(_segments([[24], [3, 9, 5], [], [7, 7]], 24)))
+  expected = _out_and_grads(lambda *a: attention.reference(*a, **mask), q, k, v, weights)
+  with sharding.use_rules(sharding.make_mesh(data=2, fsdp=2, tensor=2), sharding.PRESETS["fsdp_tp"]):
+    got = _out_and_grads(lambda *a: attention.attend(*a, **mask, impl="chunked", block_q=8), q, k, v, weights)
+  for name, want, have in zip(("out", "dq", "dk", "dv"), expected, got):
+    np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 def test_skipped_blocks_are_never_read():
   """NaN in the first segment's keys and values and in the third segment's queries: a masked score
   does not hide NaN in `P·V` or in `dS·Q`, so the middle segment's outputs and gradients stay finite

@@ -25,11 +25,12 @@ Implementations (`impl`):
   chunked    flash attention in pure JAX (Dao et al. 2022; FlashAttention-2, Dao 2023): an online
              softmax over key blocks per query block, float32 accumulation, and a custom VJP that
              stores only the output and the log-sum-exp and recomputes scores block by block.
-             Loops over blocks have dynamic trip counts: a query block visits only the key
-             blocks that its queries' intervals (over every row) reach, so blocks above the
-             causal diagonal, outside every row's real range, or before the query block's first
-             segment are never visited: packed rows cost ∝ Σ length², not row length². Runs
-             everywhere.
+             Loops over blocks have dynamic trip counts, each row its own: a query block of a
+             row visits only the key blocks that its own queries' intervals reach, so blocks
+             above the causal diagonal, outside the row's real range, or before the query
+             block's first segment are never visited: a packed row costs ∝ Σ length² of its
+             segments, not row length². On a mesh it runs under `jax.shard_map`, each device on
+             its rows. Runs everywhere.
   cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`: GPU, bfloat16/float16; ranges
              only (jax 0.10.2's public API takes no segment ids, so packed rows run `chunked`).
   splash     the Pallas TPU splash attention with a causal mask and segment ids: TPU; on a mesh under
@@ -110,7 +111,23 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
         _WARNED.add(reason)
         warnings.warn(f"attention: {reason}; falling back to 'chunked'", stacklevel=2)
   note("chunked")
-  return chunked(q, k, v, **given, query_offset=query_offset, causal=causal, **chunked_options)
+  return _chunked_by_device(q, k, v, given, query_offset=query_offset, causal=causal, **chunked_options)
+
+
+def _chunked_by_device(q, k, v, given: dict, *, query_offset, causal: bool, **options) -> jax.Array:
+  """`chunked`; on a mesh (`sharding.use_rules`) under `jax.shard_map`, each device on its own rows and,
+  as splash (`_splash_specs`), its heads: `chunked` bounds each row's block loops by the row's own
+  tokens, so a device loops over its rows only, not over the union of every device's."""
+  found = sharding.context()
+  if found is None or found[0].size == 1:
+    return chunked(q, k, v, **given, query_offset=query_offset, causal=causal, **options)
+  heads, rows = _splash_specs(*found, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
+  specs = {name: rows if name == "segment_ids" else PartitionSpec(*rows[:1]) for name in given}
+  static = isinstance(query_offset, int)
+  local = lambda q, k, v, given, offset: chunked(q, k, v, **given, query_offset=query_offset if static else offset,
+                                                 causal=causal, **options)
+  return jax.shard_map(local, mesh=found[0], in_specs=(heads, heads, heads, specs, PartitionSpec()),
+                       out_specs=heads, check_vma=False)(q, k, v, given, jnp.asarray(query_offset))
 
 
 def select(impl: str, dtype, platform: str | None = None) -> str:

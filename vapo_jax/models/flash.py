@@ -4,12 +4,17 @@ An online softmax over key blocks per query block, float32 accumulation, and a c
 stores only the output and the log-sum-exp and recomputes the scores block by block (Dao et al.
 2022; FlashAttention-2, Dao 2023). Query t sees the key slots of one interval [lo, hi)
 (`key_intervals`), from ranges (unpadded rows, the KV cache) or segment ids (packed rows). Loops
-over blocks have dynamic trip counts: a query block visits only the key blocks that its queries'
-intervals (over every row) reach, so blocks above the causal diagonal, outside every row's real
-range, or before the query block's first segment are never visited: packed rows cost ∝ Σ length²,
-not row length². `visited_block_pairs` counts them (tests and benchmarks).
+over blocks have dynamic trip counts, and the rows of a call run one after another (`lax.map`), each
+with its own: a query block of a row visits only the key blocks that its own queries' intervals reach,
+so blocks above the causal diagonal, outside the row's real range, or before the query block's first
+segment are never visited, and no row pays for another's: a packed row costs ∝ Σ length² of its own
+segments, not row length², and an empty row costs nothing. `visited_block_pairs` counts the visited
+(row, query block, key block) triples (tests and benchmarks). On a mesh, `attention.attend` runs
+`chunked` under `shard_map`, each device on its own rows.
 """
 
+import contextlib
+import contextvars
 import functools
 from typing import NamedTuple
 
@@ -19,6 +24,21 @@ from jax import lax
 
 BLOCK_Q = 256  # Default query block of `chunked` (tokens).
 BLOCK_K = 256  # Default key/value block of `chunked` (tokens).
+_DEFAULTS = contextvars.ContextVar("vapo_jax_flash_defaults", default=dict(block_q=BLOCK_Q, block_k=BLOCK_K,
+                                                                            per_row=True))
+
+
+@contextlib.contextmanager
+def defaults(**options):
+  """Within this context, the options of `chunked` calls that name none, as programs are traced:
+  `block_q`, `block_k` (benchmarks that scale a shape down scale its blocks with it) and `per_row`
+  (False: the rows of a call run together, every row over the union of the rows' key blocks: the
+  layout that benchmarks compare against)."""
+  token = _DEFAULTS.set(_DEFAULTS.get() | options)
+  try:
+    yield
+  finally:
+    _DEFAULTS.reset(token)
 
 
 def validity(key_start, key_end, segment_ids) -> dict:
@@ -56,6 +76,7 @@ class _Plan(NamedTuple):
   """Static block layout of one `chunked` call."""
 
   skip: bool  # Visit only blocks that the queries' key intervals reach (False: every block, for benchmarks).
+  per_row: bool  # Each row's loops run their own trip counts (False: the union of the call's rows; `defaults`).
   bq: int  # Query block.
   bk: int  # Key block.
   nq: int
@@ -65,13 +86,14 @@ class _Plan(NamedTuple):
   scale: float
 
 
-def _plan(queries: int, keys: int, head_dim: int, block_q: int, block_k: int, skip: bool) -> _Plan:
-  bq, bk = min(block_q, queries), min(block_k, keys)
-  return _Plan(skip, bq, bk, -(-queries // bq), -(-keys // bk), queries, keys, head_dim ** -0.5)
+def _plan(queries: int, keys: int, head_dim: int, block_q: int | None, block_k: int | None, skip: bool) -> _Plan:
+  found = _DEFAULTS.get()
+  bq, bk = min(block_q or found["block_q"], queries), min(block_k or found["block_k"], keys)
+  return _Plan(skip, found["per_row"], bq, bk, -(-queries // bq), -(-keys // bk), queries, keys, head_dim ** -0.5)
 
 
 def chunked(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_offset=0, causal: bool = True,
-            block_q: int = BLOCK_Q, block_k: int = BLOCK_K, skip_masked_blocks: bool = True) -> jax.Array:
+            block_q: int | None = None, block_k: int | None = None, skip_masked_blocks: bool = True) -> jax.Array:
   """Flash attention in pure JAX (see the module doc): memory O(T·H), not O(T·S).
 
   Forward+backward needs about seven float32 copies of q (7 · 4·B·T·N·H bytes: padded and
@@ -99,9 +121,15 @@ def _padded_intervals(plan: _Plan, **validity):
   return jnp.pad(lo, pad, constant_values=plan.keys), jnp.pad(hi, pad)
 
 
+def _by_row(fn, *arrays):
+  """fn on each row of `arrays` (leading axis B) in turn, as a batch of one: each row's loops run
+  their own trip counts (a vmapped loop would run every row's largest)."""
+  return lax.map(lambda row: jax.tree.map(lambda x: x[0], fn(*(x[None] for x in row))), arrays)
+
+
 def _key_blocks(plan: _Plan, lo, hi):
-  """`[nq]` each: the key blocks [first, end) that query block i visits (the union of its queries'
-  intervals over every row; the loops share one trip count across the batch)."""
+  """`[nq]` each: the key blocks [first, end) that query block i of one row (lo, hi `[1, nq·bq]`; of
+  every row given, without `per_row`) visits: the hull of its queries' intervals."""
   if not plan.skip:
     return jnp.zeros(plan.nq, jnp.int32), jnp.full(plan.nq, plan.nk, jnp.int32)
   blocks = lambda x: x.reshape(x.shape[0], plan.nq, plan.bq)
@@ -132,13 +160,21 @@ def _key_block_span(plan: _Plan, first, end):
 
 
 def visited_block_pairs(queries: int, keys: int, *, key_start=None, key_end=None, segment_ids=None, query_offset=0,
-                        causal: bool = True, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+                        causal: bool = True, block_q: int | None = None, block_k: int | None = None,
                         skip_masked_blocks: bool = True) -> tuple[jax.Array, jax.Array]:
-  """(forward, backward): how many (query block, key block) pairs `chunked`'s loops visit for this
-  validity, from the same trip counts the loops use: its cost model."""
+  """(forward, backward): how many (row, query block, key block) triples `chunked`'s loops visit for
+  this validity, from the same trip counts the loops use: its cost model."""
   plan = _plan(queries, keys, 1, block_q, block_k, skip_masked_blocks)
   lo, hi = _padded_intervals(plan, **validity(key_start, key_end, segment_ids), query_offset=query_offset,
                              causal=causal)
+  if not plan.per_row:
+    return tuple(lo.shape[0] * x for x in _row_block_pairs(plan, lo, hi))
+  forward, backward = jax.vmap(lambda lo, hi: _row_block_pairs(plan, lo[None], hi[None]))(lo, hi)
+  return jnp.sum(forward), jnp.sum(backward)
+
+
+def _row_block_pairs(plan: _Plan, lo, hi):
+  """(forward, backward) block pairs that one row's loops visit."""
   first, end = _key_blocks(plan, lo, hi)
   span_lo, span_hi = _key_block_span(plan, first, end)
   j = jnp.arange(plan.nk)
@@ -165,6 +201,13 @@ def _scores(plan: _Plan, qb, kb):
 
 
 def _forward(plan: _Plan, q, k, v, lo, hi):
+  """(out, lse) of every row, one row at a time (`_by_row`)."""
+  if not plan.per_row:
+    return _row_forward(plan, q, k, v, lo, hi)
+  return _by_row(functools.partial(_row_forward, plan), q, k, v, lo, hi)
+
+
+def _row_forward(plan: _Plan, q, k, v, lo, hi):
   b, kv_heads, g, _, h = q.shape
   first, end = _key_blocks(plan, lo, hi)
 
@@ -211,8 +254,16 @@ def _flash_fwd(plan, q, k, v, lo, hi):
 
 
 def _flash_bwd(plan, residuals, d_out):
-  """dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)), recomputing P = exp(S − lse) one block pair at a time."""
+  """dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)), recomputing P = exp(S − lse) one block pair at a time, one row
+  at a time (`_by_row`)."""
   q, k, v, lo, hi, out, lse = residuals
+  row_backward = functools.partial(_row_backward, plan)
+  dq, dk, dv = (row_backward if not plan.per_row else functools.partial(_by_row, row_backward))(
+      q, k, v, lo, hi, out, lse, d_out)
+  return dq, dk, dv, None, None
+
+
+def _row_backward(plan: _Plan, q, k, v, lo, hi, out, lse, d_out):
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [B, K, G, T]
   first, end = _key_blocks(plan, lo, hi)
 
@@ -246,7 +297,7 @@ def _flash_bwd(plan, residuals, d_out):
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
   dq, dk, dv = lax.fori_loop(*_key_block_span(plan, first, end), key_block, (zeros(q), zeros(k), zeros(v)))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
