@@ -7,7 +7,7 @@ EXP ?= tiny
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slow bench eval clean clean-cache
+.PHONY: help install train test test-slow lint bench eval clean clean-cache
 
 help:  ## List the targets.
 	@echo "vapo_jax make targets:"
@@ -44,6 +44,9 @@ test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests exclude
 
 test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
 	$(PY) -m pytest -q -m slow tests
+
+lint: $(STAMP)  ## ruff check over the repository (its rules, and each ignored one's reason: ruff.toml).
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); long sequences; packed vs padded updates; pod (decode per layout, reshard).
 	$(PY) -m benchmarks.gae_bench

@@ -26,7 +26,7 @@ setuptools.setup(
         # The optional features' tests run too: W&B offline logging and the plots. jax[tpu] brings the libtpu
         # of this jax (0.0.42.*), whose compile-only client the compile report tests compile TPU topologies with
         # on a CPU machine (tests/test_compile_tpu.py; skipped without it).
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "wandb>=0.19,<1", "matplotlib>=3.7,<4",
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "ruff>=0.8,<1", "wandb>=0.19,<1", "matplotlib>=3.7,<4",
                  "jax[tpu]==0.10.2"],
         "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
         "wandb": ["wandb>=0.19,<1"],  # log.wandb=true: Weights & Biases beside TensorBoard and metrics.jsonl.

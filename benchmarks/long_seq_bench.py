@@ -21,7 +21,7 @@ Sections:
 
 import argparse
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,12 +101,14 @@ def _actor_update_memory(attention_impl: str, chunk: int, *, batch: int = 2, len
   """(temp, temp + arguments + outputs) bytes of one compiled actor update of the `small` preset
   (remat on) on `batch` sequences of `length` tokens, the last `response` of them the response."""
   import functools
+
   import numpy as np
   from flax import nnx
-  from vapo_jax.train import optim, steps
+
   from vapo_jax.config import AlgoConfig, OptimizerConfig
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM
+  from vapo_jax.train import optim, steps
   graphdef, params = nnx.split(CausalLM(preset("small"), remat=True, attention=attention_impl, rngs=nnx.Rngs(0)))
   tx = optim.make_optimizer(OptimizerConfig(), 1e-6)
   rng = np.random.default_rng(0)

@@ -46,11 +46,11 @@ from flax import nnx
 
 from benchmarks.tables import RatioTarget, Table, print_table, targets_table
 from vapo_jax.config import AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.models import flash, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.train import optim, packed_batch, packing
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
@@ -172,7 +172,7 @@ def measure(layouts: dict[str, LayoutBench], lengths: np.ndarray, repeats: int) 
   Warm-up updates run until one compiles nothing; a timed update that compiles raises."""
   for name, layout in layouts.items():
     layout.load(lengths)
-    for warm in range(4):
+    for _ in range(4):
       if layout.update()[2] == 0:
         break
     else:

@@ -32,7 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Read when torch loads lib
 import sys
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +139,7 @@ def long_tail(repeats: int):
   print(f"\n2. Long tail: 16 prompts × 4 samples, 32→≤256 tokens, lengths forced (mean/max "
         f"{np.mean(LONG_TAIL) / max(LONG_TAIL):.2f}), temperature 1, small Qwen2 (32k vocabulary)")
   print(f"  {'engine':<17} {'time':>8} {'useful tok/s':>13} {'decode steps':>13} {'slot use':>9}  timing")
-  for name, (seconds, runs, out, metrics) in results.items():
+  for name, (seconds, runs, _, metrics) in results.items():
     print(f"  {name:<17} {seconds:>6.2f} s {sum(LONG_TAIL) / seconds:>13,.0f} {metrics['rollout/decode_steps']:>13.0f} "
           f"{metrics['rollout/slot_utilization']:>9.2f}  median of {runs}")
   (static_s, _, static, _), (refill_s, _, refilled, _), (fixed_s, _, fixed, _) = results.values()
@@ -213,7 +213,7 @@ def versus_transformers(quick: bool, repeats: int, budget_s: float):
       print(f"  {name:<13} {f'{batch}×{prompt_len}→{new_tokens}':>14} {ours:>7.2f} s {theirs:>11.2f} s "
             f"{rate / ours:>11,.0f} {rate / theirs:>13,.0f}  {verdict(theirs / ours, target)}  "
             f"(median of {runs} / {hf_runs}; greedy tokens agree {agree:.0%})")
-      del hf
+      hf = None  # Frees the model before the next size.
 
 
 def main(argv):

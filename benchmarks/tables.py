@@ -4,7 +4,8 @@ target), `print_table` (aligned columns), `targets_table` (each target, measured
 """
 
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 

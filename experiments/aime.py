@@ -31,8 +31,16 @@ directory); pass `data.train_path=... eval.path=...` for others, e.g. the hub co
 
 from experiments import variants
 from vapo_jax import paths
-from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
-                             OptimizerConfig, RolloutConfig)
+from vapo_jax.config import (
+  AlgoConfig,
+  DataConfig,
+  EvalConfig,
+  ExperimentConfig,
+  MeshConfig,
+  ModelConfig,
+  OptimizerConfig,
+  RolloutConfig,
+)
 
 DAPO_MATH_17K = paths.data_path("dapo_math_17k/dapo_math_17k.parquet")
 AIME_2024 = paths.data_path("aime24/qwen25math_aime24_test.jsonl")

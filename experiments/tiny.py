@@ -11,8 +11,18 @@ with the commit each was measured at. It runs exactly the code path of the 32B e
 small numbers.
 """
 
-from vapo_jax.config import (AlgoConfig, DataConfig, EvalConfig, ExperimentConfig, MeshConfig, ModelConfig,
-                             OptimizerConfig, RewardConfig, RolloutConfig, SFTConfig)
+from vapo_jax.config import (
+  AlgoConfig,
+  DataConfig,
+  EvalConfig,
+  ExperimentConfig,
+  MeshConfig,
+  ModelConfig,
+  OptimizerConfig,
+  RewardConfig,
+  RolloutConfig,
+  SFTConfig,
+)
 
 
 def tiny() -> ExperimentConfig:

@@ -7,9 +7,19 @@ import pytest
 
 import experiments
 from experiments import aime
-from vapo_jax.cli import resolve, train as train_cli
-from vapo_jax.config import (AlgoConfig, EvalConfig, ExperimentConfig, MeshConfig, OptimizerConfig, PackingConfig,
-                             RewardConfig, RolloutConfig, overrides)
+from vapo_jax.cli import resolve
+from vapo_jax.cli import train as train_cli
+from vapo_jax.config import (
+  AlgoConfig,
+  EvalConfig,
+  ExperimentConfig,
+  MeshConfig,
+  OptimizerConfig,
+  PackingConfig,
+  RewardConfig,
+  RolloutConfig,
+  overrides,
+)
 from vapo_jax.errors import ConfigError
 
 

@@ -14,8 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from multiprocess_launch import without_device_count
 
+from multiprocess_launch import without_device_count
 from vapo_jax import files
 from vapo_jax.cli import preflight
 from vapo_jax.errors import SetupError

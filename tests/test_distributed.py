@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from multiprocess_launch import LaunchError, launch
 
+from multiprocess_launch import LaunchError, launch
 from vapo_jax import distributed
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset

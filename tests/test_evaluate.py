@@ -190,6 +190,7 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
   from flax import nnx
+
   from vapo_jax.models import huggingface
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM

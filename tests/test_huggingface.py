@@ -149,8 +149,8 @@ def test_corrupt_file(tmp_path):
 
 
 def test_export_copies_the_tokenizer_files_beside_the_weights(tmp_path):
-  from vapo_jax.paths import DATA_DIR
   from vapo_jax.data.tokenizer import load_tokenizer
+  from vapo_jax.paths import DATA_DIR
   qwen = DATA_DIR / "qwen2.5_tokenizer"
   model = huggingface.load_causal_lm(str(FIXTURES / PARITY_MODELS[0]))
   files = huggingface.export(model, str(tmp_path), tokenizer_dir=str(qwen))

@@ -190,8 +190,8 @@ def test_no_full_vocabulary_logits_on_the_chunked_path():
 def test_no_full_vocabulary_logits_in_the_training_and_scoring_steps():
   """The trainer's compiled programs (scoring, the actor update with an entropy term, the supervised
   update) hold no `[micro, Tr, V]` array; with a chunk of Tr positions they do."""
-  from vapo_jax.train import optim, updates
   from vapo_jax.config import AlgoConfig, OptimizerConfig
+  from vapo_jax.train import optim, updates
 
   b, micro, s, tr = 4, 2, 80, 64
   graphdef, params = nnx.split(nnx.eval_shape(lambda: _model(False)))

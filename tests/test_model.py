@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from model_utils import FIXTURES, PARITY_MODELS, reference
-from vapo_jax.models import config as model_config, huggingface
+from vapo_jax.models import config as model_config
+from vapo_jax.models import huggingface
 from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
 from vapo_jax.paths import DATA_DIR
 from vapo_jax.train import packing

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from vapo_jax.config import AlgoConfig, OptimizerConfig
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.train import optim, updates
-from vapo_jax.config import AlgoConfig, OptimizerConfig
 
 B, TP, TR = 4, 6, 10
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)

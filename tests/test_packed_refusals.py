@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, PackingConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.errors import DataError
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
 

@@ -19,7 +19,6 @@ from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.static import make_generate
 
 
-
 def sample(model, prompts, engine, *, group, key=0, limits=None, **settings):
   spec = common.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | settings))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)

@@ -25,6 +25,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
 from vapo_jax.train import checkpoints
 
+
 def _env(devices: int = 2) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              PYTHONPATH=ROOT)

@@ -19,7 +19,6 @@ from vapo_jax.rollout import common, sampling, static
 from vapo_jax.rollout.layout import layout_for
 
 
-
 def run(model, prompts, *, key=0, group=1, engine=rollout.Engine(kind="static"), metrics=False, **sampling):
   sampling = common.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)

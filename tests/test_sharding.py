@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import MESHES, SHARDED_CFG as CFG, place_module
+from model_utils import MESHES, place_module
+from model_utils import SHARDED_CFG as CFG
 from vapo_jax.models import sharding
 from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
 

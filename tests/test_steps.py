@@ -49,6 +49,7 @@ def test_scoring_in_micro_batches_equals_the_whole_batch():
 
 def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   import optax
+
   from vapo_jax.config import AlgoConfig
   cfg = preset("micro")
   graphdef, params = nnx.split(CausalLM(cfg, rngs=nnx.Rngs(0)))

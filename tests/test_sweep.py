@@ -19,9 +19,9 @@ import sys
 
 import numpy as np
 import pytest
-from multiprocess_launch import without_device_count
 
 import experiments
+from multiprocess_launch import without_device_count
 from vapo_jax import paths
 from vapo_jax.cli import sweep, sweep_report
 from vapo_jax.config import overrides

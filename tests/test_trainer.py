@@ -151,6 +151,7 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
   prompt and response lengths and mini-batch orders, then the step's metrics in one fetch (counted
   where arrays reach numpy)."""
   from jax._src import array as jax_array
+
   from vapo_jax import distributed
   trainer = Trainer(smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "packing.enabled": packed}),
                     write_logs=False, verbose=False)

@@ -17,10 +17,18 @@ import pytest
 from model_utils import FIXTURES
 from vapo_jax.cli import preflight
 from vapo_jax.config import sections
-from vapo_jax.data import problems, tokenizer as tok_lib
+from vapo_jax.data import problems
+from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.data.records import Record, load_records
-from vapo_jax.errors import (CheckpointError, ConfigError, DataError, MissingFileError, SetupError, TokenizerError,
-                             UserError)
+from vapo_jax.errors import (
+  CheckpointError,
+  ConfigError,
+  DataError,
+  MissingFileError,
+  SetupError,
+  TokenizerError,
+  UserError,
+)
 from vapo_jax.models import huggingface, safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.paths import DATA_DIR

@@ -122,7 +122,7 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
       "failed_to_score": {"responses": len(failed), "first": batch.first_error, "reasons": accuracy.failures(samples)}}
   write_results(samples, summary, out_dir)
   if warning := unanswered_warning(samples):
-    warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl")
+    warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl", stacklevel=2)
   try:
     reward.check_errors(batch, pool, max_error_frac=c.max_error_frac,
                         counted_in="summary.json's failed_to_score (each sample's reason: samples.jsonl 'error')")
@@ -154,7 +154,8 @@ def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_pe
   `experience.generate_responses`), and writes them as a responses file."""
   import jax
 
-  from vapo_jax.data import problems, tokenizer as tok_lib
+  from vapo_jax.data import problems
+  from vapo_jax.data import tokenizer as tok_lib
   from vapo_jax.models import huggingface
   from vapo_jax.train import experience
 

@@ -225,7 +225,7 @@ def _seeds(text: str) -> list[int]:
   try:
     seeds = [int(s) for s in text.split(",") if s.strip()]
   except ValueError:
-    raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}")
+    raise argparse.ArgumentTypeError(f"--seeds takes comma-separated integers such as 0,1,2, got {text!r}") from None
   if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
     raise argparse.ArgumentTypeError(f"--seeds needs distinct non-negative integers, got {text!r}")
   return seeds

@@ -12,10 +12,16 @@ The package, one module a part:
 The configs are re-exported here: `from vapo_jax.config import ExperimentConfig, MeshConfig`.
 """
 
-from vapo_jax.config.experiment import (AlgoConfig, ExperimentConfig, OptimizerConfig, PackingConfig, RewardConfig,
-                                        RolloutConfig, SFTConfig)
-from vapo_jax.config.sections import (CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig,
-                                      ModelConfig)
+from vapo_jax.config.experiment import (
+                                        AlgoConfig,
+                                        ExperimentConfig,
+                                        OptimizerConfig,
+                                        PackingConfig,
+                                        RewardConfig,
+                                        RolloutConfig,
+                                        SFTConfig,
+)
+from vapo_jax.config.sections import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
 
 __all__ = ["AlgoConfig", "CheckpointConfig", "DataConfig", "EvalConfig", "ExperimentConfig", "LogConfig",
            "MeshConfig", "ModelConfig", "OptimizerConfig", "PackingConfig", "RewardConfig", "RolloutConfig",

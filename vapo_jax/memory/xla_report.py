@@ -36,7 +36,7 @@ The budget is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`),
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

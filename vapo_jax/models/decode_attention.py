@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax import lax
 
 
-
 def default_block(platform: str | None = None) -> int:
   """Slots per key/value block on `platform` (default: JAX's backend): 64 on a CPU (a block of keys and
   values stays in cache: at batch 16, 2 kv heads of 64 dims and 768 live slots, 5.6 ms per layer

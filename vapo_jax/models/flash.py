@@ -16,6 +16,7 @@ segments, not row length², and an empty row costs nothing. `visited_block_pairs
 import contextlib
 import contextvars
 import functools
+import types
 from typing import NamedTuple
 
 import jax
@@ -24,8 +25,8 @@ from jax import lax
 
 BLOCK_Q = 256  # Default query block of `chunked` (tokens).
 BLOCK_K = 256  # Default key/value block of `chunked` (tokens).
-_DEFAULTS = contextvars.ContextVar("vapo_jax_flash_defaults", default=dict(block_q=BLOCK_Q, block_k=BLOCK_K,
-                                                                            per_row=True))
+_DEFAULTS = contextvars.ContextVar("vapo_jax_flash_defaults", default=types.MappingProxyType(
+    dict(block_q=BLOCK_Q, block_k=BLOCK_K, per_row=True)))  # Read-only: `defaults` sets a new mapping.
 
 
 @contextlib.contextmanager

@@ -185,7 +185,7 @@ def per_layer_paths(path: str, variable: nnx.Variable) -> list[str]:
 
 
 # Streaming into stacked parameters: a zero stack in its sharding, one layer's tensor written at a time (donated).
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _zeros(shape: tuple[int, ...], dtype, placement: NamedSharding | None) -> Callable[[], jax.Array]:
   """A program creating a zero array directly in `placement` (no device ever holds it whole)."""
   return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=placement)

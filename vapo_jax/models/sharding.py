@@ -113,7 +113,7 @@ def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
       size = math.prod(mesh_shape[a] for a in axes_tuple)
       if shape[i] % size:
         warnings.warn(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
-                      f"{axes_tuple} (size {size}); replicating it")
+                      f"{axes_tuple} (size {size}); replicating it", stacklevel=2)
         axes_tuple = ()
     used.update(axes_tuple)
     spec.append(None if not axes_tuple else axes_tuple[0] if len(axes_tuple) == 1 else axes_tuple)

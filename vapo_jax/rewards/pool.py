@@ -229,7 +229,7 @@ class VerifierPool:
 
   def _new_worker(self) -> _Worker:
     """A started worker; retried while a dead fork server is noticed and started again."""
-    for attempt in range(_START_ATTEMPTS):
+    for _ in range(_START_ATTEMPTS):
       try:
         return _Worker(self._ctx, self.fn, self.memory_limit_mb)
       except (EOFError, OSError) as e:  # The fork server died (SIGKILL, or it was signalled while starting).

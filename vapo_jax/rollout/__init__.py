@@ -29,7 +29,8 @@ that were a live sequence), `rollout/response_len_p50`,
 
 import math
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

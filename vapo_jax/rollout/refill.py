@@ -41,7 +41,8 @@ slot count (at most log2(R / min_slots) of them, cached).
 
 import functools
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

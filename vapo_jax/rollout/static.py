@@ -8,7 +8,8 @@ randomness: sequence n's step t draws from `fold_in(fold_in(key, n), t)`).
 """
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from vapo_jax.config import AlgoConfig
-from vapo_jax.rl import advantages as adv, losses, masked, positions
+from vapo_jax.rl import advantages as adv
+from vapo_jax.rl import losses, masked, positions
 
 
 class Denominators(NamedTuple):

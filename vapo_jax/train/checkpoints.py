@@ -34,7 +34,6 @@ import orbax.checkpoint as ocp
 
 from vapo_jax import distributed, files
 from vapo_jax.config import CheckpointConfig, ExperimentConfig
-
 from vapo_jax.errors import ConfigError
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
@@ -306,4 +305,5 @@ def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir
         f"(saved → now):\n  " + "\n  ".join(diffs) +
         "\nUse the saved values, another experiment name, or pass checkpoint.allow_config_change=true.")
   if diffs:
-    warnings.warn("resuming with a changed config (checkpoint.allow_config_change=true):\n  " + "\n  ".join(diffs))
+    warnings.warn("resuming with a changed config (checkpoint.allow_config_change=true):\n  " + "\n  ".join(diffs),
+                  stacklevel=2)

@@ -37,8 +37,18 @@ from vapo_jax.rollout.common import Rollout
 from vapo_jax.train import algorithm, packed_batch, packing
 from vapo_jax.train.packed_batch import PackedBatch
 from vapo_jax.train.state import TrainState
-from vapo_jax.train.updates import (TrainBatch, actor_update, critic_update, join, logprobs_and_entropy,
-                                    mini_batch_orders, packed_logprobs_and_entropy, packed_values, sft_update, values)
+from vapo_jax.train.updates import (
+  TrainBatch,
+  actor_update,
+  critic_update,
+  join,
+  logprobs_and_entropy,
+  mini_batch_orders,
+  packed_logprobs_and_entropy,
+  packed_values,
+  sft_update,
+  values,
+)
 
 
 class Steps:

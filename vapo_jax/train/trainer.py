@@ -29,7 +29,8 @@ from flax import nnx
 
 from vapo_jax import distributed
 from vapo_jax.config import ExperimentConfig
-from vapo_jax.data import problems, tokenizer as tok_lib
+from vapo_jax.data import problems
+from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.data.prompt_iterator import PromptIterator
 from vapo_jax.errors import ConfigError, DataError
 from vapo_jax.models import huggingface, sharding
@@ -37,10 +38,12 @@ from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, checkpoints, metrics as metrics_lib, optim, runlock
+from vapo_jax.train import build, checkpoints, optim, runlock
+from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
 from vapo_jax.train.steps import Steps
+
 
 class Diverged(RuntimeError):
   """Updates kept failing on non-finite losses or gradients (`optim.max_nonfinite_steps` steps in a row)."""
