@@ -5,6 +5,7 @@ for the chips under shard_map, and the HBM table is what the TPU compiler says. 
 libtpu (`pip install -e ".[test]"` installs it)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,20 @@ def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
   report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
   moving = aot.weight_collectives(report.program("generate"), report.weights)
   assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
+
+
+def test_the_weight_check_finds_an_fsdp_decodes_gathers_under_scanned_layers(smoke_config):
+  """A scanned decode gathers one layer of each stacked `[L, ...]` weight per iteration: the check compares
+  per-layer sizes, so a 4-layer FSDP decode's gathers are found (and each is one layer's, not the stack's)."""
+  fsdp = smoke_config(QUICK | {"model.preset": "small", "mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
+  report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
+  layers = report.architecture.num_layers
+  assert fsdp.model.scan_layers and layers == 4
+  moving = aot.weight_collectives(report.program("generate"), report.weights)
+  elements = lambda shape: math.prod(int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d)
+  cfg = report.architecture
+  stacks = {layers * cfg.hidden_size * cfg.intermediate_size, layers * cfg.hidden_size * cfg.num_heads * cfg.head_dim}
+  assert moving and not any(elements(shape) in stacks for c in moving for shape in c.shapes)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_path, capsys):
@@ -130,10 +145,16 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   step = roofline.estimate(smoke_report)
   c = smoke_report.config
   assert [p.phase for p in step.phases] == ["rollout", "scoring", "update"]
+  chip = topologies.CHIPS["TPU v5"]
   for p in step.phases:
-    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s), p.phase
-    assert p.compute_s == p.flops / topologies.CHIPS["TPU v5"].peak_flops
-  assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1
+    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s) + p.collective_s, p.phase
+    assert p.compute_s == p.flops / chip.peak_flops and p.collective_s == p.collective_bytes / chip.ici_bandwidth
+    assert 0 < step.phase_mfu(p.phase) < 1 and p.model_flops > 0, p.phase
+  assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1 and 0 < step.rollout_share < 1
+  assert step.model_flops == sum(p.model_flops for p in step.phases)
+  text = roofline.format_estimate(step, "TPU v5")
+  assert f"the rollout {step.rollout_share:.0%} of it" in text and f"one program: {step.phase_mfu('update'):.1%})" in text
+  assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
