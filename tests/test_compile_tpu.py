@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import build_smoke_config
+from experiments import get_experiment
 from vapo_jax.cli import memory
 from vapo_jax.memory import aot, hlo, roofline, topologies, xla_report, xla_report_text
 from vapo_jax.models import attention, sharding
@@ -159,3 +160,19 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
   assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")
+
+
+@pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.
+def test_the_shipped_aime_rollout_fits_a_v5p_pod_within_the_margin():
+  """Every rollout program of `aime` as shipped, at full depth on 256 v5p chips (v5p:8x8x4), needs at most
+  92 % of the chip's HBM (`mesh.memory_margin`): a change to the model, the KV cache or the config that
+  would not fit the pod fails here, on CPU. The tail's compaction is the peak, 0.69 GiB more per refill
+  slot per group (docs/pod.md)."""
+  config = get_experiment("aime")
+  report = xla_report.compile_run(config, topologies.named("v5p:8x8x4"), phases=("rollout",))
+  assert report.layers is None and report.architecture.num_layers == 64 and config.mesh.memory_margin == 0.08
+  assert report.allowed == int(0.92 * topologies.CHIPS["TPU v5"].hbm_bytes) and report.refill
+  for program in report.phases[0].programs:
+    assert program.memory is not None and program.needs <= report.allowed, xla_report_text.refusal(report)
+  assert not report.over()
+
