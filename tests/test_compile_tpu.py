@@ -1,8 +1,10 @@
 """The compile report for a TPU topology (v5p:2x2x1, 4 chips), on this CPU machine through libtpu's
-compile-only client: the smoke run's every phase fits, its decode loop moves no weight, a layout that
-cannot fit is refused naming the phase (also by `make memory`'s entry point, exit 1), splash compiles
-for the chips under shard_map, and the HBM table is what the TPU compiler says. Skipped without
-libtpu (`pip install -e ".[test]"` installs it)."""
+compile-only client: the smoke run's every phase fits, its decode loop moves no weight (and an FSDP
+decode's per-layer gathers under scanned layers are found), a layout that cannot fit is refused naming the
+phase (also by `make memory`'s entry point, exit 1), splash compiles for the chips under shard_map, the
+HBM table is what the TPU compiler says, and the roofline's arithmetic holds; in `make test-slow`, the
+shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. Skipped without libtpu
+(`pip install -e ".[test]"` installs it)."""
 
 import dataclasses
 import math
