@@ -14,6 +14,8 @@ From `cost_analysis` (per chip), with what it cannot see added:
   (exact when 2 divides L: no iteration runs outside the loop). The decode loop's program is one
   decode step (times the steps of a rollout), scoring's micro-batch loop one micro-batch (times the
   micro-batches), the update's loops one micro-batch of one update (times the updates and micro-batches).
+- The log-probs' vocabulary blocks are a `lax.scan` too: the output projection's blocks it leaves out
+  are added from the definition (`_head_flops`).
 - It sees little of attention: `chunked`'s block loops have dynamic trip counts (counted once) and
   splash is a kernel (counted as nothing). Causal attention is added from its definition: per
   sequence of T tokens, 2·N·H·T²·L FLOPs forward (two T×T×H matmuls per head, half of them
@@ -28,13 +30,15 @@ From `cost_analysis` (per chip), with what it cannot see added:
   time adds to the phase's (no overlap with compute assumed: a bound, not a forecast).
 
 Model FLOPs for the MFU (useful work, remat not counted): 2·params per generated or scored token,
-6·params per trained token, plus attention by the same formula.
+6·params per trained token, plus attention by the same formula; params without the input embedding (a
+lookup).
 """
 
 import dataclasses
 import math
 from typing import NamedTuple
 
+from vapo_jax.models import logprobs
 from vapo_jax.models.transformer import KVCache
 from vapo_jax.rollout import common
 from vapo_jax.train import packed_batch, packing
@@ -156,13 +160,25 @@ def _trips(report, phase_name: str) -> float:
   return c.updates_per_step * (mini // micro)
 
 
+def _head_flops(report, chips: int) -> float:
+  """FLOPs per chip, per pass over a step's sequences, of the log-probs' vocabulary blocks that
+  `cost_analysis` leaves out: it counts one block of the `lax.scan` over ⌈V / Vb⌉ (`models/logprobs.py`),
+  so (1 − 1/blocks) of the output projection's 2·V·D per token is added (forward; its backward twice that)."""
+  c, cfg = report.config, report.architecture
+  tokens = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
+  blocks = -(-cfg.vocab_size // logprobs._blocks(cfg.vocab_size, tokens, c.model.logits_chunk))
+  return (1 - 1 / blocks) * 2.0 * cfg.vocab_size * cfg.hidden_size * tokens * c.rollout.responses_per_step / chips
+
+
 def _model_flops(report) -> dict[str, float]:
-  """Useful FLOPs of each phase on all chips (module docstring)."""
+  """Useful FLOPs of each phase on all chips (module docstring); the input embedding is a lookup, not a
+  matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
   c, cfg = report.config, report.architecture
   tp, tr = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens
   n, tokens, critic_used = c.rollout.responses_per_step, tp + tr, c.algo.uses_critic
   models = 1 + critic_used + (c.algo.kl_coef > 0)
-  actor, critic = report.parameters
+  embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+  actor, critic = (count - embedding for count in report.parameters)
   attention = _attention_forward(cfg, tokens) * n
   return {"rollout": 2 * actor * (n * tr + c.rollout.prompts_per_step * tp) + attention,
           "scoring": 2 * (actor * (models - critic_used) + critic * critic_used) * n * tokens + attention * models,
@@ -190,6 +206,8 @@ def _phase(report, phase, chips: int) -> tuple[float, float, float, int]:
       f, b = program.flops * trips, program.bytes_accessed * trips
       m = calls * _collective_bytes(program, unknown=trips / calls)
       f += attention * (models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs)
+      f += _head_flops(report, chips) * ((models - c.algo.uses_critic) if phase.name == "scoring"
+                                         else 3 * c.algo.ppo_epochs)  # The actor's (and reference's) heads.
     flops, bytes_, moved = flops + f, bytes_ + b, moved + m
   return flops, bytes_, moved, steps
 
