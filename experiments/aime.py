@@ -65,11 +65,13 @@ def vapo() -> ExperimentConfig:
       # Decoding in the training layout gathers the whole model every token and does not fit (XLA refuses
       # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
       # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
-      # once per step: 112 refill slots per group, a 77 GiB KV cache per chip
-      # (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
+      # once per step: 103 refill slots per group (0.6875 GiB of KV cache each per chip, 70.8 GiB). Every
+      # phase then stays under 92 % of HBM at 64 layers (mesh.memory_margin), in XLA's figures and in the
+      # hand plan the start-up check uses: the tail's compaction, the rollout's peak, needs 86.5 GiB and
+      # 0.69 GiB more per slot per group (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=128, kv_cache_budget_gib=77.5, tensor_parallel=8),
+                            prompts_per_generation=128, kv_cache_budget_gib=71.5, tensor_parallel=8),
       # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
       # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.
       mesh=MeshConfig(preset="fsdp", data=1, fsdp=-1, tensor=1),

@@ -1,10 +1,13 @@
 """The compile report for a TPU topology (v5p:2x2x1, 4 chips), on this CPU machine through libtpu's
-compile-only client: the smoke run's every phase fits, its decode loop moves no weight, a layout that
-cannot fit is refused naming the phase (also by `make memory`'s entry point, exit 1), splash compiles
-for the chips under shard_map, and the HBM table is what the TPU compiler says. Skipped without
-libtpu (`pip install -e ".[test]"` installs it)."""
+compile-only client: the smoke run's every phase fits, its decode loop moves no weight (and an FSDP
+decode's per-layer gathers under scanned layers are found), a layout that cannot fit is refused naming the
+phase (also by `make memory`'s entry point, exit 1), splash compiles for the chips under shard_map, the
+HBM table is what the TPU compiler says, and the roofline's arithmetic holds; in `make test-slow`, the
+shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. Skipped without libtpu
+(`pip install -e ".[test]"` installs it)."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import build_smoke_config
+from experiments import get_experiment
 from vapo_jax.cli import memory
 from vapo_jax.memory import aot, hlo, roofline, topologies, xla_report, xla_report_text
 from vapo_jax.models import attention, sharding
@@ -51,6 +55,20 @@ def test_the_decode_loop_moves_no_weight(smoke_report, smoke_config):
   report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
   moving = aot.weight_collectives(report.program("generate"), report.weights)
   assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
+
+
+def test_the_weight_check_finds_an_fsdp_decodes_gathers_under_scanned_layers(smoke_config):
+  """A scanned decode gathers one layer of each stacked `[L, ...]` weight per iteration: the check compares
+  per-layer sizes, so a 4-layer FSDP decode's gathers are found (and each is one layer's, not the stack's)."""
+  fsdp = smoke_config(QUICK | {"model.preset": "small", "mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
+  report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
+  layers = report.architecture.num_layers
+  assert fsdp.model.scan_layers and layers == 4
+  moving = aot.weight_collectives(report.program("generate"), report.weights)
+  elements = lambda shape: math.prod(int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d)
+  cfg = report.architecture
+  stacks = {layers * cfg.hidden_size * cfg.intermediate_size, layers * cfg.hidden_size * cfg.num_heads * cfg.head_dim}
+  assert moving and not any(elements(shape) in stacks for c in moving for shape in c.shapes)
 
 
 def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_path, capsys):
@@ -130,11 +148,34 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   step = roofline.estimate(smoke_report)
   c = smoke_report.config
   assert [p.phase for p in step.phases] == ["rollout", "scoring", "update"]
+  chip = topologies.CHIPS["TPU v5"]
   for p in step.phases:
-    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s), p.phase
-    assert p.compute_s == p.flops / topologies.CHIPS["TPU v5"].peak_flops
-  assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1
+    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s) + p.collective_s, p.phase
+    assert p.compute_s == p.flops / chip.peak_flops and p.collective_s == p.collective_bytes / chip.ici_bandwidth
+    assert 0 < step.phase_mfu(p.phase) < 1 and p.model_flops > 0, p.phase
+  assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1 and 0 < step.rollout_share < 1
+  assert step.model_flops == sum(p.model_flops for p in step.phases)
+  text = roofline.format_estimate(step, "TPU v5")
+  assert f"the rollout {step.rollout_share:.0%} of it" in text
+  assert f"one program: {step.phase_mfu('update'):.1%})" in text
+  assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
   assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")
+
+
+@pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.
+def test_the_shipped_aime_rollout_fits_a_v5p_pod_within_the_margin():
+  """Every rollout program of `aime` as shipped, at full depth on 256 v5p chips (v5p:8x8x4), needs at most
+  92 % of the chip's HBM (`mesh.memory_margin`): a change to the model, the KV cache or the config that
+  would not fit the pod fails here, on CPU. The tail's compaction is the peak, 0.69 GiB more per refill
+  slot per group (docs/pod.md)."""
+  config = get_experiment("aime")
+  report = xla_report.compile_run(config, topologies.named("v5p:8x8x4"), phases=("rollout",))
+  assert report.layers is None and report.architecture.num_layers == 64 and config.mesh.memory_margin == 0.08
+  assert report.allowed == int(0.92 * topologies.CHIPS["TPU v5"].hbm_bytes) and report.refill
+  for program in report.phases[0].programs:
+    assert program.memory is not None and program.needs <= report.allowed, xla_report_text.refusal(report)
+  assert not report.over()
+

@@ -12,8 +12,8 @@ of each phase against the chip's HBM; `--layers N` compiles the models with thei
 (a quick look), `--phases a,b` only those phases (and the ones whose outputs they take), `--tail` also
 the refill engine's decode loop at every slot count it shrinks to. The second
 plans a run by hand (`memory/hand_plan.py`) for `--mesh` (axes not named: 1), else for the
-configured mesh on this machine's devices. Both refuse a run whose phase exceeds the device memory,
-naming the phase and what to change (`memory/advice.py`). The third prints only the
+configured mesh on this machine's devices. Both refuse a run whose phase needs more than
+(1 − `mesh.memory_margin`, default 8 %) of the device memory, naming the phase and what to change (`memory/advice.py`). The third prints only the
 parameters, gradients and AdamW moments per device of a model preset's policy and critic. Exit
 status 1 when a phase does not fit, 2 on a bad argument.
 """
@@ -84,6 +84,23 @@ def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None,
   return notes
 
 
+def _roofline(config, target, report, log) -> str:
+  """The roofline of one RL step (`memory/roofline.py`); scanned layers compile the per-step programs a
+  second time with two layers per scan iteration, so that every layer is counted."""
+  from vapo_jax.memory import roofline, xla_report
+
+  layers = report.architecture.num_layers
+  if report.layers:  # cost_analysis saw the programs of a shallower model.
+    return f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)"
+  if config.model.scan_layers and layers > 1:
+    if layers % 2:
+      return f"roofline: not estimated ({layers} scanned layers: the per-layer count needs an even number)"
+    log("roofline: the per-step programs again with two layers per scan iteration (model.scan_unroll=2)")
+    twice = xla_report.compile_run(roofline.twice_unrolled(config), target, phases=("update",), log=log)
+    report = roofline.every_layer(report, twice)
+  return roofline.format_estimate(roofline.estimate(report), target.device_kind)
+
+
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool) -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
   from vapo_jax.memory import topologies, xla_report, xla_report_text
@@ -94,20 +111,13 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
   if mesh_text:
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
+  log = lambda message: print(message, file=sys.stderr, flush=True)
   report = xla_report.compile_run(
       config, target, layers=int(layers) if layers else None,
-      phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail,
-      log=lambda message: print(message, file=sys.stderr, flush=True))
+      phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail, log=log)
   print(xla_report_text.table(report))
   if target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}:
-    from vapo_jax.memory import roofline
-    if report.layers:  # cost_analysis saw the programs of a shallower model.
-      print(f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)")
-    elif config.model.scan_layers and report.architecture.num_layers > 1:  # cost_analysis counts a loop body once.
-      print("roofline: not estimated (the layers are a scan, whose body cost_analysis counts once, not once per layer; "
-            "model.scan_layers=false compiles the loop unrolled, which it counts whole)")
-    else:
-      print(roofline.format_estimate(roofline.estimate(report), target.device_kind))
+    print(_roofline(config, target, report, log))
   if message := xla_report_text.refusal(report):
     print(f"refused: {message}")
     return 1
@@ -152,11 +162,11 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   device_bytes = hand_plan.device_memory_bytes(config)
-  print(plan.format(device_bytes))
+  print(plan.format(device_bytes, margin=config.mesh.memory_margin))
   for note in assumptions(options["--mesh"], sizes, device_bytes, jax.devices()):
     print(note)
   try:
-    advice.refuse(plan, device_bytes)
+    advice.refuse(plan, device_bytes, margin=config.mesh.memory_margin)
   except ConfigError as e:
     print(f"refused: {e}")
     return 1

@@ -77,9 +77,10 @@ def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> list[str]:
 
 def check_memory(config, devices: list, *, show: bool = True) -> None:
   """Prints (with `show`) the hand memory plan of `config` (`memory.hand_plan`) on the mesh its run has on
-  `devices`, and with `mesh.check_memory` raises `ConfigError` when a phase exceeds the device memory
-  (`mesh.device_memory_gib`, else the device's own), naming each phase over it and the settings, with
-  their values, that bring it under (`memory.advice`). Runs before the trainer builds anything."""
+  `devices`, and with `mesh.check_memory` raises `ConfigError` when a phase needs more than
+  (1 − `mesh.memory_margin`) of the device memory (`mesh.device_memory_gib`, else the device's own),
+  naming each phase over it and the settings, with their values, that bring it under (`memory.advice`).
+  Runs before the trainer builds anything."""
   from vapo_jax.memory import advice, hand_plan
   from vapo_jax.models import sharding
 
@@ -89,7 +90,7 @@ def check_memory(config, devices: list, *, show: bool = True) -> None:
   if show:
     print(plan.format(), flush=True)
   if m.check_memory:
-    advice.refuse(plan, hand_plan.device_memory_bytes(config))
+    advice.refuse(plan, hand_plan.device_memory_bytes(config), margin=m.memory_margin)
 
 
 def remove_empty(directories: list[str]) -> None:

@@ -113,10 +113,12 @@ class MeshConfig:
   tensor: int = 1  # Tensor-parallel size.
   device_memory_gib: float | None = None  # Memory per device for the plan; None: the device's own report.
   check_memory: bool = True  # Refuse (before compiling) a configuration whose plan exceeds the memory.
+  memory_margin: float = 0.08  # Share of the device memory kept free: a phase may need at most (1 - margin).
 
   def __post_init__(self):
     if self.device_memory_gib is not None:
       in_range(self, "device_memory_gib", 0.0, 1e6, lo_open=True)
+    in_range(self, "memory_margin", 0.0, 1.0, hi_open=True)
     for name in ("data", "fsdp", "tensor"):
       value = getattr(self, name)
       require(isinstance(value, int) and (value >= 1 or value == -1), self, name,

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory.hand_plan import GIB, MemoryPlan, plan_memory, refill_slots, rollout_groups
+from vapo_jax.memory.hand_plan import GIB, MemoryPlan, allowed_bytes, plan_memory, refill_slots, rollout_groups
 from vapo_jax.train import packed_batch
 from vapo_jax.train.build import model_configs
 
@@ -118,18 +118,19 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
   return fixes
 
 
-def refuse(plan: MemoryPlan, device_bytes: int | None) -> None:
-  """Raises `ConfigError` when a phase of `plan` exceeds `device_bytes` (None: unknown, no check),
-  naming for each phase over it the settings that would bring that phase under, with their values."""
-  over = {n: b for n, b in plan.phase_bytes().items() if device_bytes is not None and b > device_bytes}
+def refuse(plan: MemoryPlan, device_bytes: int | None, *, margin: float = 0.0) -> None:
+  """Raises `ConfigError` when a phase of `plan` needs more than (1 − `margin`) of `device_bytes` (None:
+  unknown, no check), naming for each such phase the settings that would bring it under, with their values."""
+  allowed = allowed_bytes(device_bytes, margin)
+  over = {n: b for n, b in plan.phase_bytes().items() if allowed is not None and b > allowed}
   if not over:
     return
-  lines = [(f"the run needs {plan.peak_bytes / GIB:.1f} GiB per device, over the {device_bytes / GIB:.1f} GiB of "
-            f"device memory (mesh.device_memory_gib; mesh.check_memory=false skips this check). Each of these "
-            f"fixes one phase:")]
+  lines = [f"the run needs {plan.peak_bytes / GIB:.1f} GiB per device, over the {allowed / GIB:.1f} GiB allowed: "
+           f"{1 - margin:.0%} of the {device_bytes / GIB:.1f} GiB of device memory (mesh.memory_margin={margin:g}; "
+           "mesh.device_memory_gib; mesh.check_memory=false skips this check). Each of these fixes one phase:"]
   for name, needed in over.items():
     lines.append(f"  {name} needs {needed / GIB:.1f} GiB: " + "; or ".join(
-        fixes(plan, name, device_bytes) or ["no single setting fits it; shorten the sequences or use more devices"]))
+        fixes(plan, name, allowed) or ["no single setting fits it; shorten the sequences or use more devices"]))
   raise ConfigError("\n".join(lines))
 
 

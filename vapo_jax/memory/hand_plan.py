@@ -101,8 +101,8 @@ class MemoryPlan:
   def peak_bytes(self) -> int:
     return max(self.phase_bytes().values())
 
-  def format(self, device_bytes: int | None = None) -> str:
-    """The per-device table in GiB; with `device_bytes`, the verdict against it."""
+  def format(self, device_bytes: int | None = None, *, margin: float = 0.0) -> str:
+    """The per-device table in GiB; with `device_bytes`, the verdict against (1 − `margin`) of it."""
     row = lambda label, b, note="": f"    {label:<58}{b / GIB:10.2f}{note}"
     lines = [self.summary, f"  {'per device':<62}{'GiB':>10}", "  resident in every phase"]
     lines += [row(i.label, i.bytes) for i in self.resident] + [row("total", self.resident_bytes)]
@@ -113,10 +113,12 @@ class MemoryPlan:
     peaks = self.phase_bytes()
     verdict = f"  peak {self.peak_bytes / GIB:.2f} GiB per device ({max(peaks, key=peaks.get)})"
     if device_bytes is not None:
-      over = [n for n, b in peaks.items() if b > device_bytes]
-      verdict += (f" against {device_bytes / GIB:.2f} GiB: " +
+      allowed = allowed_bytes(device_bytes, margin)
+      over = [n for n, b in peaks.items() if b > allowed]
+      share = f" ({1 - margin:.0%} of {device_bytes / GIB:.2f} GiB, mesh.memory_margin)" if margin else ""
+      verdict += (f" against {allowed / GIB:.2f} GiB{share}: " +
                   (f"does NOT fit ({', '.join(over)} over)" if over else
-                   f"fits ({(device_bytes - self.peak_bytes) / GIB:.2f} GiB spare)"))
+                   f"fits ({(allowed - self.peak_bytes) / GIB:.2f} GiB spare)"))
     return "\n".join(lines + [verdict])
 
 
@@ -344,6 +346,12 @@ def _summary(at: _Shapes, parameters: int) -> str:
           f"({devices} device{'s' if devices > 1 else ''}, preset {config.mesh.preset}); sequences "
           f"{at.tokens - resp} prompt + {resp} response = {at.tokens} tokens; mini-batch "
           f"{config.algo.mini_batch_responses}, micro-batch {at.unit(at.micro) if at.packed else at.micro}")
+
+
+def allowed_bytes(device_bytes: int | None, margin: float) -> int | None:
+  """What a phase may need per device: (1 − `margin`) of `device_bytes` (`mesh.memory_margin`; the rest
+  is left to the runtime, fragmentation and the collectives' buffers); None when the memory is unknown."""
+  return None if device_bytes is None else int(device_bytes * (1.0 - margin))
 
 
 def device_memory_bytes(config: ExperimentConfig) -> int | None:

@@ -13,7 +13,8 @@ The chips' HBM is not exposed by the API; the TPU compiler states it when it ref
 checks the table against it). Peak bfloat16 FLOP/s and HBM bandwidth per chip are Google's
 published figures: v5p 459 TFLOP/s, 2,765 GB/s (cloud.google.com/tpu/docs/v5p-training);
 v6e 918 TFLOP/s, 1,638 GB/s (cloud.google.com/tpu/docs/v6e); v5e 197 TFLOP/s, 819 GB/s
-(cloud.google.com/tpu/docs/v5e). They serve the roofline estimates only.
+(cloud.google.com/tpu/docs/v5e); inter-chip (ICI) bandwidth into a chip, half the pages' bidirectional
+figure: v5p 600 GB/s, v6e 400 GB/s, v5e 200 GB/s. They serve the roofline estimates only.
 """
 
 import contextlib
@@ -31,14 +32,16 @@ class Chip(NamedTuple):
   hbm_bytes: int  # What the TPU compiler allows a program per chip (its refusal message's figure).
   peak_flops: float  # bfloat16 FLOP/s per chip.
   hbm_bandwidth: float  # Bytes/s per chip.
+  ici_bandwidth: float  # Bytes/s per chip into it over its inter-chip links (half the bidirectional figure).
 
 
-# Peak bf16 FLOP/s and HBM bandwidth from the Cloud TPU system-architecture pages (v5p, v6e, v5e).
+# Peak bf16 FLOP/s, HBM and ICI bandwidth from the Cloud TPU system-architecture pages (v5p, v6e, v5e): ICI
+# v5p 1,200 GB/s bidirectional per chip (4,800 Gbps), v6e 800 GB/s bidirectional, v5e 1,600 Gbps one way.
 # By `device_kind`: libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
 CHIPS = {
-    "TPU v5": Chip(int(95.74 * GIB), 459e12, 2765e9),
-    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1640e9),
-    "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9),
+    "TPU v5": Chip(int(95.74 * GIB), 459e12, 2765e9, 600e9),
+    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1640e9, 400e9),
+    "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9, 200e9),
 }
 _TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
 

@@ -32,6 +32,8 @@ own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the ru
 (the `TrainState` parts that are not arguments, the KV cache while the rollout finishes, ...).
 The budget is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`), lowered to
 `mesh.device_memory_gib` when that is set; a CPU has none unless `mesh.device_memory_gib` gives one.
+A phase may need (1 − `mesh.memory_margin`) of it (`Report.allowed`, default 92 %): the rest is left to
+the runtime, fragmentation and the collectives' buffers, which no compiled figure shows.
 """
 
 import dataclasses
@@ -45,7 +47,8 @@ from flax import nnx
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies
-from vapo_jax.memory.aot import Program, chip_bytes, compile_program
+from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
+from vapo_jax.memory.hand_plan import allowed_bytes
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
@@ -83,7 +86,7 @@ class Report:
   mesh_shape: dict
   budget: int | None  # Bytes per device; None: unknown (nothing is refused).
   phases: tuple[CompiledPhase, ...]
-  weights: frozenset  # Element counts of the policy's weight matrices, whole and per device.
+  weights: frozenset  # Element counts of the policy's weight matrices, whole, per device, and per layer.
   parameters: tuple[int, int]  # Of the policy and the critic, as compiled.
   architecture: object  # The policy's `TransformerConfig` as compiled (`layers` applied).
   layers: int | None  # Compiled with only this many decoder layers (None: all).
@@ -95,9 +98,14 @@ class Report:
     """The policy's weights in the compute dtype, whole: what FSDP decoding gathers every step."""
     return self.parameters[0] * jnp.dtype(self.config.model.dtype).itemsize
 
+  @property
+  def allowed(self) -> int | None:
+    """Bytes per device a phase may need: (1 − `mesh.memory_margin`) of the budget (None: unknown)."""
+    return allowed_bytes(self.budget, self.config.mesh.memory_margin)
+
   def over(self) -> list[CompiledPhase]:
-    """The phases that need more than the budget."""
-    return [p for p in self.phases if self.budget is not None and p.needs > self.budget]
+    """The phases that need more than the budget allows (`allowed`)."""
+    return [p for p in self.phases if self.allowed is not None and p.needs > self.allowed]
 
   def program(self, name: str) -> Program:
     """The program of this name (the first, if several phases share it)."""
@@ -318,12 +326,6 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
        (state, batch, placement), resident=held)
 
 
-def _weights(run: _Run) -> frozenset:
-  """The element counts of the policy's weight matrices, whole and per device."""
-  matrices = [x for x in jax.tree.leaves(run.state("rl").actor) if x.ndim >= 2]
-  return frozenset({x.size for x in matrices} | {math.prod(x.sharding.shard_shape(x.shape)) for x in matrices})
-
-
 def budget(config: ExperimentConfig, target: Topology) -> int | None:
   """Bytes per device the programs must fit: the chip's HBM, or `mesh.device_memory_gib` if lower
   (or if the chip's is unknown)."""
@@ -357,9 +359,10 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
       done += _rollout_onwards(run, log, phases)
   state = run.state("rl")
   count = lambda params: sum(x.size for x in jax.tree.leaves(params))
-  return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done), _weights(run),
-                (count(state.actor), count(state.critic)), nnx.merge(run.states["rl"][0], state.actor).cfg, layers,
-                run.refill, run.decode_rows)
+  architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
+  return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done),
+                weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
+                architecture, layers, run.refill, run.decode_rows)
 
 
 def _micro_batches(run: _Run, size: int) -> str:

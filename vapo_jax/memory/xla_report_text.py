@@ -1,8 +1,9 @@
 """The compile report in words: its table (`table`), and for each phase that does not fit, what to
 change (`refusal`).
 
+A phase fits when it needs at most `Report.allowed`, (1 − `mesh.memory_margin`) of the device memory.
 What to change comes from the hand plan (`advice.fixes`, the settings and values that bring a
-planned phase under a budget), asked for a budget lowered by what the compiled phase needs beyond
+planned phase under a budget), asked for the allowed bytes lowered by what the compiled phase needs beyond
 the plan's figure for it, so that its advice aims at XLA's number; for the refill engine's rollout
 also from the KV cache's bytes per slot.
 """
@@ -72,10 +73,12 @@ def table(report) -> str:
   peak = f"  peak {readable_bytes(worst.needs)} per device ({worst.name}: {worst.worst.name})"
   if report.budget is None:
     return "\n".join(lines + [peak + ": no memory budget known (mesh.device_memory_gib)"])
-  over = report.over()
+  over, margin = report.over(), c.mesh.memory_margin
   verdict = (f"does NOT fit ({', '.join(p.name for p in over)} over)" if over else
-             f"fits ({readable_bytes(report.budget - worst.needs)} spare)")
-  return "\n".join(lines + [f"{peak} against {readable_bytes(report.budget)}: {verdict}",
+             f"fits ({readable_bytes(report.allowed - worst.needs)} spare)")
+  share = f"{worst.needs / report.budget:.1%} of {readable_bytes(report.budget)}"
+  return "\n".join(lines + [f"{peak}, {share}, against {readable_bytes(report.allowed)} ({1 - margin:.0%}: "
+                             f"mesh.memory_margin={margin:g}): {verdict}",
                             "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
                             "does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
@@ -92,7 +95,7 @@ def _slot_advice(report, phase) -> str | None:
   per_slot = common.cache_bytes(cfg, batch=1, prompt_tokens=common.prompt_bucket(c.rollout.max_prompt_tokens),
                                 max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
                                 tensor=c.rollout.tensor_parallel)  # Per chip.
-  keep = (slots // groups - math.ceil((phase.needs - report.budget) / per_slot)) * groups
+  keep = (slots // groups - math.ceil((phase.needs - report.allowed) / per_slot)) * groups
   return (f"rollout.slots={keep} (now {slots}; {readable_bytes(per_slot)} of KV cache per slot per chip, about)"
           if keep > 0 else None)
 
@@ -104,7 +107,7 @@ def _plan_advice(report, phase) -> list[str]:
   if not planned:
     return []
   name = max(planned, key=planned.get)
-  aim = report.budget - (phase.needs - planned[name])
+  aim = report.allowed - (phase.needs - planned[name])
   return advice.fixes(plan, name, int(aim)) if aim > 0 else []
 
 
@@ -113,8 +116,10 @@ def refusal(report) -> str | None:
   over = report.over()
   if not over:
     return None
-  lines = [f"the run does not fit {report.target.name}: {report.budget / GIB:.2f} GiB per device "
-           f"({report.target.device_kind}); change one setting per phase:"]
+  margin = report.config.mesh.memory_margin
+  lines = [f"the run does not fit {report.target.name}: {report.allowed / GIB:.2f} GiB per device allowed, "
+           f"{1 - margin:.0%} of {report.budget / GIB:.2f} GiB ({report.target.device_kind}; mesh.memory_margin="
+           f"{margin:g}); change one setting per phase:"]
   for phase in over:
     fixes = ([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else []) + _plan_advice(report, phase)
     fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
