@@ -9,12 +9,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.memory import hand_plan, roofline, topologies, xla_report
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.run_config import MeshConfig, ModelConfig
 
 SMALL = {"eval.path": None, "sft.steps": 0, "model.preset": "small"}  # 4 decoder layers.
 

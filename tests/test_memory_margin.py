@@ -11,9 +11,9 @@ import pytest
 from vapo_jax.cli import memory as memory_cli
 from vapo_jax.cli import preflight, resolve
 from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
+from vapo_jax.config.sections import MeshConfig, ModelConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import advice, hand_plan, topologies, xla_report, xla_report_text
-from vapo_jax.run_config import MeshConfig, ModelConfig
 
 GIB = 2**30
 
