@@ -27,15 +27,19 @@ from vapo_jax.cli import resolve
 from vapo_jax.errors import ConfigError
 
 
-def _pop_options(args: list[str], flags: dict[str, str]) -> dict[str, str]:
-  """Removes `--flag value` pairs of `flags` from `args`; their values (the defaults where absent)."""
-  values = dict(flags)
-  for flag in flags:
-    if flag in args:
-      i = args.index(flag)
-      values[flag] = args[i + 1] if i + 1 < len(args) else ""
-      del args[i:i + 2]
-  return values
+def _parser():
+  """`--exp`, `--smoke` and overrides (`resolve.parser`), and this tool's own options."""
+  command = resolve.parser("vapo_jax.cli.memory", __doc__.strip())
+  command.add_argument("--topology", default="", metavar="TARGET",
+                       help="compile for a TPU topology (v5p:8x8x4), cpu:N or cpu; else plan by hand")
+  command.add_argument("--mesh", default="", metavar="AXIS=SIZE,...", help="the mesh (axes not named: 1)")
+  command.add_argument("--layers", default="", metavar="N", help="compile the models' first N layers only")
+  command.add_argument("--phases", default="", metavar="A,B", help="compile only these phases")
+  command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it shrinks to")
+  command.add_argument("--device-gib", default="", metavar="GIB", help="the device memory of a hand plan")
+  command.add_argument("--model", default="", metavar="PRESET", help="only the parameter memory of a model preset")
+  command.add_argument("--sharding", default="fsdp", metavar="PRESET", help="the sharding preset of --model")
+  return command
 
 
 def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
@@ -125,34 +129,32 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
 
 
 def main(argv: list[str]) -> int:
-  if "-h" in argv or "--help" in argv:  # The usage, before anything imports JAX.
-    print(__doc__.strip())
+  command = _parser()
+  options, _ = command.parse_known_intermixed_args(argv)  # Mistakes: one line, exit 2 (cli.ArgumentParser).
+  if options.help:  # The usage, before anything imports JAX.
+    print(command.format_help().strip())
     return 0
-  args = list(argv)
-  options = _pop_options(args, {"--mesh": "", "--device-gib": "", "--model": "", "--sharding": "fsdp", "--topology": "",
-                         "--layers": "", "--phases": ""})
-  topology, tail = options["--topology"], "--tail" in args
-  args = [a for a in args if a != "--tail"]
+  topology = options.topology
   if topology:  # Compile-only devices need no backend; a CPU target's devices must exist before JAX starts.
     from vapo_jax.memory import topologies
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     topologies.cpu_flags(topology)
   try:
-    if options["--model"]:
-      return parameters(options["--model"], options["--sharding"], options["--mesh"])
-    config, _ = resolve.resolve(args)
+    if options.model:
+      return parameters(options.model, options.sharding, options.mesh)
+    config, _ = resolve.resolve(argv, command)
     if topology:
-      return compiled(config, topology, options["--mesh"], options["--layers"], options["--phases"], tail)
+      return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail)
     import jax
 
     from vapo_jax.memory import advice, hand_plan
     from vapo_jax.models import sharding
 
-    if options["--device-gib"]:
+    if options.device_gib:
       config = dataclasses.replace(config, mesh=dataclasses.replace(
-          config.mesh, device_memory_gib=float(options["--device-gib"])))
-    if options["--mesh"]:
-      sizes = mesh_sizes(options["--mesh"], sharding.MESH_AXES)
+          config.mesh, device_memory_gib=float(options.device_gib)))
+    if options.mesh:
+      sizes = mesh_sizes(options.mesh, sharding.MESH_AXES)
     else:  # The configured mesh on this machine's devices.
       sizes = {a: getattr(config.mesh, a) for a in sharding.MESH_AXES}
       known = math.prod(s for s in sizes.values() if s != -1)
@@ -163,7 +165,7 @@ def main(argv: list[str]) -> int:
     return 2
   device_bytes = hand_plan.device_memory_bytes(config)
   print(plan.format(device_bytes, margin=config.mesh.memory_margin))
-  for note in assumptions(options["--mesh"], sizes, device_bytes, jax.devices()):
+  for note in assumptions(options.mesh, sizes, device_bytes, jax.devices()):
     print(note)
   try:
     advice.refuse(plan, device_bytes, margin=config.mesh.memory_margin)
