@@ -76,8 +76,8 @@ def table(report) -> str:
   verdict = (f"does NOT fit ({', '.join(p.name for p in over)} over)" if over else
              f"fits ({readable_bytes(report.budget - worst.needs)} spare)")
   return "\n".join(lines + [f"{peak} against {readable_bytes(report.budget)}: {verdict}",
-                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
-                            "does not read); "
+                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it "
+                            "runs (and inputs XLA does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
 
 
@@ -116,7 +116,8 @@ def refusal(report) -> str | None:
   lines = [f"the run does not fit {report.target.name}: {report.budget / GIB:.2f} GiB per device "
            f"({report.target.device_kind}); change one setting per phase:"]
   for phase in over:
-    fixes = ([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else []) + _plan_advice(report, phase)
+    fixes = (([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else [])
+             + _plan_advice(report, phase))
     fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
     lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)
