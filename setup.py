@@ -16,18 +16,18 @@ setuptools.setup(
         "transformers>=4.51,<6",
         "jinja2>=3.1,<4",  # transformers' chat templates.
         "numpy>=1.26,<3",
-        "ml_dtypes>=0.4,<1",
+        "ml_dtypes>=0.4,<1",  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
         # Answer equivalence (pins latex2sympy2_extended; agreement figures measured on 0.9.0).
         "math-verify[antlr4_13_2]>=0.9,<0.10",
         "pyarrow>=14,<27",  # Parquet datasets (DAPO-Math-17k).
-        "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow.  # bfloat16 for numpy (a JAX dependency, used directly for safetensors).
+        "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow.
     ],
     extras_require={
         # The optional features' tests run too: W&B offline logging and the plots. jax[tpu] brings the libtpu
         # of this jax (0.0.42.*), whose compile-only client the compile report tests compile TPU topologies with
         # on a CPU machine (tests/test_compile_tpu.py; skipped without it).
-        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "ruff>=0.8,<1", "wandb>=0.19,<1", "matplotlib>=3.7,<4",
-                 "jax[tpu]==0.10.2"],
+        "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "ruff>=0.8,<1", "wandb>=0.19,<1",
+                 "matplotlib>=3.7,<4", "jax[tpu]==0.10.2"],
         "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
         "wandb": ["wandb>=0.19,<1"],  # log.wandb=true: Weights & Biases beside TensorBoard and metrics.jsonl.
         "plot": ["matplotlib>=3.7,<4"],  # make plot RUN=runs/<name>: PNG curves of a run.

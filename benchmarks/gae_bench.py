@@ -153,7 +153,8 @@ def main(argv):
   print(f"\nscaling: T 1024 → 4096 (×4) takes ×{t4 / t1:.2f} the time (O(T) would be ×4)")
   print(f"target B=512, T=4096 under 10 ms: {t4 * 1e3:.1f} ms "
         f"({'met' if t4 < 0.010 else 'NOT met'}); vs vmap-row-scan: "
-        f"{results[4096]['vmap-row-scan'] / t4:.2f}× ({'met' if results[4096]['vmap-row-scan'] / t4 >= 2 else 'NOT met'} ≥ 2×)")
+        f"{results[4096]['vmap-row-scan'] / t4:.2f}× "
+        f"({'met' if results[4096]['vmap-row-scan'] / t4 >= 2 else 'NOT met'} ≥ 2×)")
   return 0
 
 

@@ -17,8 +17,8 @@ devices.
 Targets: the rollout layout's decode loop moves ≤ 1 % of the weight bytes per step (the issue's
 acceptance); the training layout's decode program moves ≥ 50 % of them per call (it gathers the
 weights: XLA:CPU once per call, before the loop, and holds them in its temporaries; the TPU compiler
-inside the loop, every step); and the reshard costs at most 100 decode steps. Prints the load average, at the start and the end: timings are only
-comparable on an idle machine.
+inside the loop, every step); and the reshard costs at most 100 decode steps. Prints the load
+average, at the start and the end: timings are only comparable on an idle machine.
 """
 
 import argparse

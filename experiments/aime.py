@@ -13,7 +13,8 @@ bias, and vanilla PPO and "w/o value pretraining" keep it). Make one from the po
 pass it to every row, as the toy sweeps do:
 
   make train EXP=aime_reward_model ARGS="model.checkpoint=/ckpt/Qwen2.5-32B"
-  make train EXP=aime ARGS="model.checkpoint=/ckpt/Qwen2.5-32B model.critic_checkpoint=runs/aime_reward_model/critic_pretrained"
+  make train EXP=aime \\
+    ARGS="model.checkpoint=/ckpt/Qwen2.5-32B model.critic_checkpoint=runs/aime_reward_model/critic_pretrained"
 
 (or any reward model: a Hugging Face directory with a one-output `score` head). Without
 `model.critic_checkpoint` the critic starts from the policy's backbone with a zero value head,

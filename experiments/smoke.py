@@ -28,7 +28,8 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
       model=replace(config.model, preset="micro", dtype="float32", remat=False, tokenizer="bytes", random_init=True,
                     checkpoint=None, critic_checkpoint=None),
       algo=replace(config.algo, value_pretrain_steps=min(config.algo.value_pretrain_steps, 1), mini_batch_responses=16,
-                   micro_batch_responses=None, dynamic_sampling_max_rounds=min(config.algo.dynamic_sampling_max_rounds, 1),
+                   micro_batch_responses=None,
+                   dynamic_sampling_max_rounds=min(config.algo.dynamic_sampling_max_rounds, 1),
                    overlong_buffer_tokens=min(config.algo.overlong_buffer_tokens, 4)),
       optim=replace(config.optim, actor_lr=1e-3, critic_lr=3e-3, warmup_updates=0, weight_decay=0.0),
       # The rollout layout keeps tensor-parallel groups, of a size that splits the micro model's KV heads.

@@ -111,7 +111,8 @@ def reward_model(base: ExperimentConfig, *, name: str, steps: int, lr: float) ->
   held-out evaluation, no policy export. Its critic is in `<run>/critic_pretrained/`."""
   algo = dataclasses.replace(base.algo, estimator="gae", value_pretrain_steps=steps, value_pretrain_target="outcome",
                              value_pretrain_patience=None)
-  return dataclasses.replace(base, name=name, rl_steps=0, algo=algo, optim=dataclasses.replace(base.optim, critic_lr=lr),
+  return dataclasses.replace(base, name=name, rl_steps=0, algo=algo,
+                             optim=dataclasses.replace(base.optim, critic_lr=lr),
                              model=dataclasses.replace(base.model, critic_checkpoint=None),
                              eval=dataclasses.replace(base.eval, path=None),
                              checkpoint=dataclasses.replace(base.checkpoint, export_final=False))

@@ -139,8 +139,10 @@ def test_decoupled_under_jit_matches_reference():
   lam_actor = jnp.array([0.1, 0.5, 0.0, 0.95, 1.0])
   fn = jax.jit(lambda r, v, m, l: adv.decoupled_gae(r, v, m, gamma=0.99, lam_actor=l, lam_critic=0.7))
   out = fn(rewards, values, mask, lam_actor)
-  np.testing.assert_allclose(out.advantages, reference_gae(rewards, values, mask, 0.99, np.asarray(lam_actor)), atol=1e-5)
-  np.testing.assert_allclose(out.returns, np.where(mask, reference_gae(rewards, values, mask, 0.99, 0.7) + values, 0), atol=1e-5)
+  np.testing.assert_allclose(out.advantages, reference_gae(rewards, values, mask, 0.99, np.asarray(lam_actor)),
+                             atol=1e-5)
+  np.testing.assert_allclose(out.returns, np.where(mask, reference_gae(rewards, values, mask, 0.99, 0.7) + values, 0),
+                             atol=1e-5)
 
 
 def test_decoupled_gae_is_one_scan():

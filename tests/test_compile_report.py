@@ -13,8 +13,8 @@ QUICK = {"sft.steps": 0, "eval.path": None}
 # fsdp (aime's preset) with aime's remat and scoring in micro-batches (a module made outside the micro-batch
 # loop once failed there under nnx.remat).
 # dp pads every sequence; the others pack rows (packing.enabled, the default).
-LAYOUTS = {"dp": {"mesh.data": -1, "packing.enabled": False}, "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True,
-                                            "algo.micro_batch_responses": 8},
+LAYOUTS = {"dp": {"mesh.data": -1, "packing.enabled": False},
+           "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True, "algo.micro_batch_responses": 8},
            "fsdp_tp": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}}
 
 

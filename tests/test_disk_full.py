@@ -212,7 +212,8 @@ def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_p
   # closed" tracebacks of their own after the one-line error.)
   env = without_device_count(PYTHONPATH=str(REPO))
   train = lambda inject: subprocess.run(
-      [sys.executable, "-c", "import errno, os, sys\n" + inject + f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))"],
+      [sys.executable, "-c",
+       "import errno, os, sys\n" + inject + f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))"],
       capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
   result = train(textwrap.dedent(READ_ONLY).replace("RUN_DIR", repr(str(run))))
   line = _one_line_error(result)

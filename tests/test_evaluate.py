@@ -126,7 +126,8 @@ def test_evaluate_responses_file(tmp_path):
 def _aime_responses(tmp_path, name, answer_line):
   """4 samples of each of 3 AIME 2024 problems, 2 of them right, the answer written by `answer_line`."""
   problems = load_records(str(DATA / "aime24/qwen25math_aime24_test.jsonl"))[:3]
-  lines = [{"id": p.id, "response": "推理过程。\n" + answer_line(int(p.answer) + (i % 2))} for p in problems for i in range(4)]
+  lines = [{"id": p.id, "response": "推理过程。\n" + answer_line(int(p.answer) + (i % 2))}
+           for p in problems for i in range(4)]
   path = tmp_path / f"{name}.jsonl"
   path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
   return str(path), problems

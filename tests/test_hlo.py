@@ -31,10 +31,12 @@ MODULE = """HloModule jit_f, entry_computation_layout={(f32[8,256]{1,0})->f32[8,
   %c = (s32[], f32[8,256], bf16[64,256]) parameter(0)
   %h = f32[8,256]{1,0} get-tuple-element(%c), index=1
   %s = f32[8]{0} reduce(%h, %zero), dimensions={1}, to_apply=%add
-  %r = f32[8,256]{1,0} all-reduce(%h), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add, metadata={op_name="jit(f)/decode_loop/while/body/dot_general"}
+  %r = f32[8,256]{1,0} all-reduce(%h), channel_id=2, replica_groups=[1,4]<=[4], to_apply=%add, \
+metadata={op_name="jit(f)/decode_loop/while/body/dot_general"}
   %a = (f32[8,256]{1,0}, f32[8]{0}) all-reduce-start(%r, %s), channel_id=3, to_apply=%add
   %d = (f32[8,256]{1,0}, f32[8]{0}) all-reduce-done(%a)
-  %inner = (s32[], f32[8,256]) while(%t2), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  %inner = (s32[], f32[8,256]) while(%t2), condition=%inner_cond, body=%inner_body, \
+backend_config={"known_trip_count":{"n":"3"}}
   %k = (s32[], bf16[64,256]) conditional(%pred, %t3, %t3), branch_computations={%insert, %keep}
   ROOT %out = (s32[], f32[8,256], bf16[64,256]) tuple(%i, %r, %w)
 }
@@ -62,7 +64,8 @@ ENTRY %main (x: f32[8,256], w: bf16[64,256]) -> f32[8,256] {
   %x = f32[8,256]{1,0} parameter(0)
   %w0 = bf16[64,256]{1,0} parameter(1)
   %full = bf16[256,256]{1,0} all-gather(%w0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
-  %loop = (s32[], f32[8,256], bf16[64,256]) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/decode_loop/while"}
+  %loop = (s32[], f32[8,256], bf16[64,256]) while(%init), condition=%cond, body=%body, \
+metadata={op_name="jit(f)/decode_loop/while"}
   ROOT %y = f32[8,256]{1,0} get-tuple-element(%loop), index=1
 }
 """

@@ -130,14 +130,16 @@ def test_missing_tensor_is_named(tmp_path):
 def test_unexpected_tensor_is_named(tmp_path):
   directory = copy_fixture(tmp_path)
   rewrite(directory, lambda t: t | {"model.layers.0.self_attn.rotary.inv_freq": np.ones(3, np.float32)})
-  with pytest.raises(huggingface.CheckpointError, match=r"unexpected tensors \['model.layers.0.self_attn.rotary.inv_freq'\]"):
+  with pytest.raises(huggingface.CheckpointError,
+                     match=r"unexpected tensors \['model.layers.0.self_attn.rotary.inv_freq'\]"):
     huggingface.load_causal_lm(str(directory))
 
 
 def test_shape_mismatch_is_named(tmp_path):
   directory = copy_fixture(tmp_path)
   rewrite(directory, lambda t: t | {"model.layers.0.mlp.up_proj.weight": np.ones((70, 40), np.float32)})
-  with pytest.raises(huggingface.CheckpointError, match=r"tensor 'model.layers.0.mlp.up_proj.weight' has shape \(70, 40\)"):
+  with pytest.raises(huggingface.CheckpointError,
+                     match=r"tensor 'model.layers.0.mlp.up_proj.weight' has shape \(70, 40\)"):
     huggingface.load_causal_lm(str(directory))
 
 

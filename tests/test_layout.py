@@ -142,7 +142,8 @@ def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   kernels = [v for v in jax.tree.leaves(state, is_leaf=IS_VARIABLE) if v.get_value().ndim >= 2
              and "embed" in v.get_metadata()["logical_axes"]]  # Projections, embedding and output; not biases.
   # One layer's weight (a stacked parameter holds L of them), the embedding and output whole.
-  per_layer = lambda v: v.get_value().nbytes // (TP_CFG.num_layers if "layers" in v.get_metadata()["logical_axes"] else 1)
+  per_layer = lambda v: v.get_value().nbytes // (TP_CFG.num_layers if "layers" in v.get_metadata()["logical_axes"]
+                                                 else 1)
   smallest = min(map(per_layer, kernels))
   kernels = [v.get_value() for v in kernels]
   layout = _layout(mesh, rules)
@@ -192,7 +193,8 @@ ENTRY %main (p: f32[8,64], w: bf16[4,32]) -> f32[8,64] {
   %w = bf16[4,32]{1,0} parameter(1)
   %g = bf16[16,32]{1,0} all-gather(bf16[4,32]{1,0} %w), dimensions={0}, replica_groups=[2,4]<=[8]
   %init = (s32[], f32[8,64]{1,0}) tuple(s32[] %zero, f32[8,64]{1,0} %p)
-  %loop = (s32[], f32[8,64]{1,0}) while((s32[], f32[8,64]{1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+  %loop = (s32[], f32[8,64]{1,0}) while((s32[], f32[8,64]{1,0}) %init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"7"}}
   ROOT %r = f32[8,64]{1,0} get-tuple-element((s32[], f32[8,64]{1,0}) %loop), index=1
 }
 """

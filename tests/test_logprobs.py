@@ -31,7 +31,8 @@ def _inputs(transposed: bool, seed: int = 0):
 
 def _numpy_oracle(hidden, kernel, tokens, transposed):
   """log π and H from the definition, in float64 numpy."""
-  logits = np.asarray(hidden, np.float64) @ (np.asarray(kernel, np.float64).T if transposed else np.asarray(kernel, np.float64))
+  logits = np.asarray(hidden, np.float64) @ (np.asarray(kernel, np.float64).T if transposed
+                                             else np.asarray(kernel, np.float64))
   logits -= logits.max(-1, keepdims=True)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   picked = np.take_along_axis(logp, np.asarray(tokens)[..., None], -1)[..., 0]

@@ -222,7 +222,8 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   assert _item(plan, "rollout", "rollout_weights") == _device0_bytes(copy) < 2 * cfg.num_parameters()  # bf16, split.
   # 5 slots per group (the budget holds 5.5 sequences per chip with the cache split by heads), 20 in all.
   engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.bfloat16, devices=4)
-  assert engine.slots == 20 and engine.queues == 4 and "through 20 refill slots, 5 per group of 2 chips" in plan.format()
+  assert (engine.slots == 20 and engine.queues == 4
+          and "through 20 refill slots, 5 per group of 2 chips" in plan.format())
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     cache = layout.jit(lambda: KVCache.zeros(cfg, 20, 32 + 992, jnp.bfloat16))()

@@ -158,7 +158,8 @@ def test_layout_on_the_device_equals_pack(batch):
   np.testing.assert_array_equal(lay.segment_ids, packed.segment_ids)
   np.testing.assert_array_equal(lay.position, packed.positions)
   sequence = np.asarray(lay.sequence)
-  np.testing.assert_array_equal(np.where(sequence >= 0, sequence, 0), packed.source // (prompt.shape[1] + response.shape[1]))
+  np.testing.assert_array_equal(np.where(sequence >= 0, sequence, 0),
+                                packed.source // (prompt.shape[1] + response.shape[1]))
   assert np.all((sequence >= 0) == (packed.segment_ids > 0))
 
 

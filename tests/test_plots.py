@@ -103,8 +103,8 @@ def test_panels_of_one_member(tmp_path):
     seeds.append(plots.run_curves(plots.read_metrics(str(tmp_path / f"s{seed}" / "metrics.jsonl"))))
   deciles = {f"decile {k + 1}": [s[f"critic/value_bias_decile_{k}"] for s in seeds] for k in range(10)}
   panels = [("Held-out accuracy", "avg@k", {"held-out": [s["eval/accuracy"] for s in seeds]}),
-            ("Value bias", "V − G", deciles), ("Clipped", "fraction", {"high": [s["actor/clip_frac_high"] for s in seeds]}),
-            ("Empty", "nothing", {})]
+            ("Value bias", "V − G", deciles),
+            ("Clipped", "fraction", {"high": [s["actor/clip_frac_high"] for s in seeds]}), ("Empty", "nothing", {})]
   path = plots.plot_panels(panels, title="member", path=str(tmp_path / "panels" / "m.png"))
   data = open(path, "rb").read()
   assert data.startswith(PNG) and len(data) > 20_000

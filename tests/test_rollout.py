@@ -75,7 +75,8 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     np.testing.assert_allclose(out.sampler_logprobs, out.policy_logprobs, atol=1e-6)
 
 
-@pytest.mark.parametrize("filter_fn", [sampling.filter_logits, sampling.filter_logits_sorted], ids=["bisection", "sort"])
+@pytest.mark.parametrize("filter_fn", [sampling.filter_logits, sampling.filter_logits_sorted],
+                         ids=["bisection", "sort"])
 def test_filter_logits_reference(filter_fn):
   logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32)
   top_k = np.asarray(filter_fn(jnp.asarray(logits), temperature=1.0, top_k=3, top_p=1.0))
@@ -173,7 +174,8 @@ def test_tensor_parallel_layout_equals_unsharded(settings):
   out, _ = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5), sampling=spec,
                           samples_per_prompt=2, engine=rollout.Engine(kind="static"), pad_id=0, jit=layout.jit,
                           place=layout.place)
-  assert out.response_tokens.sharding.mesh.shape == layout.mesh.shape and len(out.response_tokens.sharding.device_set) == 8
+  assert (out.response_tokens.sharding.mesh.shape == layout.mesh.shape
+          and len(out.response_tokens.sharding.device_set) == 8)
   np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
   np.testing.assert_array_equal(out.response_lengths, expected.response_lengths)
   for field in ("policy_logprobs", "sampler_logprobs"):

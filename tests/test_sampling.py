@@ -122,5 +122,6 @@ def test_log_softmax_at_one_token_is_the_log_softmax_entry():
   full = jax.jit(lambda x, t: jnp.take_along_axis(jax.nn.log_softmax(x, -1), t[:, None], -1)[:, 0])
   np.testing.assert_array_equal(fast, full(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens)))
   finite = logits[:, 50:]
-  exact = finite - finite.max(-1, keepdims=True) - np.log(np.exp(finite - finite.max(-1, keepdims=True)).sum(-1, keepdims=True))
+  exact = (finite - finite.max(-1, keepdims=True)
+           - np.log(np.exp(finite - finite.max(-1, keepdims=True)).sum(-1, keepdims=True)))
   np.testing.assert_allclose(fast, exact[np.arange(16), tokens - 50], rtol=1e-6, atol=1e-6)

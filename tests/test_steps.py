@@ -68,7 +68,8 @@ def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   algo = AlgoConfig(mini_batch_responses=b, kl_coef=0.01)
   # Plain SGD with step 1, so the parameters move by exactly the accumulated gradient (AdamW
   # would divide near-zero gradients by their own size and magnify rounding).
-  tx = optax.apply_if_finite(optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)), 1)  # As make_optimizer.
+  # As make_optimizer.
+  tx = optax.apply_if_finite(optax.chain(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)), 1)
   opt = tx.init(params)
   update = lambda **split: jax.jit(lambda p, o, mb: updates.actor_update(graphdef, tx, p, o, mb, algo=algo, chunk=4,
                                                                          **split))(params, opt, batch)

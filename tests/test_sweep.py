@@ -76,7 +76,8 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
   assert {r["status"] for r in rows} == {"done"}
   for row in rows:
     assert row["seed"] == row["run"][-1] and row["rl_steps"] == "2"
-    before, final, best, auc = (float(row[k]) for k in ("accuracy_before", "accuracy_final", "accuracy_best", "accuracy_auc"))
+    before, final, best, auc = (float(row[k])
+                                for k in ("accuracy_before", "accuracy_final", "accuracy_best", "accuracy_auc"))
     assert 0 <= min(before, final, best, auc) and max(before, final, best, auc) <= 1
     assert best >= final
   table = (sweep_dir / "table.md").read_text()
@@ -125,7 +126,8 @@ def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
 
 def test_print_commands_and_bad_arguments(tmp_path, capsys):
   out = io.StringIO()
-  assert sweep.main(["toy", "--seeds", "0,2", "--root", "runs/sweeps", "--print-commands", "rl_steps=5"], stream=out) == 0
+  assert sweep.main(["toy", "--seeds", "0,2", "--root", "runs/sweeps", "--print-commands", "rl_steps=5"],
+                    stream=out) == 0
   lines = out.getvalue().splitlines()
   assert len(lines) == 2 + 11 * 2  # The warm start, the reward model, then each seed's 11 members from both.
   assert lines[0] == ("make train EXP=toy_warm_start ARGS='seed=0 model.init_seed=0 data.seed=0 "
@@ -192,8 +194,8 @@ def test_area_under_curve_is_the_mean_height():
 
 def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
   """A scheduler's SIGTERM (or `kill`) stops the runs in progress, not only the sweep."""
-  argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo", "--no-shared-stages",
-          "--root", str(tmp_path), *MICRO]
+  argv = [sys.executable, "-m", "vapo_jax.cli.sweep", "toy", "--seeds", "0", "--members", "toy_vapo",
+          "--no-shared-stages", "--root", str(tmp_path), *MICRO]
   sweep_process = subprocess.Popen(argv, cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=without_device_count())
   assert sweep_process.stdout.readline().startswith("sweep toy:")

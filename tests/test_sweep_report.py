@@ -23,7 +23,8 @@ def write_csv(path):
     for seed, final in enumerate(values):
       status = "done" if final is not None else "failed (exit 1)"
       rows.append({"member": member, "seed": seed, "run": f"{member}_seed{seed}", "status": status,
-                   "accuracy_before": 0.25, "accuracy_final": final, "accuracy_auc": None if final is None else final - 0.1,
+                   "accuracy_before": 0.25, "accuracy_final": final,
+                   "accuracy_auc": None if final is None else final - 0.1,
                    "early_adv_start": 0.1 * (seed + 1), "early_adv_end": -0.2, "length_start": 60.0, "length_end": 30.0,
                    "log": f"logs/{member}_seed{seed}.log"})
   with open(path, "w", newline="") as f:
@@ -59,9 +60,11 @@ def test_the_table_shows_paired_deltas_their_error_and_the_mde(tmp_path):
   write_csv(tmp_path / "runs.csv")
   table = sweep_report.markdown_table("toy", MEMBERS, sweep_report.read_rows(str(tmp_path / "runs.csv")))
   line = lambda member: next(row for row in table.splitlines() if row.startswith(f"| `{member}` | "))
-  assert line("toy_vapo").startswith("| `toy_vapo` | 3 | 0.250 ± 0.000 | 0.400 ± 0.100 | 0.300 ± 0.100 | – | – | – | – |")
+  assert line("toy_vapo").startswith("| `toy_vapo` | 3 | 0.250 ± 0.000 | 0.400 ± 0.100 | 0.300 ± 0.100 "
+                                     "| – | – | – | – |")
   assert "| +0.047 ± 0.020 | 0.109 | +0.047 ± 0.020 | 0.109 | 5.0 |" in line("toy_ppo")
-  assert line("toy_grpo").startswith("| `toy_grpo` | 2 |") and f"| -0.070 ± 0.030 | {(T1[0.975] + T1[0.8]) * 0.03:.3f} |" in line("toy_grpo")
+  assert (line("toy_grpo").startswith("| `toy_grpo` | 2 |")
+          and f"| -0.070 ± 0.030 | {(T1[0.975] + T1[0.8]) * 0.03:.3f} |" in line("toy_grpo"))
   assert "| +0.030 (1 seed) | – |" in line("toy_dapo")
   assert "`toy_grpo_seed2`: failed (exit 1)" in table
   # Mechanisms: the first window's mean over seeds (0.1, 0.2, 0.3 → 0.2) → the last's.

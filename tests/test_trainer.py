@@ -61,7 +61,8 @@ def _held_out_batch(trainer):
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_value_pretraining_raises_explained_variance(smoke_config):
   cfg = smoke_config(QUICK | {"reward.reward_fn": PROMPT_REWARD, "algo.value_pretrain_steps": 10,
-                              "algo.mini_batch_responses": 8, "data.train_path": "synthetic:arithmetic?terms=1-1&count=50",
+                              "algo.mini_batch_responses": 8,
+                              "data.train_path": "synthetic:arithmetic?terms=1-1&count=50",
                               "rollout.prompts_per_step": 16, "rollout.samples_per_prompt": 2})
   trainer = Trainer(cfg, write_logs=False, verbose=False)
   # A held-out batch from the same fixed policy, scored before and after value pretraining.

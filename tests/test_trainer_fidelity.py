@@ -32,7 +32,8 @@ def config(smoke_config, reward_fn: str, fields: dict | None = None, **options):
     dict(steps=10, best=0.6, since=2, algo=dict(value_pretrain_patience=2, value_pretrain_min_ev=0.5), stop=True),
 ])
 def test_value_pretraining_stops_early_only_when_asked(case):
-  assert value_pretraining_converged(case["steps"], case["best"], case["since"], AlgoConfig(**case["algo"])) == case["stop"]
+  assert value_pretraining_converged(case["steps"], case["best"], case["since"],
+                                     AlgoConfig(**case["algo"])) == case["stop"]
   assert AlgoConfig().value_pretrain_patience is None  # The default runs the paper's fixed number of steps.
 
 
@@ -42,8 +43,9 @@ def test_the_actor_learns_from_the_policy_gradient_alone(smoke_config):
   # nearly uniform over bytes (chance ≈ 0.2: an even ASCII first byte); group-normalised advantages
   # (no critic to learn first) and a high learning rate make 16 steps enough.
   trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE, {"rl_steps": 16, "algo.estimator": "group",
-                                                           "algo.positive_nll_coef": 0.0, "algo.mini_batch_responses": 8,
-                                                           "optim.actor_lr": 3e-2}), write_logs=False, verbose=False)
+                                                           "algo.positive_nll_coef": 0.0,
+                                                           "algo.mini_batch_responses": 8, "optim.actor_lr": 3e-2}),
+                    write_logs=False, verbose=False)
   trainer.run()
   accuracy = [h["rollout/accuracy"] for h in trainer.history if h["stage"] == "rl"]
   assert np.mean(accuracy[-4:]) > max(0.45, np.mean(accuracy[:4]) + 0.15), accuracy

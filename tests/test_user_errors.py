@@ -117,7 +117,8 @@ def test_missing_files_and_tensors_are_named(model_dir, tmp_path):
   del file
   index = {"weight_map": {name: "model.safetensors" for name in tensors}}
   (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
-  safetensors_io.write(str(model_dir / "model.safetensors"), [(k, v) for k, v in tensors.items() if k != "model.norm.weight"])
+  safetensors_io.write(str(model_dir / "model.safetensors"),
+                       [(k, v) for k, v in tensors.items() if k != "model.norm.weight"])
   with pytest.raises(CheckpointError, match=r"model.safetensors: no tensor 'model.norm.weight' in this file"):
     huggingface.load_causal_lm(str(model_dir))
 
@@ -303,8 +304,8 @@ def test_prompt_length_check_counts_tokens_as_the_rollout_does():
   limit = int(np.median(exact))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    kept = problems.check_prompt_lengths(records, tokenizer, max_prompt_tokens=limit, template="dapo", chat_template=True,
-                                     path="math500", skip_bad_rows=True)
+    kept = problems.check_prompt_lengths(records, tokenizer, max_prompt_tokens=limit, template="dapo",
+                                         chat_template=True, path="math500", skip_bad_rows=True)
   assert kept == [r for r, n in zip(records, exact) if n <= limit]
   assert problems.check_prompt_lengths(records, tokenizer, max_prompt_tokens=max(exact), template="dapo",
                                    chat_template=True, path="math500") == records
@@ -315,7 +316,8 @@ def test_eval_max_problems_must_be_positive():
   for value in (-1, 0):
     with pytest.raises(ConfigError, match=rf"EvalConfig.max_problems must be an integer >= 1, got {value}"):
       sections.EvalConfig(max_problems=value)
-  assert sections.EvalConfig(max_problems=None).max_problems is None and sections.EvalConfig(max_problems=3).max_problems == 3
+  assert (sections.EvalConfig(max_problems=None).max_problems is None
+          and sections.EvalConfig(max_problems=3).max_problems == 3)
 
 
 # ------------------------------------------------------------------------------------- machine

@@ -143,7 +143,8 @@ def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO
     return None
   endings = collections.Counter((s.response.strip().splitlines() or [""])[-1].strip()[-40:] for s in unanswered)
   ending, count = endings.most_common(1)[0]
-  return (f"no answer was found in {len(unanswered)} of {len(samples)} responses ({len(unanswered) / len(samples):.0%}); "
+  return (f"no answer was found in {len(unanswered)} of {len(samples)} responses "
+          f"({len(unanswered) / len(samples):.0%}); "
           f"the most common ending of those ({count}): {ending!r}. If it gives an answer, its form is not one of "
           "reward.answer_forms' (rewards/extract.py lists the forms)")
 

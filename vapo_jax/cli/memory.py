@@ -13,9 +13,9 @@ of each phase against the chip's HBM; `--layers N` compiles the models with thei
 the refill engine's decode loop at every slot count it shrinks to. The second
 plans a run by hand (`memory/hand_plan.py`) for `--mesh` (axes not named: 1), else for the
 configured mesh on this machine's devices. Both refuse a run whose phase needs more than
-(1 − `mesh.memory_margin`, default 8 %) of the device memory, naming the phase and what to change (`memory/advice.py`). The third prints only the
-parameters, gradients and AdamW moments per device of a model preset's policy and critic. Exit
-status 1 when a phase does not fit, 2 on a bad argument.
+(1 − `mesh.memory_margin`, default 8 %) of the device memory, naming the phase and what to change
+(`memory/advice.py`). The third prints only the parameters, gradients and AdamW moments per device
+of a model preset's policy and critic. Exit status 1 when a phase does not fit, 2 on a bad argument.
 """
 
 import dataclasses

@@ -241,7 +241,8 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   parser.add_argument("--root", default=DEFAULT_ROOT, help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
   parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
   parser.add_argument("--no-shared-stages", action="store_true",
-                      help="no shared warm start or reward model: each run does its own warm start, its critic from its policy")
+                      help="no shared warm start or reward model: each run does its own warm start, its critic from "
+                           "its policy")
   parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
   parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
   args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.

@@ -68,7 +68,8 @@ def run_result(run) -> tuple[dict, dict[str, plots.Curve]]:
     if metric in curves:
       x, y = curves[metric]
       y = y[x >= 0]  # RL steps only (value pretraining is at x < 0).
-      row |= {f"{column}_start": float(np.mean(y[:WINDOW])), f"{column}_end": float(np.mean(y[-WINDOW:]))} if len(y) else {}
+      row |= {f"{column}_start": float(np.mean(y[:WINDOW])),
+              f"{column}_end": float(np.mean(y[-WINDOW:]))} if len(y) else {}
   summary = os.path.join(run.directory, "summary.json")
   if os.path.isfile(summary):
     with open(summary) as f:

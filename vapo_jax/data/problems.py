@@ -56,7 +56,8 @@ def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Seque
   if shared:
     drop = config.data.drop_eval_overlap
     warnings.warn(f"{len(shared)} of {len(records)} training problems ({config.data.train_path}) are also evaluation "
-                  f"problems ({config.eval.path}), by problem text or by source and id, e.g. id {records[shared[0]].id!r}"
+                  f"problems ({config.eval.path}), by problem text or by source and id, "
+                  f"e.g. id {records[shared[0]].id!r}"
                   + (": dropped from training (data.drop_eval_overlap=true)" if drop else
                      ": the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true drops "
                      "them"), stacklevel=2)

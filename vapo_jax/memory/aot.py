@@ -57,7 +57,8 @@ def decode_traffic(found: list[hlo.Collective], op_names: dict[str, str]) -> Dec
     return None
   inside = [c for c in found if loops[0] in (name for name, _ in c.loops)]
   every = hlo.bytes_per_iteration(found, loops[0], branches=False)
-  return DecodeTraffic(loops[0], every, sum(not c.conditional for c in inside), hlo.bytes_per_iteration(found, loops[0]) - every,
+  return DecodeTraffic(loops[0], every, sum(not c.conditional for c in inside),
+                       hlo.bytes_per_iteration(found, loops[0]) - every,
                        max((max(c.operand_bytes, c.result_bytes) for c in inside), default=0))
 
 

@@ -8,9 +8,10 @@ device will hold.
 per device, from the shapes alone. It follows the code: flash attention (`models/attention.py`:
 O(T) memory plus score tiles; the `reference` implementation's `[B, K, G, T, S]` float32 scores
 when asked), log-probs from vocabulary blocks of the logits (`models/logprobs.py`: no
-`[B, T, V]` tensor), and `remat` wrapping each decoder layer. Its coefficients are bytes per element of the tensors XLA keeps, checked
-against XLA:CPU's buffer assignment for a small model (`tests/test_memory_plan.py`); another
-backend fuses differently, so read it as an estimate good to about ±50%.
+`[B, T, V]` tensor), and `remat` wrapping each decoder layer. Its coefficients are bytes per element
+of the tensors XLA keeps, checked against XLA:CPU's buffer assignment for a small model
+(`tests/test_memory_plan.py`); another backend fuses differently, so read it as an estimate good to
+about ±50%.
 """
 
 import dataclasses

@@ -18,19 +18,20 @@ What is counted, phase by phase as the run's code (`trainer.py`, `experience.py`
   rollout (`rollout_phase`: the KV cache of the sequences decoded at once, `common.cache_bytes`,
   in the refill engine's slots plus every prompt's prefilled cache, or one static round's; and
   the prefill, whose logits are the last position's only; with `rollout.tensor_parallel` > 1, in the
-  rollout layout: the actor's copy, the cache split by heads, the reshard's array in flight), scoring (old log-probs, values,
-  reference log-probs: forward passes over the rollout batch in micro-batches of
-  `algo.micro_batch_responses`, `updates.logprobs_and_entropy`), the actor update and the
-  critic update (separate jitted calls: micro-batches of `algo.micro_batch_responses` accumulated by `lax.scan`, so activations
-  are one micro-batch's; the gradient accumulator in the parameter dtype plus one micro-batch's
-  gradient; a float32 parameter-sized AdamW update), and the supervised warm start when
-  configured (micro-batches of min(micro-batch, `sft.batch_size`), with its own AdamW moments).
+  rollout layout: the actor's copy, the cache split by heads, the reshard's array in flight),
+  scoring (old log-probs, values, reference log-probs: forward passes over the rollout batch in
+  micro-batches of `algo.micro_batch_responses`, `updates.logprobs_and_entropy`), the actor update
+  and the critic update (separate jitted calls: micro-batches of `algo.micro_batch_responses`
+  accumulated by `lax.scan`, so activations are one micro-batch's; the gradient accumulator in the
+  parameter dtype plus one micro-batch's gradient; a float32 parameter-sized AdamW update), and the
+  supervised warm start when configured (micro-batches of min(micro-batch, `sft.batch_size`), with
+  its own AdamW moments).
 - Sequences are `prompt_bucket(rollout.max_prompt_tokens)` + `rollout.max_response_tokens`
   tokens (the worst case). With `packing.enabled`, scoring and the updates hold micro-batches of
   `packing.micro_batch_rows` rows (default: one per data-parallel device) of `packing.row_tokens`
-  tokens, each projected onto the vocabulary whole (prompts included). A batch axis is split over the data × fsdp devices when it divides
-  evenly and replicated otherwise, as `sharding.partition_spec` does; tensor parallelism
-  (`fsdp_tp`) splits the activations' heads and MLP width, not the KV cache.
+  tokens, each projected onto the vocabulary whole (prompts included). A batch axis is split over the
+  data × fsdp devices when it divides evenly and replicated otherwise, as `sharding.partition_spec`
+  does; tensor parallelism (`fsdp_tp`) splits the activations' heads and MLP width, not the KV cache.
 - Activations: `footprint.activation_memory` (flash attention unless `model.attention` is
   "reference", whose float32 `[N, T, T]` scores it then counts; log-probs from vocabulary blocks
   of B·`model.logits_chunk`·V float32 logits; within 1.5× of XLA:CPU in float32, up to 4,096
@@ -257,7 +258,8 @@ class _Shapes:
     heads, kv, mlp, embed = (footprint.local_shape((n,), (axis,), self.rules, self.shape)[0] for n, axis in (
         (cfg.num_heads, "act_heads"), (cfg.num_kv_heads, "act_kv_heads"), (cfg.intermediate_size, "act_mlp"),
         (cfg.hidden_size, "embed")))
-    scored_default = self.row_tokens if self.packed else self.config.rollout.max_response_tokens  # Packed: every column.
+    # Packed: every column.
+    scored_default = self.row_tokens if self.packed else self.config.rollout.max_response_tokens
     return footprint.activation_memory(
         cfg, rows=self.rows(n), tokens=self.row_tokens if length is None else length,
         scored_tokens=scored_default if scored is None else scored,
@@ -281,7 +283,8 @@ class _Shapes:
     head = "values" if value_head else "log-probs and entropy from logit blocks"
     return (Item("activations", f"{name}: activations (one layer's, or the {head.split(' and')[0]})", act.total),
             Item("head", f"  {head}", act.head, counted=False),
-            Item("gathered", f"{name}: FSDP-gathered weights", self.gathered(cfg, backward=False, value_head=value_head)))
+            Item("gathered", f"{name}: FSDP-gathered weights",
+                 self.gathered(cfg, backward=False, value_head=value_head)))
 
   def update(self, name, cfg, params, n, *, value_head=False, extra=()) -> PlannedPhase:
     m = self.config.model
@@ -291,7 +294,8 @@ class _Shapes:
     return PlannedPhase(f"{name} update", f"micro-batch {self.unit(n)}, {self.rows(n)} per device", tuple(extra) + (
         Item("grads", f"gradients: accumulator + one micro-batch ({m.param_dtype})", 2 * params.grad_bytes),
         Item("update", "AdamW update (float32)", params.optimizer_bytes // 2),
-        Item("gathered", "FSDP-gathered weights and gradient", self.gathered(cfg, backward=True, value_head=value_head)),
+        Item("gathered", "FSDP-gathered weights and gradient",
+             self.gathered(cfg, backward=True, value_head=value_head)),
         Item("activations", f"activations {with_on} remat (configured)", on.total),
         Item("stored", "  kept for the backward pass: " + ("layer inputs" if m.remat else "every layer's tensors"),
              on.stored, counted=False),
@@ -317,8 +321,9 @@ def plan_memory(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> Memo
   train_batch = Item("train_batch", f"rollout batch ({batch_rows} sequences)", batch_rows * (5 * at.tokens + 25 * resp))
   phases = [rollout_phase(config, actor_cfg, at),
             PlannedPhase("scoring", f"micro-batches of {at.unit(at.micro)}, {at.rows(at.micro)} per device",
-                  (train_batch,) + max([at.forward("actor", actor_cfg), at.forward("critic", critic_cfg, value_head=True)],
-                                       key=lambda items: sum(i.bytes for i in items))),
+                         (train_batch,) + max([at.forward("actor", actor_cfg),
+                                               at.forward("critic", critic_cfg, value_head=True)],
+                                              key=lambda items: sum(i.bytes for i in items))),
             at.update("actor", actor_cfg, actor_p, at.micro, extra=(train_batch,))]
   if algo.uses_critic:
     phases.append(at.update("critic", critic_cfg, critic_p, at.micro, value_head=True, extra=(train_batch,)))

@@ -132,7 +132,8 @@ def cpu(count: int | None = None) -> Topology:
   devices = tuple(jax.devices("cpu"))
   if count is not None and len(devices) != count:
     raise ConfigError(f"--topology cpu:{count}: JAX has {len(devices)} CPU devices; set XLA_FLAGS="
-                      f"--xla_force_host_platform_device_count={count} before JAX starts (python -m vapo_jax.cli.memory does)")
+                      f"--xla_force_host_platform_device_count={count} before JAX starts "
+                      "(python -m vapo_jax.cli.memory does)")
   return Topology(f"cpu:{len(devices)}", devices, "cpu", devices[0].device_kind, None)
 
 
@@ -145,7 +146,8 @@ def cpu_count(name: str) -> int | None:
 def cpu_flags(name: str) -> None:
   """Before JAX starts: the XLA flag that gives this process the CPU devices target `name` needs."""
   if (count := cpu_count(name)) is not None:
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={count}").strip()
 
 
 def named(name: str) -> Topology:

@@ -5,9 +5,9 @@ each needs per device against the device's memory.
   print(xla_report_text.table(report)); xla_report_text.refusal(report)   # each phase that does not fit
 
 It builds the run's training mesh on the target's devices (in `sharding.tensor_groups` order, as the
-trainer does), its rollout layout, and its `TrainState`, batches and rollout inputs as abstract arrays (`build.abstract_state`: shapes, dtypes and shardings, nothing
-allocated), then lowers and compiles, in the order of a run, the very programs the trainer calls
-(`aot.compile_program`):
+trainer does), its rollout layout, and its `TrainState`, batches and rollout inputs as abstract
+arrays (`build.abstract_state`: shapes, dtypes and shardings, nothing allocated), then lowers and
+compiles, in the order of a run, the very programs the trainer calls (`aot.compile_program`):
 
   supervised warm start  `Steps.sft_program` (when `sft.steps` and `sft.path` are set)
   reshard                `RolloutLayout.reshard_programs`: the actor into the rollout layout, cast to
@@ -282,8 +282,8 @@ def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, token
                     resident=held, fallback=run.decoding)
   if sizes and not run.tail:
     phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots and the compaction between them: not compiled "
-                     f"(the tail; fewer slots than decode ({engine.slots} slots), the same program otherwise; tail=True / "
-                     "--tail compiles them)")
+                     f"(the tail; fewer slots than decode ({engine.slots} slots), the same program otherwise; "
+                     "tail=True / --tail compiles them)")
   outputs = (slots.tokens, slots.sampler, slots.policy, slots.lengths, slots.stopped)
   return _add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
               resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))

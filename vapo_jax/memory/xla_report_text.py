@@ -79,8 +79,8 @@ def table(report) -> str:
   share = f"{worst.needs / report.budget:.1%} of {readable_bytes(report.budget)}"
   return "\n".join(lines + [f"{peak}, {share}, against {readable_bytes(report.allowed)} ({1 - margin:.0%}: "
                              f"mesh.memory_margin={margin:g}): {verdict}",
-                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it runs (and inputs XLA "
-                            "does not read); "
+                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it "
+                            "runs (and inputs XLA does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
 
 
@@ -121,7 +121,8 @@ def refusal(report) -> str | None:
            f"{1 - margin:.0%} of {report.budget / GIB:.2f} GiB ({report.target.device_kind}; mesh.memory_margin="
            f"{margin:g}); change one setting per phase:"]
   for phase in over:
-    fixes = ([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else []) + _plan_advice(report, phase)
+    fixes = (([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else [])
+             + _plan_advice(report, phase))
     fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
     lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)

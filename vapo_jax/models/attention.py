@@ -216,8 +216,9 @@ def cudnn(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: bo
   cuDNN's masks know sequence lengths, not starts: each row is rotated so that its real tokens
   begin at slot 0 (a gather, O(T)), attended with lengths end − start, and rotated back.
   `implementation="xla"` runs the same path on any platform (tests). Segment ids are refused
-  (ValueError; `attend` then falls back to `chunked`): jax 0.10.2's `jax.nn.dot_product_attention` has no packed-sequence input
-  (cuDNN's packed layout, `q_offsets`, is reachable only through a private JAX module)."""
+  (ValueError; `attend` then falls back to `chunked`): jax 0.10.2's `jax.nn.dot_product_attention`
+  has no packed-sequence input (cuDNN's packed layout, `q_offsets`, is reachable only through a
+  private JAX module)."""
   if segment_ids is not None:
     raise ValueError("cudnn attention takes no segment ids (packed rows): jax.nn.dot_product_attention has no "
                      "packed-sequence input")

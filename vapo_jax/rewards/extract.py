@@ -32,7 +32,8 @@ ALL_FORMS: tuple[AnswerForm, ...] = ("boxed", "answer_line", "last_number", "mat
 _BOX = re.compile(r"\\(?:boxed|fbox)\b\s*")
 # `Answer:` (ASCII or full-width colon), and the Chinese answer lines of bilingual math data: 最终答案 / 答案 / 答
 # followed by a colon, or by 是 / 为 ("the answer is").
-_ANSWER_LINE = re.compile(r"(?i)(?:\banswer[^\S\n]*[*_]*[^\S\n]*[:：]|(?:最终答案|答案|答)[^\S\n]*[*_]*[^\S\n]*(?:[:：]|是|为))"
+_ANSWER_LINE = re.compile(r"(?i)(?:\banswer[^\S\n]*[*_]*[^\S\n]*[:：]|"
+                          r"(?:最终答案|答案|答)[^\S\n]*[*_]*[^\S\n]*(?:[:：]|是|为))"
                           r"[*_]*[^\S\n]*([^\n]*)")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
 _DOLLARS = re.compile(r"^\$+\s*(.*?)\s*\$+$", re.S)

@@ -79,7 +79,8 @@ class RewardBatch(NamedTuple):
 
 def _invalid_value(value) -> str:
   text = repr(value)
-  return f"returned {text[:100]}{'...' if len(text) > 100 else ''} ({type(value).__name__}), expected a bool or a finite number"
+  return (f"returned {text[:100]}{'...' if len(text) > 100 else ''} ({type(value).__name__}), "
+          "expected a bool or a finite number")
 
 
 def _user_score(value, *, correct_reward: float, incorrect_reward: float) -> tuple[float, bool] | None:

@@ -278,7 +278,8 @@ def row_arrays(state: Slots) -> list[tuple[jax.Array, tuple]]:
   flags (`[R, ...]`)."""
   c = state.cache
   return ([(c.keys, CACHE_AXES), (c.values, CACHE_AXES)] + [(x, _row_axes(x)) for x in (c.mask, c.length)]
-          + [(state.logits, ("batch", "act_vocab"))] + [(x, _row_axes(x)) for x in (state.sequence, state.step, state.live)])
+          + [(state.logits, ("batch", "act_vocab"))]
+          + [(x, _row_axes(x)) for x in (state.sequence, state.step, state.live)])
 
 
 def with_rows(state: Slots, arrays: list[jax.Array]) -> Slots:

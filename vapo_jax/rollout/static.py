@@ -66,7 +66,8 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
     live = ~s.done
     tokens = jnp.where(live, tokens, pad_id)
     done = s.done | jnp.isin(tokens, stop_ids) | (s.step + 1 >= limits)
-    write = lambda buffer, x: jax.lax.dynamic_update_slice(buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None], (0, s.step))
+    write = lambda buffer, x: jax.lax.dynamic_update_slice(buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None],
+                                                           (0, s.step))
     logits, cache = model(tokens[:, None], (next_position + s.step)[:, None], jnp.ones((batch, 1), bool), s.cache)
     return Loop(s.step + 1, cache, logits[:, -1], done,
                 jax.lax.dynamic_update_slice(s.tokens, tokens[:, None], (0, s.step)),

@@ -5,10 +5,11 @@
 
 The rollout decodes in the rollout layout (`rollout/layout.py`): once per step (and per evaluation)
 the actor is resharded into it, and the copy is dropped after generation; the rollout's arrays come
-back laid out for scoring on the training mesh. The rollout stays on the devices as global arrays. Crossing to the host, and nothing else:
-the prompts' token ids (in), the token ids and lengths of this process's share of the responses
-(out, for the verifier), and the verifier's rewards and verdicts (in). Dynamic sampling also
-brings every process the verdicts of the whole batch and sends back the rows it keeps.
+back laid out for scoring on the training mesh. The rollout stays on the devices as global arrays.
+Crossing to the host, and nothing else: the prompts' token ids (in), the token ids and lengths of
+this process's share of the responses (out, for the verifier), and the verifier's rewards and
+verdicts (in). Dynamic sampling also brings every process the verdicts of the whole batch and sends
+back the rows it keeps.
 
 `generate_responses` is the one path from problems to sampled responses: the trainer's rollouts, its
 held-out evaluation and `make eval` all call it.
@@ -150,7 +151,8 @@ class Experience:
     scored = reward_lib.compute_rewards(
         self.pool, texts, answers[share], lengths, correct_reward=config.reward.correct,
         incorrect_reward=config.reward.incorrect, forms=config.reward.answer_forms,
-        max_response_tokens=config.rollout.max_response_tokens, overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
+        max_response_tokens=config.rollout.max_response_tokens,
+        overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
         overlong_penalty_factor=config.algo.overlong_penalty_factor, format_penalty_value=config.reward.format_penalty)
     scored = scored._replace(metrics=distributed.combine_metrics(scored.metrics))
     reward_lib.check_errors(scored, self.pool, max_error_frac=config.reward.max_error_frac)  # Every process agrees.
@@ -223,7 +225,8 @@ class Experience:
     answer was found (`eval/no_answer_frac`)."""
     evaluation, settings = self.config.eval, self.config.rollout
     key = distributed.replicate_local(evaluation_key(self.config.seed, rl_steps_done), self.steps.mesh)
-    per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt // evaluation.samples_per_problem)
+    per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt
+                   // evaluation.samples_per_problem)
     correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, self.policy(state)
     for n, i in enumerate(range(0, len(records), per_call)):
       part = records[i:i + per_call]

@@ -78,7 +78,8 @@ class Progress:
             "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict()}
 
   def load_json(self, saved: dict) -> None:
-    for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best", "vp_since_best", "eval_before", "eval_after"):
+    for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best", "vp_since_best", "eval_before",
+                 "eval_after"):
       setattr(self, name, saved[name])
     self.prompts.load_state_dict(saved["prompts"])
     self.sft_rng.bit_generator.state = saved["sft_rng"]

@@ -156,8 +156,8 @@ class Trainer:
     if model.checkpoint:
       actor = huggingface.load_causal_lm(model.checkpoint, mesh=self.mesh, rules=rules, **kwargs)
     else:
-      actor = sharding.create_sharded(lambda: CausalLM(model_preset(model.preset), rngs=nnx.Rngs(model.init_seed), **kwargs),
-                                      self.mesh, rules)
+      actor = sharding.create_sharded(lambda: CausalLM(model_preset(model.preset), rngs=nnx.Rngs(model.init_seed),
+                                                       **kwargs), self.mesh, rules)
     if model.critic_checkpoint:
       critic = huggingface.load_value_model(model.critic_checkpoint, from_policy=False, mesh=self.mesh, rules=rules,
                                            **kwargs)
@@ -281,8 +281,10 @@ class Trainer:
       picked = [rows[i] for i in self.progress.sft_rng.integers(0, len(rows), config.sft.batch_size)]
       batch, start = demonstrations(picked, self.tokenizer, config), time.perf_counter()
       self.state, m = self.steps.sft_update(self.state, self.steps.place(batch), self.steps.sft_plan(batch))
-      m = metrics_lib.fetch(m) | {"perf/train_tokens_per_s": np.sum(batch.attention_mask) / (time.perf_counter() - start)}
-      self._record("sft", step, m, progress if step % 20 == 0 or step == config.sft.steps - 1 else None, {"nll": "sft/nll"})
+      m = metrics_lib.fetch(m) | {"perf/train_tokens_per_s":
+                                  np.sum(batch.attention_mask) / (time.perf_counter() - start)}
+      self._record("sft", step, m, progress if step % 20 == 0 or step == config.sft.steps - 1 else None,
+                   {"nll": "sft/nll"})
       self._after_step(last=step == config.sft.steps - 1)
     self.state = self.state._replace(sft_opt=None)
     if not config.model.critic_checkpoint:
@@ -391,9 +393,8 @@ class Trainer:
 
 
 def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int, algo) -> bool:
-  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: at least
-  `value_pretrain_min_steps` done, the best explained variance at least `value_pretrain_min_ev`, and
-  no rise of 0.01 over it for `value_pretrain_patience` steps."""
+  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: ≥ `value_pretrain_min_steps`
+  done, best explained variance ≥ `value_pretrain_min_ev`, no 0.01 rise over it for `value_pretrain_patience` steps."""
   return (algo.value_pretrain_patience is not None and steps_done >= algo.value_pretrain_min_steps
           and best_ev is not None and best_ev >= algo.value_pretrain_min_ev
           and steps_since_best >= algo.value_pretrain_patience)
