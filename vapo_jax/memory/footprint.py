@@ -122,18 +122,17 @@ def _head_bytes(cfg: TransformerConfig, head: Head, *, rows: int, tokens: int, s
 
 
 def _layer_bytes(t: int, e: int, d: int, h: int, n: int, k: int, f: int, *, attention_block: tuple[int, int],
-                 dense_attention: bool) -> tuple[int, int, int, int, int]:
-  """One sequence's (kept, backward extra, forward tiles, scanned extra, remat extra) bytes of one layer, as
-  `activation_memory`'s docstring counts them (T = t tokens, D = d, H = h, N = n, K = k, F = f)."""
+                 dense_attention: bool) -> tuple[int, int, int, int]:
+  """One sequence's (kept, backward extra, scanned extra) bytes of one layer without score tiles, and one
+  float32 score tile (0 with dense attention), as `activation_memory`'s docstring counts them (T = t
+  tokens, D = d, H = h, N = n, K = k, F = f)."""
   per_token = 3 * e * f + (8 + 2 * e) * d + 2 * e * h * (n + k)
-  tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)  # One float32 score tile.
   gradients = t * (2 * e * f + 8 * d)  # The MLP's and norms' gradients.
   if dense_attention:
-    extra = 4 * n * t * t + gradients
-    return 8 * n * t * t + t * per_token, extra, 0, gradients, extra
+    return 8 * n * t * t + t * per_token, 4 * n * t * t + gradients, gradients, 0
+  tile = 4 * n * min(attention_block[0], t) * min(attention_block[1], t)
   # Forward: scores and probabilities; backward: those two and their gradients.
-  return (t * (per_token + 4 * n), gradients + t * 28 * n * h + 4 * tile, 2 * tile, gradients + t * 28 * n * h,
-          gradients + 2 * tile)
+  return t * (per_token + 4 * n), gradients + t * 28 * n * h, gradients + t * 28 * n * h, tile
 
 
 def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_tokens: int, dtype_bytes: int,
@@ -155,7 +154,8 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
     backward extra  T·(2eF + 8D + 28NH)         MLP and norm gradients; the flash backward's float32
                     copies of q, dO, out, dq, dk, dv (`models/flash.chunked`)
       + 4·4·N·bq·bk                             float32 tiles of one block pair (`attention_block`):
-                                                scores, probabilities and their gradients (forward: 2)
+                                                scores, probabilities and their gradients (forward: 2),
+                                                once per call: rows run one at a time (`flash`)
     policy head     (forward) 8·B·Tr·Vb + e·Tr·D   float32 logits of one vocabulary block and their
                     exponentials (`models/logprobs`: Vb = ⌈V·chunk/Tr⌉, so B·Tr·Vb ≈ B·chunk·V), the
                     response's hidden states;  (backward) (8 + e)·B·Tr·Vb + (e + 4)·Tr·D, plus the
@@ -179,15 +179,15 @@ def activation_memory(cfg: TransformerConfig, *, rows: int, tokens: int, scored_
   (`backward=False`) holds one layer's kept tensors and tiles, or the head, whichever is larger.
   """
   e, d, t = dtype_bytes, cfg.hidden_size, tokens
-  kept, extra, tiles, scanned_extra, remat_extra = _layer_bytes(
+  kept, extra, scanned_extra, tile = _layer_bytes(
       t, e, d, cfg.head_dim, heads or cfg.num_heads, kv_heads or cfg.num_kv_heads, mlp or cfg.intermediate_size,
       attention_block=attention_block, dense_attention=dense_attention)
   head_bytes = _head_bytes(cfg, head, rows=rows, tokens=t, scored_tokens=scored_tokens, dtype_bytes=e,
                            backward=backward, logits_chunk=logits_chunk, embed=embed or d)
   if not backward:
-    return ActivationMemory(0, rows * (kept + tiles), head_bytes)
-  if remat:
-    layer = kept + (remat_extra if scan_layers else extra)
-    return ActivationMemory(rows * cfg.num_layers * t * d * e, rows * layer, head_bytes)
+    return ActivationMemory(0, rows * kept + 2 * tile, head_bytes)
+  if remat:  # Scanned: the MLP and norm gradients and two tiles; unrolled: the whole backward extra.
+    layer = rows * (kept + (t * (2 * e * (mlp or cfg.intermediate_size) + 8 * d) if scan_layers else extra))
+    return ActivationMemory(rows * cfg.num_layers * t * d * e, layer + (2 if scan_layers else 4) * tile, head_bytes)
   stored = kept + (scanned_extra if scan_layers else 0)
-  return ActivationMemory(rows * cfg.num_layers * stored, rows * extra, head_bytes)
+  return ActivationMemory(rows * cfg.num_layers * stored, rows * extra + 4 * tile, head_bytes)
