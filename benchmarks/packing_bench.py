@@ -151,7 +151,7 @@ def flops(cfg: TransformerConfig, lengths: np.ndarray, scale: int) -> dict[str, 
                                                            **validity)[0])  # Eager: traced under `defaults`.
   found = {}
   plan = packed_batch.plan_rows(np.full(lengths.size, prompt), lengths, np.arange(lengths.size)[None, None],
-                           row_tokens=length, micro_rows=MICRO)
+                                row_tokens=length, micro_rows=MICRO)
   rows = packing.layout(plan.placement[0, 0], plan.placement[0, 1], prompt + lengths,
                         rows=plan.scoring_rows, row_tokens=length)
   run = -(-(int(plan.placement[0, 0].max()) + 1) // MICRO) * MICRO  # Rows of the micro-batches that run.

@@ -79,7 +79,7 @@ def test_a_budget_refuses_the_phase_over_it(smoke_config):
 
 def test_a_budget_that_holds_every_phase_passes(smoke_config):
   report = xla_report.compile_run(smoke_config(QUICK | {"mesh.device_memory_gib": 1.0}), topologies.named("cpu:8"),
-                                      phases=("rollout",))
+                                  phases=("rollout",))
   assert not report.over() and xla_report_text.refusal(report) is None
   assert "fits (" in xla_report_text.table(report)
   program = report.program("generate")

@@ -116,8 +116,8 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
   refilled, steps, row_steps = refill.generate_refill(model, tokens, mask, jax.random.key(9), sampling=spec,
-                                               samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
-                                               length_limits=limits)
+                                                      samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
+                                                      length_limits=limits)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
   assert np.all(lengths <= np.asarray(limits)) and lengths[2] == 1 and steps == lengths.max()

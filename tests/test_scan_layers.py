@@ -162,7 +162,7 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
   for m in (model, unrolled(model)):
     fn = static.make_generate(sampling=sampling, samples_per_prompt=2, pad_id=0, jit=layout.jit)
     refilled, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, samples_per_prompt=2, slots=8,
-                                     queues=2, steps_per_call=3, min_slots=2, jit=layout.jit)
+                                            queues=2, steps_per_call=3, min_slots=2, jit=layout.jit)
     outputs.append((fn(m, tokens, mask, key), refilled))
   for a, b in zip(outputs[0], outputs[1]):
     np.testing.assert_array_equal(np.asarray(a.response_tokens), np.asarray(b.response_tokens))

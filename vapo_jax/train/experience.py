@@ -130,8 +130,8 @@ class Experience:
     """`generate_responses` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back as
     global arrays laid out for scoring on the training mesh."""
     out, stats = generate_responses(policy, records, key, config=self.config, tokenizer=self.tokenizer, group=group,
-                          temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
-                          place=self.layout.place, devices=self.layout.data_devices)
+                                    temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
+                                    place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
 
   def check_cache_budget(self) -> None:

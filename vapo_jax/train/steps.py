@@ -121,8 +121,8 @@ class Steps:
       return None
     response = np.sum(batch.response_mask, axis=-1)
     found = packed_batch.plan_rows(np.sum(batch.attention_mask, axis=-1) - response, response,
-                              np.arange(response.size)[None, None], row_tokens=self.row_tokens,
-                              micro_rows=self.micro_rows, phase="sft")
+                                   np.arange(response.size)[None, None], row_tokens=self.row_tokens,
+                                   micro_rows=self.micro_rows, phase="sft")
     return found._replace(placement=distributed.global_array(found.placement, self.replicated))
 
   def _rows(self, batch: TrainBatch, lengths: packed_batch.Lengths, sequences, place, rows: int) -> PackedBatch:
