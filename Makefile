@@ -16,6 +16,10 @@ help:  ## List the targets.
 
 # --no-compile: Python writes the bytecode of the modules a run imports as it first imports them, a fraction of
 # the installed files; pip would compile every file of every package first (half the install's CPU time).
+# Hence make's commands write bytecode even where the environment sets PYTHONDONTWRITEBYTECODE: without it,
+# every Python process (each test process, each run a test starts) compiles JAX's, Flax's and the package's
+# sources again, 4-5 CPU seconds each. The bytecode lands in .venv/ and the clone's __pycache__/ (gitignored).
+unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
