@@ -85,8 +85,11 @@ def table(report) -> str:
 
 
 def _slot_advice(report, phase) -> str | None:
-  """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot."""
+  """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot
+  (None where the compiler refused the program: its figure then has no breakdown to scale)."""
   c = report.config
+  if phase.worst.memory is None:
+    return None
   cfg = build.model_configs(c)[0]
   groups = hand_plan.rollout_groups(c, report.mesh_shape)  # Slots are a multiple of the data groups.
   slots = hand_plan.refill_slots(c, cfg, groups)
@@ -101,12 +104,17 @@ def _slot_advice(report, phase) -> str | None:
 
 
 def _plan_advice(report, phase) -> list[str]:
-  """The hand plan's fixes, aimed at the compiled figure (see the module docstring)."""
+  """The hand plan's fixes, aimed at the compiled figure (see the module docstring). Where the compiler
+  refused the phase's largest program, its figure (what the compiler tried to allocate, often far above
+  what a fitting setting needs) is not a measure to aim below: the plan's fixes then aim at the allowed
+  bytes themselves, and the line says to compile the fix to confirm it."""
   plan = hand_plan.plan_memory(report.config, report.mesh_shape)
   planned = {name: b for name, b in plan.phase_bytes().items() if name in _PLANNED.get(phase.name, ())}
   if not planned:
     return []
   name = max(planned, key=planned.get)
+  if phase.worst.memory is None:
+    return [f + " by the hand plan (compile it to confirm)" for f in advice.fixes(plan, name, report.allowed)]
   aim = report.allowed - (phase.needs - planned[name])
   return advice.fixes(plan, name, int(aim)) if aim > 0 else []
 
@@ -121,8 +129,9 @@ def refusal(report) -> str | None:
            f"{1 - margin:.0%} of {report.budget / GIB:.2f} GiB ({report.target.device_kind}; mesh.memory_margin="
            f"{margin:g}); change one setting per phase:"]
   for phase in over:
-    fixes = (([a] if phase.name == "rollout" and (a := _slot_advice(report, phase)) else [])
-             + _plan_advice(report, phase))
+    slots = _slot_advice(report, phase) if phase.name == "rollout" else None
+    fixes = [slots] if slots else []  # The plan's own slot count only where the KV cache's arithmetic gave none.
+    fixes += [f for f in _plan_advice(report, phase) if not (slots and f.startswith("fewer refill slots"))]
     fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
     lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)
