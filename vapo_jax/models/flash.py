@@ -124,7 +124,10 @@ def _padded_intervals(plan: _Plan, **validity):
 
 def _by_row(fn, *arrays):
   """fn on each row of `arrays` (leading axis B) in turn, as a batch of one: each row's loops run
-  their own trip counts (a vmapped loop would run every row's largest)."""
+  their own trip counts (a vmapped loop would run every row's largest). A single row (a packed
+  micro-batch's one row per device, under `shard_map`) is fn itself: no loop to compile around it."""
+  if arrays[0].shape[0] == 1:
+    return fn(*arrays)
   return lax.map(lambda row: jax.tree.map(lambda x: x[0], fn(*(x[None] for x in row))), arrays)
 
 
