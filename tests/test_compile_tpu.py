@@ -80,6 +80,8 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(smoke_config, tmp_
   message = xla_report_text.refusal(report)
   assert message.splitlines()[1].startswith("  rollout needs ") and "(generate)" in message
   assert "rollout.max_response_tokens" in message or "rollout.prompts_per_step" in message
+  # The compiler's refusal has no breakdown to scale: the plan's settings aim at the allowed bytes, marked so.
+  assert "by the hand plan (compile it to confirm)" in message.splitlines()[1]
   argv = ["--smoke", "--topology", TOPOLOGY, "--phases", "rollout", f"run_dir={tmp_path}", "eval.path=None"]
   assert memory.main(argv + [f"{k}={v}" for k, v in TOO_LONG.items()]) == 1
   out = capsys.readouterr().out
