@@ -5,8 +5,9 @@ samplers and updates) compile each of them once; the one builder of the trainer 
 (`smoke_config`); and the order `make test` hands test files out in.
 
 `make test` sets `--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false` (the Makefile;
-`tests/test_optimisation_level.py` bounds what they change); `make test-slow` compiles at the defaults, where 1 device against 8 agrees
-within the 1e-6 of `test_one_and_eight_devices_...` (at level 0 they differ by 1.6e-6 in one parameter)."""
+`tests/test_optimisation_level.py` bounds what they change); `make test-slow` compiles at the defaults,
+where 1 device against 8 agrees within the 1e-6 of `test_one_and_eight_devices_...` (at level 0 they differ
+by 1.6e-6 in one parameter)."""
 
 import atexit
 import collections

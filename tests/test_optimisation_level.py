@@ -41,7 +41,8 @@ def test_an_actor_update_agrees_under_make_tests_compiler_settings_and_the_defau
   tx = optim.make_optimizer(OptimizerConfig(), 1e-2)  # A large step, so the update is far from the parameters.
   update = jax.jit(lambda p, o, b: updates.actor_update(graphdef, tx, p, o, b, algo=AlgoConfig(), micro=2, chunk=4))
   lowered = update.lower(params, tx.init(params), _batch())
-  runs = [jax.device_get(lowered.compile(options)(params, tx.init(params), _batch())) for options in (MAKE_TEST, DEFAULT)]
+  runs = [jax.device_get(lowered.compile(options)(params, tx.init(params), _batch()))
+          for options in (MAKE_TEST, DEFAULT)]
   (fast_params, _, fast_metrics), (want_params, _, want_metrics) = runs
   assert fast_metrics.keys() == want_metrics.keys() and "actor/pg_loss" in want_metrics
   for key in want_metrics:
