@@ -148,9 +148,12 @@ class _Run:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=(self.decoding if rollout else self.training)(shape))
 
 
-def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None):
-  """Compiles one program into `phase`; its outputs (abstract)."""
+def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None,
+         outputs_resident: bool = False):
+  """Compiles one program into `phase`; its outputs (abstract), counted once if `outputs_resident`."""
   program, outputs = compile_program(name, fn, args, resident=resident, fallback=fallback)
+  if outputs_resident and program.memory:
+    program = program._replace(resident=program.resident - program.memory.outputs)
   phase.programs.append(program)
   own = (f"{program.memory.total / GIB:.2f} GiB own ({program.memory.temporaries / GIB:.2f} temporaries)"
          if program.memory else f"refused by the compiler: {program.refused_bytes / GIB:.2f} GiB")
@@ -197,9 +200,7 @@ def _reshard(run: _Run, log) -> CompiledPhase:
   held = chip_bytes(state) + chip_bytes(copy)
   for program, x in kinds:
     _add(phase, log, f"reshard {x.dtype.name}{list(x.shape)}", program, (x,), resident=held - chip_bytes(x),
-         fallback=run.decoding)
-    done = phase.programs[-1]  # Its output is one of the copy's arrays: counted once.
-    phase.programs[-1] = done._replace(resident=done.resident - (done.memory.outputs if done.memory else 0))
+         fallback=run.decoding, outputs_resident=True)  # Its output is one of the copy's arrays.
   return phase
 
 
