@@ -120,9 +120,13 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
       config, target, layers=int(layers) if layers else None,
       phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail, log=log)
   print(xla_report_text.table(report))
-  if target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}:
+  message = xla_report_text.refusal(report)
+  whole = {"rollout", "scoring", "update"} <= {p.name for p in report.phases}
+  if message is None and target.chip is not None and whole:
     print(_roofline(config, target, report, log))
-  if message := xla_report_text.refusal(report):
+  elif message is not None:  # A run that does not fit has no step time; its second compile would take minutes.
+    print("roofline: not estimated (the run does not fit)")
+  if message:
     print(f"refused: {message}")
     return 1
   return 0
