@@ -87,7 +87,8 @@ def _update_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
 
 
 def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
-  """Fewer prompts, shorter responses or more batch devices for the rollout / scoring phase."""
+  """Fewer prompts, shorter responses or more batch devices: for any phase (an update's rows are as long as
+  its sequences)."""
   c, mesh = p.config, dict(p.mesh_shape)
   effect = lambda q: _effect(p, q, phase, "", phase, budget)
   fixes, prompts, tokens = [], c.rollout.prompts_per_step, c.rollout.max_response_tokens
@@ -137,4 +138,4 @@ def refuse(plan: MemoryPlan, device_bytes: int | None, *, margin: float = 0.0) -
 def fixes(plan: MemoryPlan, phase: str, device_bytes: int) -> list[str]:
   """The settings, each with its value, that bring `phase` of `plan` under `device_bytes` per device."""
   return ((_update_fixes(plan, phase, device_bytes) if phase != "rollout" else [])
-          + (_sequence_fixes(plan, phase, device_bytes) if phase in ("rollout", "scoring") else []))
+          + _sequence_fixes(plan, phase, device_bytes))  # An update's rows are as long as its sequences.
