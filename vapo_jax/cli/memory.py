@@ -120,15 +120,14 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
       config, target, layers=int(layers) if layers else None,
       phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail, log=log)
   print(xla_report_text.table(report))
-  message = xla_report_text.refusal(report)
-  whole = {"rollout", "scoring", "update"} <= {p.name for p in report.phases}
-  if message is None and target.chip is not None and whole:
-    print(_roofline(config, target, report, log))
-  elif message is not None:  # A run that does not fit has no step time; its second compile would take minutes.
-    print("roofline: not estimated (the run does not fit)")
-  if message:
+  whole = target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}
+  if message := xla_report_text.refusal(report):
+    if whole:  # A run that does not fit has no step time; the roofline's second compile would take minutes.
+      print("roofline: not estimated (the run does not fit)")
     print(f"refused: {message}")
     return 1
+  if whole:
+    print(_roofline(config, target, report, log))
   return 0
 
 
