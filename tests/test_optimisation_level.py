@@ -7,6 +7,9 @@ every updated parameter and every metric agrees within 1e-5, the tolerance of th
 packed-vs-padded and micro-batch comparisons. A difference beyond it means the suite's settings hide a
 bug that the defaults would show, or the reverse."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +37,12 @@ def _batch():
   return updates.TrainBatch(jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), jnp.asarray(response_mask),
                             f32(rng.normal(size=(B, TR))), None, jnp.asarray([True, False, True, False]),
                             old_logprobs, f32(rng.normal(size=(B, TR))))
+
+
+def test_make_test_sets_the_flags_this_test_compares():
+  recipe = re.search(r"^test:.*\n\t(.*)$", (pathlib.Path(__file__).parents[1] / "Makefile").read_text(), re.M)[1]
+  flags = dict(re.findall(r"--(xla_\w+)=(\w+)", recipe))
+  assert flags == {k: str(v).lower() for k, v in MAKE_TEST.items()}, flags
 
 
 def test_an_actor_update_agrees_under_make_tests_compiler_settings_and_the_defaults():
