@@ -157,13 +157,15 @@ def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   np.testing.assert_allclose(out.policy_logprobs, expected.policy_logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=0.0),
-                                      pytest.param(dict(temperature=1.3, top_k=5, top_p=0.8), marks=pytest.mark.slow)],
+@pytest.mark.slow  # make test covers the layout: test_refill.py::test_tensor_parallel_layout_equals_static.
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=1.3, top_k=5, top_p=0.8)],
                          ids=["greedy", "top-k-top-p"])
 def test_tensor_parallel_layout_equals_unsharded(settings):
   """The training layout fsdp (data 2 x fsdp 4) resharded into the rollout layout (data 2 x tensor 4: heads,
   MLP and the 264-entry vocabulary split over 4 chips, the KV cache by its 4 heads): the static engine
-  samples the tokens it samples on one device, log-probs to float tolerance."""
+  samples the tokens it samples on one device, log-probs to float tolerance. make test covers the layout
+  with test_refill.py::test_tensor_parallel_layout_equals_static (the refill engine in this layout samples
+  the static engine's greedy tokens on one device)."""
   model, trained, mesh, rules = training_layout_model()
   layout = layout_for(RolloutConfig(tensor_parallel=4), mesh, compute_dtype="float32", training_rules=rules)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]

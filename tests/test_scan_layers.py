@@ -90,8 +90,12 @@ def _losses(actor, critic, tokens, positions, mask, targets):
   return -jnp.sum(logprobs * mask[:, 1:]) / jnp.sum(mask[:, 1:]), jnp.sum(mask * (values - targets) ** 2) / mask.sum()
 
 
-@pytest.mark.parametrize("remat", [False, True])
+# make test runs remat=True (aime's setting: the scan's backward pass recomputing its body); remat=False, the
+# same scan without the checkpoint, runs in make test-slow.
+@pytest.mark.parametrize("remat", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_scanned_equals_unrolled_gradients_under_fsdp(trained, remat):
+  """The actor's and the critic's gradients of the scanned layers equal the unrolled loop's under fsdp. make
+  test covers the property with the remat=True case; the remat=False case runs in make test-slow."""
   _, policy, mesh, rules = trained
   critic = ValueModel(TP_CFG, rngs=nnx.Rngs(4))
   nnx.update(critic.model, nnx.state(policy.model))

@@ -329,8 +329,10 @@ def test_a_mesh_needing_more_devices_names_the_settings():
     sharding.make_mesh(data=-1, fsdp=3)
 
 
-@pytest.mark.parametrize("platforms", ["tpu", "nosuchplatform"])
+@pytest.mark.parametrize("platforms", ["tpu", pytest.param("nosuchplatform", marks=pytest.mark.slow)])
 def test_an_absent_jax_backend_names_jax_platforms(platforms):
+  """A platform JAX cannot start is one error naming JAX_PLATFORMS. make test covers it with "tpu" (the
+  pod's platform on a machine without one); an unknown name, the same refusal, runs in make test-slow."""
   env = dict(os.environ, JAX_PLATFORMS=platforms)
   script = ("from vapo_jax.cli import preflight\ntry:\n  preflight.check_backend()\n"
             "except Exception as e:\n  print(type(e).__name__, e)")
