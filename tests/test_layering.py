@@ -106,22 +106,37 @@ def test_every_module_is_in_a_tier():
     place(module)
 
 
-def _loaded_after(module: str) -> set[str]:
-  code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-  return set(out.split())
+# One fresh process imports `preload`, then forks a child per module, which imports it and prints the modules
+# loaded: JAX (which loads neither flax nor the config) is imported once, not once per module.
+FORK_EACH = """import os, sys
+for module in sys.argv[1:]:
+  if (pid := os.fork()) == 0:
+    __import__(module)
+    print(" ".join(sorted(sys.modules)), flush=True)
+    os._exit(0)
+  assert os.waitpid(pid, 0)[1] == 0, module
+"""
+
+
+def _loaded_after(modules: tuple[str, ...], preload: str = "") -> dict[str, set[str]]:
+  """{module: the modules loaded once it is imported} in a fresh interpreter that imported `preload`."""
+  code = (f"import {preload}\n" if preload else "") + FORK_EACH
+  out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, check=True,
+                       cwd=ROOT).stdout
+  lines = out.splitlines()
+  assert len(lines) == len(modules), out
+  return {module: set(line.split()) for module, line in zip(modules, lines)}
 
 
 def test_config_and_the_cli_resolution_load_no_jax():
-  for module in ("vapo_jax.config", "vapo_jax.cli.resolve"):
-    loaded = _loaded_after(module)
+  for module, loaded in _loaded_after(("vapo_jax.config", "vapo_jax.cli.resolve")).items():
     assert "jax" not in loaded and "flax" not in loaded, module
 
 
 def test_pure_math_loads_no_flax_and_no_config():
-  for module in ("vapo_jax.rl.advantages", "vapo_jax.rl.losses", "vapo_jax.rl.masked"):
-    loaded = _loaded_after(module)
-    assert "flax" not in loaded and "vapo_jax.config" not in loaded, module
+  modules = ("vapo_jax.rl.advantages", "vapo_jax.rl.losses", "vapo_jax.rl.masked")
+  for module, loaded in _loaded_after(modules, preload="jax").items():
+    assert "jax" in loaded and "flax" not in loaded and "vapo_jax.config" not in loaded, module
 
 
 def test_no_import_cycle():
