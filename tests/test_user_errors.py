@@ -228,7 +228,8 @@ def test_a_truncated_tokenizer_file_is_named(tokenizer_files, tmp_path, name):
 
 def test_importing_the_tokenizers_prints_no_pytorch_advice():
   """Every start printed transformers' "PyTorch was not found" line (torch is never needed here)."""
-  result = subprocess.run([sys.executable, "-c", "import vapo_jax.data.tokenizer, os\n"
+  result = subprocess.run([sys.executable, "-c", "import vapo_jax.data.tokenizer as t, os, sys\nt._transformers()\n"
+                           "assert 'transformers' in sys.modules\n"
                            "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'))"],
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 0 and "PyTorch" not in result.stderr + result.stdout

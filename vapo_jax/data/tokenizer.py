@@ -11,11 +11,16 @@ import os
 
 from vapo_jax.errors import MissingFileError, TokenizerError
 
-with contextlib.ExitStack() as _quiet:  # transformers' "PyTorch was not found" advice: we never need torch.
-  if "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ:
-    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
-    _quiet.callback(os.environ.pop, "TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
-  import transformers
+
+def _transformers():
+  """The `transformers` module, imported on first use (a run with the byte tokenizer never pays its second
+  of import) without its "PyTorch was not found" advice: torch is never needed here."""
+  with contextlib.ExitStack() as quiet:
+    if "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ:
+      os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+      quiet.callback(os.environ.pop, "TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+    import transformers
+  return transformers
 
 # Any of these is a loadable tokenizer (fast tokenizer; BPE vocabulary + merges; sentencepiece; WordPiece).
 TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
@@ -48,7 +53,7 @@ def check_files(directory: str) -> None:
           raise TokenizerError(f"{path}, line {number}: {line.strip()[:40]!r} is not a merge (two tokens); {_DAMAGED}")
 
 
-def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
+def load_tokenizer(directory: str) -> "transformers.PreTrainedTokenizerBase":  # noqa: F821  (imported on use)
   """The tokenizer in `directory` (tokenizer.json, or vocab.json + merges.txt, with its config).
 
   Padding is on the left (prompts are left-padded for generation) and a pad token is always set
@@ -63,7 +68,7 @@ def load_tokenizer(directory: str) -> transformers.PreTrainedTokenizerBase:
         "copy the base model's tokenizer files beside the weights, or set model.tokenizer=/path/to/tokenizer")
   check_files(directory)
   try:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = _transformers().AutoTokenizer.from_pretrained(directory, local_files_only=True)
   except Exception as e:  # noqa: BLE001  The tokenizers library raises bare Exceptions for damaged files.
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     present = ", ".join(sorted(os.listdir(directory)))
