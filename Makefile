@@ -29,10 +29,11 @@ $(STAMP): setup.py
 
 install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
 
-# XLA's compilation cache for make train and make test: .jax_cache/ in the clone (gitignored; or
-# JAX_COMPILATION_CACHE_DIR), at most JAX_CACHE_GIB GiB: the least recently used files are deleted as a
-# run starts. A run after the first loads what it compiled before; the first run on a fresh machine
-# compiles everything. make clean-cache empties it.
+# XLA's compilation cache for make train, make test and make memory: .jax_cache/ in the clone (gitignored;
+# or JAX_COMPILATION_CACHE_DIR), at most JAX_CACHE_GIB GiB: the least recently used files are deleted as a
+# run starts. A run after the first loads what it compiled before (for a TPU topology, what the compiler
+# said of each program: vapo_jax/memory/compiled_cache.py); the first run on a fresh machine compiles
+# everything. make clean-cache empties it.
 JAX_CACHE_GIB ?= 2
 JAX_CACHE = JAX_COMPILATION_CACHE_DIR="$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache}" VAPO_JAX_CACHE_MAX_GIB=$(JAX_CACHE_GIB)
 
@@ -85,7 +86,7 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 
 .PHONY: memory
 memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look), else planned on MESH with DEVICE_GIB; exit 1 if over.
-	$(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
+	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
 
 clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).
 	rm -rf .jax_cache

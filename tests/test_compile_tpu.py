@@ -8,6 +8,7 @@ shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. 
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding
 from conftest import build_smoke_config
 from experiments import get_experiment
 from vapo_jax.cli import memory
-from vapo_jax.memory import aot, hlo, roofline, topologies, xla_report, xla_report_text
+from vapo_jax.memory import aot, compiled_cache, hlo, roofline, topologies, xla_report, xla_report_text
 from vapo_jax.models import attention, sharding
 from vapo_jax.train import packed_batch, packing
 
@@ -96,6 +97,38 @@ def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(tmp_path, capsys, 
   assert "rollout.max_response_tokens" in message or "rollout.prompts_per_step" in message
   # The compiler's refusal has no breakdown to scale: the plan's settings aim at the allowed bytes, marked so.
   assert "by the hand plan (compile it to confirm)" in message.splitlines()[1]
+  compiles = _counting_compiles(monkeypatch)  # The refusal is kept: compiled again, nothing compiles.
+  again = xla_report.compile_run(report.config, topologies.named(TOPOLOGY), phases=("rollout",))
+  assert not compiles and _timeless(again.phases) == _timeless(report.phases) and again.program("generate").kept
+
+
+def _counting_compiles(monkeypatch) -> list:
+  compiles, compile_lowered = [], jax.stages.Lowered.compile
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda self, *a, **k: compiles.append(1) or compile_lowered(self, *a, **k))
+  return compiles
+
+
+def _timeless(phases) -> list:
+  return [p._replace(lower_s=0.0, compile_s=0.0, kept=False) for phase in phases for p in phase.programs]
+
+
+def test_a_second_compile_loads_what_the_tpu_compiler_said(smoke_report, monkeypatch):
+  """Compiled again (the cache directory tests/conftest.py sets), the rollout and scoring (whose inputs
+  are the rollout's outputs as compiled) compile nothing: the same figures, collectives and decode
+  traffic, derived from what was kept. Another topology or other flags miss."""
+  compiles = _counting_compiles(monkeypatch)
+  again = xla_report.compile_run(smoke_report.config, topologies.named(TOPOLOGY), phases=("scoring",))
+  assert not compiles and _timeless(again.phases) == _timeless(p for p in smoke_report.phases if p.name in
+                                                                  ("rollout", "scoring"))
+  assert [p.name for p in again.phases] == ["rollout", "scoring"] and again.program("generate").decode
+  assert all(p.kept for phase in again.phases for p in phase.programs) and "loaded from" in xla_report_text.table(again)
+  paths = set()
+  for name, flags in ((TOPOLOGY, ""), (TOPOLOGY, " --xla_dump_to=/nonexistent"), ("v5p:2x2x2", "")):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + flags)
+    with compiled_cache.keeping(topologies.named(name)):
+      paths.add(compiled_cache._path("module @same {}"))
+  assert len(paths) == 3 and None not in paths
 
 
 def test_bad_topologies_are_user_errors(capsys):

@@ -107,7 +107,10 @@ def _roofline(config, target, report, log) -> str:
 
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool) -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
+  from vapo_jax.cli import bound_compilation_cache
   from vapo_jax.memory import topologies, xla_report, xla_report_text
+
+  bound_compilation_cache()  # make memory's cache (what the compiler said before), at its size.
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")

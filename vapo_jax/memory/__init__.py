@@ -13,6 +13,7 @@ aims it at XLA's figure).
   advice           the settings, with their values, that bring a planned phase under a budget; the refusal
   topologies       what a compile report compiles for: a TPU topology's compile-only devices, or CPUs
   aot              one jitted program compiled ahead of time on abstract inputs, and XLA's figures for it
+  compiled_cache   what the TPU compiler said of a program, kept on disk for a later compile of the same one
   hlo              the collectives of a compiled program, read from its HLO text
   xla_report       every program of a run compiled for a topology: XLA's bytes per device of each phase
   xla_report_text  the compile report as a table, and its refusal naming what to change

@@ -12,6 +12,8 @@ count nearly nothing), the collectives of its decode loop (`decode_traffic`), th
 implementations traced into it, the lower and compile seconds, and the bytes of the arrays a run holds
 beside it (`resident`: live, but not its arguments). A program the TPU compiler refuses for memory
 keeps the compiler's figure instead (`refused_bytes`). The abstract outputs feed the next program.
+Inside `compiled_cache.keeping` (a compile report for a TPU topology), what the compiler said is kept
+on disk and loaded by a later compile of the same program.
 """
 
 import hashlib
@@ -21,7 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from vapo_jax.memory import hlo, topologies
+from vapo_jax.memory import compiled_cache, hlo, topologies
 from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
 
@@ -78,6 +80,7 @@ class Program(NamedTuple):
   decode: DecodeTraffic | None  # Per-iteration collectives of its decode loop, if it has one.
   collectives: tuple[hlo.Collective, ...]
   fingerprint: str  # sha256 of the lowered module: equal fingerprints, the same program.
+  kept: bool = False  # Loaded from what the compiler said before (`compiled_cache`), not compiled now.
 
   @property
   def needs(self) -> float:
@@ -99,17 +102,34 @@ def chip_bytes(tree) -> int:
   return total
 
 
-def _outputs(lowered, compiled, fallback):
-  """The program's outputs as abstract arrays laid out as compiled (refused: `fallback(shape)`)."""
-  shardings = compiled.output_shardings if compiled is not None else jax.tree.map(
-      lambda info: fallback(info.shape), lowered.out_info)
+def _outputs(lowered, shardings, fallback):
+  """The program's outputs as abstract arrays laid out as compiled (`shardings`, in the order of the
+  leaves; refused, None: `fallback(shape)`)."""
+  shardings = (jax.tree.unflatten(jax.tree.structure(lowered.out_info), shardings) if shardings is not None
+               else jax.tree.map(lambda info: fallback(info.shape), lowered.out_info))
   return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s), lowered.out_info,
                       shardings)
 
 
-def lowered_fingerprint(lowered) -> str:
-  """A short hash of a lowered module's text: equal for the same program on the same input layouts."""
-  return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+def lowered_fingerprint(lowered, text: str | None = None) -> str:
+  """A short hash of a lowered module's text (`text`, if given): equal for the same program on the same
+  input layouts."""
+  return hashlib.sha256((lowered.as_text() if text is None else text).encode()).hexdigest()[:16]
+
+
+def _compile(lowered, text: str) -> tuple[compiled_cache.Said, bool]:
+  """What the compiler says of `lowered`, and whether it was loaded (inside `compiled_cache.keeping`:
+  kept, or loaded). A refusal for memory is recorded; any other compile error propagates."""
+  if (said := compiled_cache.load(text)) is not None:
+    return said, True
+  try:
+    said = compiled_cache.said_by(lowered.compile())
+  except Exception as error:  # noqa: BLE001  (XLA's runtime error type is private)
+    if topologies.refused_bytes(error) is None:
+      raise
+    said = compiled_cache.refused(error)
+  compiled_cache.store(text, said)
+  return said, False
 
 
 def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=None) -> tuple[Program, Any]:
@@ -120,27 +140,20 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   start = time.perf_counter()
   with attention.recording() as used:
     lowered = fn.lower(*args)
+  text = lowered.as_text()
   lowered_at = time.perf_counter()
-  try:
-    compiled, refused = lowered.compile(), None
-  except Exception as error:  # noqa: BLE001  (XLA's runtime error type is private)
-    if (refused := topologies.refused_bytes(error)) is None:
-      raise
-    compiled = None
+  said, kept = _compile(lowered, text)
   done = time.perf_counter()
-  memory, flops, accessed, found, traffic = None, 0.0, 0.0, (), None
-  if compiled is not None:
-    m = compiled.memory_analysis()
-    memory = Memory(m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
-    cost = compiled.cost_analysis()
-    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-    text = compiled.as_text()
-    found = tuple(hlo.collectives(text))
-    traffic = decode_traffic(list(found), hlo.while_op_names(text))
-  program = Program(name, memory, refused, chip_bytes(args), resident, flops, accessed, lowered_at - start,
-                    done - lowered_at, tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered))
-  return program, _outputs(lowered, compiled, fallback)
+  memory, found, traffic = None, (), None
+  if said.refusal is None:
+    memory = Memory(*said.memory)
+    found = tuple(hlo.collectives(said.text))
+    traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
+  refused = topologies.refused_bytes(RuntimeError(said.refusal)) if said.refusal is not None else None
+  program = Program(name, memory, refused, chip_bytes(args), resident, said.cost.get("flops", 0.0),
+                    said.cost.get("bytes accessed", 0.0), lowered_at - start, done - lowered_at,
+                    tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered, text), kept)
+  return program, _outputs(lowered, said.shardings, fallback)
 
 
 def weight_elements(params, layers: int) -> frozenset:

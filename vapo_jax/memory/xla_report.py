@@ -46,7 +46,7 @@ from flax import nnx
 
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory import topologies
+from vapo_jax.memory import compiled_cache, topologies
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
 from vapo_jax.memory.hand_plan import allowed_bytes
 from vapo_jax.memory.topologies import GIB, Topology
@@ -157,8 +157,8 @@ def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, res
   phase.programs.append(program)
   own = (f"{program.memory.total / GIB:.2f} GiB own ({program.memory.temporaries / GIB:.2f} temporaries)"
          if program.memory else f"refused by the compiler: {program.refused_bytes / GIB:.2f} GiB")
-  log(f"  {phase.name}: {name} compiled in {program.lower_s + program.compile_s:.1f} s: needs "
-      f"{program.needs / GIB:.2f} GiB per device, {own}")
+  log(f"  {phase.name}: {name} {'loaded (compiled before)' if program.kept else 'compiled'} in "
+      f"{program.lower_s + program.compile_s:.1f} s: needs {program.needs / GIB:.2f} GiB per device, {own}")
   return outputs
 
 
@@ -351,7 +351,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   if unknown:
     raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
   run, done = _Run(config, target, layers, tail), []
-  with topologies.persistent_cache_for(target):
+  with topologies.persistent_cache_for(target), compiled_cache.keeping(target):
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
     if "reshard" in phases and run.layout.tensor_parallel > 1:

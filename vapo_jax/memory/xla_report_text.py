@@ -10,7 +10,7 @@ also from the KV cache's bytes per slot.
 
 import math
 
-from vapo_jax.memory import advice, hand_plan
+from vapo_jax.memory import advice, compiled_cache, hand_plan
 from vapo_jax.memory.topologies import GIB
 from vapo_jax.rollout import common
 from vapo_jax.train import build
@@ -69,6 +69,10 @@ def table(report) -> str:
     lines.append(f"  {phase.name} ({phase.detail})")
     lines += [_row(p, unit) for p in phase.programs] + ([f"    ({phase.skipped})"] if phase.skipped else [])
   lines += _decode_lines(report)
+  kept = sum(p.kept for phase in report.phases for p in phase.programs)
+  if kept:
+    lines.append(f"  {kept} program(s) loaded from what the compiler said before ($JAX_COMPILATION_CACHE_DIR/"
+                 f"{compiled_cache.PREFIX}*): their compile s is the load's")
   worst = max(report.phases, key=lambda phase: phase.needs)
   peak = f"  peak {readable_bytes(worst.needs)} per device ({worst.name}: {worst.worst.name})"
   if report.budget is None:
