@@ -131,6 +131,21 @@ def test_a_second_compile_loads_what_the_tpu_compiler_said(smoke_report, monkeyp
   assert len(paths) == 3 and None not in paths
 
 
+def test_an_unwritable_or_damaged_kept_file_costs_a_compile(tmp_path, monkeypatch):
+  said = compiled_cache.Said((1, 2, 3, 4), {"flops": 5.0}, "HloModule m", (), None)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "absent"))
+  with compiled_cache.keeping(topologies.named(TOPOLOGY)):
+    compiled_cache.store("module @m {}", said)  # No directory: nothing kept, nothing raised.
+    assert compiled_cache.load("module @m {}") is None
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+  with compiled_cache.keeping(topologies.named(TOPOLOGY)):
+    compiled_cache.store("module @m {}", said)
+    assert compiled_cache.load("module @m {}") == said
+    with open(compiled_cache._path("module @m {}"), "r+b") as f:
+      f.truncate(20)  # A file cut short (a full disk, a killed process): read as absent.
+    assert compiled_cache.load("module @m {}") is None
+
+
 def test_bad_topologies_are_user_errors(capsys):
   assert memory.main(["--smoke", "--topology", "v5p-8"]) == 2
   assert "is not a TPU topology name" in capsys.readouterr().err

@@ -25,9 +25,11 @@ import zlib
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 PREFIX = "vapo-tpu-"
+FORMAT = 1  # Of the files: part of the key, so a file of another format is never read.
 _active: list = []  # [(directory, {device id: device}, key salt)] inside `keeping`.
 
 
@@ -64,7 +66,7 @@ def keeping(target):
     return
   import jaxlib
   import libtpu
-  salt = json.dumps([target.name, target.device_kind, jax.__version__, jaxlib.__version__,
+  salt = json.dumps([FORMAT, target.name, target.device_kind, jax.__version__, jaxlib.__version__,
                      getattr(libtpu, "__version__", ""), os.environ.get("XLA_FLAGS", ""),
                      os.environ.get("LIBTPU_INIT_ARGS", "")])
   _active.append((directory, {d.id: d for d in target.devices}, salt))
@@ -89,7 +91,6 @@ def _sharding(s: NamedSharding) -> dict:
 
 
 def _named(data: dict, devices: dict) -> NamedSharding:
-  import numpy as np
   grid = np.array([devices[i] for i in data["devices"]], dtype=object).reshape(data["shape"])
   mesh = Mesh(grid, tuple(data["axes"]), axis_types=tuple(AxisType[t] for t in data["types"]))
   spec = PartitionSpec(*(tuple(p) if isinstance(p, list) else p for p in data["spec"]))
@@ -115,16 +116,18 @@ def store(lowered_text: str, said: Said) -> None:
   """Keeps `said` for this lowered program (inside `keeping`; written whole or not at all)."""
   if (path := _path(lowered_text)) is None:
     return
-  if not all(isinstance(s, NamedSharding) for s in said.shardings or ()):
-    return  # Only named shardings are rebuilt; such a program compiles each time.
+  shardings = [_sharding(s) if isinstance(s, NamedSharding) else None for s in said.shardings or ()]
+  if any(s is None or _named(s, _active[-1][1]) != original for s, original in zip(shardings, said.shardings or ())):
+    return  # A sharding this file would not rebuild equal: such a program compiles each time.
   data = {"memory": said.memory, "cost": said.cost, "refusal": said.refusal,
-          "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(),
-          "shardings": [_sharding(s) for s in said.shardings or ()]}
+          "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(), "shardings": shardings}
+  tmp = None
   try:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + PREFIX)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       json.dump(data, f)
     os.replace(tmp, path)
   except OSError:  # A full or read-only cache directory costs a compile next time, nothing else.
-    with contextlib.suppress(OSError):
-      os.remove(tmp)
+    if tmp is not None:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
