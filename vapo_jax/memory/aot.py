@@ -149,7 +149,7 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
     memory = Memory(*said.memory)
     found = tuple(hlo.collectives(said.text))
     traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
-  refused = topologies.refused_bytes(RuntimeError(said.refusal)) if said.refusal is not None else None
+  refused = topologies.refused_bytes(said.refusal) if said.refusal is not None else None
   program = Program(name, memory, refused, chip_bytes(args), resident, said.cost.get("flops", 0.0),
                     said.cost.get("bytes accessed", 0.0), lowered_at - start, done - lowered_at,
                     tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered, text), kept)

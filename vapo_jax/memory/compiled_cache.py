@@ -20,13 +20,14 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import zlib
 from typing import NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from vapo_jax import files
 
 PREFIX = "vapo-tpu-"
 FORMAT = 1  # Of the files: part of the key, so a file of another format is never read.
@@ -121,13 +122,7 @@ def store(lowered_text: str, said: Said) -> None:
     return  # A sharding this file would not rebuild equal: such a program compiles each time.
   data = {"memory": said.memory, "cost": said.cost, "refusal": said.refusal,
           "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(), "shardings": shardings}
-  tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-" + PREFIX)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(data, f)
-    os.replace(tmp, path)
+    files.write_atomically(path, json.dumps(data))
   except OSError:  # A full or read-only cache directory costs a compile next time, nothing else.
-    if tmp is not None:
-      with contextlib.suppress(OSError):
-        os.remove(tmp)
+    pass

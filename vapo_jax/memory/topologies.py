@@ -157,9 +157,9 @@ def named(name: str) -> Topology:
   return tpu(name)
 
 
-def refused_bytes(error: BaseException) -> float | None:
-  """The bytes a TPU compiler's out-of-memory refusal says the program needs ("... (155.78G) exceeds
-  available HBM"), or None when `error` is no such refusal."""
+def refused_bytes(error: BaseException | str) -> float | None:
+  """The bytes a TPU compiler's out-of-memory refusal (the error, or its message) says the program needs
+  ("... (155.78G) exceeds available HBM"), or None when `error` is no such refusal."""
   match = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM", str(error))
   if not match:
     return None
