@@ -22,6 +22,7 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "toy_vapo_paper_alpha": toy.paper_alpha,
     "toy_warm_start": toy.warm_start,
     "toy_reward_model": toy.reward_model,
+    "toy_reward_model_prefix": toy.reward_model_prefix,
 }
 
 SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
@@ -29,6 +30,7 @@ SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_ablations": aime.ablations,
     "toy": toy.table,
     "toy_mechanism": toy.mechanism,
+    "toy_mechanism_v3": toy.mechanism_v3,
 }
 
 
@@ -49,10 +51,15 @@ class SharedStage:
 
 # The toy sweeps' shared stages, in order: the supervised warm start (every policy starts from it),
 # then the outcome reward model fitted on its samples (every critic starts from it, as in the paper).
-TOY_STAGES = (SharedStage(experiment="toy_warm_start", output="export", field="model.checkpoint",
-                          overrides=("sft.steps=0",)),
+WARM_START = SharedStage(experiment="toy_warm_start", output="export", field="model.checkpoint",
+                         overrides=("sft.steps=0",))
+TOY_STAGES = (WARM_START,
               SharedStage(experiment="toy_reward_model", output="critic_pretrained", field="model.critic_checkpoint"))
-SHARED_STAGES: dict[str, tuple[SharedStage, ...]] = {"toy": TOY_STAGES, "toy_mechanism": TOY_STAGES}
+# toy_mechanism_v3: the critics from the reward model fitted on prefixes too (the paper's bias).
+TOY_PREFIX_STAGES = (WARM_START, SharedStage(experiment="toy_reward_model_prefix", output="critic_pretrained",
+                                             field="model.critic_checkpoint"))
+SHARED_STAGES: dict[str, tuple[SharedStage, ...]] = {"toy": TOY_STAGES, "toy_mechanism": TOY_STAGES,
+                                                     "toy_mechanism_v3": TOY_PREFIX_STAGES}
 
 
 def get_experiment(name: str) -> ExperimentConfig:

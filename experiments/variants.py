@@ -23,8 +23,11 @@ one-output `value_head` or `score` head becomes the value head), else from the p
 with a zero value head, which has no such bias. `reward_model(base)` makes one the paper's way: the
 critic, started from the policy, fitted to the verifier's verdict (±1) on the last token of each
 response alone, on samples of the starting policy (value pretraining with
-`algo.value_pretrain_target="outcome"`), and exported to `<run>/critic_pretrained/`. The toy
-sweeps run it once and pass it to every member (`experiments/__init__.py` SHARED_STAGES).
+`algo.value_pretrain_target="outcome"`), and exported to `<run>/critic_pretrained/`. With
+`target="prefix"` it also fits prefixes of each response, each labelled with the verdict it gets read
+as a finished response (no answer yet: incorrect), so that, like the paper's, it scores an unfinished
+response as unfinished. The toy sweeps run it once and pass it to every member (`experiments/__init__.py`
+SHARED_STAGES).
 
 What is not changed: the model, data, learning rates, warm-up and evaluation are the base's, so a
 difference between rows is the algorithm's. DAPO's warm-up (verl's recipe: 10 rollout steps; the
@@ -34,6 +37,7 @@ DAPO paper: 20) is left at the base's `optim.warmup_updates`.
 import dataclasses
 
 from vapo_jax.config import ExperimentConfig
+from vapo_jax.kinds import ValueTarget
 
 # AIME 2024 avg@32 of each row in the VAPO paper (Qwen2.5-32B), by the row's name after its prefix.
 # The paper has no GRPO row (the DAPO paper reports 30 for its GRPO baseline on the same model).
@@ -105,11 +109,13 @@ def ablations(base: ExperimentConfig, *, prefix: str) -> dict[str, ExperimentCon
   return {config.name: config for config in variants.values()}
 
 
-def reward_model(base: ExperimentConfig, *, name: str, steps: int, lr: float) -> ExperimentConfig:
+def reward_model(base: ExperimentConfig, *, name: str, steps: int, lr: float,
+                 target: ValueTarget = "outcome") -> ExperimentConfig:
   """An outcome reward model (see the module docstring): `steps` critic-only steps of the base's
-  rollouts at critic learning rate `lr`, the loss on each response's last token alone; no RL, no
-  held-out evaluation, no policy export. Its critic is in `<run>/critic_pretrained/`."""
-  algo = dataclasses.replace(base.algo, estimator="gae", value_pretrain_steps=steps, value_pretrain_target="outcome",
+  rollouts at critic learning rate `lr`, the loss on each response's last token alone ("outcome"), or
+  also on prefixes of it, each with the verdict it gets read as a finished response ("prefix"); no RL,
+  no held-out evaluation, no policy export. Its critic is in `<run>/critic_pretrained/`."""
+  algo = dataclasses.replace(base.algo, estimator="gae", value_pretrain_steps=steps, value_pretrain_target=target,
                              value_pretrain_patience=None)
   return dataclasses.replace(base, name=name, rl_steps=0, algo=algo,
                              optim=dataclasses.replace(base.optim, critic_lr=lr),

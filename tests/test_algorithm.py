@@ -164,6 +164,28 @@ def test_value_targets(maybe_jit, target):
   np.testing.assert_array_equal(fitted, MASK if target == "returns" else last)  # A reward model: the last token.
 
 
+def test_prefix_value_targets(maybe_jit):
+  """"prefix": the outcome on each response's last token, and each prefix of length k its own label at index
+  k − 1 (where its outcome would sit had the response ended there), every other token outside the loss; a
+  prefix drawn twice is fitted once, and k = l is the whole response (its label is the outcome)."""
+  algo = AlgoConfig(**(PLAIN | dict(value_pretrain_target="prefix", value_pretrain_steps=5)))
+  lengths = np.array([[2, 5], [1, 1], [1, 1], [3, 3], [4, 1], [1, 2]], np.int32)  # k ≤ l; row 5's k = 2 = l.
+  labels = np.array([[-1.0, 1.0], [-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0], [1.0, -1.0], [-1.0, -1.0]], np.float32)
+  prefixes = algorithm.PrefixLabels(lengths, labels)
+  targets, fitted = maybe_jit(lambda r, m, p, *, algo: algorithm.value_targets(algo, r, m, p), algo=algo)(
+      REWARDS, MASK, prefixes)
+  expect_targets, expect_fitted = np.where(MASK, SCORES[:, None], 0.0), np.zeros(MASK.shape, bool)
+  for b in range(6):  # From the definition: the last token's outcome, then each prefix's own label.
+    expect_fitted[b, LENGTHS[b] - 1] = True
+    for k, label in zip(lengths[b], labels[b]):
+      expect_targets[b, k - 1], expect_fitted[b, k - 1] = label, True
+  np.testing.assert_array_equal(fitted, expect_fitted)
+  np.testing.assert_allclose(targets, expect_targets)
+  assert np.asarray(fitted).sum() == 13  # 6 last tokens, 7 other positions (rows 1, 3 drew one k twice; 2, 5: k = l).
+  with pytest.raises(ValueError, match="prefix"):
+    algorithm.value_targets(algo, REWARDS, MASK)
+
+
 def test_position_metrics(maybe_jit):
   """The first decile's mean advantage and V − G by decile, against a loop over the tokens' deciles
   ⌊10·i/l⌋ (here l ≤ 6, so the first decile is each response's first token, and deciles 1, 4 and 9

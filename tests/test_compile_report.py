@@ -22,7 +22,7 @@ def _trainer_programs(trainer: Trainer, update: bool):
   """One step's rollout, scoring (and update) on the trainer's real arrays: {program name: (lowered, args)}.
   Packed, at the most rows a plan can need (every sequence in a row of its own), as the report compiles."""
   state, key = trainer.state.split_key()
-  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  out, rewards, correct, *_ = trainer.experience.sample(state, trainer.progress.prompts, key)
   steps, size = trainer.steps, rewards.shape[0]
   plan = steps.plan_packing(state, out)
   placement = plan and plan.placement

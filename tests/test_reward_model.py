@@ -5,10 +5,14 @@ the critic on the last token's verdict alone and exports it; a member given the 
 And the held-out evaluation's keys: fixed by the seed and the RL steps done, shared by every member."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from vapo_jax.cli import resolve
+from vapo_jax.data.tokenizer import ByteTokenizer
+from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rl import advantages
+from vapo_jax.rollout.common import Rollout
 from vapo_jax.train import experience, updates
 from vapo_jax.train.trainer import Trainer
 
@@ -22,7 +26,8 @@ def test_reward_model_fits_the_last_token_and_its_export_starts_the_critic(tmp_p
   assert made.algo.value_pretrain_target == "outcome" and made.rl_steps == 0 and made.eval.path is None
   maker = Trainer(made, verbose=False)
   state, key = maker.state.split_key()
-  out, rewards, correct, _ = maker.experience.sample(state, maker.progress.prompts, key)
+  out, rewards, correct, _, prefixes = maker.experience.sample(state, maker.progress.prompts, key, prefix_step=0)
+  assert prefixes is None  # Labels only for the "prefix" target.
   batch, _ = maker.steps.score(state, out, rewards, correct, critic_only=True)
   last = np.asarray(advantages.last_token_mask(batch.response_mask))
   np.testing.assert_array_equal(batch.value_mask, last)  # The value loss sees the last token alone...
@@ -60,3 +65,37 @@ def test_evaluation_keys_are_fixed_by_the_seed_and_step_and_leave_the_key_chain(
   np.testing.assert_array_equal(keys[0], np.asarray(jax.random.key_data(chunk)))
   np.testing.assert_array_equal(np.asarray(jax.random.key_data(trainer.state.key)), chain)  # Not consumed.
   trainer.close()
+
+
+def test_prefix_labels_are_the_verdicts_of_the_prefixes_read_as_finished_responses():
+  """`toy_reward_model_prefix`'s labels: K prefix lengths per response, uniform over 1 ≤ k < l (k = l for a
+  one-token response), each labelled with the reward `verify` gives the response cut at k (a whole response's
+  path): a correct solution's prefixes are incorrect until its answer is whole, and then correct."""
+  made = config("--exp", "toy_reward_model_prefix", "sft.steps=0", "algo.value_pretrain_prefixes=256")
+  assert made.algo.value_pretrain_target == "prefix"
+  tokenizer, width = ByteTokenizer(), 24
+  texts = ["12+9\n21\nAnswer: 21", "12+9\n21\nAnswer: 22", ""]  # Correct, wrong, EOS alone; 7+5+9 = 21.
+  ids = [tokenizer.encode(t) + [tokenizer.eos_token_id] for t in texts]
+  lengths = np.array([len(i) for i in ids], np.int32)
+  response = np.array([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids], np.int32)
+  mask = np.arange(width)[None] < lengths[:, None]
+  zeros = np.zeros((3, width), np.float32)
+  out = Rollout(*map(jnp.asarray, (np.ones((3, 4), np.int32), np.ones((3, 4), bool), response, mask, lengths,
+                                   np.zeros(3, np.int32), zeros, zeros)))
+  pool = reward_lib.make_pool(workers=0)
+  try:
+    labeller = experience.Experience(made, steps=None, layout=None, model_cfg=None, tokenizer=tokenizer, pool=pool)
+    labels = labeller.prefix_labels(out, ["21"] * 3, experience.prefix_rng(0, 0))
+    cut, got = np.asarray(labels.lengths), np.asarray(labels.rewards)
+    assert cut.shape == got.shape == (3, 256)
+    for b in range(2):  # Every length below the response's own is drawn; none at or beyond it.
+      assert set(cut[b]) == set(range(1, lengths[b])), b
+    np.testing.assert_array_equal(cut[2], 1)  # A one-token response: its only prefix is itself.
+    for j in range(0, 256, 37):  # Each label is the reward of the response cut at k, verified as a whole one.
+      whole = labeller.verify(out._replace(response_lengths=jnp.asarray(cut[:, j])), ["21"] * 3)
+      np.testing.assert_array_equal(got[:, j], whole.rewards, err_msg=j)
+    answer_done = lengths[0] - 1  # "…Answer: 21" without its EOS reads as a finished, correct response.
+    np.testing.assert_array_equal(got[0], np.where(cut[0] >= answer_done, 1.0, -1.0))
+    np.testing.assert_array_equal(got[1:], -1.0)
+  finally:
+    pool.close()

@@ -53,7 +53,7 @@ def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
 
 def _held_out_batch(trainer):
   state, key = trainer.state.split_key()
-  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  out, rewards, correct, *_ = trainer.experience.sample(state, trainer.progress.prompts, key)
   trainer.state = state
   return out, np.asarray(rewards), np.asarray(correct)
 
@@ -91,7 +91,7 @@ def test_dynamic_sampling_fills_the_batch_with_mixed_groups(smoke_config):
                      algorithm="dapo")
   trainer = Trainer(cfg, write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
-  out, _, correct, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
+  out, _, correct, stats, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
   accuracy = np.asarray(correct).reshape(8, 4).mean(axis=1)
   assert out.response_tokens.shape[0] == 32
   assert np.all((accuracy > 0) & (accuracy < 1)), accuracy

@@ -11,8 +11,9 @@ from flax import nnx
 from vapo_jax.config import AlgoConfig
 from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.train import updates
+from vapo_jax.train.algorithm import value_pretraining_converged
 from vapo_jax.train.experience import DynamicSamplingCapReached
-from vapo_jax.train.trainer import Trainer, value_pretraining_converged
+from vapo_jax.train.trainer import Trainer
 
 EVEN_FIRST_BYTE = "rewards_for_tests:even_first_byte"  # Learnable from the response: its first token.
 BY_PROMPT = "rewards_for_tests:answer_at_least_five"  # Decided by the prompt: groups never mixed.
@@ -54,7 +55,7 @@ def test_the_actor_learns_from_the_policy_gradient_alone(smoke_config):
 def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(smoke_config):
   trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE), write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
-  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  out, rewards, correct, *_ = trainer.experience.sample(state, trainer.progress.prompts, key)
   batch, stats = trainer.steps.score(state, out, rewards, correct)
   assert float(stats["rollout/logprob_gap"]) < 1e-4
   # V(s_t) is the critic's output at position prompt_len − 1 + t (the state before response token t).
@@ -87,7 +88,7 @@ def test_dynamic_sampling_at_its_cap_warns_or_raises(tmp_path, smoke_config):
   trainer = Trainer(config(smoke_config, BY_PROMPT, algorithm="dapo"), write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   with pytest.warns(UserWarning, match=r"found 0 groups with mixed verdicts of the 8 a step needs in 2 rounds"):
-    out, _, _, stats = trainer.experience.sample(state, trainer.progress.prompts, key)
+    out, _, _, stats, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
   assert stats["rollout/unmixed_groups"] == 8 and stats["rollout/mixed_group_frac"] == 0.0
   assert out.response_tokens.shape[0] == 32
   trainer.close()
@@ -104,7 +105,7 @@ def test_trainer_logprobs_are_of_the_untempered_policy(smoke_config):
   trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE, {"rollout.temperature": 0.5}), write_logs=False,
                     verbose=False)
   state, key = trainer.state.split_key()
-  out, rewards, correct, _ = trainer.experience.sample(state, trainer.progress.prompts, key)
+  out, rewards, correct, *_ = trainer.experience.sample(state, trainer.progress.prompts, key)
   batch, stats = trainer.steps.score(state, out, rewards, correct)
   mask = np.asarray(out.response_mask)
   tempered_gap = np.abs(np.asarray(out.sampler_logprobs) - np.asarray(batch.old_logprobs))[mask].mean()

@@ -37,6 +37,9 @@ class AlgoConfig:
   length_adaptive_alpha: float | None = 0.05  # Technique 3: λ_actor = 1 − 1/(α·l); None: fixed.
   value_pretrain_steps: int = 50  # Technique 1: critic-only steps on λ=1 returns before RL.
   value_pretrain_target: ValueTarget = "returns"  # "outcome": fit the last token's verdict alone (a reward model).
+  # "prefix": "outcome" plus, for this many prefixes of each response (lengths uniform below its own), the
+  # verdict of the prefix read as a finished response (no answer yet: the incorrect reward).
+  value_pretrain_prefixes: int = 4
   # Value pretraining runs all `value_pretrain_steps` steps (the paper: 50) unless early stopping is
   # asked for: then it stops once `value_pretrain_min_steps` are done, the explained variance has
   # reached `value_pretrain_min_ev` and has not risen by 0.01 for `value_pretrain_patience` steps.
@@ -75,6 +78,7 @@ class AlgoConfig:
     positive_int(self, "value_pretrain_steps", allow_zero=True)
     require(self.value_pretrain_target in names(ValueTarget), self, "value_pretrain_target",
             f"must be one of {', '.join(names(ValueTarget))}", self.value_pretrain_target)
+    positive_int(self, "value_pretrain_prefixes")
     if self.value_pretrain_patience is not None:
       positive_int(self, "value_pretrain_patience")
     positive_int(self, "value_pretrain_min_steps", allow_zero=True)

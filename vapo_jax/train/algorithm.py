@@ -4,7 +4,8 @@ This module reads `AlgoConfig` and calls the pure functions in `advantages`, `lo
 `masked`; it is what the train step calls, and the one place where VAPO, PPO, GRPO and DAPO differ.
 
 The VAPO techniques it switches (Yue et al. 2025, arXiv 2504.05118): decoupled GAE (§4.1;
-value pretraining, also §4.1, is a trainer stage), length-adaptive λ_actor and the token-level
+value pretraining, also §4.1, is a trainer stage: its targets, prefix labels and early stopping are here),
+length-adaptive λ_actor and the token-level
 loss (§4.2), clip-higher and the positive-example NLL (§4.3; group sampling, also §4.3, is the
 rollout's `samples_per_prompt`).
 """
@@ -87,18 +88,46 @@ def compute_advantages(
   return Advantages(advantages, returns, lam_actor, unwhitened)
 
 
-def value_targets(algo: AlgoConfig, rewards: jax.Array, response_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int,
+                                algo: AlgoConfig) -> bool:
+  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: ≥ `value_pretrain_min_steps`
+  done, best explained variance ≥ `value_pretrain_min_ev`, no 0.01 rise over it for `value_pretrain_patience` steps."""
+  return (algo.value_pretrain_patience is not None and steps_done >= algo.value_pretrain_min_steps
+          and best_ev is not None and best_ev >= algo.value_pretrain_min_ev
+          and steps_since_best >= algo.value_pretrain_patience)
+
+
+class PrefixLabels(NamedTuple):
+  """Value pretraining's prefix labels (`value_pretrain_target="prefix"`), `[B, K]` each: K prefix lengths k
+  of each response (uniform over 1 ≤ k < l; k = l for a one-token response) and the reward of response[:k]
+  read as a finished response. A prefix's value is fitted where a whole response's outcome is: at response
+  index k − 1, V(s_{k−1}), the state before its last token (k = l is the whole response)."""
+
+  lengths: jax.Array  # [B, K] int32 prefix lengths k.
+  rewards: jax.Array  # [B, K] float32 the verifier's reward of response[:k].
+
+
+def value_targets(algo: AlgoConfig, rewards: jax.Array, response_mask: jax.Array,
+                  prefixes: PrefixLabels | None = None) -> tuple[jax.Array, jax.Array]:
   """Value pretraining's targets and the tokens its loss counts, `[B, T]` each, by
   `algo.value_pretrain_target`: "returns", the Monte-Carlo returns on every response token (VAPO
   §4.1); "outcome", the outcome reward on the last token alone, as a reward model learns it (the
-  critic the paper's PPO starts from). `rewards`: `[B, T]` token rewards (the outcome on the last
-  valid token)."""
+  critic the paper's PPO starts from); "prefix", "outcome" plus each of `prefixes` at index k − 1 with
+  its own verdict, so the reward model learns that an unfinished response is not a correct one (a
+  reward model scores only `<eos>`-ended text: earlier, incomplete tokens score low, VAPO §4.1).
+  `rewards`: `[B, T]` token rewards (the outcome on the last valid token)."""
   returns = adv.monte_carlo_returns(rewards, response_mask, gamma=algo.gamma)
   match algo.value_pretrain_target:
     case "returns":
       return returns, jnp.asarray(response_mask).astype(bool)
     case "outcome":
       return returns, adv.last_token_mask(response_mask)  # At the last token the return is the outcome.
+    case "prefix":
+      if prefixes is None:
+        raise ValueError('value_pretrain_target="prefix" needs the prefixes\' labels (Experience.prefix_labels)')
+      rows, index = jnp.arange(returns.shape[0])[:, None], jnp.asarray(prefixes.lengths) - 1
+      targets = returns.at[rows, index].set(jnp.asarray(prefixes.rewards, returns.dtype))
+      return targets, adv.last_token_mask(response_mask).at[rows, index].set(True)
     case _:
       raise ValueError(f"unknown value pretraining target {algo.value_pretrain_target!r}")
 

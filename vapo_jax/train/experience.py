@@ -1,7 +1,7 @@
 """Experience: prompts → sampled responses → verifier rewards, for training and evaluation.
 
   experience = Experience(config, steps=steps, layout=layout, model_cfg=model_cfg, tokenizer=tokenizer, pool=pool)
-  out, rewards, correct, stats = experience.sample(state, prompts, key)     # then `steps.score`
+  out, rewards, correct, stats, _ = experience.sample(state, prompts, key)     # then `steps.score`
 
 The rollout decodes in the rollout layout (`rollout/layout.py`): once per step (and per evaluation)
 the actor is resharded into it, and the copy is dropped after generation; the rollout's arrays come
@@ -16,6 +16,7 @@ held-out evaluation and `make eval` all call it.
 """
 
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,24 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
+from vapo_jax.train.algorithm import PrefixLabels
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps, TrainBatch
 
 
 class DynamicSamplingCapReached(RuntimeError):
   """Dynamic sampling hit `algo.dynamic_sampling_max_rounds` with `dynamic_sampling_on_cap="raise"`."""
+
+
+class Sampled(NamedTuple):
+  """A verified rollout: the responses, their rewards and verdicts `[B]` (global arrays), the rollout's and
+  verifier's metrics, and value pretraining's prefix labels (None unless asked for)."""
+
+  out: common.Rollout
+  rewards: jax.Array
+  correct: jax.Array
+  stats: dict
+  prefixes: PrefixLabels | None = None
 
 
 def stop_ids(config: ExperimentConfig, tokenizer) -> tuple[int, ...]:
@@ -112,6 +125,16 @@ def evaluation_key(seed: int, rl_steps_done: int) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), EVALUATION_STREAM), rl_steps_done)
 
 
+# Seeds the prefix lengths of value pretraining's "prefix" target, apart from every other stream of the run.
+PREFIX_STREAM = 0x70726566  # "pref"
+
+
+def prefix_rng(seed: int, step: int) -> np.random.Generator:
+  """The prefix lengths' generator of value-pretraining step `step` (the run's global step): fixed by the
+  seed, the step and the process, so a resumed step draws the same prefixes and no other stream moves."""
+  return np.random.default_rng((seed, PREFIX_STREAM, step, jax.process_index()))
+
+
 class Experience:
   """Sampling and verifying for one run (its config, programs, rollout layout, model shape, tokenizer and
   verifier)."""
@@ -144,12 +167,32 @@ class Experience:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids
     and lengths); with several processes the per-response fields are this process's rows only and
     the metrics are combined over processes."""
-    config = self.config
     share, tokens = distributed.local_rows(out.response_tokens)
     _, lengths = distributed.local_rows(out.response_lengths)
-    texts = [self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)]
+    return self._score([self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)], answers[share], lengths)
+
+  def prefix_labels(self, out: common.Rollout, answers: list[str], rng: np.random.Generator) -> PrefixLabels:
+    """Value pretraining's prefix labels (`algo.value_pretrain_target="prefix"`) of this process's share of
+    the responses: `algo.value_pretrain_prefixes` lengths k each, uniform over 1 ≤ k < l (`rng`; k = l for
+    a one-token response), each prefix verified as if it were the whole response (the reward it would
+    get had it ended there: no answer yet is the incorrect reward), as global arrays `[B, K]` laid out
+    like the rollout's rows. Host transfers: the token ids and lengths of the share, as `verify`."""
+    share, tokens = distributed.local_rows(out.response_tokens)
+    _, lengths = distributed.local_rows(out.response_lengths)
+    count, lengths = self.config.algo.value_pretrain_prefixes, np.maximum(lengths.astype(np.int64), 1)
+    drawn = rng.integers(1, np.maximum(lengths, 2)[:, None], (len(lengths), count))
+    cut = np.where(lengths[:, None] > 1, drawn, lengths[:, None]).astype(np.int32)
+    texts = [self.tokenizer.decode(t[:k]) for t, ks in zip(tokens, cut) for k in ks]
+    scored = self._score(texts, np.repeat(np.asarray(answers, dtype=object)[share], count), cut.reshape(-1))
+    n, sharding = out.response_lengths.shape[0], out.response_lengths.sharding
+    place = lambda x: distributed.global_array_from_share(x, sharding, n)
+    return PrefixLabels(place(cut), place(scored.rewards.astype(np.float32).reshape(cut.shape)))
+
+  def _score(self, texts: list[str], answers, lengths: np.ndarray) -> reward_lib.RewardBatch:
+    """The verifier's rewards of `texts` (this process's) against `answers`, combined metrics, errors checked."""
+    config = self.config
     scored = reward_lib.compute_rewards(
-        self.pool, texts, answers[share], lengths, correct_reward=config.reward.correct,
+        self.pool, texts, list(answers), lengths, correct_reward=config.reward.correct,
         incorrect_reward=config.reward.incorrect, forms=config.reward.answer_forms,
         max_response_tokens=config.rollout.max_response_tokens,
         overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
@@ -158,20 +201,27 @@ class Experience:
     reward_lib.check_errors(scored, self.pool, max_error_frac=config.reward.max_error_frac)  # Every process agrees.
     return scored
 
-  def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array):
-    """A verified rollout of P prompts × G samples: (rollout, rewards, correct, stats), the rewards and
-    verdicts as global arrays. Under dynamic sampling, refilled with groups of mixed verdicts."""
+  def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
+             prefix_step: int | None = None) -> Sampled:
+    """A verified rollout of P prompts × G samples, the rewards and verdicts as global arrays. Under
+    dynamic sampling, refilled with groups of mixed verdicts. `prefix_step`: a value-pretraining step (the
+    run's global step), whose "prefix" target (if it is the target) needs the prefix labels (`prefix_labels`)."""
     config, settings = self.config, self.config.rollout
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
+    rng = prefix_rng(config.seed, prefix_step) if (
+        prefix_step is not None and config.algo.value_pretrain_target == "prefix") else None
+    labels = lambda out, answers: None if rng is None else self.prefix_labels(out, answers, rng)
     if not config.algo.dynamic_sampling:
-      _, out, scored, generated = self._sample_round(policy, prompts, key)
+      records, out, scored, generated = self._sample_round(policy, prompts, key)
       del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
       rewards, correct = self._place_share(scored, out)
-      return out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0}
-    kept, spare, parts, rounds, rollout_s = [], [], [], 0, 0.0
+      return Sampled(out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0},
+                     labels(out, [x.answer for x in records for _ in range(group)]))
+    kept, spare, parts, answers, rounds, rollout_s = [], [], [], [], 0, 0.0
     while True:
       key, sample_key = jax.random.split(key)
       records, out, scored, generated = self._sample_round(policy, prompts, sample_key)
+      answers += [x.answer for x in records for _ in range(group)]
       rollout_s += generated["time/rollout_s"]
       correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
       rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
@@ -199,7 +249,7 @@ class Experience:
     stats = generated | scored.metrics | {"time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
                               "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
                               "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
-    return out, rewards, correct, stats
+    return Sampled(out, rewards, correct, stats, labels(out, [answers[r] for r in rows]))
 
   def _sample_round(self, policy: nnx.Module, prompts: PromptIterator, key: jax.Array):
     """One round of sampling: the next P prompts, G responses to each with the training sampling

@@ -131,16 +131,18 @@ class Steps:
 
   # ------------------------------------------------------------------------------ scoring
   def score(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool = False,
-            plan: packed_batch.Plan | None = None):
+            plan: packed_batch.Plan | None = None, prefixes: algorithm.PrefixLabels | None = None):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
-    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan_packing`)."""
+    values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan_packing`).
+    `prefixes`: value pretraining's prefix labels (`algo.value_pretrain_target="prefix"`)."""
     program = self.score_program(critic_only=critic_only, rows=plan and plan.scoring_rows)
-    batch, stats = program(state, out, rewards, correct, plan and plan.placement)
+    batch, stats = program(state, out, rewards, correct, plan and plan.placement, prefixes)
     return batch, stats | (plan.scoring_metrics if plan else {})
 
   def score_program(self, *, critic_only: bool = False, rows: int | None = None):
-    """The jitted program `score` runs: `(state, rollout, rewards, correct, placement) -> (batch, stats)`;
+    """The jitted program `score` runs: `(state, rollout, rewards, correct, placement[, prefixes]) -> (batch,
+    stats)`;
     `rows`: packed scoring's row count (`Plan.scoring_rows`; None: padded, placement None)."""
     return self._program(("score", critic_only, rows), lambda: self.jit(
         functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
@@ -165,8 +167,8 @@ class Steps:
     old_logprobs, entropy = policy(state.actor)
     return value, old_logprobs, entropy, policy(state.ref)[0] if use_ref else None
 
-  def _score_program(self, state: TrainState, out: Rollout, rewards, correct, place, *, critic_only: bool,
-                     rows: int | None):
+  def _score_program(self, state: TrainState, out: Rollout, rewards, correct, place, prefixes=None, *,
+                     critic_only: bool, rows: int | None):
     config, algo, mask = self.config, self.config.algo, out.response_mask
     tokens, attention = join(out.prompt_tokens, out.prompt_mask, out.response_tokens, mask)
     token_rewards = advantages.last_token_rewards(rewards, mask)
@@ -178,9 +180,11 @@ class Steps:
     if place is None:
       stats["perf/padding_frac_scoring"] = 1.0 - jnp.mean(attention.astype(jnp.float32))
     if critic_only:
-      returns, fitted = algorithm.value_targets(algo, token_rewards, mask)
+      returns, fitted = algorithm.value_targets(algo, token_rewards, mask, prefixes)
       stats["critic/explained_variance"] = losses.explained_variance(value, returns, fitted)
-      stats |= algorithm.position_metrics(None, value, returns, mask)
+      # The bias V − G against the Monte-Carlo return G (a prefix's target is its own verdict, not G).
+      stats |= algorithm.position_metrics(None, value, advantages.monte_carlo_returns(token_rewards, mask,
+                                                                                    gamma=algo.gamma), mask)
       return TrainBatch(tokens, attention, mask, returns, value, correct, value_mask=fitted), stats
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,

@@ -38,7 +38,7 @@ from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import build, checkpoints, optim, runlock
+from vapo_jax.train import algorithm, build, checkpoints, optim, runlock
 from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
@@ -229,10 +229,12 @@ class Trainer:
     transfers: the prompts, the verifier's share and its verdicts, packed rows' lengths and placements, the metrics."""
     start = time.perf_counter()
     state, key = state.split_key()
-    out, rewards, correct, stats = self.experience.sample(state, self.progress.prompts, key)
+    out, rewards, correct, stats, prefixes = self.experience.sample(
+        state, self.progress.prompts, key, prefix_step=self.progress.global_step if value_pretraining else None)
     sampled = time.perf_counter()
     plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
-    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan)
+    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan,
+                                          prefixes=prefixes)
     jax.block_until_ready(batch)
     scored = time.perf_counter()
     state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
@@ -296,7 +298,7 @@ class Trainer:
     config, done = self.config, self.progress
     steps = config.algo.value_pretrain_steps if config.algo.uses_critic else 0
     progress = metrics_lib.ProgressLine("value-pretrain", steps)
-    while done.stage_step < steps and not value_pretraining_converged(done.stage_step, done.vp_best,
+    while done.stage_step < steps and not algorithm.value_pretraining_converged(done.stage_step, done.vp_best,
                                                                       done.vp_since_best, config.algo):
       step = done.stage_step
       self.state, m = self.step(self.state, value_pretraining=True)
@@ -307,7 +309,7 @@ class Trainer:
         done.vp_best, done.vp_since_best = ev, 0
       else:
         done.vp_since_best += 1
-      converged = value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best, config.algo)
+      converged = algorithm.value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best, config.algo)
       if converged:
         self.log(f"value pretraining converged after {step + 1} steps (explained variance {done.vp_best:.3f})")
       self._after_step(last=converged or step == steps - 1)
@@ -391,10 +393,3 @@ class Trainer:
     if errors and not failed:
       raise errors[0]
 
-
-def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int, algo) -> bool:
-  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: ≥ `value_pretrain_min_steps`
-  done, best explained variance ≥ `value_pretrain_min_ev`, no 0.01 rise over it for `value_pretrain_patience` steps."""
-  return (algo.value_pretrain_patience is not None and steps_done >= algo.value_pretrain_min_steps
-          and best_ev is not None and best_ev >= algo.value_pretrain_min_ev
-          and steps_since_best >= algo.value_pretrain_patience)
