@@ -42,7 +42,8 @@ from flax import nnx
 from vapo_jax import rollout
 from vapo_jax.models import decode_attention, huggingface
 from vapo_jax.models.config import TransformerConfig, preset
-from vapo_jax.models.transformer import CausalLM, KVCache
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout import common, sampling
 
 PAD = 0

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from vapo_jax.models import decode_attention
-from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import positions_from_mask
 
 
 def slow_reference(q, keys, values, mask, slots):

@@ -14,7 +14,8 @@ from hlo_buffers import array_shapes, vocab_arrays
 from model_utils import MESHES, SHARDED_CFG, place_module
 from vapo_jax.models import logprobs as lp
 from vapo_jax.models.config import preset
-from vapo_jax.models.transformer import CausalLM, KVCache, positions_from_mask
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import CausalLM, positions_from_mask
 from vapo_jax.rl import losses
 from vapo_jax.train import packing
 

@@ -182,7 +182,7 @@ def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
   """The refill engine decodes in as many slots as `kv_cache_budget_gib` holds (`rollout.engine_for`)
   and keeps every prompt's prefilled cache besides."""
   from vapo_jax import rollout
-  from vapo_jax.models.transformer import KVCache
+  from vapo_jax.models.kv_cache import KVCache
   cfg, mesh = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
   config = _config(prompts=16, samples=8, mini=128, response_tokens=992)
   per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992)
@@ -207,7 +207,7 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   chips. The plan's rollout copy of the actor and its KV cache are what device 0 holds of the real arrays (the
   layout's reshard; a cache built under its rules); slots are per group, from a budget per chip."""
   from vapo_jax import rollout
-  from vapo_jax.models.transformer import KVCache
+  from vapo_jax.models.kv_cache import KVCache
   from vapo_jax.rollout.layout import layout_for
   cfg, shape = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
   config = _config(prompts=16, samples=8, mini=128, response_tokens=992, dtype="bfloat16")

@@ -12,7 +12,8 @@ from flax import nnx
 from model_utils import FIXTURES, PARITY_MODELS, reference
 from vapo_jax.models import config as model_config
 from vapo_jax.models import huggingface
-from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
 from vapo_jax.paths import DATA_DIR
 from vapo_jax.train import packing
 

@@ -115,13 +115,14 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
-  refilled, steps, row_steps = refill.generate_refill(model, tokens, mask, jax.random.key(9), sampling=spec,
-                                                      samples_per_prompt=1, slots=6, steps_per_call=4, min_slots=1,
-                                                      length_limits=limits)
+  refilled, steps, row_steps, figures = refill.generate_refill(
+      model, tokens, mask, jax.random.key(9), sampling=spec, samples_per_prompt=1, slots=6, pages=40, page_tokens=4,
+      steps_per_call=4, min_slots=1, length_limits=limits)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
   assert np.all(lengths <= np.asarray(limits)) and lengths[2] == 1 and steps == lengths.max()
   assert row_steps == queue_row_steps(lengths, 6, 1) < 6 * steps
+  assert figures["rollout/preemptions"] == 0 and figures["rollout/pages_free_after"] == 40
   at_limit = lengths == np.asarray(limits)
   assert np.all(np.asarray(static.finish_reason)[at_limit & ~np.isin(np.asarray(static.response_tokens)[
       np.arange(4), lengths - 1], [EOS])] == common.FINISH_LENGTH)
@@ -156,30 +157,39 @@ def test_sharded_refill_equals_unsharded(model, slots):
   assert sharded_metrics["rollout/slot_utilization"] == metrics["rollout/slot_utilization"]
 
 
-def test_engine_from_config_fits_slots_to_the_budget():
+def test_engine_from_config_fits_slots_and_pages_to_the_budget():
+  """The pool per data-parallel group is what `kv_cache_budget_gib` holds per chip (pages of 128 tokens split by KV
+  heads over a group's chips), the default slots what it holds with every response at the cap beside the group's
+  prompts; the pages shrink to what the slots need when every sequence has a slot."""
   from vapo_jax.config import RolloutConfig
   from vapo_jax.models.config import preset
+  from vapo_jax.models.kv_cache import KVCache
 
   cfg = preset("qwen2.5-32b")
-  per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=1024, max_new_tokens=20480, dtype=jnp.bfloat16)
-  r = RolloutConfig(max_response_tokens=20480, kv_cache_budget_gib=40.0)
-  engine = rollout.engine_for(r, cfg, sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
-  assert engine.kind == "refill" and engine.slots == 256 * (40 * 2**30 // per_sequence) and engine.slots % 256 == 0
-  assert common.cache_bytes(cfg, batch=engine.slots, prompt_tokens=1024, max_new_tokens=20480, dtype=jnp.bfloat16,
-                             devices=256) <= 40 * 2**30
-  small = rollout.engine_for(r, cfg, sequences=300, prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
-  assert small.slots == 512  # Every sequence fits: 2 per device (300 rounded up), nothing to refill.
-  fixed = rollout.engine_for(RolloutConfig(slots=64, decode_steps_per_call=32, decode_block=128), cfg,
-                                sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
-  assert fixed == rollout.Engine(kind="refill", slots=64, steps_per_call=32, min_slots=256, decode_block=128)
+  page_bytes = 128 * KVCache.bytes_per_token(cfg, jnp.bfloat16) // 8  # A group of 8 chips splits the KV heads.
+  r = RolloutConfig(max_response_tokens=20480, kv_cache_budget_gib=40.0, tensor_parallel=8, page_tokens=128)
+  engine = rollout.engine_for(r, cfg, sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
+  pages = 40 * 2**30 // page_bytes
+  per_sequence, prompt_pages = 20480 // 128 + 1, 16 * 1024 // 128  # 16 prompts per group of 8 chips.
+  assert engine.kind == "refill" and engine.queues == 32 and engine.page_tokens == 128
+  per_group = (pages - prompt_pages) // per_sequence
+  assert engine.slots == 32 * per_group  # The pages those slots need at the cap, and no more:
+  assert engine.pages == prompt_pages + per_group * per_sequence <= pages
+  small = rollout.engine_for(r, cfg, sequences=300, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
+  assert small.slots == 320  # Every sequence fits: 10 per group (300 rounded up), nothing to refill...
+  assert small.pages == 10 * per_sequence + 1024 // 128  # ...and only their pages (19 prompts: 1 per group).
+  fixed = rollout.engine_for(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64), cfg,
+                             sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
+  assert fixed == rollout.Engine(kind="refill", slots=64, steps_per_call=32, min_slots=32, queues=32, pages=5000,
+                                 page_tokens=64)
   assert rollout.engine_for(RolloutConfig(slots=64, shrink_slots=False), cfg, sequences=8192, prompt_tokens=1024,
-                               dtype=jnp.bfloat16, devices=256).min_slots == 0
+                            dtype=jnp.bfloat16, devices=32).min_slots == 0
   static = rollout.engine_for(RolloutConfig(engine="static", prompts_per_generation=8), cfg, sequences=8192,
-                                 prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
+                              prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
   assert static == rollout.Engine(kind="static", prompts_per_round=8)
-  with pytest.raises(MemoryError, match="lower rollout"):
+  with pytest.raises(MemoryError, match="pool of .* cannot hold .* raise rollout.kv_cache_budget_gib"):
     rollout.engine_for(RolloutConfig(kv_cache_budget_gib=1.0), cfg, sequences=8192, prompt_tokens=1024,
-                          dtype=jnp.bfloat16, devices=256)
+                       dtype=jnp.bfloat16, devices=256)
 
 
 def test_tensor_parallel_layout_equals_static():
@@ -187,11 +197,13 @@ def test_tensor_parallel_layout_equals_static():
   group runs its own queue of 8 sequences (lengths ≤ 1..8) in 4 slots, shrinking to 1 per group in the tail,
   and samples the static engine's greedy tokens on one device, log-probs to float tolerance."""
   model, trained, mesh, rules = training_layout_model()
-  config = RolloutConfig(tensor_parallel=4, slots=8, decode_steps_per_call=4)
+  config = RolloutConfig(tensor_parallel=4, slots=8, decode_steps_per_call=4, max_response_tokens=8,
+                         samples_per_prompt=2, prompts_per_step=8)
   layout = layout_for(config, mesh, compute_dtype="float32", training_rules=rules)
   engine = rollout.engine_for(config, model.cfg, sequences=16, prompt_tokens=16, dtype=jnp.float32,
                               devices=layout.data_devices)
-  assert engine == rollout.Engine(kind="refill", slots=8, steps_per_call=4, min_slots=2, queues=2)
+  per_group = 4 * 1 + 4 * 2  # 4 prompts of one page; 4 slots of a response page and the last prompt page's copy.
+  assert engine == rollout.Engine(kind="refill", slots=8, steps_per_call=4, min_slots=2, queues=2, pages=per_group)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
   limits = (np.arange(16, dtype=np.int32) * 5) % 8 + 1
   expected, _ = sample(model, prompts, rollout.Engine(kind="static"), group=2, key=5, temperature=0.0,

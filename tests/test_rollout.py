@@ -14,7 +14,8 @@ from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
-from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rollout import common, sampling, static
 from vapo_jax.rollout.layout import layout_for
 

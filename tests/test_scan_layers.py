@@ -21,7 +21,8 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.memory import hlo
 from vapo_jax.models import huggingface, safetensors_io, sharding
 from vapo_jax.models.config import preset
-from vapo_jax.models.transformer import CausalLM, KVCache, ValueModel, positions_from_mask
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
 from vapo_jax.rollout import common, refill, static
 from vapo_jax.rollout.layout import layout_for
 

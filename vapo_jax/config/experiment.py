@@ -177,17 +177,23 @@ class RolloutConfig:
   top_p: float = 1.0  # Nucleus sampling mass (1: off).
   top_k: int = 0  # Top-k sampling (0: off).
   stop_token_ids: tuple[int, ...] = ()  # Stop tokens besides the tokenizer's EOS.
-  kv_cache_budget_gib: float = 16.0  # Per-device KV-cache budget; a larger rollout is refused.
+  # Per-device KV-cache budget: the refill engine's pool of pages, the static engine's cache; a larger
+  # static rollout, or a pool that cannot hold one sequence, is refused.
+  kv_cache_budget_gib: float = 16.0
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
   # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
   # batching); "static": one batch per round that runs until its longest response ends. Same tokens.
   engine: RolloutEngine = "refill"
-  slots: int | None = None  # refill: decode slots (rows); None: as many as kv_cache_budget_gib holds.
+  # refill: decode slots (concurrent sequences); None: as many as the pool holds with every response at the
+  # cap (more slots than that share the pages: the engine preempts and restarts sequences when they run out).
+  slots: int | None = None
+  pages: int | None = None  # refill: pages of the pool per data-parallel group; None: kv_cache_budget_gib's.
+  page_tokens: int | None = None  # refill: tokens per page; None: 128 on TPU, 16 elsewhere.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
   # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
   # while at most half are live, so stragglers decode in a small batch (one program per size).
   shrink_slots: bool = True
-  # KV-cache slots per block read by decode attention; None: 64 on CPU, 512 on GPU/TPU; 0: every slot.
+  # static: KV-cache slots per block read by decode attention; None: 64 on CPU, 512 on GPU/TPU; 0: every slot.
   decode_block: int | None = None
   # Chips per tensor-parallel group while decoding (rollout/layout.py): the weights split over the
   # group (heads, MLP, vocabulary; the KV cache by KV heads) stay still; 1: decode in the training layout.
@@ -199,8 +205,9 @@ class RolloutConfig:
       positive_int(self, "prompts_per_generation")
       require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
                f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
-    if self.slots is not None:
-      positive_int(self, "slots")
+    for name in ("slots", "pages", "page_tokens"):
+      if getattr(self, name) is not None:
+        positive_int(self, name)
     positive_int(self, "decode_steps_per_call")
     positive_int(self, "tensor_parallel")
     if self.decode_block is not None:

@@ -39,7 +39,7 @@ import math
 from typing import NamedTuple
 
 from vapo_jax.models import logprobs
-from vapo_jax.models.transformer import KVCache
+from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.rollout import common
 from vapo_jax.train import packed_batch, packing
 

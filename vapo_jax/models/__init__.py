@@ -4,7 +4,9 @@
   transformer       the causal LM and the value model, decoder layers stacked and scanned, with KV cache
   attention         `attend`: flash attention in pure JAX, the platform kernels, the dense oracle
   flash             `chunked`, the pure-JAX flash attention that runs everywhere
-  decode_attention  one-token decode attention over the filled part of a KV cache
+  kv_cache          the KV cache, one interface: contiguous (`KVCache`) and paged (`PagedKVCache`)
+  decode_attention  one-token decode attention over the filled part of a contiguous KV cache
+  paged_attention   one-token decode attention over a paged KV cache: the TPU kernel, a gather, the oracle
   logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
   sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation
   huggingface       Hugging Face checkpoints in and out: config.json + safetensors

@@ -66,27 +66,52 @@ def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.A
   query_slots = query_slots.astype(jnp.int32)
 
   def step(j, carry):
-    m, l, acc = carry  # Running max [B, K, G], normaliser [B, K, G], output [B, K, G, H] (float32).
     nominal = j * block
     start = jnp.minimum(nominal, slots - block)  # The last block ends at slot S.
     read = lambda x: lax.dynamic_slice(x, (layer, zero, zero, start, zero), (1, b, kv_heads, block, h))[0]
-    kb, vb = read(keys).astype(dtype), read(values).astype(dtype)
     slot = start + jnp.arange(block)
     visible = (lax.dynamic_slice_in_dim(key_mask, start, block, axis=1) & (slot >= nominal)[None]
-               & (slot[None] <= query_slots[:, None]))[:, None, None]  # [B, 1, 1, block]
-    s = jnp.einsum("BKGH,BKSH->BKGS", qg, kb, preferred_element_type=jnp.float32) * (h ** -0.5)
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(-1))
-    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # Rows with nothing visible yet stay at 0.
-    p = jnp.exp(s - m_ref[..., None])
-    alpha = jnp.exp(m - m_ref)
-    pv = jnp.einsum("BKGS,BKSH->BKGH", p.astype(dtype), vb, preferred_element_type=jnp.float32)
-    return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+               & (slot[None] <= query_slots[:, None]))  # [B, block]
+    return accumulate(carry, qg, read(keys).astype(dtype), read(values).astype(dtype), visible, heads="BKSH")
 
-  rows = (b, kv_heads, n // kv_heads)
-  init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32), jnp.zeros(rows + (h,), jnp.float32))
   live_blocks = jnp.minimum((jnp.max(query_slots) + block) // block, -(-slots // block))
-  _, l, acc = lax.fori_loop(0, live_blocks, step, init)
+  return finish(lax.fori_loop(0, live_blocks, step, start_carry(qg)), dtype)
+
+
+def start_carry(qg: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The online softmax's start for grouped queries `[B, K, G, H]`: running max, normaliser, output (float32)."""
+  rows = qg.shape[:3]
+  return (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
+          jnp.zeros(rows + qg.shape[3:], jnp.float32))
+
+
+def accumulate(carry, qg: jax.Array, kb: jax.Array, vb: jax.Array, visible: jax.Array, *, heads: str):
+  """One block of keys and values into the online softmax: queries `[B, K, G, H]`, the block's keys and
+  values `[B, K, S, H]` (`heads="BKSH"`) or `[K, B, S, H]` (`"KBSH"`: gathered pages), `visible` `[B, S]`."""
+  m, l, acc = carry  # Running max [B, K, G], normaliser [B, K, G], output [B, K, G, H] (float32).
+  h = qg.shape[-1]
+  s = jnp.einsum(f"BKGH,{heads}->BKGS", qg, kb, preferred_element_type=jnp.float32) * (h ** -0.5)
+  s = jnp.where(visible[:, None, None], s, -jnp.inf)
+  m_new = jnp.maximum(m, s.max(-1))
+  m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # Rows with nothing visible yet stay at 0.
+  p = jnp.exp(s - m_ref[..., None])
+  alpha = jnp.exp(m - m_ref)
+  pv = jnp.einsum(f"BKGS,{heads}->BKGH", p.astype(qg.dtype), vb, preferred_element_type=jnp.float32)
+  return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+
+def finish(carry, dtype) -> jax.Array:
+  """The online softmax's output `[B, N, H]` in `dtype`: 0 for rows that saw nothing."""
+  _, l, acc = carry
   seen = l > 0
   out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
-  return out.reshape(b, n, h).astype(dtype)
+  b, k, g, h = out.shape
+  return out.reshape(b, k * g, h).astype(dtype)
+
+
+def read_bytes(query_slots, *, rows: int, block: int, slots: int, token_bytes: float) -> float:
+  """Bytes of keys and values `attend_one` reads in one decode step of `rows` rows: every row the blocks up
+  to the batch's longest (`query_slots`: each live row's query slot), `token_bytes` a slot's keys and
+  values at every layer (per chip)."""
+  longest = max(query_slots, default=-1)
+  return rows * min(-(-(longest + 1) // block) * block, slots) * token_bytes

@@ -10,11 +10,9 @@ program holds one layer, whatever the depth, so compile time and the loop's temp
 with L; `remat` rematerialises each layer inside the scan. With `scan_layers=False` a Python loop
 runs over the same stacked parameters (one copy of the layer per depth): the equality oracle.
 
-The KV cache is one array each for keys and values, `[L, B, K, S, H]` (layers, then heads-major): split
-over KV heads (the rollout's tensor-parallel layout, rollout/layout.py), each chip's shard keeps
-(slots, head dim) as its minor dimensions, so writing a token and reading blocks of slots never
-relayouts the cache. The scan carries both arrays: layer l writes its new token at (l, row, slot) in
-place and decode attention reads (l, block) slices, so no layer's cache is copied per step.
+The KV cache (`models/kv_cache.py`: contiguous `KVCache` or paged `PagedKVCache`, one interface) is
+carried whole through the layer scan: layer l writes its new tokens in place (`cache.write`) and a
+one-token call reads only its own part (`cache.attend_one`), so no layer's cache is copied per step.
 
 Inputs: token ids `[B, T]`, `positions` `[B, T]` (from `positions_from_mask` for left-padded
 prompts) and `attention_mask` `[B, T]` (true on real tokens). Packed rows (several sequences end to
@@ -25,100 +23,22 @@ keys and values are written at slots [cache.length, cache.length + T) and querie
 valid earlier slot: prefill is a call with the prompt, decoding a call with one token. A cache may
 instead hold one length per row (`[B]`, one-token calls only): row b then writes at its own slot,
 which lets a rollout put a new sequence into a row whose sequence has ended (slot refill). A
-one-token call reads only the filled part of the cache (`decode_attention.attend_one`, blocks up
-to the longest row) unless the cache's `decode_block` is 0 (the dense reference).
+`PagedKVCache` takes one token per row and call, its rows' tokens in pages (the refill engine's).
 """
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from vapo_jax import kinds
-from vapo_jax.models import decode_attention, sharding
-from vapo_jax.models.attention import attend, key_ranges, note, select
+from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
+from vapo_jax.models.kv_cache import LAYER_AXIS, KVCache, PagedKVCache
 from vapo_jax.models.sharding import constrain
 
+Cache = KVCache | PagedKVCache
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps it (models/sharding.py).
-# Logical axes of a cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
-CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
-
-
-@struct.dataclass
-class KVCache:
-  """Keys and values `[L, B, K, S, H]` (stacked layers, heads-major), slot validity `[B, S]`, and slots used so far."""
-
-  keys: jax.Array
-  values: jax.Array
-  mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
-  length: jax.Array  # int32 scalar (slots [0, length) are written), or [B] per row (one-token calls).
-  # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot;
-  # None: the platform's default (`decode_attention.default_block`).
-  decode_block: int | None = struct.field(pytree_node=False, default=None)
-
-  @classmethod
-  def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
-            decode_block: int | None = None) -> "KVCache":
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), bool),
-               jnp.zeros((), jnp.int32), decode_block).constrained()
-
-  def constrained(self) -> "KVCache":
-    """This cache with its arrays constrained to their logical axes (`CACHE_AXES`; a no-op outside
-    `sharding.use_rules`)."""
-    rows = lambda x: constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-    return KVCache(constrain(self.keys, CACHE_AXES), constrain(self.values, CACHE_AXES), rows(self.mask),
-                   rows(self.length) if self.length.ndim else self.length, self.decode_block)
-
-  @staticmethod
-  def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
-    """Memory of a cache of this size, before allocating it."""
-    per_layer = 2 * batch * slots * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
-    return cfg.num_layers * per_layer + batch * slots
-
-
-def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
-  """`new` written into `buffer` along its slot axis `axis` at slot `length` (scalar), or row b at
-  slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1) from `[B, T]`."""
-  new = new.astype(buffer.dtype)
-  if jnp.ndim(length) == 0:
-    return jax.lax.dynamic_update_slice_in_dim(buffer, new, length, axis=axis)
-  row = lambda b, x, at: jax.lax.dynamic_update_slice_in_dim(b, x, at, axis=axis - 1)
-  return jax.vmap(row)(buffer, new, length)
-
-
-def write_layer(stack: jax.Array, new: jax.Array, layer, length: jax.Array) -> jax.Array:
-  """`new` `[B, K, T, H]` written into the stacked keys or values `[L, B, K, S, H]` at layer `layer`, from
-  slot `length` (scalar), or row b from slot `length[b]` (`[B]`): an in-place update of T slots."""
-  new = new.astype(stack.dtype)
-  zero = jnp.zeros((), jnp.int32)
-  layer = jnp.asarray(layer, jnp.int32)
-  if jnp.ndim(length) == 0:
-    return jax.lax.dynamic_update_slice(stack, new[None], (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
-  # One token per row at (layer, row, length[row]): a scatter batched over the rows (axis 1, where the stack
-  # keeps them: vmapping a slice update over axis 1 would transpose the whole stack), clamped into the slots
-  # as a slice update is.
-  rows, heads, _, dim = new.shape
-  at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)], axis=1)  # [B, 2]: (layer, slot).
-  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 3),
-                                            scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
-                                            scatter_indices_batching_dims=(0,))
-  return jax.lax.scatter(stack, at, new[:, :, 0], numbers, indices_are_sorted=True, unique_indices=True,
-                         mode=jax.lax.GatherScatterMode.CLIP)
-
-
-def _decode_attention(q, keys, values, layer, key_mask, query_slots, block: int | None):
-  """One query per row, q `[B, 1, N, H]` at slot `query_slots[..., 0]`, against layer `layer` of the
-  stacked keys and values `[L, B, K, S, H]`: `[B, 1, N, H]`."""
-  slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
-  note("decode")
-  if block == 0:
-    return decode_attention.attend_one_reference(q[:, 0], keys[layer], values[layer], key_mask, slots)[:, None]
-  block = block or decode_attention.default_block(sharding.platform())  # The platform traced for.
-  return decode_attention.attend_one(q[:, 0], keys, values, key_mask, slots, block=block, layer=layer)[:, None]
 
 
 def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
@@ -171,11 +91,10 @@ class Attention(nnx.Module):
     self.attention = attention  # models/attention.py implementation.
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
-    """x `[B, T, D]`; key_mask `[B, S]`; query_slots `[T]` (`[B, 1]` with per-row cache lengths);
-    layer_cache (stacked keys, stacked values `[L, B, K, S, H]`, this layer's index, length, decode_block)
-    or None; segment_ids `[B, T]` (packed rows, no cache: replaces key_mask) or None. Returns the output
-    and the stacked (keys, values) with this layer's new tokens written (without a cache: this call's
-    (k, v), which the backbone drops)."""
+    """x `[B, T, D]`; key_mask `[B, S]` (None with a paged cache); query_slots `[T]` (`[B, 1]` with per-row
+    cache lengths); layer_cache (the cache, this layer's index) or None; segment_ids `[B, T]` (packed rows, no
+    cache: replaces key_mask) or None. Returns the output and the cache with this layer's new tokens written
+    (without a cache: this call's (k, v), which the backbone drops)."""
     dtype = x.dtype
     q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
     k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
@@ -186,21 +105,18 @@ class Attention(nnx.Module):
     k = _rotate(k, cos, sin)
     keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
     if layer_cache is not None:
-      cached_k, cached_v, layer, length, decode_block = layer_cache
-      heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, T, K, H] <-> [B, K, T, H].
-      new_cache = (write_layer(cached_k, heads_major(k), layer, length),
-                   write_layer(cached_v, heads_major(v), layer, length))
+      cache, layer = layer_cache
+      new_cache = cache.write(layer, k, v)
       if x.shape[1] == 1:  # One-token decode: read only the filled part of this layer's cache.
-        out = _decode_attention(q, *new_cache, layer, key_mask, query_slots, decode_block)
+        out = new_cache.attend_one(q[:, 0], layer, key_mask, query_slots)[:, None]
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
-      # Several tokens (a prefill): `attend` reads this layer's [B, S, K, H].
-      keys, values = (heads_major(stack[layer]) for stack in new_cache)
+      keys, values = new_cache.layer_keys_values(layer)  # Several tokens (a prefill): `attend` reads [B, S, K, H].
     if segment_ids is not None:
       validity = dict(segment_ids=segment_ids)
     else:  # Each row's real tokens are contiguous (left-padded prompt, response, right padding): ranges.
       key_start, key_end = key_ranges(key_mask)
       validity = dict(key_start=key_start, key_end=key_end)
-    offset = 0 if layer_cache is None else layer_cache[3]  # Queries sit at [offset, offset + T).
+    offset = 0 if layer_cache is None else layer_cache[0].length  # Queries sit at [offset, offset + T).
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
@@ -280,7 +196,7 @@ class Backbone(nnx.Module):
     self.scan_layers = scan_layers  # False: a Python loop over the stacked layers (the oracle).
     self.scan_unroll = scan_unroll  # Layers per scan iteration (`lax.scan`'s unroll).
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+  def __call__(self, tokens, positions, attention_mask, cache: Cache | None = None, *, segment_ids=None):
     """Hidden states `[B, T, D]` and the updated cache (None without one). segment_ids: packed rows
     (module doc), with attention_mask None and no cache."""
     if segment_ids is not None and (attention_mask is not None or cache is not None):
@@ -295,34 +211,30 @@ class Backbone(nnx.Module):
     if cache is None:
       key_mask, query_slots = attention_mask, jnp.arange(steps)
     else:
-      if cache.length.ndim and steps != 1:
-        raise ValueError(f"a cache with one length per row takes one token per call, got {steps}")
-      key_mask = write_slots(cache.mask, attention_mask, cache.length)
-      query_slots = cache.length[..., None] + jnp.arange(steps)  # [T], or [B, 1] per row.
+      cache, key_mask, query_slots = cache.prepare(attention_mask, steps)
     graphdef, stacked = nnx.split(self.layers)
 
-    def layer_step(x, kv, params, index):
-      """One decoder layer: its parameters `params` (one slice of the stack), the stacked cache `kv` or None."""
-      layer_cache = None if kv is None else (*kv, index, cache.length, cache.decode_block)
-      x, new_kv = nnx.merge(graphdef, params)(x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
-      return x, None if kv is None else new_kv
+    def layer_step(x, cache, params, index):
+      """One decoder layer: its parameters `params` (one slice of the stack), the cache or None."""
+      layer_cache = None if cache is None else (cache, index)
+      x, new_cache = nnx.merge(graphdef, params)(x, cos, sin, key_mask, query_slots, layer_cache, segment_ids)
+      return x, None if cache is None else new_cache
 
     # Without a backward pass (a cache: prefill and decode) rematerialisation only costs time.
     if self.remat and cache is None:
       layer_step = jax.checkpoint(layer_step, prevent_cse=not self.scan_layers)
-    kv = None if cache is None else (cache.keys, cache.values)
     if self.scan_layers:
       def body(carry, xs):  # Returns no parameters: the scan's outputs are empty (no second weight stack).
         return layer_step(*carry, *xs), None
       indices = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-      (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, indices), unroll=self.scan_unroll)
+      (x, cache), _ = jax.lax.scan(body, (x, cache), (stacked, indices), unroll=self.scan_unroll)
     else:
       for i in range(self.cfg.num_layers):
-        x, kv = layer_step(x, kv, jax.tree.map(lambda p, i=i: p[i], stacked), i)
+        x, cache = layer_step(x, cache, jax.tree.map(lambda p, i=i: p[i], stacked), i)
     x = self.norm(x)
     if cache is None:
       return x, None
-    return x, KVCache(*kv, key_mask, cache.length + steps, cache.decode_block)
+    return x, cache.advance(key_mask, steps)
 
 
 class CausalLM(nnx.Module):
@@ -341,7 +253,7 @@ class CausalLM(nnx.Module):
   def cfg(self) -> TransformerConfig:
     return self.model.cfg
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+  def __call__(self, tokens, positions, attention_mask, cache: Cache | None = None, *, segment_ids=None):
     hidden, cache = self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
     if self.tied:
       kernel = self.model.embed_tokens[...].astype(hidden.dtype)
@@ -350,7 +262,7 @@ class CausalLM(nnx.Module):
       logits = jnp.einsum("BTD,DV->BTV", hidden, self.lm_head[...].astype(hidden.dtype))
     return constrain(logits.astype(jnp.float32), ("batch", "seq", "act_vocab")), cache
 
-  def hidden_states(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+  def hidden_states(self, tokens, positions, attention_mask, cache: Cache | None = None, *, segment_ids=None):
     """The final-norm hidden states `[B, T, D]` (compute dtype) without the output projection, and the cache."""
     return self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
 
@@ -358,7 +270,7 @@ class CausalLM(nnx.Module):
     """(kernel, transposed): the `[D, V]` lm_head, or the tied embedding `[V, D]` (transposed), as stored."""
     return (self.model.embed_tokens[...], True) if self.tied else (self.lm_head[...], False)
 
-  def last_logits(self, tokens, positions, attention_mask, cache: KVCache | None = None):
+  def last_logits(self, tokens, positions, attention_mask, cache: Cache | None = None):
     """Logits `[B, V]` (float32) at the last position only, and the cache: the rollout's prefill.
 
     Equal to `self(...)[0][:, -1]` without the `[B, T, V]` logits of every prompt position."""
@@ -382,7 +294,7 @@ class ValueModel(nnx.Module):
   def cfg(self) -> TransformerConfig:
     return self.model.cfg
 
-  def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None, *, segment_ids=None):
+  def __call__(self, tokens, positions, attention_mask, cache: Cache | None = None, *, segment_ids=None):
     hidden, cache = self.model(tokens, positions, attention_mask, cache, segment_ids=segment_ids)
     values = jnp.einsum("BTD,DO->BTO", hidden, self.value_head[...].astype(hidden.dtype))[..., 0]
     return values.astype(jnp.float32), cache

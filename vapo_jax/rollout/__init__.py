@@ -38,6 +38,7 @@ import numpy as np
 
 from vapo_jax import distributed
 from vapo_jax.kinds import RolloutEngine
+from vapo_jax.models import paged_attention, sharding
 from vapo_jax.rollout import common, refill, static
 
 
@@ -50,28 +51,33 @@ class Engine(NamedTuple):
   # refill: in the tail (queue empty), halve the slots while at most half are live, down to this many
   # (a multiple of the data-parallel devices); 0: never.
   min_slots: int = 1
-  # refill: queues of sequences, each with its own share of the slots and prompts (the data-parallel
-  # groups of the rollout layout: a refill never reads another group's prompts); `sample` uses the
+  # refill: queues of sequences, each with its own share of the slots, prompts and pages (the data-parallel
+  # groups of the rollout layout: a refill never reads another group's prompts or pages); `sample` uses the
   # largest number dividing this, the prompts and the slots.
   queues: int = 1
   prompts_per_round: int | None = None  # static: generate in rounds of this many prompts (None: one).
-  decode_block: int | None = None  # KV-cache slots per block of decode attention (0: all; None: per platform).
+  decode_block: int | None = None  # static: KV-cache slots per block of decode attention (0: all; None: per platform).
+  # refill: pages of the KV cache's pool per queue; 0: as many as the slots hold with every response at the cap
+  # (nothing is ever preempted).
+  pages: int = 0
+  page_tokens: int = 16  # refill: tokens per page.
+  block_pages: int | None = None  # refill: pages read per block of paged attention (None: per platform).
+  attention: str | None = None  # refill: paged attention ("kernel", "gather", "reference"; None: per platform).
 
 
 def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
   """The `Engine` of a `RolloutConfig` for a call of `sequences` sequences of `prompt_tokens`-token
   (bucketed) prompts split over `devices` data-parallel groups (each of `rollout.tensor_parallel`
-  chips, which split the KV cache by heads): refill slots default to as many as
-  `kv_cache_budget_gib` holds per chip; in a tensor-parallel layout, one queue per group."""
+  chips, which split the KV cache by heads), one queue per group, its slots and pages per group from
+  `common.page_pool`."""
   r = rollout_config
   if r.engine == "static":
     return Engine(kind="static", prompts_per_round=r.prompts_per_generation, decode_block=r.decode_block)
-  slots = r.slots or common.slots_that_fit(
-      model_cfg, sequences=sequences, prompt_tokens=prompt_tokens, max_new_tokens=r.max_response_tokens,
-      budget_bytes=int(r.kv_cache_budget_gib * 2**30), dtype=dtype, devices=devices, tensor=r.tensor_parallel)
-  return Engine(kind="refill", slots=slots, steps_per_call=r.decode_steps_per_call,
-                min_slots=devices if r.shrink_slots else 0, queues=devices if r.tensor_parallel > 1 else 1,
-                decode_block=r.decode_block)
+  pool = common.page_pool(model_cfg, r, sequences=sequences, prompts=-(-sequences // r.samples_per_prompt),
+                          prompt_tokens=prompt_tokens, dtype=dtype, devices=devices)
+  return Engine(kind="refill", slots=pool.slots, steps_per_call=r.decode_steps_per_call,
+                min_slots=devices if r.shrink_slots else 0, queues=devices, pages=pool.pages,
+                page_tokens=pool.page_tokens)
 
 
 def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: float, decode_steps: int,
@@ -107,13 +113,16 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
   refilled = engine.kind == "refill" and 0 < engine.slots < sequences
+  figures = {}
   if refilled:
     queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
-    out, decode_steps, row_steps = refill.generate_refill(
+    out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
         slots=engine.slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
-        decode_block=engine.decode_block, min_slots=engine.min_slots, jit=jit,
-        length_limits=None if limits is None else place(limits))
+        min_slots=engine.min_slots, jit=jit, length_limits=None if limits is None else place(limits),
+        prompt_lengths=np.sum(prompt_mask, axis=-1),
+        **paged_settings(engine, queues=queues, prompts=prompts, prompt_tokens=prompt_tokens.shape[1],
+                         max_new_tokens=sampling.max_new_tokens))
     rows = engine.slots
   else:
     fn = static.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
@@ -135,4 +144,21 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     rounds = [lengths[i:i + rows] for i in range(0, sequences, rows)]
     decode_steps, row_steps = sum(int(r.max()) for r in rounds), sum(int(r.max()) * len(r) for r in rounds)
   return out, rollout_metrics(lengths, finish, seconds=seconds, decode_steps=decode_steps, rows=rows,
-                              row_steps=row_steps)
+                              row_steps=row_steps) | figures
+
+
+def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: int, max_new_tokens: int) -> dict:
+  """The paged refill engine's settings for a call of `prompts` prompts in `queues` queues: its pages per queue
+  (`engine.pages`; with fewer queues than `engine.queues`, a queue no longer has devices of its own and the
+  pool is replicated, so each holds `engine.pages` / queues; without pages given, as many as the slots hold
+  with every response at the cap), page size, block and attention (per platform by default)."""
+  page_tokens = engine.page_tokens
+  if engine.pages:
+    pages = engine.pages if queues == engine.queues else engine.pages // queues
+  else:
+    pages = (prompts // queues) * -(-prompt_tokens // page_tokens) + (engine.slots // queues) * common.sequence_pages(
+        max_new_tokens, page_tokens)
+  platform = sharding.platform()
+  return dict(pages=pages, page_tokens=page_tokens,
+              block_pages=engine.block_pages or paged_attention.default_block_pages(page_tokens, platform),
+              implementation=engine.attention or paged_attention.default_implementation(platform))

@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.sharding import constrain
-from vapo_jax.models.transformer import KVCache, positions_from_mask
+from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rollout import sampling as sampling_lib
 
 DECODE_LOOP = "decode_loop"  # `jax.named_scope` of the engines' decode loops: their op_name in compiled HLO.
@@ -105,6 +106,69 @@ def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tok
     check_cache_fits(model_cfg, batch=devices, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                      budget_bytes=budget_bytes, dtype=dtype, devices=devices, tensor=tensor)
   return per_device * devices
+
+
+def default_page_tokens(platform: str | None = None) -> int:
+  """Tokens per page of the refill engine's pool: 128 on TPU (a page table of `aime`'s slots and 22.5k-token
+  context fits the paged kernel's scalar memory), 16 elsewhere."""
+  return 128 if (platform or jax.default_backend()) == "tpu" else 16
+
+
+def sequence_pages(max_new_tokens: int, page_tokens: int) -> int:
+  """Pages one sequence holds at most besides its prompt's full pages: its copy of the prompt's last, partly
+  filled page and its response."""
+  return -(-max_new_tokens // page_tokens) + 1
+
+
+def table_pages(prompt_tokens: int, max_new_tokens: int, page_tokens: int, block_pages: int) -> int:
+  """The page table's width W: a prompt and a response, in whole blocks of pages."""
+  return math.ceil(math.ceil((prompt_tokens + max_new_tokens) / page_tokens) / block_pages) * block_pages
+
+
+def prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
+  """The most pages any queue's prompts hold: `lengths` `[P]` real prompt tokens, queue q holding prompts
+  [q·P/Q, (q+1)·P/Q), each prompt ⌈length / page_tokens⌉ pages."""
+  held = -(-np.asarray(lengths, np.int64) // page_tokens)
+  return int(held.reshape(queues, -1).sum(axis=1).max())
+
+
+def check_pool(*, pages: int, prompts: int, held: int, max_new_tokens: int, page_tokens: int) -> None:
+  """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its `prompts` prompts
+  (`held` pages) and one whole sequence: the one shortage no preemption can resolve."""
+  needed = held + sequence_pages(max_new_tokens, page_tokens)
+  if pages < needed:
+    raise MemoryError(
+        f"the KV cache's pool of {pages} pages of {page_tokens} tokens per data-parallel group cannot hold its "
+        f"{prompts} prompts ({held} pages) and one {max_new_tokens}-token response ({needed} pages in all): raise "
+        "rollout.kv_cache_budget_gib (or rollout.pages) if the devices have the memory, or lower "
+        "rollout.max_response_tokens or rollout.prompts_per_step, or use more data-parallel devices")
+
+
+class PagePool(NamedTuple):
+  """The refill engine's pool: tokens per page, pages per data-parallel group, and its default slots (all groups)."""
+
+  page_tokens: int
+  pages: int
+  slots: int
+
+
+def page_pool(model_cfg, rollout_config, *, sequences: int, prompts: int, prompt_tokens: int, dtype,
+              devices: int) -> PagePool:
+  """The pool of a `RolloutConfig` for `sequences` sequences of `prompts` `prompt_tokens`-token prompts over
+  `devices` data-parallel groups (each of `rollout.tensor_parallel` chips, which split the pages by KV heads):
+  its slots, `rollout.slots` or as many as `kv_cache_budget_gib` holds per chip with every response at the cap
+  beside the group's prompts (a multiple of `devices`, no more than the sequences need); and its pages per group,
+  `rollout.pages`, or as many as the budget holds but no more than those slots need at the cap. A
+  `MemoryError` naming the settings when not one sequence fits."""
+  r = rollout_config
+  tg = r.page_tokens or default_page_tokens()
+  budget = int(r.kv_cache_budget_gib * 2**30 // (tg * KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel))
+  per_group, per_sequence = -(-prompts // devices), sequence_pages(r.max_response_tokens, tg)
+  prompt_pages = per_group * -(-prompt_tokens // tg)
+  check_pool(pages=r.pages or budget, prompts=per_group, held=prompt_pages, max_new_tokens=r.max_response_tokens,
+             page_tokens=tg)
+  slots = r.slots or min(-(-sequences // devices), ((r.pages or budget) - prompt_pages) // per_sequence) * devices
+  return PagePool(tg, r.pages or min(budget, prompt_pages + -(-slots // devices) * per_sequence), slots)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):

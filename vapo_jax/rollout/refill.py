@@ -1,42 +1,40 @@
-"""The refill engine: slot refill (continuous batching) inside one rollout step.
+"""The refill engine: decode slots over a paged KV cache, refilled as sequences end (continuous batching).
 
-Response lengths in long chain-of-thought RL are long-tailed: most responses end early, a few run
-to the cap. A static batch decodes until its longest row ends, so every finished row idles
-(computing padding) behind the stragglers. Here R decode slots (rows) run the P·G sequences of a
-step as queues, as JetStream / maxtext insert prefilled requests into free decode slots:
+Response lengths in long chain-of-thought RL are long-tailed: most responses end early, a few run to the
+cap. R decode slots (rows) run the N = P·G sequences of a step as Q queues (`rollout/queues.py`), and their
+keys and values live in a pool of pages (`models/kv_cache.PagedKVCache`, `rollout/pages.py`), so memory
+follows the live tokens rather than R × the longest possible sequence, and each row's attention reads
+only its own pages (`models/paged_attention.py`: the Pallas kernel on TPU):
 
-  1. prefill the P prompts once (`common.prefill`: last-position logits and a `[P, Tp]` cache);
-  2. each decode iteration first gives every free slot the next sequence n = p·G + g of its queue:
-     prompt p's cache rows are copied into the slot, its length reset to Tp, its next-token logits
-     set from the prefill; then all R slots decode one token (one length per slot in the KV cache:
-     each writes at its own slot and attends to its own filled part);
-  3. a slot whose sequence sampled a stop token or reached its length is free again;
-  4. the step ends when every queue is empty and no slot is live;
-  5. the tail: once the queues are empty and at most half the slots are live, the live sequences
-     are compacted into fewer slots (`min_slots`·2^k, the fewest that hold them) and decoding goes
-     on with the smaller program, so a straggler no longer decodes R rows — of which R − 1 idle —
-     reading every idle row's cache up to its own length.
+  1. prefill the P prompts once (`common.prefill`) and write each prompt's real tokens into pages of its
+     queue (`start`); a group's G samples share them: the prompt is stored once;
+  2. each iteration: free slots take the next sequences of their queue (preempted ones first) while pages
+     last; a new row's page table points at its prompt's full pages and one page of its own, into which
+     the prompt's last, partly filled page is copied (one page per layer: at most one copy per refill);
+     a row whose next token starts a page takes a page from the queue's free list; every live row
+     samples one token and writes it at its own position (`Slots.cache.lengths`); a row that sampled a
+     stop token or reached its length gives its own pages back, and a prompt whose samples have all
+     ended gives back its pages;
+  3. out of pages: before a step would need more pages than are free, the queue preempts its rows that
+     started last until the rest fit: their pages go back and their sequences are queued again, to
+     restart from the prompt (`rollout/preemptions`, and the tokens to decode again,
+     `rollout/recomputed_tokens`); a queue that preempted takes no new sequence in that iteration.
+     Sequence n samples its step t with `fold_in(fold_in(key, n), t)`, so a restarted sequence samples
+     the same tokens, and a row's numbers depend on neither its slot nor its neighbours: the static
+     engine's tokens, whatever the slots, pages or preemptions;
+  4. the step ends when every queue is empty and no slot is live; in the tail (queues empty, at most
+     half the slots live) the rows shrink to `min_slots`·2^k (a gather of each row's table and state:
+     the pool does not move) so stragglers decode in a small batch.
 
-Queues. The sequences are served by Q queues (`queues`; 1 by default, the data-parallel groups in
-the rollout layout, rollout/layout.py): queue q owns slots [q·R/Q, (q+1)·R/Q), sequences
-[q·N/Q, (q+1)·N/Q) in order, and so prompts [q·P/Q, (q+1)·P/Q). Split over the batch axes, with Q
-the data-parallel devices, every queue's prompts, slots and outputs sit on its own devices: a
-refill reads the prompt cache there (a gather batched over queues, which XLA keeps local), and no
-device holds another's prompts. A compaction keeps each queue's sequences in its own slots (R/Q
-each, so a shrink waits for the fullest queue).
+Slots (concurrent sequences) and pages (memory) are separate settings: `Engine.slots`, `Engine.pages`
+(per queue) and `Engine.page_tokens`. A sequence that cannot fit a queue's pool even alone (with its
+queue's prompts) is refused before anything runs (`common.check_pool`).
 
-Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving
-early when everything has finished or the slots can shrink); the host reads four integers per
-call. One set of weights serves the whole step (on-policy). Sequence n samples its step t with
-`fold_in(fold_in(key, n), t)`, as the static engine does, so both sample the same tokens whatever
-the queues or slots; outputs are written by sequence index (`[N, Tr]`, split over the batch axes),
-so the `Rollout` has the static engine's row order.
-
-Cost: a free slot's refill copies Tp cache slots per layer, layer by layer in place (inside a
-`lax.cond`: iterations without a refill copy nothing). A shrink gathers the kept rows of each row
-array in its own call that donates the old array, the stacked keys and values layer by layer (peak:
-the R-row cache plus the kept rows of one of the two stacks), and compiles one decode program per
-slot count (at most log2(R / min_slots) of them, cached).
+Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving early
+when everything has finished or the slots can shrink); the host reads four integers per call. Outputs
+are written by sequence (`[N, Tr]`, split over the batch axes): the `Rollout` has the static engine's
+row order. `contiguous.py` is the same engine over a contiguous cache (each slot owning prompt + cap
+tokens): the reference the benchmark compares against.
 """
 
 import functools
@@ -50,194 +48,262 @@ import numpy as np
 from jax import lax
 
 from vapo_jax import distributed
+from vapo_jax.models.kv_cache import PagedKVCache
 from vapo_jax.models.sharding import constrain
-from vapo_jax.models.transformer import CACHE_AXES, KVCache
 from vapo_jax.rollout import common
+from vapo_jax.rollout import pages as pages_lib
+from vapo_jax.rollout import queues as q_lib
 
 
 class Prompts(NamedTuple):
   """The prefilled prompts, read when a slot takes a new sequence."""
 
-  keys: jax.Array  # [L, P, K, Tp, H] (stacked layers, heads-major, as the KV cache).
-  values: jax.Array  # [L, P, K, Tp, H].
-  mask: jax.Array  # [P, Tp] real prompt tokens.
-  logits: jax.Array  # [P, V] next-token logits after the prompt.
+  table: jax.Array  # [P, Wp] int32 page ids (within the prompt's queue) of each prompt's pages; Pq past them.
   lengths: jax.Array  # [P] int32 real prompt tokens: the position of the first response token.
+  logits: jax.Array  # [P, V] next-token logits after the prompt.
 
 
 class Slots(NamedTuple):
-  """The decode slots and the outputs, by sequence (N = P·G sequences, R slots, Q queues)."""
+  """The decode slots (R rows), the queues (Q), the free pages and the outputs (N = P·G sequences)."""
 
-  cache: KVCache  # [R, Tp + Tr], one length per slot.
+  cache: PagedKVCache  # The pool, each row's page table [R, W] and tokens [R].
   logits: jax.Array  # [R, V] next-token logits of each slot's sequence.
   sequence: jax.Array  # [R] int32 the sequence in the slot (meaningful where live).
   step: jax.Array  # [R] int32 tokens that sequence has generated.
   live: jax.Array  # [R] bool.
-  queued: jax.Array  # [Q] int32: each queue's next sequence (queue q serves [q·N/Q, (q+1)·N/Q)).
-  decode_steps: jax.Array  # int32: decode iterations run.
-  tokens: jax.Array  # [N, Tr] int32.
-  sampler: jax.Array  # [N, Tr] float32.
-  policy: jax.Array  # [N, Tr] float32.
-  lengths: jax.Array  # [N] int32, set when the sequence ends.
-  stopped: jax.Array  # [N] bool: ended on a stop token.
+  started: jax.Array  # [R] int32 the iteration its sequence started in (the latest are preempted first).
+  shared: jax.Array  # [R] int32 the prompt's full pages at the head of its table (not its own).
+  queued: jax.Array  # [Q] int32 each queue's next new sequence (queue q serves [q·N/Q, (q+1)·N/Q)).
+  waiting: jax.Array  # [Q, N/Q] int32 preempted sequences (within their queue) to restart, a stack...
+  waiting_count: jax.Array  # [Q] int32 ...this deep.
+  free: pages_lib.FreePages  # Each queue's free pages.
+  users: jax.Array  # [P] int32 samples of the prompt not yet ended (its pages go back at 0).
+  counters: jax.Array  # [3] int32: decode iterations, preemptions, tokens decoded again after them.
+  outputs: q_lib.Outputs
 
 
-def _by_queue(x: jax.Array, queues: int) -> jax.Array:
-  """`[Q·M, ...]` → `[Q, M, ...]`: queue q's part (its slots, sequences or prompts) in row q."""
-  return x.reshape((queues, -1) + x.shape[1:])
+def _prompt_pages(lengths: jax.Array, queues: int, pages: int, page_tokens: int, width: int):
+  """Each prompt's pages, laid end to end in its queue from page 0: (table `[P, Wp]`, pages used `[Q]`)."""
+  held = (lengths + page_tokens - 1) // page_tokens
+  by_queue = q_lib.by_queue(held, queues)
+  first = (jnp.cumsum(by_queue, axis=1, dtype=jnp.int32) - by_queue).reshape(-1)
+  column = jnp.arange(width, dtype=jnp.int32)[None]
+  table = jnp.where(column < held[:, None], first[:, None] + column, pages).astype(jnp.int32)
+  return table, jnp.sum(by_queue, axis=1, dtype=jnp.int32)
 
 
-def _gather(source: jax.Array, index: jax.Array, queues: int) -> jax.Array:
-  """Row r of `[R, ...]`: entry `index[r]` of its own queue's part of `source` `[Q·M, ...]` (a gather
-  batched over queues: split over the data-parallel devices with them, it stays on each device)."""
-  got = jax.vmap(lambda part, i: part[i])(_by_queue(source, queues), _by_queue(index, queues))
-  return got.reshape((-1,) + source.shape[1:])
+def _write_prompts(pool: jax.Array, padded: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
+  """The prefill's left-padded keys or values `[L, P, K, Tp, H]` into the pool `[K, L, Q, Pq, Tg, H]`: prompt p's
+  real tokens from logical slot 0, at its pages `table[p]` (a scatter batched over queues)."""
+  layers, count, kv_heads, tp, h = padded.shape
+  queues, tg, width = pool.shape[2], pool.shape[4], table.shape[1]
+  source = tp - lengths[:, None] + jnp.arange(width * tg)[None]  # [P, Wp·Tg]; ≥ Tp past the prompt.
+  tokens = jnp.take_along_axis(padded, jnp.minimum(source, tp - 1)[None, :, None, :, None], axis=3)
+  tokens = tokens.reshape(layers, queues, count // queues, kv_heads, width, tg, h)
+
+  def put(part, new, ids):  # part [K, L, Pq, Tg, H]; new [L, P/Q, K, Wp, Tg, H]; ids [P/Q, Wp].
+    new = new.transpose(2, 0, 1, 3, 4, 5).reshape(kv_heads, layers, -1, tg, h)
+    return part.at[:, :, ids.reshape(-1)].set(new.astype(part.dtype), mode="drop")
+  return jax.vmap(put, in_axes=(2, 1, 0), out_axes=2)(pool, tokens, q_lib.by_queue(table, queues))
 
 
-def _scatter(out: jax.Array, index: jax.Array, values: jax.Array, queues: int, column=None) -> jax.Array:
-  """`out` `[Q·M, ...]` with row r's value written at entry `index[r]` (and `column[r]`) of its queue's
-  part; index M: dropped."""
-  columns = () if column is None else (_by_queue(column, queues),)
-  put = lambda part, i, v, *c: part.at[(i, *c)].set(v, mode="drop")
-  parts = (_by_queue(x, queues) for x in (out, index, values))
-  return jax.vmap(put)(*parts, *columns).reshape(out.shape)
-
-
-def _first_sequence(rows: int, sequences: int, queues: int) -> jax.Array:
-  """`[R]` the first sequence of each slot's queue."""
-  return jnp.arange(rows, dtype=jnp.int32) // (rows // queues) * (sequences // queues)
-
-
-def _row_axes(x: jax.Array) -> tuple:
-  return ("batch",) + (None,) * (x.ndim - 1)
-
-
-def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
-          max_new_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> tuple[Prompts, Slots]:
-  """Prefills the prompts and builds R empty slots with room for a prompt and a response."""
+def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int, pages: int,
+          page_tokens: int, block_pages: int, implementation: str, max_new_tokens: int, pad_id: int,
+          cache_dtype) -> tuple[Prompts, Slots]:
+  """Prefills the prompts into pages of their queues and builds R empty slots."""
   prompt_mask = prompt_mask.astype(bool)
-  logits, cache = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
-                                  decode_block=decode_block)
-  prompts = Prompts(cache.keys, cache.values, prompt_mask, logits, jnp.sum(prompt_mask, -1).astype(jnp.int32))
-  cfg, (count, prompt_len) = model.cfg, prompt_tokens.shape
-  n, width = count * group, prompt_len + max_new_tokens
-  rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
-  shape = (cfg.num_layers, slots, cfg.num_kv_heads, width, cfg.head_dim)
-  slot_cache = KVCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype), jnp.zeros((slots, width), bool),
-                       jnp.zeros((slots,), jnp.int32), decode_block).constrained()
-  slot_logits = constrain(jnp.zeros((slots, logits.shape[-1]), jnp.float32), ("batch", "act_vocab"))
-  queued = jnp.arange(queues, dtype=jnp.int32) * (n // queues)
-  return prompts, Slots(slot_cache, slot_logits, rows((slots,), jnp.int32), rows((slots,), jnp.int32),
-                        rows((slots,), bool), queued, jnp.zeros((), jnp.int32),
-                        rows((n, max_new_tokens), jnp.int32, pad_id), rows((n, max_new_tokens), jnp.float32),
-                        rows((n, max_new_tokens), jnp.float32), rows((n,), jnp.int32), rows((n,), bool))
+  logits, prefilled = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype, decode_block=None)
+  lengths = jnp.sum(prompt_mask, -1).astype(jnp.int32)
+  count, prompt_len = prompt_tokens.shape
+  width = common.table_pages(prompt_len, max_new_tokens, page_tokens, block_pages)
+  table, used = _prompt_pages(lengths, queues, pages, page_tokens, -(-prompt_len // page_tokens))
+  cache = PagedKVCache.zeros(model.cfg, rows=slots, queues=queues, pages=pages, page_tokens=page_tokens,
+                             table_pages=width, dtype=cache_dtype, implementation=implementation,
+                             block_pages=block_pages)
+  cache = cache.replace(keys=_write_prompts(cache.keys, prefilled.keys, lengths, table),
+                        values=_write_prompts(cache.values, prefilled.values, lengths, table))
+  n, rows = count * group, lambda dtype: q_lib.rows((slots,), dtype)
+  zeros = lambda shape: jnp.zeros(shape, jnp.int32)
+  state = Slots(cache, q_lib.rows((slots, logits.shape[-1]), jnp.float32), rows(jnp.int32), rows(jnp.int32),
+                rows(bool), rows(jnp.int32), rows(jnp.int32), jnp.arange(queues, dtype=jnp.int32) * (n // queues),
+                q_lib.rows((queues, n // queues), jnp.int32), zeros((queues,)), pages_lib.initial(queues, pages, used),
+                jnp.full((count,), group, jnp.int32), zeros((3,)), q_lib.empty_outputs(n, max_new_tokens, pad_id))
+  return Prompts(table, lengths, logits), state
 
 
-def _queue_ends(s: Slots) -> jax.Array:
-  queues = s.queued.shape[0]
-  return (jnp.arange(queues, dtype=jnp.int32) + 1) * (s.lengths.shape[0] // queues)
+def _drained(s: Slots) -> jax.Array:
+  return jnp.all(s.queued >= q_lib.queue_ends(s.queued, s.outputs.lengths.shape[0])) & jnp.all(s.waiting_count == 0)
 
 
 def finished(s: Slots) -> jax.Array:
-  """Every sequence has been started and none is live."""
-  return ~jnp.any(s.live) & jnp.all(s.queued >= _queue_ends(s))
+  """Every sequence has been started and none is live or waiting to restart."""
+  return ~jnp.any(s.live) & _drained(s)
 
 
-def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
-  """Gives each free slot the next sequence of its queue (in order), if any is left."""
-  queues, rows, prompt_len = s.queued.shape[0], s.live.shape[0], prompts.mask.shape[1]
-  free = _by_queue(~s.live, queues)  # [Q, R/Q]
-  new_by_queue = s.queued[:, None] + jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
-  take_by_queue = free & (new_by_queue < _queue_ends(s)[:, None])
-  take, new = take_by_queue.reshape(rows), new_by_queue.reshape(rows)
-
-  n = s.lengths.shape[0]
-  local = jnp.minimum(new - _first_sequence(rows, n, queues), n // queues - 1)  # Within the queue.
-  read = lambda source: _gather(source, local // group, queues)  # The queue's own prompt.
-  any_taken = jnp.any(take)
-
-  def fill(buffer, source):
-    """The stacked keys or values with the taken slots' prompt part copied in, layer by layer in place (one
-    layer's prompt slots in flight); no iteration, and no copy, when no slot is taken (a conditional
-    returning the cache would copy it whole on the iterations that take nothing)."""
-    zero = jnp.zeros((), jnp.int32)
-
-    def layer(i, buffer):  # Reads and writes only layer i's prompt slots: [R, K, Tp, H].
-      at = (i, zero, zero, zero, zero)
-      kept = lax.dynamic_slice(buffer, at, (1,) + buffer.shape[1:3] + (prompt_len,) + buffer.shape[4:])[0]
-      new = read(lax.dynamic_index_in_dim(source, i, 0, keepdims=False)).astype(buffer.dtype)
-      return lax.dynamic_update_slice(buffer, jnp.where(take[:, None, None, None], new, kept)[None], at)
-    return lax.fori_loop(0, jnp.where(any_taken, buffer.shape[0], 0), layer, buffer)
-
-  def insert(s: Slots) -> Slots:  # Every row array but the cache's keys and values.
-    responses = s.cache.mask.shape[1] - prompt_len
-    mask = jnp.where(take[:, None], jnp.pad(read(prompts.mask), ((0, 0), (0, responses))), s.cache.mask)
-    return s._replace(cache=s.cache.replace(mask=mask, length=jnp.where(take, prompt_len, s.cache.length)),
-                      logits=jnp.where(take[:, None], read(prompts.logits), s.logits),
-                      sequence=jnp.where(take, new, s.sequence), step=jnp.where(take, 0, s.step),
-                      live=s.live | take, queued=s.queued + jnp.sum(take_by_queue, axis=1, dtype=jnp.int32))
-
-  keys, values = fill(s.cache.keys, prompts.keys), fill(s.cache.values, prompts.values)
-  s = lax.cond(any_taken, insert, lambda s: s, s._replace(cache=s.cache.replace(keys=None, values=None)))
-  return s._replace(cache=s.cache.replace(keys=keys, values=values))
+def _own_pages(s: Slots) -> jax.Array:
+  """`[R, W]` bool: the entries of each row's page table that are its own pages."""
+  tg = s.cache.page_tokens
+  return pages_lib.row_pages(s.cache.table, s.shared, (s.cache.lengths + tg - 1) // tg)
 
 
-def shrink_threshold(slots: int, min_slots: int) -> int:
-  """The live count at or below which R = `slots` slots shrink: the largest min_slots·2^k ≤ R / 2
-  (0: never, also when `min_slots` is 0)."""
-  size, candidate = 0, min_slots
-  while 0 < candidate and 2 * candidate <= slots:
-    size, candidate = candidate, 2 * candidate
-  return size
+def _release(s: Slots, rows: jax.Array) -> Slots:
+  """`s` with the own pages of `rows` `[R]` back in their queues' free lists and their tables cleared."""
+  queues, none = s.queued.shape[0], s.cache.pages
+  returned = q_lib.by_queue(_own_pages(s) & rows[:, None], queues)
+  free = pages_lib.give_back(s.free, q_lib.by_queue(s.cache.table, queues), returned)
+  table = jnp.where(rows[:, None], none, s.cache.table)
+  return s._replace(free=free, cache=s.cache.replace(table=table, lengths=jnp.where(rows, 0, s.cache.lengths)))
 
 
-def shrunk_slots(live: int, min_slots: int) -> int:
-  """The fewest slots of the form min_slots·2^k that hold `live` sequences."""
-  size = min_slots
-  while size < live:
-    size *= 2
-  return size
+def _page_wants(s: Slots) -> jax.Array:
+  """`[R]` live rows whose next token starts a page."""
+  return s.live & (s.cache.lengths % s.cache.page_tokens == 0)
 
 
-def rows_needed(live: jax.Array, queues: int) -> jax.Array:
-  """The slots that hold the live sequences with each queue in an equal share: Q × the fullest queue's."""
-  return queues * jnp.max(jnp.sum(_by_queue(live, queues), axis=1, dtype=jnp.int32))
+def preempt(s: Slots) -> tuple[Slots, jax.Array]:
+  """Where a queue's live rows need more pages this iteration than it has free, its rows that started last
+  (then the highest slots) are preempted until the rest fit: their pages go back, their sequences wait to
+  restart. Returns the state and which queues preempted `[Q]`."""
+  queues, rows = s.queued.shape[0], s.live.shape[0]
+  per = s.outputs.lengths.shape[0] // queues
+  need, own = _page_wants(s).astype(jnp.int32), jnp.sum(_own_pages(s), axis=1, dtype=jnp.int32)
+  order = jnp.where(s.live, s.started * rows + jnp.arange(rows, dtype=jnp.int32), -1)
+
+  def choose(order, need, own, count):  # One queue: [Rq] each; count scalar. The rows to preempt.
+    ranked = jnp.argsort(-order)
+    live = order[ranked] >= 0
+    removed = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.where(live, need[ranked], 0))])
+    freed = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.where(live, own[ranked], 0))])
+    fits = jnp.sum(need) - removed <= count + freed  # Preempting the first k rows suffices: [Rq + 1].
+    k = jnp.argmax(fits)
+    return jnp.zeros_like(live).at[ranked].set(jnp.arange(ranked.shape[0]) < k)
+
+  chosen = jax.vmap(choose)(*(q_lib.by_queue(x, queues) for x in (order, need, own)), s.free.count)
+  chosen = chosen.reshape(rows) & s.live
+  local = jnp.clip(s.sequence - q_lib.first_sequence(rows, per * queues, queues), 0, per - 1)
+  rank = jnp.cumsum(q_lib.by_queue(chosen, queues), axis=1, dtype=jnp.int32) - 1
+  at = jnp.where(q_lib.by_queue(chosen, queues), s.waiting_count[:, None] + rank, per)
+  waiting = jax.vmap(lambda w, i, x: w.at[i].set(x, mode="drop"))(s.waiting, at, q_lib.by_queue(local, queues))
+  counters = s.counters + jnp.stack([0, jnp.sum(chosen), jnp.sum(jnp.where(chosen, s.step, 0))]).astype(jnp.int32)
+  s = _release(s, chosen)._replace(live=s.live & ~chosen, waiting=waiting, counters=counters,
+                                   waiting_count=s.waiting_count + jnp.sum(q_lib.by_queue(chosen, queues), axis=1))
+  return s, jnp.any(q_lib.by_queue(chosen, queues), axis=1)
+
+
+def admit(prompts: Prompts, s: Slots, blocked: jax.Array, *, group: int) -> tuple[Slots, jax.Array]:
+  """Each queue's free slots take its waiting sequences, then its next ones, while its free pages cover one
+  page for each (and the pages its live rows need this iteration); none where `blocked` `[Q]`. A new row
+  points at its prompt's full pages. Returns the state and the rows taken `[R]`."""
+  queues, rows = s.queued.shape[0], s.live.shape[0]
+  n = s.outputs.lengths.shape[0]
+  per, tg = n // queues, s.cache.page_tokens
+  free = q_lib.by_queue(~s.live, queues)  # [Q, R/Q]
+  need = jnp.sum(q_lib.by_queue(_page_wants(s), queues), axis=1, dtype=jnp.int32)
+  fresh = q_lib.queue_ends(s.queued, n) - s.queued
+  limit = jnp.where(blocked, 0, jnp.minimum(s.waiting_count + fresh, jnp.maximum(s.free.count - need, 0)))
+  rank = jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
+  take = free & (rank < limit[:, None])
+  from_waiting = rank < s.waiting_count[:, None]
+  waited = jnp.take_along_axis(s.waiting, jnp.clip(s.waiting_count[:, None] - 1 - rank, 0, per - 1), axis=1)
+  first = jnp.arange(queues, dtype=jnp.int32)[:, None] * per
+  local = jnp.where(from_waiting, waited, s.queued[:, None] - first + rank - s.waiting_count[:, None])
+  taken = jnp.sum(take, axis=1, dtype=jnp.int32)
+  from_stack = jnp.minimum(taken, s.waiting_count)
+  take, local = take.reshape(rows), jnp.clip(local.reshape(rows), 0, per - 1)
+  prompt = lambda x: q_lib.gather(x, local // group, queues)  # The queue's own prompt's.
+  length, shared = prompt(prompts.lengths), prompt(prompts.lengths) // tg
+  column = jnp.arange(s.cache.table.shape[1], dtype=jnp.int32)[None]
+  head = jnp.pad(prompt(prompts.table), ((0, 0), (0, s.cache.table.shape[1] - prompts.table.shape[1])),
+                 constant_values=s.cache.pages)
+  table = jnp.where(take[:, None], jnp.where(column < shared[:, None], head, s.cache.pages), s.cache.table)
+  cache = s.cache.replace(table=table, lengths=jnp.where(take, length, s.cache.lengths))
+  where = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (old.ndim - 1)), new, old)
+  s = s._replace(cache=cache, logits=where(prompt(prompts.logits), s.logits),
+                 sequence=where(local + q_lib.first_sequence(rows, n, queues), s.sequence),
+                 step=where(0, s.step), live=s.live | take, started=where(s.counters[0], s.started),
+                 shared=where(shared, s.shared), queued=s.queued + taken - from_stack,
+                 waiting_count=s.waiting_count - from_stack)
+  return s, take
+
+
+def _copy_pages(pool: jax.Array, source: jax.Array, target: jax.Array, copies: jax.Array) -> jax.Array:
+  """`pool` `[K, L, Q, Pq, Tg, H]` with page `source[q, i]` copied to `target[q, i]` (every layer) for each
+  `copies[q, i]`, one page per queue at a time in place: no iteration when nothing is copied."""
+  order = jnp.argsort(~copies, axis=1, stable=True)
+  source, target = (jnp.take_along_axis(x, order, axis=1) for x in (source, target))
+  counts = jnp.sum(copies, axis=1, dtype=jnp.int32)
+
+  def one(i, pool):
+    s, t = source[:, i], jnp.where(i < counts, target[:, i], pool.shape[3])  # Pq: dropped.
+    copy = lambda part, s, t: part.at[:, :, t].set(part[:, :, s], mode="drop")
+    return jax.vmap(copy, in_axes=(2, 0, 0), out_axes=2)(pool, s, t)
+  return lax.fori_loop(0, jnp.max(counts), one, pool)
+
+
+def allocate(prompts: Prompts, s: Slots, taken: jax.Array, *, group: int) -> Slots:
+  """A page for every live row whose next token starts one, and for every row just taken (its first own page,
+  into which its prompt's partly filled last page is copied)."""
+  queues, tg = s.queued.shape[0], s.cache.page_tokens
+  want = _page_wants(s) | taken
+  free, got = pages_lib.take(s.free, q_lib.by_queue(want, queues))
+  got = got.reshape(-1)
+  column = jnp.minimum(s.cache.lengths // tg, s.cache.table.shape[1] - 1)
+  table = jnp.where(want[:, None] & (jnp.arange(s.cache.table.shape[1])[None] == column[:, None]), got[:, None],
+                    s.cache.table)
+  per = s.outputs.lengths.shape[0] // queues
+  local = jnp.clip(s.sequence - q_lib.first_sequence(s.live.shape[0], per * queues, queues), 0, per - 1)
+  partial = taken & (s.cache.lengths % tg != 0)
+  source = jnp.take_along_axis(q_lib.gather(prompts.table, local // group, queues),
+                               jnp.minimum(s.shared, prompts.table.shape[1] - 1)[:, None], axis=1)[:, 0]
+  by_queue = lambda x: q_lib.by_queue(x, queues)
+  copy = lambda pool: _copy_pages(pool, by_queue(source), by_queue(got), by_queue(partial))
+  cache = s.cache.replace(keys=copy(s.cache.keys), values=copy(s.cache.values), table=table)
+  return s._replace(cache=cache, free=free)
+
+
+def _finish_prompts(s: Slots, prompts: Prompts, ended: jax.Array, local: jax.Array, *, group: int) -> Slots:
+  """One fewer user for each ended row's prompt; a prompt left with none gives its pages back."""
+  queues = s.queued.shape[0]
+  per_queue = s.users.shape[0] // queues
+  prompt = jnp.where(ended, local // group, per_queue)  # per_queue: dropped.
+  users = jax.vmap(lambda u, p: u.at[p].add(-1, mode="drop"))(q_lib.by_queue(s.users, queues),
+                                                               q_lib.by_queue(prompt, queues)).reshape(-1)
+  done = (users == 0) & (s.users > 0)
+  held = prompts.table < s.cache.pages
+  free = pages_lib.give_back(s.free, q_lib.by_queue(prompts.table, queues), q_lib.by_queue(held & done[:, None],
+                                                                                           queues))
+  return s._replace(users=users, free=free)
 
 
 def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
-           sampling: common.Sampling, group: int, steps: int, pad_id: int,
-           shrink_at: int = 0) -> tuple[Slots, jax.Array]:
-  """Up to `steps` iterations of (refill free slots, decode one token in every slot), leaving early
-  when every sequence has finished or the slots can shrink (the queues are empty and `rows_needed`
-  ≤ `shrink_at` > 0). Returns the state and its status `[4]` int32: finished, can shrink, rows
-  needed, decode iterations run so far."""
-  n, max_new = state.tokens.shape
+           sampling: common.Sampling, group: int, steps: int, shrink_at: int = 0) -> tuple[Slots, jax.Array]:
+  """Up to `steps` iterations (module docstring, step 2), leaving early when every sequence has finished or the
+  slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0). Returns the state and its status
+  `[4]` int32: finished, can shrink, rows needed, decode iterations run so far."""
+  n, max_new = state.outputs.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
   limits = jnp.full((n,), max_new, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
-  first = _first_sequence(rows, n, queues)
+  first = q_lib.first_sequence(rows, n, queues)
 
   def one_step(s: Slots) -> Slots:
-    s = take_queued(prompts, s, group=group)
+    s, blocked = preempt(s)
+    s, taken = admit(prompts, s, blocked, group=group)
+    s = allocate(prompts, s, taken, group=group)
     keys = jax.vmap(lambda seq, t: jax.random.fold_in(jax.random.fold_in(key, seq), t))(s.sequence, s.step)
     tokens, sampler, policy = common.sample_tokens(keys, s.logits, sampling)
-    live = s.live
-    tokens = jnp.where(live, tokens, pad_id)
-    local = jnp.clip(s.sequence - first, 0, n // queues - 1)  # The sequence's index within its queue.
+    live, local = s.live, jnp.clip(s.sequence - first, 0, n // queues - 1)
+    tokens = jnp.where(live, tokens, 0)
     stop = live & jnp.isin(tokens, stop_ids)
-    ended = live & (stop | (s.step + 1 >= _gather(limits, local, queues)))
-    at, end_at = jnp.where(live, local, n // queues), jnp.where(ended, local, n // queues)  # n / Q: dropped.
-    write = lambda out, x: _scatter(out, at, x, queues, s.step)
-    end = lambda out, x: _scatter(out, end_at, x, queues)
-    positions = _gather(prompts.lengths, local // group, queues) + s.step
-    logits, cache = model(tokens[:, None], positions[:, None], live[:, None], s.cache)
-    cache = cache.replace(length=jnp.where(live, cache.length, s.cache.length))  # Free slots stay put.
-    return Slots(cache, logits[:, -1], s.sequence, jnp.where(live, s.step + 1, s.step), live & ~ended, s.queued,
-                 s.decode_steps + 1, write(s.tokens, tokens), write(s.sampler, sampler), write(s.policy, policy),
-                 end(s.lengths, s.step + 1), end(s.stopped, stop))
+    ended = live & (stop | (s.step + 1 >= q_lib.gather(limits, local, queues)))
+    outputs = q_lib.record(s.outputs, local, live, ended, stop, s.step, tokens, sampler, policy, queues)
+    logits, cache = model(tokens[:, None], s.cache.lengths[:, None], live[:, None], s.cache)
+    s = s._replace(cache=cache, logits=logits[:, -1], step=jnp.where(live, s.step + 1, s.step), live=live & ~ended,
+                   outputs=outputs, counters=s.counters.at[0].add(1))
+    return _finish_prompts(_release(s, ended), prompts, ended, local, group=group)
 
   def can_shrink(s: Slots) -> jax.Array:
-    return (shrink_at > 0) & jnp.all(s.queued >= _queue_ends(s)) & (rows_needed(s.live, queues) <= shrink_at)
+    return (shrink_at > 0) & _drained(s) & (q_lib.rows_needed(s.live, queues) <= shrink_at)
 
   def cond(carry):
     i, s = carry
@@ -247,57 +313,40 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
     _, state = lax.while_loop(cond, lambda carry: (carry[0] + 1, one_step(carry[1])),
                               (jnp.zeros((), jnp.int32), state))
   status = jnp.stack([finished(state).astype(jnp.int32), can_shrink(state).astype(jnp.int32),
-                      rows_needed(state.live, queues), state.decode_steps])
+                      q_lib.rows_needed(state.live, queues), state.counters[0]])
   return state, status
 
 
-def _gather_layers(stack: jax.Array, index: jax.Array, queues: int) -> jax.Array:
-  """`_gather` of the rows (axis 1) of stacked keys or values `[L, R, ...]`, layer by layer: besides the
-  input, only the output and one layer's gathered rows are held (a one-shot gather would hold a second
-  stack's worth of temporaries)."""
-  out = constrain(jnp.zeros((stack.shape[0], index.shape[0]) + stack.shape[2:], stack.dtype), CACHE_AXES)
-  layer = lambda i, out: lax.dynamic_update_index_in_dim(
-      out, _gather(lax.dynamic_index_in_dim(stack, i, 0, keepdims=False), index, queues), i, 0)
-  return lax.fori_loop(0, stack.shape[0], layer, out)
-
-
-@functools.lru_cache(maxsize=32)
-def row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Callable]:
-  """(order: each queue's live slots first, `rows` / Q of them; take: those rows of one array,
-  donating it, laid out by its logical axes: rows are axis 1 of the stacked cache (`CACHE_AXES`), else 0)."""
-  kept = lambda live: jnp.argsort(~live, stable=True)[:rows // queues]
-  order = jit(lambda live: jax.vmap(kept)(_by_queue(live, queues)).reshape(rows))
-  gather = lambda x, index, axes: (_gather_layers if axes == CACHE_AXES else _gather)(x, index, queues)
-  take = jit(lambda x, index, axes: constrain(gather(x, index, axes), axes), donate_argnums=0, static_argnums=2)
-  return order, take
-
-
 def row_arrays(state: Slots) -> list[tuple[jax.Array, tuple]]:
-  """Every row array of `state` (what `compact` gathers), with the logical axes it is laid out by: the
-  cache's stacked keys and values (`[L, R, ...]`), its mask and lengths, the logits, sequences, steps and
-  flags (`[R, ...]`)."""
+  """Every row array of `state` (what `compact` gathers), with the logical axes it is laid out by."""
   c = state.cache
-  return ([(c.keys, CACHE_AXES), (c.values, CACHE_AXES)] + [(x, _row_axes(x)) for x in (c.mask, c.length)]
-          + [(state.logits, ("batch", "act_vocab"))]
-          + [(x, _row_axes(x)) for x in (state.sequence, state.step, state.live)])
+  arrays = (c.table, c.lengths, c.live, state.sequence, state.step, state.live, state.started, state.shared)
+  return [(state.logits, ("batch", "act_vocab"))] + [(x, q_lib.row_axes(x)) for x in arrays]
 
 
 def with_rows(state: Slots, arrays: list[jax.Array]) -> Slots:
   """`state` with its row arrays replaced by `arrays` (in `row_arrays`' order)."""
-  keys, values, mask, length, logits, sequence, step, live = arrays
-  cache = KVCache(keys, values, mask, length, state.cache.decode_block)
-  return state._replace(cache=cache, logits=logits, sequence=sequence, step=step, live=live)
+  logits, table, lengths, live_cache, sequence, step, live, started, shared = arrays
+  cache = state.cache.replace(table=table, lengths=lengths, live=live_cache)
+  return state._replace(cache=cache, logits=logits, sequence=sequence, step=step, live=live, started=started,
+                        shared=shared)
+
+
+@functools.lru_cache(maxsize=32)
+def compaction(rows: int, queues: int, jit: Callable) -> Callable:
+  """The program `compact` runs: `(state) -> state` with `rows` slots (each queue's live ones first, in slot
+  order), the pool passed through untouched (donated)."""
+  def fn(state: Slots) -> Slots:
+    index = q_lib.kept_rows(state.live, rows, queues)
+    take = lambda x, axes: constrain(q_lib.gather(x, index, queues), axes)
+    return with_rows(state, [take(x, axes) for x, axes in row_arrays(state)])
+  return jit(fn, donate_argnums=0)
 
 
 def compact(state: Slots, rows: int, *, jit: Callable = jax.jit) -> Slots:
-  """The state with `rows` slots, `rows` / Q per queue: each queue's live ones (at most that many)
-  first, in slot order; the outputs (by sequence) unchanged. Each array is gathered in its own call
-  that donates it."""
-  order, take = row_programs(rows, state.queued.shape[0], jit)
-  index = order(state.live)
-  with warnings.catch_warnings():  # The donated arrays are freed, not reused: the shapes differ.
+  with warnings.catch_warnings():  # The donated row arrays are freed, not reused: the shapes differ.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    return with_rows(state, [take(x, index, axes) for x, axes in row_arrays(state)])
+    return compaction(rows, state.queued.shape[0], jit)(state)
 
 
 class Programs(NamedTuple):
@@ -307,33 +356,42 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int = 1, steps_per_call: int, pad_id: int,
-             cache_dtype, decode_block: int | None, min_slots: int = 0, jit: Callable = jax.jit) -> Programs:
+def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int, pages: int, page_tokens: int,
+             block_pages: int, implementation: str, steps_per_call: int, pad_id: int, cache_dtype, min_slots: int = 0,
+             jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
-      start=jit(functools.partial(start, group=group, slots=slots, queues=queues, pad_id=pad_id,
-                                  cache_dtype=cache_dtype, max_new_tokens=sampling.max_new_tokens,
-                                  decode_block=decode_block)),
-      decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id,
-                                   shrink_at=shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
+      start=jit(functools.partial(start, group=group, slots=slots, queues=queues, pages=pages, pad_id=pad_id,
+                                  page_tokens=page_tokens, block_pages=block_pages, implementation=implementation,
+                                  max_new_tokens=sampling.max_new_tokens, cache_dtype=cache_dtype)),
+      decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call,
+                                   shrink_at=q_lib.shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
       finish=jit(functools.partial(common.finished_rollout, group=group, pad_id=pad_id)))
 
 
 def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-                    sampling: common.Sampling, samples_per_prompt: int, slots: int, queues: int = 1,
-                    steps_per_call: int = 256, pad_id: int = 0, cache_dtype=jnp.float32,
-                    decode_block: int | None = None, min_slots: int = 0, jit: Callable = jax.jit,
-                    length_limits: jax.Array | None = None) -> tuple[common.Rollout, int, int]:
-  """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode
-  slots in `queues` queues (dividing the slots, the prompts and `min_slots`), the decode iterations run and the
-  rows decoded (Σ slots × iterations). `min_slots` > 0: shrink the slots in the tail down to this many
-  (a multiple of the data-parallel devices); 0: never. `length_limits` `[P·G]`, in [1, max_new_tokens]."""
-  if slots % queues or prompt_tokens.shape[0] % queues or min_slots % queues:
-    raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({prompt_tokens.shape[0]}) "
-                     f"and min_slots ({min_slots})")
-  settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, steps_per_call=steps_per_call,
-                  pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block, min_slots=min_slots,
-                  jit=jit)
+                    sampling: common.Sampling, samples_per_prompt: int, slots: int, pages: int, page_tokens: int,
+                    queues: int = 1, block_pages: int = 1, implementation: str = "gather", steps_per_call: int = 256,
+                    pad_id: int = 0, cache_dtype=jnp.float32, min_slots: int = 0, jit: Callable = jax.jit,
+                    length_limits: jax.Array | None = None,
+                    prompt_lengths: np.ndarray | None = None) -> tuple[common.Rollout, int, int, dict[str, float]]:
+  """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots over
+  `pages` pages of `page_tokens` tokens per queue, in `queues` queues (dividing the slots, the prompts and
+  `min_slots`); the decode iterations run, the rows decoded (Σ slots × iterations) and the pool's figures:
+  `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/pages` (per queue), `rollout/pages_peak` (the
+  most any queue held at once) and `rollout/pages_free_after` (the fewest any queue had free at the end).
+  `prompt_lengths` `[P]` (host): the prompts' real tokens (default: read from `prompt_mask`), for the check
+  that a queue's pool holds its prompts and one whole sequence (`common.check_pool`)."""
+  count, prompt_len = prompt_tokens.shape
+  if slots % queues or count % queues or min_slots % queues:
+    raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({count}) and min_slots "
+                     f"({min_slots})")
+  lengths = np.sum(np.asarray(prompt_mask), axis=-1) if prompt_lengths is None else prompt_lengths
+  common.check_pool(pages=pages, prompts=count // queues, max_new_tokens=sampling.max_new_tokens,
+                    held=common.prompt_pages(lengths, queues=queues, page_tokens=page_tokens), page_tokens=page_tokens)
+  settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, pages=pages, page_tokens=page_tokens,
+                  block_pages=block_pages, implementation=implementation, steps_per_call=steps_per_call,
+                  pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), min_slots=min_slots, jit=jit)
   fns = programs(slots=slots, **settings)
   prompts, state = fns.start(model, prompt_tokens, prompt_mask)
   rows, steps, row_steps = slots, 0, 0
@@ -344,8 +402,14 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
     if done:
       break
     if shrink:
-      rows = shrunk_slots(needed, min_slots)
+      rows = q_lib.shrunk_slots(needed, min_slots)
       state = compact(state, rows, jit=jit)
       fns = programs(slots=rows, **settings)
-  out = fns.finish(prompt_tokens, prompt_mask, state.tokens, state.sampler, state.policy, state.lengths, state.stopped)
-  return out, steps, row_steps
+  o = state.outputs
+  out = fns.finish(prompt_tokens, prompt_mask, o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
+  counters, free, peak = (np.asarray(x) for x in distributed.to_host((state.counters, state.free.count,
+                                                                      state.free.peak)))
+  figures = {"rollout/preemptions": float(counters[1]), "rollout/recomputed_tokens": float(counters[2]),
+             "rollout/pages": float(pages), "rollout/pages_peak": float(peak.max()),
+             "rollout/pages_free_after": float(free.min())}
+  return out, steps, row_steps, figures

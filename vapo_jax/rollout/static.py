@@ -14,8 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.sharding import constrain
-from vapo_jax.models.transformer import KVCache
 from vapo_jax.rollout.common import DECODE_LOOP, Rollout, Sampling, finished_rollout, prefill, sample_tokens
 
 

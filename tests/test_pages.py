@@ -1,0 +1,83 @@
+"""The refill engine's pages: a group's prompt is stored once, every page comes back, and a pool too small for the
+slots preempts and restarts sequences without changing a token."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model_utils import EOS, PROMPTS
+from test_refill import assert_same, queue_steps, sample
+from vapo_jax import rollout
+from vapo_jax.rollout import common, contiguous, pages, refill
+
+SAMPLING = dict(temperature=1.3, top_k=5, top_p=0.8)  # EOS stops some sequences early: lengths 1..10.
+
+
+def test_the_free_list_hands_out_what_is_free_and_takes_it_back():
+  free = pages.initial(2, 6, jnp.asarray([2, 5]))  # Queue 0: pages 2-5 free; queue 1: page 5.
+  assert free.count.tolist() == [4, 1] and free.peak.tolist() == [2, 5]
+  want = jnp.asarray([[True, False, True], [True, True, False]])
+  free, got = pages.take(free, want)
+  assert got.tolist() == [[5, 6, 4], [5, 6, 6]]  # 6: none (not wanted, or none left in queue 1).
+  assert free.count.tolist() == [2, 0] and free.peak.tolist() == [4, 6]
+  free = pages.give_back(free, jnp.asarray([[5, 9, 4], [5, 0, 0]]), jnp.asarray([[True, False, True],
+                                                                               [True, False, False]]))
+  assert free.count.tolist() == [4, 1] and sorted(free.stack[0, :4].tolist()) == [2, 3, 4, 5]
+  assert free.stack[1, 0] == 5
+
+
+def test_a_groups_prompt_is_stored_once(model):
+  """After the prefill, the pages in use are the prompts' (⌈length / page⌉ each), not G times that, and they
+  hold each prompt's real tokens from slot 0: the prefill's keys and values, padding dropped."""
+  tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
+  spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,))
+  fns = refill.programs(sampling=spec, group=3, slots=6, queues=2, pages=12, page_tokens=4, block_pages=1,
+                        implementation="gather", steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32))
+  prompts, state = fns.start(model, tokens, mask)
+  held = [-(-len(p) // 4) for p in PROMPTS]  # 1, 2, 1, 1 pages: queue 0 holds prompts 0-1, queue 1 prompts 2-3.
+  assert state.free.count.tolist() == [12 - held[0] - held[1], 12 - held[2] - held[3]]
+  _, prefilled = common.prefill(model, jnp.asarray(tokens), jnp.asarray(mask), cache_dtype=jnp.float32,
+                                decode_block=None)
+  table, pool = np.asarray(prompts.table), np.asarray(state.cache.keys)  # [K, L, Q, Pq, Tg, H]
+  for p, prompt in enumerate(PROMPTS):
+    for t in range(len(prompt)):
+      page = table[p, t // 4]
+      padded = np.asarray(prefilled.keys)[:, p, :, tokens.shape[1] - len(prompt) + t]  # [L, K, H]
+      np.testing.assert_array_equal(pool[:, :, p // 2, page, t % 4], padded.swapaxes(0, 1))
+
+
+def test_preemption_restarts_sequences_with_the_same_tokens(model):
+  """6 slots over 10 pages of 4 tokens (the 4 prompts hold 5; one sequence needs at most 4 more, 6 would need 24):
+  the engine preempts the latest-started sequences again and again, restarts them from their prompts, and
+  samples the static engine's tokens, log-probs and lengths; every page is free at the end."""
+  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
+  tight = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=10, page_tokens=4, block_pages=2)
+  refilled, metrics = sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
+  assert_same(refilled, static)
+  assert metrics["rollout/preemptions"] >= 2 and metrics["rollout/recomputed_tokens"] > 0
+  assert metrics["rollout/pages_free_after"] == 10 and metrics["rollout/pages_peak"] == 10
+  roomy, roomy_metrics = sample(model, PROMPTS, tight._replace(pages=0), group=3, key=3, **SAMPLING)
+  assert_same(roomy, static)  # Pages for every slot at the cap: nothing preempted, and the queue's own schedule.
+  assert roomy_metrics["rollout/preemptions"] == 0 and roomy_metrics["rollout/recomputed_tokens"] == 0
+  lengths = np.asarray(static.response_lengths)
+  assert roomy_metrics["rollout/decode_steps"] == queue_steps(lengths, 6) < metrics["rollout/decode_steps"]
+  assert roomy_metrics["rollout/pages_free_after"] == roomy_metrics["rollout/pages"]
+
+
+def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_the_setting(model):
+  tight = rollout.Engine(kind="refill", slots=6, pages=8, page_tokens=4)  # The prompts' 5 + 4 for one sequence.
+  with pytest.raises(MemoryError, match=r"pool of 8 pages of 4 tokens .* 4 prompts \(5 pages\) and one 10-token "
+                                        r"response \(9 pages in all\): raise rollout.kv_cache_budget_gib"):
+    sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
+
+
+def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
+  """The contiguous refill engine (each slot owning prompt + cap tokens), the benchmark's baseline."""
+  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
+  tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
+  spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,), **SAMPLING)
+  out, steps, _ = contiguous.generate_contiguous(model, tokens, mask, jax.random.key(3), sampling=spec,
+                                                 samples_per_prompt=3, slots=5, steps_per_call=3, min_slots=1)
+  assert_same(out, static)
+  assert steps == queue_steps(np.asarray(static.response_lengths), 5)

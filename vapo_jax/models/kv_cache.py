@@ -1,0 +1,224 @@
+"""The KV cache: one interface, two layouts.
+
+  cache = KVCache.zeros(cfg, batch, slots, dtype)                    # contiguous: each row owns S slots
+  cache = PagedKVCache.zeros(cfg, rows=R, queues=Q, pages=Pq, page_tokens=Tg, table_pages=W, dtype=...)
+  cache, key_mask, query_slots = cache.prepare(attention_mask, steps)   # before a call's layers
+  cache = cache.write(layer, k, v)         # the call's keys and values `[B, T, K, H]` into layer `layer`
+  out = cache.attend_one(q, layer, key_mask, query_slots)   # one query per row `[B, N, H]` → `[B, N, H]`
+  cache = cache.advance(key_mask, steps)   # after the call: the rows hold their new tokens
+  cache.bytes_per_token(cfg, dtype)        # memory of one cached token (keys and values, every layer)
+
+Both carry every layer's keys and values in one array each, carried whole through the layer scan
+(`transformer.Backbone`): layer l writes its new tokens in place and reads its own part, so no layer's
+cache is ever copied.
+
+Contiguous (`KVCache`): keys and values `[L, B, K, S, H]` (layers stacked, then heads-major: split over
+KV heads, each chip's share keeps (slots, head dim) as its minor dimensions), a slot mask `[B, S]` and
+the slots written, one length for the call or `[B]` (one length per row, one token per call: what lets
+the refill engines put a new sequence into a row whose sequence has ended). Row b's tokens sit at its
+own slots, padding and all: the prefill's cache, the static engine's, and the contiguous refill
+engine's (`rollout/contiguous.py`, the reference). A one-token call reads blocks of slots up to the
+batch's longest row (`decode_attention.attend_one`), or every slot with `decode_block` 0 (the dense
+oracle).
+
+Paged (`PagedKVCache`): a pool of pages of Tg tokens, keys and values `[K, L, Q, Pq, Tg, H]` (KV heads,
+layers, Q queues of Pq pages each: a queue's pages live with its rows, on its data-parallel devices), a
+page table `[R, W]` (row r's logical token t sits at offset t mod Tg of its page `table[r, t // Tg]`, a
+page id local to the row's queue, rows [q·R/Q, (q+1)·R/Q) being queue q's), each row's tokens `[R]`
+and which rows hold a sequence `[R]`. Tokens are stored compactly from logical slot 0 (no padding), so
+a row's keys are exactly its first `lengths[r]` tokens and a query reads only those
+(`paged_attention`: the Pallas kernel on TPU, a gather over pages elsewhere, a dense gather as the
+oracle). Pages are handed out by the rollout (`rollout/pages.py`); the cache only reads and writes
+them. A row that holds no sequence writes nothing and reads nothing.
+
+Pure JAX; no flax modules.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from vapo_jax.models import decode_attention, paged_attention, sharding
+from vapo_jax.models.attention import note
+from vapo_jax.models.config import TransformerConfig
+from vapo_jax.models.sharding import constrain
+
+LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps it (models/sharding.py).
+# Logical axes of a contiguous cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
+CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
+# Logical axes of a paged pool `[K, L, Q, Pq, Tg, H]`: queues over the batch axes, KV heads over the tensor axis.
+POOL_AXES = ("cache_kv_heads", LAYER_AXIS, "batch", None, None, None)
+
+
+def _rows(x: jax.Array) -> jax.Array:
+  return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values `[L, B, K, S, H]` (stacked layers, heads-major), slot validity `[B, S]`, and slots used so far."""
+
+  keys: jax.Array
+  values: jax.Array
+  mask: jax.Array  # [B, S] true where a slot holds a real (non-padding) token.
+  length: jax.Array  # int32 scalar (slots [0, length) are written), or [B] per row (one-token calls).
+  # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot;
+  # None: the platform's default (`decode_attention.default_block`).
+  decode_block: int | None = struct.field(pytree_node=False, default=None)
+
+  @classmethod
+  def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
+            decode_block: int | None = None) -> "KVCache":
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), bool),
+               jnp.zeros((), jnp.int32), decode_block).constrained()
+
+  def constrained(self) -> "KVCache":
+    """This cache with its arrays constrained to their logical axes (`CACHE_AXES`; a no-op outside
+    `sharding.use_rules`)."""
+    return KVCache(constrain(self.keys, CACHE_AXES), constrain(self.values, CACHE_AXES), _rows(self.mask),
+                   _rows(self.length) if self.length.ndim else self.length, self.decode_block)
+
+  @staticmethod
+  def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
+    """Memory of a cache of this size, before allocating it."""
+    return batch * slots * KVCache.bytes_per_token(cfg, dtype) + batch * slots
+
+  @staticmethod
+  def bytes_per_token(cfg: TransformerConfig, dtype=jnp.bfloat16) -> int:
+    """Keys and values of one token at every layer (the slot mask's byte aside)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+  def prepare(self, attention_mask: jax.Array, steps: int):
+    """(this cache, the keys' validity `[B, S]` with the call's tokens, the queries' slots `[T]` or `[B, 1]`)."""
+    if self.length.ndim and steps != 1:
+      raise ValueError(f"a cache with one length per row takes one token per call, got {steps}")
+    return self, write_slots(self.mask, attention_mask, self.length), self.length[..., None] + jnp.arange(steps)
+
+  def write(self, layer, k: jax.Array, v: jax.Array) -> "KVCache":
+    """The call's keys and values `[B, T, K, H]` written into layer `layer` from slot `length` (per row: its own)."""
+    heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, T, K, H] -> [B, K, T, H].
+    return self.replace(keys=write_layer(self.keys, heads_major(k), layer, self.length),
+                        values=write_layer(self.values, heads_major(v), layer, self.length))
+
+  def layer_keys_values(self, layer) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s keys and values `[B, S, K, H]` (a multi-token call's attention reads them whole)."""
+    return tuple(stack[layer].transpose(0, 2, 1, 3) for stack in (self.keys, self.values))
+
+  def attend_one(self, q: jax.Array, layer, key_mask: jax.Array, query_slots: jax.Array) -> jax.Array:
+    """One query per row, q `[B, N, H]` at slot `query_slots[..., 0]`, against layer `layer`: `[B, N, H]`."""
+    slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
+    note("decode")
+    if self.decode_block == 0:
+      return decode_attention.attend_one_reference(q, self.keys[layer], self.values[layer], key_mask, slots)
+    block = self.decode_block or decode_attention.default_block(sharding.platform())  # The platform traced for.
+    return decode_attention.attend_one(q, self.keys, self.values, key_mask, slots, block=block, layer=layer)
+
+  def advance(self, key_mask: jax.Array, steps: int) -> "KVCache":
+    return self.replace(mask=key_mask, length=self.length + steps)
+
+
+@struct.dataclass
+class PagedKVCache:
+  """A pool of pages `[K, L, Q, Pq, Tg, H]`, each row's page table `[R, W]`, tokens `[R]` and whether it holds
+  a sequence `[R]` (see the module docstring)."""
+
+  keys: jax.Array
+  values: jax.Array
+  table: jax.Array  # [R, W] int32 page ids within the row's queue (≥ Pq: none).
+  lengths: jax.Array  # [R] int32 tokens held.
+  live: jax.Array  # [R] bool: the row holds a sequence (set by each call from its attention mask).
+  # "kernel" (the Pallas TPU kernel), "gather" (pure JAX, pages gathered block by block) or "reference" (dense).
+  implementation: str = struct.field(pytree_node=False, default="gather")
+  block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernel or gather).
+
+  @classmethod
+  def zeros(cls, cfg: TransformerConfig, *, rows: int, queues: int, pages: int, page_tokens: int, table_pages: int,
+            dtype=jnp.bfloat16, implementation: str = "gather", block_pages: int = 1) -> "PagedKVCache":
+    """An empty pool of `pages` pages per queue, `rows` rows holding nothing (their tables point nowhere)."""
+    shape = (cfg.num_kv_heads, cfg.num_layers, queues, pages, page_tokens, cfg.head_dim)
+    pool = lambda: constrain(jnp.zeros(shape, dtype), POOL_AXES)
+    return cls(pool(), pool(), _rows(jnp.full((rows, table_pages), pages, jnp.int32)),
+               _rows(jnp.zeros((rows,), jnp.int32)), _rows(jnp.zeros((rows,), bool)), implementation, block_pages)
+
+  @property
+  def page_tokens(self) -> int:
+    return self.keys.shape[4]
+
+  @property
+  def pages(self) -> int:
+    """Pages per queue."""
+    return self.keys.shape[3]
+
+  @staticmethod
+  def bytes_per_token(cfg: TransformerConfig, dtype=jnp.bfloat16) -> int:
+    return KVCache.bytes_per_token(cfg, dtype)
+
+  @staticmethod
+  def pool_bytes(cfg: TransformerConfig, *, queues: int, pages: int, page_tokens: int, dtype=jnp.bfloat16) -> int:
+    """Memory of the pool (keys and values), before allocating it."""
+    return queues * pages * page_tokens * KVCache.bytes_per_token(cfg, dtype)
+
+  def prepare(self, attention_mask: jax.Array, steps: int):
+    """(this cache with `live` from the call's attention mask `[R, 1]`, None, None): one token per row."""
+    if steps != 1:
+      raise ValueError(f"a paged cache takes one token per row and call, got {steps}")
+    return self.replace(live=_rows(attention_mask[:, 0].astype(bool))), None, None
+
+  def write(self, layer, k: jax.Array, v: jax.Array) -> "PagedKVCache":
+    """Each live row's key and value `[R, 1, K, H]` at its token `lengths[r]`: offset lengths mod Tg of page
+    `table[r, lengths // Tg]`, layer `layer` (a scatter batched over queues; rows holding nothing write nothing)."""
+    tg, pages, queues = self.page_tokens, self.pages, self.keys.shape[2]
+    column = jnp.minimum(self.lengths // tg, self.table.shape[1] - 1)
+    page = jnp.take_along_axis(self.table, column[:, None], axis=1)[:, 0]
+    page = jnp.where(self.live, page, pages)  # Out of range: dropped.
+    offset = self.lengths % tg
+    by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
+
+    def put(pool, new):  # pool [K, L, Q, Pq, Tg, H]; new [R, 1, K, H].
+      def one(part, p, o, x):  # part [K, L, Pq, Tg, H]; p, o [Rq]; x [Rq, K, H].
+        return part.at[:, layer, p, o, :].set(x.transpose(1, 0, 2).astype(part.dtype), mode="drop")
+      return jax.vmap(one, in_axes=(2, 0, 0, 0), out_axes=2)(pool, by_queue(page), by_queue(offset),
+                                                             by_queue(new[:, 0]))
+    return self.replace(keys=constrain(put(self.keys, k), POOL_AXES), values=constrain(put(self.values, v), POOL_AXES))
+
+  def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
+    """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of layer
+    `layer`: `[R, N, H]`; 0 for rows holding nothing."""
+    note("decode")
+    visible = jnp.where(self.live, self.lengths + 1, 0).astype(jnp.int32)
+    return paged_attention.attend(q, self.keys, self.values, self.table, visible, layer,
+                                  implementation=self.implementation, block_pages=self.block_pages)
+
+  def advance(self, key_mask=None, steps: int = 1) -> "PagedKVCache":
+    return self.replace(lengths=self.lengths + self.live.astype(jnp.int32))
+
+
+def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
+  """`new` written into `buffer` along its slot axis `axis` at slot `length` (scalar), or row b at
+  slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1) from `[B, T]`."""
+  new = new.astype(buffer.dtype)
+  if jnp.ndim(length) == 0:
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new, length, axis=axis)
+  row = lambda b, x, at: jax.lax.dynamic_update_slice_in_dim(b, x, at, axis=axis - 1)
+  return jax.vmap(row)(buffer, new, length)
+
+
+def write_layer(stack: jax.Array, new: jax.Array, layer, length: jax.Array) -> jax.Array:
+  """`new` `[B, K, T, H]` written into the stacked keys or values `[L, B, K, S, H]` at layer `layer`, from
+  slot `length` (scalar), or row b from slot `length[b]` (`[B]`): an in-place update of T slots."""
+  new = new.astype(stack.dtype)
+  zero = jnp.zeros((), jnp.int32)
+  layer = jnp.asarray(layer, jnp.int32)
+  if jnp.ndim(length) == 0:
+    return jax.lax.dynamic_update_slice(stack, new[None], (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
+  # One token per row at (layer, row, length[row]): a scatter batched over the rows (axis 1, where the stack
+  # keeps them: vmapping a slice update over axis 1 would transpose the whole stack), clamped into the slots
+  # as a slice update is.
+  rows, heads, _, dim = new.shape
+  at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)], axis=1)  # [B, 2]: (layer, slot).
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 3),
+                                            scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
+                                            scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(stack, at, new[:, :, 0], numbers, indices_are_sorted=True, unique_indices=True,
+                         mode=jax.lax.GatherScatterMode.CLIP)

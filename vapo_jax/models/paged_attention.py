@@ -1,0 +1,157 @@
+"""One-token decode attention over a paged KV cache: each row reads its own pages, up to its own length.
+
+A pool of pages `[K, L, Q, Pq, Tg, H]` (KV heads, layers, queues, pages per queue, tokens per page, head
+dim) holds every row's keys and values; row r (of queue q = r // (R/Q)) holds its logical tokens
+[0, lengths[r]) compactly, token t at offset t mod Tg of page `table[r, t // Tg]` (a page id within its
+queue). Row r's query sees exactly those tokens:
+
+  out[r] = Σ_{t < lengths[r]} softmax_t(q_r·k_t / √H) v_t;   0 where lengths[r] = 0.
+
+Three implementations (`attend(..., implementation=)`), equal up to float rounding:
+
+  reference  gathers every page of every row into a contiguous `[R, K, W·Tg, H]` and runs the dense
+             masked softmax (`decode_attention.attend_one_reference`): the oracle of the tests.
+  gather     pure JAX, any platform: blocks of `block_pages` pages, gathered from the pool by the page
+             table (a gather batched over queues: split over the data-parallel devices with them, it
+             stays on each device), combined by an online softmax in float32 (`decode_attention`'s); the
+             loop runs to the batch's longest row (a dynamic trip count), shorter rows masked.
+  kernel     the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.paged_attention` (decode only): each
+             row reads its own pages up to its own length (double-buffered DMA of `block_pages` pages at a
+             time) and nothing else; per-row reads are what make the paged cache fast on TPU. On a mesh it
+             runs under `jax.shard_map`, each device on its rows, its queues' pages and its KV heads (no
+             communication); the pool is passed whole, its (layer, queue, page) axes flattened into the
+             kernel's page axis (a reshape, no copy) and the page ids offset to layer `layer`. It reads
+             keys and values in bfloat16 (`pltpu` rounds them as it loads); the tests run it in the Pallas
+             interpreter (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`).
+
+`read_bytes` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from vapo_jax.models import decode_attention, sharding
+
+IMPLEMENTATIONS = ("kernel", "gather", "reference")
+
+
+def default_implementation(platform: str | None = None) -> str:
+  """The kernel on TPU; the gather elsewhere."""
+  return "kernel" if (platform or jax.default_backend()) == "tpu" else "gather"
+
+
+def default_block_pages(page_tokens: int, platform: str | None = None) -> int:
+  """Pages per block: about `decode_attention.default_block` tokens (64 on a CPU, 512 on GPU / TPU)."""
+  return max(1, decode_attention.default_block(platform) // page_tokens)
+
+
+def attend(q, keys, values, table, lengths, layer, *, implementation: str = "gather", block_pages: int = 1):
+  """q `[R, N, H]`; pool keys and values `[K, L, Q, Pq, Tg, H]`; table `[R, W]` int32; lengths `[R]` int32 (the
+  tokens each row's query sees); layer a scalar. Returns `[R, N, H]` in q's dtype."""
+  match implementation:
+    case "reference":
+      return attend_reference(q, keys, values, table, lengths, layer)
+    case "gather":
+      return attend_gather(q, keys, values, table, lengths, layer, block_pages=block_pages)
+    case "kernel":
+      return attend_kernel(q, keys, values, table, lengths, layer, block_pages=block_pages)
+    case _:
+      raise ValueError(f"unknown paged attention {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def contiguous(pool: jax.Array, table: jax.Array, layer) -> jax.Array:
+  """Every row's pages of layer `layer` side by side: `[R, K, W·Tg, H]` (row r's token t at slot t)."""
+  kv_heads, _, queues, pages, tg, h = pool.shape
+  rows, width = table.shape
+  queue = jnp.arange(rows) // (rows // queues)
+  got = pool[:, layer][:, queue[:, None], jnp.minimum(table, pages - 1)]  # [K, R, W, Tg, H]
+  return got.transpose(1, 0, 2, 3, 4).reshape(rows, kv_heads, width * tg, h)
+
+
+def attend_reference(q, keys, values, table, lengths, layer) -> jax.Array:
+  """The dense oracle: `contiguous` pages, then `attend_one_reference` over the slots below each row's length."""
+  k, v = contiguous(keys, table, layer), contiguous(values, table, layer)
+  slots = jnp.arange(k.shape[2])[None] < lengths[:, None]
+  return decode_attention.attend_one_reference(q, k, v, slots, lengths - 1)
+
+
+def attend_gather(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
+  """Blocks of `block_pages` pages gathered by the page table, online softmax (module docstring); the table's
+  width must be a multiple of `block_pages`."""
+  queues, width = keys.shape[2], table.shape[1]
+  if width % block_pages:
+    raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
+  by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
+  one = functools.partial(_gather_queue, layer=jnp.asarray(layer, jnp.int32), block_pages=block_pages)
+  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0))(by_queue(q), keys, values, by_queue(table), by_queue(lengths))
+  return out.reshape(q.shape)
+
+
+def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -> jax.Array:
+  """One queue: q `[Rq, N, H]`, its pages `[K, L, Pq, Tg, H]`, table `[Rq, W]`, lengths `[Rq]`."""
+  kv_heads, _, pages, tg, h = keys.shape
+  rows, n, _ = q.shape
+  block, dtype = block_pages * tg, q.dtype
+  qg = q.reshape(rows, kv_heads, n // kv_heads, h)
+
+  def step(j, carry):
+    ids = jnp.minimum(lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1), pages - 1)
+    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block, h).astype(dtype)  # [K, Rq, block, H]
+    visible = (j * block + jnp.arange(block))[None] < lengths[:, None]
+    return decode_attention.accumulate(carry, qg, read(keys), read(values), visible, heads="KBSH")
+
+  blocks = jnp.minimum((jnp.max(lengths) + block - 1) // block, table.shape[1] // block_pages)
+  return decode_attention.finish(lax.fori_loop(0, blocks, step, decode_attention.start_carry(qg)), dtype)
+
+
+def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
+  """The Pallas TPU kernel (module docstring): under `jax.shard_map` on a mesh (`sharding.use_rules`), each
+  device on its rows, queues and KV heads."""
+  local = functools.partial(_kernel_local, block_pages=block_pages)
+  layer = jnp.asarray(layer, jnp.int32)
+  found = sharding.context()
+  if found is None or found[0].size == 1:
+    return local(q, keys, values, table, lengths, layer)
+  mesh, rules = found
+  rows = sharding.partition_spec(("batch",), rules, mesh.shape, (q.shape[0],))
+  heads = sharding.partition_spec(("cache_kv_heads",), rules, mesh.shape, (keys.shape[0],))
+  row_axes, head_axes = (rows[0] if len(rows) else None), (heads[0] if len(heads) else None)
+  if row_axes is not None and keys.shape[2] % math.prod(mesh.shape[a] for a in _axes(row_axes)):
+    raise ValueError(f"the paged kernel needs the pool's {keys.shape[2]} queues split over the data-parallel "
+                     f"devices ({row_axes}) with the rows: one queue per data-parallel group")
+  q_spec = PartitionSpec(row_axes, head_axes, None)
+  pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
+  return jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=q_spec,
+                       in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(row_axes, None),
+                                 PartitionSpec(row_axes), PartitionSpec()))(q, keys, values, table, lengths, layer)
+
+
+def _axes(axes) -> tuple:
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
+  """The kernel on one device's rows `[r, n, H]`, pool `[k, L, q, Pq, Tg, H]`, table `[r, W]`, lengths `[r]`."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+  kv_heads, layers, queues, pages, tg, h = keys.shape
+  rows = q.shape[0]
+  flat = lambda pool: pool.reshape(kv_heads, layers * queues * pages, tg, h)  # (layer, queue, page) → one axis.
+  queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
+  ids = (layer * queues + queue[:, None]) * pages + jnp.minimum(table, pages - 1)
+  scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # The kernel takes its queries scaled.
+  return paged_attention(scaled, flat(keys), flat(values), lengths.astype(jnp.int32), ids.astype(jnp.int32),
+                         pages_per_compute_block=block_pages)
+
+
+def read_bytes(lengths, *, page_tokens: int, block_pages: int, token_bytes: float) -> float:
+  """Bytes of keys and values the kernel reads in one decode step: each row the blocks of `block_pages` pages
+  up to its own `lengths[r]` (the tokens its query sees), `token_bytes` a token's keys and values at every
+  layer (per chip)."""
+  block = page_tokens * block_pages
+  return sum(-(-int(n) // block) for n in lengths) * block * token_bytes
