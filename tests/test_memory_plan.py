@@ -20,6 +20,7 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.memory import advice, footprint, hand_plan
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
+from vapo_jax.models.kv_cache import PagedKVCache
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common
 from vapo_jax.train import optim, updates
@@ -178,28 +179,30 @@ def test_kv_cache_is_rollout_cache_bytes():
   assert "6 sequences per device" in plan.format()
 
 
-def test_refill_slots_are_the_engines_and_hold_the_prompt_caches():
-  """The refill engine decodes in as many slots as `kv_cache_budget_gib` holds (`rollout.engine_for`)
-  and keeps every prompt's prefilled cache besides."""
+def test_the_refill_engines_pool_is_planned_beside_the_prompt_caches():
+  """The refill engine's pool is what `kv_cache_budget_gib` holds per device in pages of 16 tokens, up to what
+  its slots need: as many slots as the pool holds with every response at the cap beside the device's prompts
+  (`rollout.engine_for`); the prompts' prefilled cache besides."""
   from vapo_jax import rollout
   from vapo_jax.models.kv_cache import KVCache
   cfg, mesh = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
   config = _config(prompts=16, samples=8, mini=128, response_tokens=992)
-  per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992)
+  page = 16 * KVCache.bytes_per_token(cfg, jnp.float32)
   config = dataclasses.replace(config, rollout=dataclasses.replace(
-      config.rollout, engine="refill", kv_cache_budget_gib=5.5 * per_sequence / GIB))
+      config.rollout, engine="refill", page_tokens=16, kv_cache_budget_gib=330 * page / GIB))
   engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.float32, devices=8)
-  assert engine.kind == "refill" and engine.slots == 40  # 5 per device, fewer than the 128 sequences.
+  # 2 prompts per device hold 2 pages each; a sequence at most 992 / 16 + 1 = 63: (330 - 4) // 63 = 5 per device.
+  assert engine.kind == "refill" and engine.slots == 40 and engine.pages == 4 + 5 * 63
   plan = hand_plan.plan_memory(config, mesh)
-  assert _item(plan, "rollout", "kv_cache") == 5 * per_sequence
+  assert _item(plan, "rollout", "kv_cache") == 319 * page
   assert _item(plan, "rollout", "prompt_cache") == KVCache.bytes(cfg, 2, 32, jnp.float32)  # 16 prompts, 8 devices.
-  assert "through 40 refill slots, 5 per device" in plan.format()
-  # Over a device's memory, the refusal names a smaller budget (fewer slots), which fits.
-  budget = plan.phase_bytes()["rollout"] - 2 * per_sequence
+  assert "through 40 refill slots, 5 per device, over 319 pages of 16 tokens" in plan.format()
+  # Over a device's memory, the refusal names a smaller pool, which fits.
+  budget = plan.phase_bytes()["rollout"] - 100 * page
   message = _refusal(plan, budget)
-  slots = int(re.search(r"fewer refill slots: rollout\.slots=(\d+)", message).group(1))
-  fewer = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, slots=slots))
-  assert slots == 24 and hand_plan.plan_memory(fewer, mesh).phase_bytes()["rollout"] <= budget
+  pages = int(re.search(r"a smaller pool of KV-cache pages: rollout\.pages=(\d+)", message).group(1))
+  smaller = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, pages=pages))
+  assert pages <= 219 and hand_plan.plan_memory(smaller, mesh).phase_bytes()["rollout"] <= budget
 
 
 def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
@@ -207,28 +210,28 @@ def test_a_tensor_parallel_rollout_layout_is_planned_from_its_real_arrays():
   chips. The plan's rollout copy of the actor and its KV cache are what device 0 holds of the real arrays (the
   layout's reshard; a cache built under its rules); slots are per group, from a budget per chip."""
   from vapo_jax import rollout
-  from vapo_jax.models.kv_cache import KVCache
+  from vapo_jax.models.kv_cache import KVCache, PagedKVCache
   from vapo_jax.rollout.layout import layout_for
   cfg, shape = preset("tiny"), {"data": 2, "fsdp": 4, "tensor": 1}
   config = _config(prompts=16, samples=8, mini=128, response_tokens=992, dtype="bfloat16")
-  per_sequence = common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992, dtype=jnp.bfloat16, tensor=2)
+  page = 16 * KVCache.bytes_per_token(cfg, jnp.bfloat16) // 2  # Per chip: a group of 2 splits the KV heads.
   config = dataclasses.replace(config, rollout=dataclasses.replace(
-      config.rollout, engine="refill", tensor_parallel=2, kv_cache_budget_gib=5.5 * per_sequence / GIB))
+      config.rollout, engine="refill", tensor_parallel=2, page_tokens=16, kv_cache_budget_gib=330 * page / GIB))
   plan = hand_plan.plan_memory(config, shape)
   mesh, rules = sharding.make_mesh(**shape), sharding.PRESETS["fsdp"]
   layout = layout_for(config.rollout, mesh, compute_dtype="bfloat16", training_rules=rules)
   assert hand_plan.rollout_groups(config, shape) == layout.data_devices == 4
   copy = layout.reshard(nnx.state(sharding.create_sharded(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), mesh, rules)))
   assert _item(plan, "rollout", "rollout_weights") == _device0_bytes(copy) < 2 * cfg.num_parameters()  # bf16, split.
-  # 5 slots per group (the budget holds 5.5 sequences per chip with the cache split by heads), 20 in all.
+  # 4 prompts of 2 pages per group; (330 - 8) // 63 = 5 slots per group, 20 in all, over 8 + 5 * 63 pages.
   engine = rollout.engine_for(config.rollout, cfg, sequences=128, prompt_tokens=32, dtype=jnp.bfloat16, devices=4)
-  assert (engine.slots == 20 and engine.queues == 4
-          and "through 20 refill slots, 5 per group of 2 chips" in plan.format())
+  assert (engine.slots == 20 and engine.queues == 4 and engine.pages == 323
+          and "through 20 refill slots, 5 per group of 2 chips, over 323 pages" in plan.format())
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    cache = layout.jit(lambda: KVCache.zeros(cfg, 20, 32 + 992, jnp.bfloat16))()
-  assert _item(plan, "rollout", "kv_cache") == _device0_bytes(cache) - 4 == 5 * per_sequence  # Less the length.
-  assert per_sequence < common.cache_bytes(cfg, batch=1, prompt_tokens=32, max_new_tokens=992, dtype=jnp.bfloat16)
+    pool = layout.jit(lambda: PagedKVCache.zeros(cfg, rows=20, queues=4, pages=323, page_tokens=16, table_pages=64,
+                                                 dtype=jnp.bfloat16))()
+  assert _item(plan, "rollout", "kv_cache") == _device0_bytes((pool.keys, pool.values)) == 323 * page
   assert _item(plan, "rollout", "prompt_cache") == common.cache_bytes(
       cfg, batch=4, prompt_tokens=32, max_new_tokens=0, dtype=jnp.bfloat16, tensor=2)  # 16 prompts, 4 groups.
   largest = cfg.vocab_size * cfg.hidden_size  # The embedding and the output projection: 259 rows, not split by 2.
@@ -342,12 +345,13 @@ def test_the_aime_plan_on_256_chips():
   advice.refuse(padded, 95 * GIB)
   assert "micro-batch 512 sequences, 2 per device" in padded.format(95 * GIB)
   assert _item(shipped, "actor update", "activations") < _item(padded, "actor update", "activations")
-  # The rollout in 32 tensor-parallel groups of 8 chips: 103 slots per group, the cache split by KV heads.
+  # The rollout in 32 tensor-parallel groups of 8 chips, each group's pool of pages split by KV heads.
   groups = hand_plan.rollout_groups(config, mesh)
-  slots = hand_plan.refill_slots(config, cfg, groups)
-  assert config.rollout.tensor_parallel == 8 and groups == 32 and slots == 103 * 32
-  assert _item(shipped, "rollout", "kv_cache") == common.cache_bytes(
-      cfg, batch=slots, prompt_tokens=2048, max_new_tokens=20480, dtype=jnp.bfloat16, devices=32, tensor=8)
+  engine = hand_plan.refill_engine(config, cfg, groups)
+  assert config.rollout.tensor_parallel == 8 and groups == 32 and engine.slots == config.rollout.slots
+  assert engine.pages == config.rollout.pages and engine.page_tokens == config.rollout.page_tokens
+  assert _item(shipped, "rollout", "kv_cache") == PagedKVCache.pool_bytes(
+      cfg, queues=1, pages=engine.pages, page_tokens=engine.page_tokens, dtype=jnp.bfloat16) // 8
   # The static engine (rollout.engine=static) in rounds of 128 prompts fits as well (256 would not,
   # beside the rollout copy: 100 GiB).
   static = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine="static"))

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory.hand_plan import GIB, MemoryPlan, allowed_bytes, plan_memory, refill_slots, rollout_groups
+from vapo_jax.memory.hand_plan import GIB, MemoryPlan, allowed_bytes, plan_memory, refill_engine, rollout_groups
 from vapo_jax.train import packed_batch
 from vapo_jax.train.build import model_configs
 
@@ -97,13 +97,12 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
     mini = math.gcd(c.algo.mini_batch_responses, n * c.rollout.samples_per_prompt)
     micro = c.algo.micro_batch_responses and math.gcd(c.algo.micro_batch_responses, mini)
     return {"rollout.prompts_per_step": n, "algo.mini_batch_responses": mini, "algo.micro_batch_responses": micro}
-  devices = rollout_groups(c, mesh)  # The slots are split over the rollout's data-parallel groups.
-  slots = refill_slots(c, model_configs(c)[0], devices)
-  if phase == "rollout" and slots and (fit := _first_fit(p, phase, budget, range(slots - devices, 0, -devices),
-                                                         lambda n: {"rollout.slots": n})):
-    fixes.append(f"fewer refill slots: rollout.slots={fit[0]} {effect(fit[1])}")
-  if phase == "rollout" and not slots and (fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts),
-                                                             lambda n: {"rollout.prompts_per_generation": n})):
+  engine = refill_engine(c, model_configs(c)[0], rollout_groups(c, mesh))  # Pages per data-parallel group.
+  if phase == "rollout" and engine and (fit := _first_fit(p, phase, budget, _fewer(engine.pages),
+                                                          lambda n: {"rollout.pages": n})):
+    fixes.append(f"a smaller pool of KV-cache pages: rollout.pages={fit[0]} {effect(fit[1])}")
+  if phase == "rollout" and not engine and (fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts),
+                                                              lambda n: {"rollout.prompts_per_generation": n})):
     fixes.append(f"generate in rounds: rollout.prompts_per_generation={fit[0]} {effect(fit[1])}")
   if fit := _first_fit(p, phase, budget, _divisors_below(prompts, prompts), fewer):
     mini = fit[1].config.algo.mini_batch_responses
@@ -117,6 +116,12 @@ def _sequence_fixes(p: MemoryPlan, phase: str, budget: int) -> list[str]:
     if _fits(q := _variant(p, layout, {"mesh.preset": "fsdp"}), phase, budget):
       fixes.append(f"split the batch over more devices: mesh.fsdp={layout['fsdp']} mesh.tensor=1 {effect(q)}")
   return fixes
+
+
+def _fewer(pages: int) -> list[int]:
+  """Smaller pools to try, largest first: 64 steps down from `pages`."""
+  step = max(1, pages // 64)
+  return list(range(pages - step, 0, -step))
 
 
 def refuse(plan: MemoryPlan, device_bytes: int | None, *, margin: float = 0.0) -> None:

@@ -15,8 +15,8 @@ What is counted, phase by phase as the run's code (`trainer.py`, `experience.py`
   moments (two float32 per parameter; the trainer builds the critic even when `algo.estimator`
   is "group"), and the reference policy (a copy of the actor's parameters) when `algo.kl_coef` > 0.
 - Phases run one after another, so the device needs the largest, not their sum:
-  rollout (`rollout_phase`: the KV cache of the sequences decoded at once, `common.cache_bytes`,
-  in the refill engine's slots plus every prompt's prefilled cache, or one static round's; and
+  rollout (`rollout_phase`: the refill engine's pool of KV-cache pages plus every prompt's prefilled
+  cache, or one static round's KV cache, `common.cache_bytes`; and
   the prefill, whose logits are the last position's only; with `rollout.tensor_parallel` > 1, in the
   rollout layout: the actor's copy, the cache split by heads, the reshard's array in flight),
   scoring (old log-probs, values, reference log-probs: forward passes over the rollout batch in
@@ -55,6 +55,7 @@ from vapo_jax.memory import footprint
 from vapo_jax.memory.topologies import GIB
 from vapo_jax.models import flash, sharding
 from vapo_jax.models.config import TransformerConfig
+from vapo_jax.models.kv_cache import PagedKVCache
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rollout import common, layout
 from vapo_jax.train import build, packed_batch
@@ -136,18 +137,22 @@ def _parameters(cfg: TransformerConfig, cls, param_dtype: str, preset_name: str,
   return _PARAMETERS[key]
 
 
-def refill_slots(config: ExperimentConfig, cfg: TransformerConfig, devices: int) -> int:
-  """Decode slots of the refill engine over `devices` data-parallel groups (`rollout_groups`), as the
-  engine chooses them (`rollout.engine_for`; one per group when not even that fits the budget, so that
-  the plan shows by how much); 0 when the static engine runs (or every sequence has a slot)."""
+def refill_engine(config: ExperimentConfig, cfg: TransformerConfig, devices: int) -> "rollout.Engine | None":
+  """The refill engine over `devices` data-parallel groups (`rollout_groups`), as `rollout.engine_for` chooses
+  it (one slot per group and the pages one sequence needs when not even that fits the budget, so that the plan
+  shows by how much); None when the static engine runs (or every sequence has a slot)."""
   r = config.rollout
-  sequences = r.responses_per_step
+  sequences, prompt_len = r.responses_per_step, common.prompt_bucket(r.max_prompt_tokens)
   try:
-    engine = rollout.engine_for(r, cfg, sequences=sequences, prompt_tokens=common.prompt_bucket(r.max_prompt_tokens),
+    engine = rollout.engine_for(r, cfg, sequences=sequences, prompt_tokens=prompt_len,
                                 dtype=jnp.dtype(config.model.dtype), devices=devices)
   except MemoryError:
-    return devices if r.engine == "refill" and devices < sequences else 0
-  return engine.slots if engine.kind == "refill" and engine.slots < sequences else 0
+    if r.engine != "refill" or devices >= sequences:
+      return None
+    tg = r.page_tokens or common.default_page_tokens()
+    pages = -(-r.prompts_per_step // devices) * -(-prompt_len // tg) + common.sequence_pages(r.max_response_tokens, tg)
+    return rollout.Engine(kind="refill", slots=devices, queues=devices, pages=pages, page_tokens=tg)
+  return engine if engine.kind == "refill" and engine.slots < sequences else None
 
 
 def rollout_groups(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> int:
@@ -186,9 +191,9 @@ def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes
   """The rollout: the prefill (last-position logits only) and the KV cache of the sequences decoded
   at once, in the rollout layout (`rollout.tensor_parallel` = T > 1: the actor's copy split over
   groups of T chips, which split the KV cache by heads; the batch split over the groups). The refill
-  engine (`rollout.engine`) decodes in `slots` rows (`rollout.slots`, else as many as
-  `kv_cache_budget_gib` holds) and keeps every prompt's prefilled cache; the static one generates in
-  rounds of `prompts_per_generation` prompts × G samples."""
+  engine (`rollout.engine`) decodes its slots over a pool of pages (`rollout.pages`, else as many as
+  `kv_cache_budget_gib` holds, up to what its slots need) beside the prompts' prefilled cache it
+  writes into them; the static one generates in rounds of `prompts_per_generation` prompts × G samples."""
   layout.check_tensor_parallel(config.rollout.tensor_parallel, devices=math.prod(at.shape.values()),
                                kv_heads=cfg.num_kv_heads)
   r, dtype, ro = config.rollout, jnp.dtype(config.model.dtype), _rollout_shapes(at)
@@ -197,12 +202,14 @@ def rollout_phase(config: ExperimentConfig, cfg: TransformerConfig, at: "_Shapes
   kv = lambda n, slots: common.cache_bytes(cfg, batch=n, prompt_tokens=slots, max_new_tokens=0, dtype=dtype,
                                             devices=n // rows(n), tensor=t)
   where = "per device" if t == 1 else f"per group of {t} chips"
-  slots = refill_slots(config, cfg, sequences // rows(sequences))
-  if slots:
+  engine = refill_engine(config, cfg, sequences // rows(sequences))
+  if engine:
     prefill = ro.activations(cfg, r.prompts_per_step, backward=False, head="last_logits", length=prompt_len, scored=0)
-    detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples through {slots} refill slots, "
-              f"{rows(slots)} {where}")
-    items = (Item("kv_cache", f"KV cache of the slots ({config.model.dtype}, {tokens} slots each)", kv(slots, tokens)),
+    detail = (f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples through {engine.slots} refill slots, "
+              f"{rows(engine.slots)} {where}, over {engine.pages} pages of {engine.page_tokens} tokens")
+    pool = PagedKVCache.pool_bytes(cfg, queues=1, pages=engine.pages, page_tokens=engine.page_tokens, dtype=dtype) // t
+    items = (Item("kv_cache", f"KV cache's pool ({config.model.dtype}, {engine.pages} pages of "
+                              f"{engine.page_tokens} tokens)", pool),
              Item("prompt_cache", f"prefilled prompts' KV cache ({prompt_len} slots each)",
                   kv(r.prompts_per_step, prompt_len)))
   else:

@@ -15,9 +15,9 @@ compiles, in the order of a run, the very programs the trainer calls (`aot.compi
   rollout                the configured engine's programs as `rollout.sample` runs them on the rollout
                          mesh (`rollout/layout.py`; the training mesh with tensor_parallel 1): the static
                          engine's generate (the first round's, and the later rounds'), or the refill
-                         engine's start (prefill), its decode loop, the compaction to fewer slots in
-                         the tail (and with `tail=True` the decode loop at every slot count it
-                         shrinks through) and finish
+                         engine's start (the prefill written into the pool's pages), its decode loop
+                         over the paged KV cache, the compaction to fewer slots in the tail (and with
+                         `tail=True` the decode loop at every slot count it shrinks through) and finish
   value pretraining      `Steps.score_program(critic_only=True)`, then `Steps.ppo_program` of the
                          critic alone (when the algorithm has a critic and `value_pretrain_steps`)
   scoring, update        `Steps.score_program`, `Steps.ppo_program` (critic and actor in one program)
@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import compiled_cache, topologies
@@ -52,6 +53,7 @@ from vapo_jax.memory.hand_plan import allowed_bytes
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
+from vapo_jax.rollout import queues as queues_lib
 from vapo_jax.rollout.layout import layout_for
 from vapo_jax.train import build, experience
 from vapo_jax.train.steps import Steps, TrainBatch
@@ -254,57 +256,40 @@ def _static(run: _Run, phase: CompiledPhase, log, engine, settings, model, key, 
   return out
 
 
-def _shrink_sizes(slots: int, min_slots: int) -> list[int]:
-  """The slot counts the refill engine shrinks through when its tail drains gradually (halving)."""
-  sizes, size = [], refill.shrink_threshold(slots, min_slots)
-  while size:
-    sizes.append(size)
-    size = refill.shrink_threshold(size, min_slots)
-  return sizes
-
-
 def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
-  """`refill.generate_refill`'s programs: start, decode, compaction (and decode at every slot count), finish."""
-  shared = dict(group=run.config.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call,
-                min_slots=engine.min_slots, **settings)
+  """`refill.generate_refill`'s programs: start (the prefill written into pages), decode, compaction (and with
+  `tail`, decode at every slot count it shrinks through), finish."""
+  c = run.config
+  settings = {k: v for k, v in settings.items() if k != "decode_block"}
+  paged = rollout.paged_settings(engine, queues=settings["queues"], prompts=c.rollout.prompts_per_step,
+                                 prompt_tokens=tokens[0].shape[1], max_new_tokens=c.rollout.max_response_tokens,
+                                 platform=run.layout.mesh.devices.flat[0].platform)
+  shared = dict(group=c.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call, min_slots=engine.min_slots,
+                **paged, **settings)
+  phase.detail += f", {paged['pages']} pages of {paged['page_tokens']} tokens per queue ({paged['implementation']})"
   fns = refill.programs(slots=engine.slots, **shared)
   prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
                         fallback=run.decoding)
   held = beside + chip_bytes(tokens)
   slots, _ = _add(phase, log, f"decode ({engine.slots} slots)", fns.decode, (model, prompts, slots, key, None),
                   resident=held, fallback=run.decoding)
-  rows, sizes = engine.slots, _shrink_sizes(engine.slots, engine.min_slots)
+  rows, sizes = engine.slots, queues_lib.shrink_sizes(engine.slots, engine.min_slots)
   for smaller in sizes if run.tail else sizes[:1]:
-    slots = _compact(run, phase, log, slots, rows, smaller, held + chip_bytes(prompts))
+    slots = _add(phase, log, f"compaction ({rows} -> {smaller} slots)",
+                 refill.compaction(smaller, settings["queues"], run.layout.jit), (slots,),
+                 resident=held + chip_bytes(prompts), fallback=run.decoding)
     if not run.tail:
       break
     fns, rows = refill.programs(slots=smaller, **shared), smaller
     slots, _ = _add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, prompts, slots, key, None),
                     resident=held, fallback=run.decoding)
   if sizes and not run.tail:
-    phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots and the compaction between them: not compiled "
-                     f"(the tail; fewer slots than decode ({engine.slots} slots), the same program otherwise; "
-                     "tail=True / --tail compiles them)")
-  outputs = (slots.tokens, slots.sampler, slots.policy, slots.lengths, slots.stopped)
+    phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots: not compiled (the tail; fewer slots than "
+                     f"decode ({engine.slots} slots), the same program otherwise; tail=True / --tail compiles them)")
+  o = slots.outputs
+  outputs = (o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
   return _add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
               resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))
-
-
-def _compact(run: _Run, phase: CompiledPhase, log, slots: refill.Slots, rows: int, smaller: int,
-             held: int) -> refill.Slots:
-  """`refill.compact`'s programs (the order, and one gather per kind of row array, each donating its
-  array while the others are held): the state with `smaller` slots."""
-  order, take = refill.row_programs(smaller, slots.queued.shape[0], run.layout.jit)
-  index = _add(phase, log, f"compaction order ({rows} -> {smaller} slots)", order, (slots.live,),
-               resident=held + chip_bytes(slots), fallback=run.decoding)
-  taken = {}
-  kind = lambda x, axes: (x.shape, x.dtype, x.sharding, axes)
-  for leaf, axes in refill.row_arrays(slots):
-    if kind(leaf, axes) not in taken:
-      taken[kind(leaf, axes)] = _add(phase, log, f"compaction take {leaf.dtype.name}{list(leaf.shape)}", take,
-                                     (leaf, index, axes), resident=held + chip_bytes(slots) - chip_bytes(leaf),
-                                     fallback=run.decoding)
-  return refill.with_rows(slots, [taken[kind(leaf, axes)] for leaf, axes in refill.row_arrays(slots)])
 
 
 def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:

@@ -12,7 +12,7 @@ import math
 
 from vapo_jax.memory import advice, compiled_cache, hand_plan
 from vapo_jax.memory.topologies import GIB
-from vapo_jax.rollout import common
+from vapo_jax.models.kv_cache import PagedKVCache
 from vapo_jax.train import build
 
 MIB = 2**20
@@ -88,22 +88,20 @@ def table(report) -> str:
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
 
 
-def _slot_advice(report, phase) -> str | None:
-  """Fewer refill slots: the KV cache is the rollout's bulk and shrinks by one slot's bytes per slot
-  (None where the compiler refused the program: its figure then has no breakdown to scale)."""
+def _page_advice(report, phase) -> str | None:
+  """A smaller pool of KV-cache pages: the pool is the refill engine's rollout's bulk and shrinks by one page's
+  bytes per page (None where the compiler refused the program: its figure then has no breakdown to scale)."""
   c = report.config
   if phase.worst.memory is None:
     return None
   cfg = build.model_configs(c)[0]
-  groups = hand_plan.rollout_groups(c, report.mesh_shape)  # Slots are a multiple of the data groups.
-  slots = hand_plan.refill_slots(c, cfg, groups)
-  if not slots:
+  engine = hand_plan.refill_engine(c, cfg, hand_plan.rollout_groups(c, report.mesh_shape))
+  if not engine:
     return None
-  per_slot = common.cache_bytes(cfg, batch=1, prompt_tokens=common.prompt_bucket(c.rollout.max_prompt_tokens),
-                                max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
-                                tensor=c.rollout.tensor_parallel)  # Per chip.
-  keep = (slots // groups - math.ceil((phase.needs - report.allowed) / per_slot)) * groups
-  return (f"rollout.slots={keep} (now {slots}; {readable_bytes(per_slot)} of KV cache per slot per chip, about)"
+  per_page = PagedKVCache.pool_bytes(cfg, queues=1, pages=1, page_tokens=engine.page_tokens,
+                                     dtype=c.model.dtype) / c.rollout.tensor_parallel  # Per chip.
+  keep = engine.pages - math.ceil((phase.needs - report.allowed) / per_page)
+  return (f"rollout.pages={keep} (now {engine.pages}; {readable_bytes(per_page)} of KV cache per page per chip)"
           if keep > 0 else None)
 
 
@@ -133,9 +131,9 @@ def refusal(report) -> str | None:
            f"{1 - margin:.0%} of {report.budget / GIB:.2f} GiB ({report.target.device_kind}; mesh.memory_margin="
            f"{margin:g}); change one setting per phase:"]
   for phase in over:
-    slots = _slot_advice(report, phase) if phase.name == "rollout" else None
-    fixes = [slots] if slots else []  # The plan's own slot count only where the KV cache's arithmetic gave none.
-    fixes += [f for f in _plan_advice(report, phase) if not (slots and f.startswith("fewer refill slots"))]
+    pages = _page_advice(report, phase) if phase.name == "rollout" else None
+    fixes = [pages] if pages else []  # The plan's own page count only where the pool's arithmetic gave none.
+    fixes += [f for f in _plan_advice(report, phase) if not (pages and f.startswith("a smaller pool"))]
     fixes = fixes or ["no single setting found; shorten the sequences, use more devices or a larger chip"]
     lines.append(f"  {phase.name} needs {phase.needs / GIB:.2f} GiB ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)

@@ -147,18 +147,20 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
                               row_steps=row_steps) | figures
 
 
-def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: int, max_new_tokens: int) -> dict:
+def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: int, max_new_tokens: int,
+                   platform: str | None = None) -> dict:
   """The paged refill engine's settings for a call of `prompts` prompts in `queues` queues: its pages per queue
   (`engine.pages`; with fewer queues than `engine.queues`, a queue no longer has devices of its own and the
   pool is replicated, so each holds `engine.pages` / queues; without pages given, as many as the slots hold
-  with every response at the cap), page size, block and attention (per platform by default)."""
+  with every response at the cap), page size, block and attention (by default `platform`'s: the one traced
+  for, `sharding.platform()`)."""
   page_tokens = engine.page_tokens
   if engine.pages:
     pages = engine.pages if queues == engine.queues else engine.pages // queues
   else:
     pages = (prompts // queues) * -(-prompt_tokens // page_tokens) + (engine.slots // queues) * common.sequence_pages(
         max_new_tokens, page_tokens)
-  platform = sharding.platform()
+  platform = platform or sharding.platform()
   return dict(pages=pages, page_tokens=page_tokens,
               block_pages=engine.block_pages or paged_attention.default_block_pages(page_tokens, platform),
               implementation=engine.attention or paged_attention.default_implementation(platform))
