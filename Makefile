@@ -85,8 +85,8 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 	$(if $(PRINT),@)$(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
-memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look), else planned on MESH with DEVICE_GIB; exit 1 if over.
-	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(ARGS)
+memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths), else planned on MESH with DEVICE_GIB; exit 1 if over.
+	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(if $(PROFILE),--profile $(PROFILE)) $(ARGS)
 
 clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).
 	rm -rf .jax_cache

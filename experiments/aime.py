@@ -66,13 +66,15 @@ def vapo() -> ExperimentConfig:
       # Decoding in the training layout gathers the whole model every token and does not fit (XLA refuses
       # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
       # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
-      # once per step: 103 refill slots per group (0.6875 GiB of KV cache each per chip, 70.8 GiB). Every
-      # phase then stays under 92 % of HBM at 64 layers (mesh.memory_margin), in XLA's figures and in the
-      # hand plan the start-up check uses: the tail's compaction, the rollout's peak, needs 86.5 GiB and
-      # 0.69 GiB more per slot per group (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
+      # once per step, over a paged KV cache: a pool of 71.5 GiB per chip (18,288 pages of 128 tokens per
+      # group, 32 KiB per token per chip) and every one of a group's 256 sequences in a slot at once: the
+      # fewest decode steps (the longest response's), and under a long tail the pool holds them (the
+      # roofline's log-normal profile peaks at 4,432 pages); at the cap the engine preempts and restarts
+      # the latest-started (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=128, kv_cache_budget_gib=71.5, tensor_parallel=8),
+                            prompts_per_generation=128, kv_cache_budget_gib=71.5, tensor_parallel=8,
+                            slots=8192, page_tokens=128),
       # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
       # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.
       mesh=MeshConfig(preset="fsdp", data=1, fsdp=-1, tensor=1),

@@ -210,13 +210,22 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert [p.phase for p in step.phases] == ["rollout", "scoring", "update"]
   chip = topologies.CHIPS["TPU v5"]
   for p in step.phases:
-    assert p.flops > 0 and p.bytes > 0 and p.seconds == max(p.compute_s, p.memory_s) + p.collective_s, p.phase
     assert p.compute_s == p.flops / chip.peak_flops and p.collective_s == p.collective_bytes / chip.ici_bandwidth
-    assert 0 < step.phase_mfu(p.phase) < 1 and p.model_flops > 0, p.phase
+    assert 0 < step.phase_mfu(p.phase) < 1 and p.model_flops > 0 and p.flops > 0 and p.bytes > 0, p.phase
+    if p.phase != "rollout":
+      assert p.seconds == max(p.compute_s, p.memory_s) + p.collective_s, p.phase
+  # The rollout's decode steps are priced one by one (each the slower of its FLOPs and bytes): at least the
+  # sums' slower, at most both.
+  rollout = step.phase("rollout")
+  assert max(rollout.compute_s, rollout.memory_s) <= rollout.seconds - rollout.collective_s * 0.999999
+  assert rollout.seconds <= (rollout.compute_s + rollout.memory_s + rollout.collective_s) * 1.000001
+  d = step.decode  # Itemised: the bytes of every step are weights, KV read, KV written and the rest.
+  assert d.engine == "static" and d.steps == step.decode_steps
+  assert d.bytes == pytest.approx(d.steps * (d.weights + d.kv_read + d.kv_written + d.rest), rel=1e-6)
   assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1 and 0 < step.rollout_share < 1
   assert step.model_flops == sum(p.model_flops for p in step.phases)
   text = roofline.format_estimate(step, "TPU v5")
-  assert f"the rollout {step.rollout_share:.0%} of it" in text
+  assert f"{step.rollout_share:.0%} of it" in text
   assert f"one program: {step.phase_mfu('update'):.1%})" in text
   assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
   assert c.packing.enabled
@@ -239,3 +248,25 @@ def test_the_shipped_aime_rollout_fits_a_v5p_pod_within_the_margin():
     assert program.memory is not None and program.needs <= report.allowed, xla_report_text.refusal(report)
   assert not report.over()
 
+
+
+def test_the_paged_kernel_is_opaque_to_cost_analysis():
+  """What `cost_analysis` counts of the Pallas paged kernel does not grow with the pool (it sees none of the
+  pages a row reads: memory/decode_cost.py counts them from the schedule), while the gather's does: one
+  chip of the topology, a head dim of 128, pools of 256 and 1,024 pages."""
+  from vapo_jax.models import paged_attention
+
+  device = topologies.named(TOPOLOGY).devices[0]
+  on_chip = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+  counted = {}
+  for pages in (256, 1024):
+    for implementation in ("kernel", "gather"):
+      fn = jax.jit(lambda q, k, v, table, lengths, implementation=implementation: paged_attention.attend(
+          q, k, v, table, lengths, 2, implementation=implementation, block_pages=4))
+      pool = on_chip((1, 4, 1, pages, 128, 128), jnp.bfloat16)
+      compiled = fn.lower(on_chip((64, 5, 128), jnp.bfloat16), pool, pool, on_chip((64, 16), jnp.int32),
+                          on_chip((64,), jnp.int32)).compile()
+      cost = compiled.cost_analysis()
+      counted[implementation, pages] = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+  assert counted["kernel", 256] == counted["kernel", 1024] < 2**21  # The queries, output and table: about 1 MiB.
+  assert counted["gather", 256] > 10 * counted["kernel", 256]

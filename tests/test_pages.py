@@ -81,3 +81,21 @@ def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
                                                  samples_per_prompt=3, slots=5, steps_per_call=3, min_slots=1)
   assert_same(out, static)
   assert steps == queue_steps(np.asarray(static.response_lengths), 5)
+
+
+def test_the_roofline_schedule_replays_the_engine(model):
+  """`memory/schedule.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
+  steps, preemptions, recomputed tokens and peak pages on the engine's own lengths, with and without preemption."""
+  from vapo_jax.memory import schedule
+
+  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
+  lengths = np.asarray(static.response_lengths)
+  for pages in (10, 0):
+    engine = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=pages, page_tokens=4, block_pages=2)
+    _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
+    load = schedule.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
+                             paged=schedule.Paged(int(metrics["rollout/pages"]), 4, 2))
+    assert load.steps == metrics["rollout/decode_steps"], pages
+    assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pages
+    assert (load.preemptions, load.recomputed_tokens, load.peak_pages) == (
+        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"]), pages

@@ -1,7 +1,7 @@
 """`make memory`: the per-device memory of an experiment, compiled for a target or planned by hand.
 
   python -m vapo_jax.cli.memory --exp NAME --topology v5p:8x8x4 [--mesh fsdp=256] [--layers 2] [--phases rollout]
-                                [--tail] [field=value ...]
+                                [--tail] [--profile runs/<name>] [field=value ...]
   python -m vapo_jax.cli.memory --exp NAME [--mesh data=1,fsdp=256,tensor=1] [--device-gib 95] [field=value ...]
   python -m vapo_jax.cli.memory --model qwen2.5-32b [--sharding fsdp] [--mesh fsdp=256]
 
@@ -10,7 +10,9 @@ a TPU topology's compile-only devices, `cpu:N` for N CPU devices of this process
 has), with the configured mesh (or `--mesh`) laid over its devices, and prints XLA's bytes per device
 of each phase against the chip's HBM; `--layers N` compiles the models with their first N layers only
 (a quick look), `--phases a,b` only those phases (and the ones whose outputs they take), `--tail` also
-the refill engine's decode loop at every slot count it shrinks to. The second
+the refill engine's decode loop at every slot count it shrinks to; then the roofline of one RL step for
+each rollout engine under two response-length profiles (`--profile runs/<name>`: a third, that run's
+logged lengths). The second
 plans a run by hand (`memory/hand_plan.py`) for `--mesh` (axes not named: 1), else for the
 configured mesh on this machine's devices. Both refuse a run whose phase needs more than
 (1 − `mesh.memory_margin`, default 8 %) of the device memory, naming the phase and what to change
@@ -36,6 +38,8 @@ def _parser():
   command.add_argument("--layers", default="", metavar="N", help="compile the models' first N layers only")
   command.add_argument("--phases", default="", metavar="A,B", help="compile only these phases")
   command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it shrinks to")
+  command.add_argument("--profile", default="", metavar="RUN_DIR",
+                       help="also price the rollout at the response lengths a run logged (its metrics.jsonl)")
   command.add_argument("--device-gib", default="", metavar="GIB", help="the device memory of a hand plan")
   command.add_argument("--model", default="", metavar="PRESET", help="only the parameter memory of a model preset")
   command.add_argument("--sharding", default="fsdp", metavar="PRESET", help="the sharding preset of --model")
@@ -88,10 +92,12 @@ def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None,
   return notes
 
 
-def _roofline(config, target, report, log) -> str:
-  """The roofline of one RL step (`memory/roofline.py`); scanned layers compile the per-step programs a
-  second time with two layers per scan iteration, so that every layer is counted."""
-  from vapo_jax.memory import roofline, xla_report
+def _roofline(config, target, report, log, profile_run: str = "") -> str:
+  """The roofline of one RL step (`memory/roofline.py`) under two response-length profiles (every response at
+  the cap; a log-normal one, mean 0.3 of the cap) and, given `profile_run`, that run's logged lengths, for each
+  rollout engine; scanned layers compile the per-step programs a second time with two layers per scan
+  iteration, so that every layer is counted."""
+  from vapo_jax.memory import roofline, schedule, xla_report
 
   layers = report.architecture.num_layers
   if report.layers:  # cost_analysis saw the programs of a shallower model.
@@ -102,10 +108,14 @@ def _roofline(config, target, report, log) -> str:
     log("roofline: the per-step programs again with two layers per scan iteration (model.scan_unroll=2)")
     twice = xla_report.compile_run(roofline.twice_unrolled(config), target, phases=("update",), log=log)
     report = roofline.every_layer(report, twice)
-  return roofline.format_estimate(roofline.estimate(report), target.device_kind)
+  prompts, where = schedule.prompt_lengths(config)
+  profiles = [schedule.at_cap(config, prompts, where), schedule.log_normal(config, prompts, where)]
+  if profile_run:
+    profiles.append(schedule.from_run(config, prompts, where, profile_run))
+  return roofline.format_comparison(report, roofline.compare(report, profiles))
 
 
-def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool) -> int:
+def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "") -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
   from vapo_jax.cli import bound_compilation_cache
   from vapo_jax.memory import topologies, xla_report, xla_report_text
@@ -130,7 +140,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
     print(f"refused: {message}")
     return 1
   if whole:
-    print(_roofline(config, target, report, log))
+    print(_roofline(config, target, report, log, profile))
   return 0
 
 
@@ -150,7 +160,7 @@ def main(argv: list[str]) -> int:
       return parameters(options.model, options.sharding, options.mesh)
     config, _ = resolve.resolve(argv, command)
     if topology:
-      return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail)
+      return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile)
     import jax
 
     from vapo_jax.memory import advice, hand_plan

@@ -38,8 +38,10 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from vapo_jax.models import logprobs
-from vapo_jax.models.kv_cache import KVCache
+import numpy as np
+
+from vapo_jax.memory import decode_cost, schedule
+from vapo_jax.models import decode_attention, logprobs
 from vapo_jax.rollout import common
 from vapo_jax.train import packed_batch, packing
 
@@ -57,10 +59,11 @@ class Estimate(NamedTuple):
   collective_bytes: float = 0.0
   collective_s: float = 0.0  # collective_bytes / ICI bandwidth.
   model_flops: float = 0.0  # Useful FLOPs of the phase on all chips.
+  priced_s: float | None = None  # Priced part by part (the rollout: its decode steps one by one), else None.
 
   @property
   def seconds(self) -> float:
-    return max(self.compute_s, self.memory_s) + self.collective_s
+    return self.priced_s if self.priced_s is not None else max(self.compute_s, self.memory_s) + self.collective_s
 
 
 class StepEstimate(NamedTuple):
@@ -68,6 +71,9 @@ class StepEstimate(NamedTuple):
   chips: int
   peak_flops: float  # Per chip.
   decode_steps: int
+  engine: str = "paged"  # The rollout engine priced.
+  profile: str = ""  # The response-length profile, in words.
+  decode: "decode_cost.DecodeCost | None" = None
 
   @property
   def seconds(self) -> float:
@@ -116,9 +122,9 @@ def twice_unrolled(config):
   return dataclasses.replace(config, model=dataclasses.replace(config.model, scan_unroll=2))
 
 
-def _attention_forward(cfg, tokens: int) -> float:
-  """Causal self-attention FLOPs of one sequence of `tokens` tokens, forward, every layer."""
-  return 2.0 * cfg.num_heads * cfg.head_dim * tokens**2 * cfg.num_layers
+def _attention_forward(cfg, tokens) -> float:
+  """Causal self-attention FLOPs of sequences of `tokens` tokens (an int or `[n]`), forward, every layer."""
+  return float(2.0 * cfg.num_heads * cfg.head_dim * np.sum(np.asarray(tokens, np.float64) ** 2) * cfg.num_layers)
 
 
 def _collective_bytes(program, *, unknown: float) -> float:
@@ -128,101 +134,161 @@ def _collective_bytes(program, *, unknown: float) -> float:
              for c in program.collectives)
 
 
-def _decode(report, program, chips: int) -> tuple[float, float, float, int]:
-  """(FLOPs, bytes, collective bytes, steps) of a rollout's decode loop per chip."""
-  c, cfg = report.config, report.architecture
-  tp, tr = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens
-  rows, sequences = report.decode_rows, c.rollout.responses_per_step
-  rounds = sequences // rows if report.refill is False else None
-  steps = math.ceil(sequences * tr / rows) if report.refill else tr * rounds  # Refill: every slot kept busy.
-  cache = KVCache.bytes(cfg, rows, tp + tr, c.model.dtype) / chips  # Read whole, every step (the bound).
-  attention = 4.0 * cfg.num_heads * cfg.head_dim * (tp + tr) * cfg.num_layers * rows / chips
-  loop = program.decode.loop
-  outside = sum(max(x.operand_bytes, x.result_bytes) for x in program.collectives
-                if loop not in (name for name, _ in x.loops))
-  moved = outside + steps * program.decode.bytes
-  return steps * (program.flops + attention), steps * (program.bytes_accessed + cache), moved, steps
+def groups(report) -> int:
+  """The rollout's data-parallel groups (its queues): the chips over `rollout.tensor_parallel`, or the mesh's
+  batch devices in the training layout."""
+  t = report.config.rollout.tensor_parallel
+  return len(report.target.devices) // t if t > 1 else report.mesh_shape["data"] * report.mesh_shape["fsdp"]
 
 
-def _trips(report, phase_name: str) -> float:
+def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:
+  """`[N]` each sequence's tokens under `profile`: its prompt's and its response's."""
+  g = report.config.rollout.samples_per_prompt
+  return np.repeat(profile.prompts, g)[:len(profile.responses)] + profile.responses
+
+
+def decode(report, program, profile: schedule.Profile, engine: str, chip) -> decode_cost.DecodeCost:
+  """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
+  contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
+  c, queues, pool = report.config, groups(report), report.pool
+  min_slots = 1 if c.rollout.shrink_slots else 0
+  if engine == "static":
+    p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
+        report.target.platform))
+    rounds = c.rollout.responses_per_step // report.decode_rows
+    costs = [decode_cost.contiguous(report, schedule.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
+                                    // queues, queues=queues, min_slots=0)
+             for r in np.split(profile.responses, rounds)]
+    return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs), seconds=sum(x.seconds for x in costs),
+                             flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
+                             collective_bytes=sum(x.collective_bytes for x in costs))
+  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
+  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted)
+  p = p._replace(rows=report.decode_rows // queues)
+  if engine == "paged":
+    return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
+                             min_slots=min_slots, pages=pool["pages"], page_tokens=pool["page_tokens"],
+                             block_pages=pool["block_pages"])
+  slots = decode_cost.contiguous_slots(report, pool["pages"] * pool["page_tokens"] * p.token_bytes)
+  return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues, min_slots=min_slots)
+
+
+def _trips(report, phase_name: str, profile: schedule.Profile | None = None) -> float:
   """How many times the loop bodies cost_analysis counted once run in one RL step: micro-batches of
-  sequences, or packed, of `packing.micro_batch_rows` rows at the rows the report compiled (every
-  response at the cap)."""
+  sequences, or packed, of `packing.micro_batch_rows` rows: the rows first-fit decreasing packs `profile`'s
+  sequences into (default: every response at the cap, a row each, the rows the report compiled)."""
   c = report.config
   n, mini = c.rollout.responses_per_step, min(c.algo.mini_batch_responses, c.rollout.responses_per_step)
   if c.packing.enabled:
     m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
-    rows = lambda size: packing.bucket_rows(size, multiple=m) // m
-    return rows(n) if phase_name == "scoring" else c.updates_per_step * rows(mini)
+    tokens = None if profile is None else sequence_tokens(report, profile)
+    row_tokens = packed_batch.row_tokens(c)
+
+    def rows(part) -> int:
+      needed = len(part) if tokens is None else int(packing.first_fit_decreasing(tokens[part], row_tokens)[0].max()) + 1
+      return packing.bucket_rows(needed, multiple=m) // m
+    if phase_name == "scoring":
+      return rows(np.arange(n))
+    order = np.random.default_rng(0).permutation(n)  # The update's mini-batches: random subsets of the step.
+    return c.algo.ppo_epochs * sum(rows(order[i:i + mini]) for i in range(0, n, mini))
   micro = min(c.algo.micro_batch_responses or mini, mini)
   if phase_name == "scoring":
     return n // micro if micro < n else 1
   return c.updates_per_step * (mini // micro)
 
 
-def _head_flops(report, chips: int) -> float:
-  """FLOPs per chip, per pass over a step's sequences, of the log-probs' vocabulary blocks that
-  `cost_analysis` leaves out: it counts one block of the `lax.scan` over ⌈V / Vb⌉ (`models/logprobs.py`),
-  so (1 − 1/blocks) of the output projection's 2·V·D per token is added (forward; its backward twice that)."""
-  c, cfg = report.config, report.architecture
-  tokens = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
-  blocks = -(-cfg.vocab_size // logprobs._blocks(cfg.vocab_size, tokens, c.model.logits_chunk))
-  return (1 - 1 / blocks) * 2.0 * cfg.vocab_size * cfg.hidden_size * tokens * c.rollout.responses_per_step / chips
+def _computed_tokens(report, phase_name: str, trips: float) -> float:
+  """Tokens a pass over a step's sequences computes: packed, the micro-batches' rows end to end (padding too);
+  padded, every sequence at the prompt bucket + cap."""
+  c = report.config
+  if c.packing.enabled:
+    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
+    passes = 1 if phase_name == "scoring" else c.algo.ppo_epochs
+    return trips / passes * m * packed_batch.row_tokens(c)
+  r = c.rollout
+  return r.responses_per_step * (common.prompt_bucket(r.max_prompt_tokens) + r.max_response_tokens)
 
 
-def _model_flops(report) -> dict[str, float]:
-  """Useful FLOPs of each phase on all chips (module docstring); the input embedding is a lookup, not a
-  matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
+def _head_flops(report, chips: int, tokens: float) -> float:
+  """FLOPs per chip, per pass over `tokens` tokens, of the log-probs' vocabulary blocks that `cost_analysis`
+  leaves out: it counts one block of the `lax.scan` over ⌈V / Vb⌉ (`models/logprobs.py`), so (1 − 1/blocks)
+  of the output projection's 2·V·D per token is added (forward; its backward twice that)."""
   c, cfg = report.config, report.architecture
-  tp, tr = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.max_response_tokens
-  n, tokens, critic_used = c.rollout.responses_per_step, tp + tr, c.algo.uses_critic
+  row = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
+  blocks = -(-cfg.vocab_size // logprobs._blocks(cfg.vocab_size, row, c.model.logits_chunk))
+  return (1 - 1 / blocks) * 2.0 * cfg.vocab_size * cfg.hidden_size * tokens / chips
+
+
+def _model_flops(report, profile: schedule.Profile) -> dict[str, float]:
+  """Useful FLOPs of each phase on all chips under `profile` (module docstring); the input embedding is a
+  lookup, not a matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
+  c, cfg = report.config, report.architecture
+  tokens = sequence_tokens(report, profile)
+  critic_used = c.algo.uses_critic
   models = 1 + critic_used + (c.algo.kl_coef > 0)
   embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
   actor, critic = (count - embedding for count in report.parameters)
-  attention = _attention_forward(cfg, tokens) * n
-  return {"rollout": 2 * actor * (n * tr + c.rollout.prompts_per_step * tp) + attention,
-          "scoring": 2 * (actor * (models - critic_used) + critic * critic_used) * n * tokens + attention * models,
-          "update": (6 * (actor + critic * critic_used) * n * tokens + 3 * attention * (1 + critic_used))
+  attention, total = _attention_forward(cfg, tokens), float(tokens.sum())
+  return {"rollout": 2 * actor * float(profile.responses.sum() + profile.prompts.sum()) + attention,
+          "scoring": 2 * (actor * (models - critic_used) + critic * critic_used) * total + attention * models,
+          "update": (6 * (actor + critic * critic_used) * total + 3 * attention * (1 + critic_used))
           * c.algo.ppo_epochs}
 
 
-def _phase(report, phase, chips: int) -> tuple[float, float, float, int]:
-  """(FLOPs, bytes, collective bytes, decode steps) of one phase per chip in one RL step."""
+def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, chip):
+  """(FLOPs, bytes, collective bytes, the decode loop's cost or None) of one phase per chip in one RL step."""
   c, cfg = report.config, report.architecture
-  tp, n = common.prompt_bucket(c.rollout.max_prompt_tokens), c.rollout.responses_per_step
-  attention = _attention_forward(cfg, tp + c.rollout.max_response_tokens) * n / chips
+  tokens = sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
   flops = bytes_ = moved = 0.0
-  steps = 0
+  found = None
   for program in phase.programs:
     if program.decode is not None:
-      f, b, m, steps = _decode(report, program, chips)
+      found = decode(report, program, profile, engine, chip)
+      f, b, m = found.flops, found.bytes, found.collective_bytes
     elif phase.name == "rollout":
       f, b, m = program.flops, program.bytes_accessed, _collective_bytes(program, unknown=1)
-      f += _attention_forward(cfg, tp) * c.rollout.prompts_per_step / chips if "prefill" in program.name else 0.0
+      f += _attention_forward(cfg, profile.prompts) / chips if "prefill" in program.name else 0.0
     else:
-      trips = _trips(report, phase.name)
+      trips = _trips(report, phase.name, profile)
       calls = c.updates_per_step if phase.name == "update" else 1  # One update program per mini-batch.
       f, b = program.flops * trips, program.bytes_accessed * trips
       m = calls * _collective_bytes(program, unknown=trips / calls)
+      attention = _attention_forward(cfg, tokens) / chips
       f += attention * (models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs)
-      f += _head_flops(report, chips) * ((models - c.algo.uses_critic) if phase.name == "scoring"
-                                         else 3 * c.algo.ppo_epochs)  # The actor's (and reference's) heads.
+      heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
+      f += _head_flops(report, chips, _computed_tokens(report, phase.name, trips)) * heads  # Actor's (reference's).
     flops, bytes_, moved = flops + f, bytes_ + b, moved + m
-  return flops, bytes_, moved, steps
+  return flops, bytes_, moved, found
 
 
-def estimate(report) -> StepEstimate:
-  """One RL step's phases (rollout, scoring, update; value pretraining and the warm start are not
-  per-step work) at the roofline of `report.target`'s chip."""
+def engines(report) -> tuple[str, ...]:
+  """The rollout engines an estimate compares: the compiled paged engine and the contiguous one at the same
+  KV-cache bytes; or the compiled static engine."""
+  return ("paged", "contiguous") if report.refill else ("static",)
+
+
+def estimate(report, profile: schedule.Profile | None = None, engine: str | None = None) -> StepEstimate:
+  """One RL step's phases (rollout, scoring, update; value pretraining and the warm start are not per-step
+  work) at the roofline of `report.target`'s chip under `profile` (default: every response at the cap, every
+  prompt at the bucket length), the rollout decoded by `engine` (default: the compiled one, `engines`)."""
   chip, chips = report.target.chip, len(report.target.devices)
-  useful, found, decode_steps = _model_flops(report), [], 0
+  c = report.config
+  profile = profile or schedule.at_cap(c, np.full(c.rollout.prompts_per_step, common.prompt_bucket(
+      c.rollout.max_prompt_tokens)), "every prompt at the bucket length")
+  engine = engine or engines(report)[0]
+  useful, found, decoded = _model_flops(report, profile), [], None
   for phase in (p for p in report.phases if p.name in ("rollout", "scoring", "update")):
-    flops, bytes_, moved, steps = _phase(report, phase, chips)
-    decode_steps = steps or decode_steps
+    flops, bytes_, moved, cost = _phase(report, phase, chips, profile, engine, chip)
+    priced = None
+    if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
+      decoded = cost
+      priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops, (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
+          + (moved - cost.collective_bytes) / chip.ici_bandwidth
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, moved,
-                          moved / chip.ici_bandwidth, useful[phase.name]))
-  return StepEstimate(tuple(found), chips, chip.peak_flops, decode_steps)
+                          moved / chip.ici_bandwidth, useful[phase.name], priced))
+  return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine, profile.name,
+                      decoded)
 
 
 def update_bound(step: StepEstimate) -> str | None:
@@ -246,16 +312,50 @@ def update_bound(step: StepEstimate) -> str | None:
 
 
 def format_estimate(step: StepEstimate, chip_name: str) -> str:
+  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU."""
   lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
-           f"of a {chip_name} (every response at the length cap; {step.decode_steps} decode steps)",
+           f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
            f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
            f"{'estimate s':>12}{'MFU':>8}"]
   lines += [f"  {p.phase:<12}{p.flops / 1e12:10.1f}{p.bytes / 1e9:10.1f}{p.collective_bytes / 1e9:10.1f}"
             f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.seconds:12.1f}"
             f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
-  lines.append(f"  one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout "
-               f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
-               f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})")
+  lines.append(f"  {summary(step)}")
   if bound := update_bound(step):
     lines.append(f"  {bound}")
+  return "\n".join(lines)
+
+
+def summary(step: StepEstimate) -> str:
+  rollout = step.phase("rollout").seconds
+  return (f"one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout {rollout:.0f} s, "
+          f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
+          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})")
+
+
+def compare(report, profiles: list[schedule.Profile]) -> list[tuple[str, StepEstimate]]:
+  """The step estimate of each engine (`engines`) under each profile, labelled "<profile letter>, <engine>"."""
+  return [(f"{chr(65 + i)}, {engine}", estimate(report, profile, engine))
+          for i, profile in enumerate(profiles) for engine in engines(report)]
+
+
+def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
+  """The profiles, the itemised decode bytes per chip and step of each (profile, engine), each step's phases,
+  and the rollout's speed-up of the paged engine over the contiguous one under each profile."""
+  chip = report.target.device_kind
+  names = dict.fromkeys(label.split(",")[0] for label, _ in estimates)
+  lines = [f"roofline of one RL step per chip ({chip}), by response-length profile and rollout engine:"]
+  for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
+    lines.append(f"  profile {letter}: {step.profile}")
+  lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
+  for label, step in estimates:
+    lines.append(f"  {label:<16}{summary(step)}")
+  by = dict(estimates)
+  for letter in names:
+    if f"{letter}, paged" in by and f"{letter}, contiguous" in by:
+      paged, contiguous = by[f"{letter}, paged"], by[f"{letter}, contiguous"]
+      ratio = contiguous.phase("rollout").seconds / paged.phase("rollout").seconds
+      lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
+                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots)")
+  lines += [format_estimate(step, f"{chip} ({label})") for label, step in estimates]
   return "\n".join(lines)

@@ -94,6 +94,7 @@ class Report:
   layers: int | None  # Compiled with only this many decoder layers (None: all).
   refill: bool | None  # The rollout's engine: refill (True) or static (False); None: not compiled.
   decode_rows: int  # Rows its decode loop runs at first: the refill slots, or a static round's sequences.
+  pool: dict | None = None  # The refill engine's pages per queue, page_tokens, block_pages and implementation.
 
   @property
   def weight_bytes(self) -> int:
@@ -120,7 +121,7 @@ class _Run:
   def __init__(self, config: ExperimentConfig, target: Topology, layers: int | None, tail: bool):
     m = config.mesh
     self.config, self.target, self.tail = config, target, tail
-    self.refill, self.decode_rows = None, 0  # Set by the rollout.
+    self.refill, self.decode_rows, self.pool = None, 0, None  # Set by the rollout.
     devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     self.rules = sharding.PRESETS[m.preset]
@@ -212,8 +213,9 @@ def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
   c, layout = run.config, run.layout
   prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  engine = experience.engine(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
-                             devices=layout.data_devices)
+  with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
+    engine = experience.engine(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
+                               devices=layout.data_devices)
   sampling = experience.sampling(c, _stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                  top_k=c.rollout.top_k)
   actor_def, _, state = run.states["rl"]
@@ -224,9 +226,10 @@ def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
                              sharding=jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec()))
   settings = dict(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype), jit=layout.jit,
                   decode_block=engine.decode_block)
-  if engine.kind == "refill" and 0 < engine.slots < prompts * group:
-    run.refill, run.decode_rows = True, engine.slots
+  if rollout.refills(engine, prompts=prompts, group=group, prompt_tokens=tp, max_new_tokens=sampling.max_new_tokens):
     queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)  # As rollout.sample chooses them.
+    engine = engine._replace(slots=min(engine.slots, -(-prompts * group // queues) * queues))
+    run.refill, run.decode_rows = True, engine.slots
     phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {engine.slots} slots, "
                              f"{queues} queue(s), tensor_parallel={layout.tensor_parallel}")
     tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
@@ -263,10 +266,11 @@ def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, token
   settings = {k: v for k, v in settings.items() if k != "decode_block"}
   paged = rollout.paged_settings(engine, queues=settings["queues"], prompts=c.rollout.prompts_per_step,
                                  prompt_tokens=tokens[0].shape[1], max_new_tokens=c.rollout.max_response_tokens,
-                                 platform=run.layout.mesh.devices.flat[0].platform)
+                                 head_dim=run.full_cfg.head_dim, platform=run.layout.mesh.devices.flat[0].platform)
   shared = dict(group=c.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call, min_slots=engine.min_slots,
                 **paged, **settings)
   phase.detail += f", {paged['pages']} pages of {paged['page_tokens']} tokens per queue ({paged['implementation']})"
+  run.pool = paged
   fns = refill.programs(slots=engine.slots, **shared)
   prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
                         fallback=run.decoding)
@@ -348,7 +352,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
   return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done),
                 weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
-                architecture, layers, run.refill, run.decode_rows)
+                architecture, layers, run.refill, run.decode_rows, run.pool)
 
 
 def _micro_batches(run: _Run, size: int) -> str:

@@ -29,6 +29,7 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +41,16 @@ from vapo_jax.models import decode_attention, sharding
 IMPLEMENTATIONS = ("kernel", "gather", "reference")
 
 
-def default_implementation(platform: str | None = None) -> str:
-  """The kernel on TPU; the gather elsewhere."""
-  return "kernel" if (platform or jax.default_backend()) == "tpu" else "gather"
+def default_implementation(platform: str | None = None, *, head_dim: int = 128, page_tokens: int = 128) -> str:
+  """The kernel on TPU where Mosaic takes its blocks (head dim a multiple of 128, pages of a multiple of 8
+  tokens); the gather elsewhere (and, with a warning, on TPU otherwise)."""
+  if (platform or jax.default_backend()) != "tpu":
+    return "gather"
+  if head_dim % 128 or page_tokens % 8:
+    warnings.warn(f"paged attention: the TPU kernel needs a head dim that is a multiple of 128 and pages of a "
+                  f"multiple of 8 tokens (here {head_dim} and {page_tokens}); the gather runs instead", stacklevel=2)
+    return "gather"
+  return "kernel"
 
 
 def default_block_pages(page_tokens: int, platform: str | None = None) -> int:
@@ -145,8 +153,11 @@ def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int) -
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
   ids = (layer * queues + queue[:, None]) * pages + jnp.minimum(table, pages - 1)
   scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # The kernel takes its queries scaled.
-  return paged_attention(scaled, flat(keys), flat(values), lengths.astype(jnp.int32), ids.astype(jnp.int32),
-                         pages_per_compute_block=block_pages)
+  # Its matmuls take float32 queries against bfloat16 keys, which Mosaic compiles at the default precision only:
+  # a run's (or the tests') global "highest" must not reach them.
+  with jax.default_matmul_precision("default"):
+    return paged_attention(scaled, flat(keys), flat(values), lengths.astype(jnp.int32), ids.astype(jnp.int32),
+                           pages_per_compute_block=block_pages)
 
 
 def read_bytes(lengths, *, page_tokens: int, block_pages: int, token_bytes: float) -> float:

@@ -10,21 +10,29 @@ The package, one module a part:
   common    what both engines share: `Sampling`, the `Rollout`, prompt buckets, KV-cache sizing,
             the prefill
   static    the static engine: every sequence of a round in one batch (the reference)
-  refill    the refill engine: decode slots that take the next queued sequence as soon as theirs ends
+  queues    what both refill engines share: queues of sequences in slots, outputs by sequence, the tail's shrink
+  pages     the pages of the refill engine's KV cache, handed out and taken back on the device
+  refill    the refill engine: decode slots over a paged KV cache, refilled as sequences end, preempted
+            and restarted when the pages run out
+  contiguous  the refill engine over a contiguous KV cache (each slot owning prompt + cap tokens): the
+            reference the benchmark and the roofline compare the paged one against
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
   here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
 
 `sample` runs the static engine (`static.generate_static`, optionally in rounds of prompts) or the refill
-engine (`refill.generate_refill`); with at least as many slots as sequences there is nothing to refill
-and the static engine runs. Both sample the same tokens for the same key (sequence n of the call
-draws from `fold_in(key, n)`), so the engine is a speed setting, never a change of results.
+engine (`refill.generate_refill`, over a paged KV cache); when every sequence has a slot and the pool holds
+them all at the cap there is nothing to refill or page, and the static engine runs (`refills`). Both
+sample the same tokens for the same key (sequence n of the call draws from `fold_in(key, n)`), so the
+engine is a speed setting, never a change of results.
 
 Metrics (`rollout_metrics`): `time/rollout_s` (prefill + decode, until the lengths reach the host),
 `perf/rollout_tokens_per_s` (response tokens / that time), `rollout/decode_steps`,
 `rollout/slots` (rows decoded per step at the start; the refill engine shrinks them in the tail),
 `rollout/slot_utilization` (response tokens / Σ rows × decode steps: the share of decoded rows
 that were a live sequence), `rollout/response_len_p50`,
-`_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`.
+`_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`; the refill engine's pool:
+`rollout/preemptions`, `rollout/recomputed_tokens` (tokens decoded again after a preemption),
+`rollout/pages` (per data-parallel group), `rollout/pages_peak` and `rollout/pages_free_after`.
 """
 
 import math
@@ -112,18 +120,20 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   sequences = prompts * group
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
-  refilled = engine.kind == "refill" and 0 < engine.slots < sequences
+  refilled = refills(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens.shape[1],
+                     max_new_tokens=sampling.max_new_tokens)
   figures = {}
   if refilled:
     queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
+    slots = min(engine.slots, -(-sequences // queues) * queues)
     out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
-        slots=engine.slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
+        slots=slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
         min_slots=engine.min_slots, jit=jit, length_limits=None if limits is None else place(limits),
         prompt_lengths=np.sum(prompt_mask, axis=-1),
         **paged_settings(engine, queues=queues, prompts=prompts, prompt_tokens=prompt_tokens.shape[1],
-                         max_new_tokens=sampling.max_new_tokens))
-    rows = engine.slots
+                         max_new_tokens=sampling.max_new_tokens, head_dim=model.cfg.head_dim))
+    rows = slots
   else:
     fn = static.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
                                decode_block=engine.decode_block, jit=jit)
@@ -147,8 +157,23 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
                               row_steps=row_steps) | figures
 
 
+def refills(engine: Engine, *, prompts: int, group: int, prompt_tokens: int, max_new_tokens: int) -> bool:
+  """Whether `sample` runs the refill engine for a call of `prompts` × `group` sequences: a refill engine with
+  slots, unless every sequence has a slot and its pool holds them all at the cap (the static batch, which runs
+  instead: the same tokens)."""
+  sequences = prompts * group
+  if engine.kind != "refill" or engine.slots <= 0:
+    return False
+  if engine.slots < sequences:
+    return True
+  queues = math.gcd(engine.queues, prompts)
+  needed = (prompts // queues * -(-prompt_tokens // engine.page_tokens)
+            + sequences // queues * common.sequence_pages(max_new_tokens, engine.page_tokens))
+  return 0 < engine.pages * engine.queues // queues < needed
+
+
 def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: int, max_new_tokens: int,
-                   platform: str | None = None) -> dict:
+                   head_dim: int, platform: str | None = None) -> dict:
   """The paged refill engine's settings for a call of `prompts` prompts in `queues` queues: its pages per queue
   (`engine.pages`; with fewer queues than `engine.queues`, a queue no longer has devices of its own and the
   pool is replicated, so each holds `engine.pages` / queues; without pages given, as many as the slots hold
@@ -163,4 +188,5 @@ def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: 
   platform = platform or sharding.platform()
   return dict(pages=pages, page_tokens=page_tokens,
               block_pages=engine.block_pages or paged_attention.default_block_pages(page_tokens, platform),
-              implementation=engine.attention or paged_attention.default_implementation(platform))
+              implementation=engine.attention or paged_attention.default_implementation(
+                  platform, head_dim=head_dim, page_tokens=page_tokens))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vapo_jax.models import sharding
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import positions_from_mask
@@ -109,9 +110,9 @@ def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tok
 
 
 def default_page_tokens(platform: str | None = None) -> int:
-  """Tokens per page of the refill engine's pool: 128 on TPU (a page table of `aime`'s slots and 22.5k-token
-  context fits the paged kernel's scalar memory), 16 elsewhere."""
-  return 128 if (platform or jax.default_backend()) == "tpu" else 16
+  """Tokens per page of the refill engine's pool on `platform` (default: the one traced for,
+  `sharding.platform()`): 128 on TPU, 16 elsewhere."""
+  return 128 if (platform or sharding.platform()) == "tpu" else 16
 
 
 def sequence_pages(max_new_tokens: int, page_tokens: int) -> int:

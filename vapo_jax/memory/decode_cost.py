@@ -1,0 +1,146 @@
+"""The decode loop's cost per chip, step by step: a schedule (`schedule.py`) priced with the compiled decode step.
+
+Itemised per decode step and chip (`DecodeCost`, means over the steps):
+
+  weights     the rollout copy of the policy, read once per step: every parameter but the input embedding (a
+              gather of the rows' token ids), split over the `rollout.tensor_parallel` chips of a group
+  KV read     the cached tokens attention reads (the schedule's `read_tokens`: the paged engine each live row's
+              own tokens in whole blocks; the contiguous engine every row up to the longest live row's slot)
+              × a token's keys and values at every layer per chip
+  KV written  one token per live row (and the prompt a refill copies: the paged engine one page, the
+              contiguous engine the prompt bucket's slots)
+  the rest    what `cost_analysis` counts of the compiled decode step besides the weights and its own count of
+              the cache (activations, logits, the sampler, page tables), in proportion to the rows decoded
+
+`cost_analysis` counts a loop body once: the decode step's figures are its layer-corrected ones
+(`roofline.every_layer`); it sees one block of the contiguous cache per layer (`attend_one`'s loop has a
+dynamic trip count) and nothing of the Pallas kernel's reads (its cost does not grow with the pool:
+tests/test_compile_tpu.py), so those are taken out of "the rest" and the reads are counted here once,
+from the schedule. (Adding the whole cache on top of the corrected figure counts every layer's block twice.)
+FLOPs: `cost_analysis`'s (the matmuls, the sampler) in proportion to the rows, plus attention from its
+definition, 4·N·H per cached token read per layer. Collectives: the decode loop's per-step bytes
+(`aot.DecodeTraffic`), in proportion to the rows. A step costs the slower of its FLOPs at the chip's peak
+and its bytes at the HBM bandwidth, plus its collectives at the ICI bandwidth.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from vapo_jax.memory import schedule
+from vapo_jax.models import decode_attention
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.rollout import common
+
+
+class DecodeCost(NamedTuple):
+  """One rollout's decode loop on one chip (its queue's schedule)."""
+
+  engine: str  # "paged", "contiguous" or "static".
+  slots: int  # Rows at the start.
+  steps: int
+  weights: float  # Bytes per step (means over the steps, per chip).
+  kv_read: float
+  kv_written: float
+  rest: float
+  flops: float  # In all.
+  bytes: float  # In all.
+  collective_bytes: float  # In all.
+  seconds: float  # The steps at the roofline.
+  live: float  # Mean live rows per step.
+  preemptions: int
+  recomputed_tokens: int
+  peak_pages: int
+
+
+class Prices(NamedTuple):
+  """What one step of the compiled decode loop costs per chip at `rows` rows, beside its KV traffic."""
+
+  rows: int
+  weights: float  # Bytes.
+  rest: float  # Bytes (activations, logits, sampler...).
+  flops: float  # cost_analysis's, without attention.
+  collectives: float  # Bytes per step.
+  token_bytes: float  # A cached token's keys and values at every layer, per chip.
+  attention_flops: float  # Per cached token read (every layer), per chip.
+
+
+def prices(report, program, *, xla_kv_tokens: float) -> Prices:
+  """The compiled decode step's prices per chip (module docstring). `xla_kv_tokens`: the cached tokens its
+  `cost_analysis` counted (one block per row per layer for `attend_one` and the gather; 0 for the kernel)."""
+  c, cfg = report.config, report.architecture
+  t, dtype = c.rollout.tensor_parallel, np.dtype(c.model.dtype)
+  embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+  weights = (report.weight_bytes - embedding) / t
+  token_bytes = KVCache.bytes_per_token(cfg, dtype) / t
+  rest = max(program.bytes_accessed - weights - xla_kv_tokens * token_bytes, 0.0)
+  return Prices(report.decode_rows, weights, rest, program.flops, program.decode.bytes if program.decode else 0.0,
+                token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t)
+
+
+def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:
+  """The schedule `load` at prices `p` on `chip` (`topologies.Chip`); `copied_tokens`: tokens a refill copies
+  in all (written, and read)."""
+  scale = load.rows / p.rows
+  kv_read = load.read_tokens * p.token_bytes
+  kv_written = load.live * p.token_bytes
+  rest = p.rest * scale
+  step_bytes = p.weights + kv_read + kv_written + rest
+  step_flops = p.flops * scale + p.attention_flops * load.read_tokens
+  collectives = p.collectives * scale
+  seconds = np.maximum(step_flops / chip.peak_flops, step_bytes / chip.hbm_bandwidth) + collectives / chip.ici_bandwidth
+  copy = 2 * copied_tokens * p.token_bytes
+  steps = max(load.steps, 1)
+  return DecodeCost(engine, slots, load.steps, p.weights, (kv_read.sum() + copy / 2) / steps,
+                    (kv_written.sum() + copy / 2) / steps, rest.sum() / steps, float(step_flops.sum()),
+                    float(step_bytes.sum() + copy), float(collectives.sum()),
+                    float(seconds.sum() + copy / chip.hbm_bandwidth), float(load.live.mean()) if load.steps else 0.0,
+                    load.preemptions, load.recomputed_tokens, load.peak_pages)
+
+
+def queue_share(profile: schedule.Profile, queues: int) -> tuple[np.ndarray, np.ndarray]:
+  """Queue 0's sequences and prompts (every queue serves an equal contiguous share; the profile's lengths are
+  drawn independently, so queue 0 stands for each)."""
+  return profile.responses[:len(profile.responses) // queues], profile.prompts[:len(profile.prompts) // queues]
+
+
+def contiguous_slots(report, pool_bytes: float) -> int:
+  """Slots per queue the contiguous engine holds in `pool_bytes` per chip: each prompt bucket + cap tokens."""
+  c = report.config
+  per_slot = common.cache_bytes(report.architecture, batch=1, prompt_tokens=common.prompt_bucket(
+      c.rollout.max_prompt_tokens), max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
+                                tensor=c.rollout.tensor_parallel)
+  return max(1, int(pool_bytes // per_slot))
+
+
+def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int) -> DecodeCost:
+  """The contiguous refill engine (`rollout/contiguous.py`) on `profile`: `slots` rows per queue reading up to
+  the longest live row's slot in blocks of `attend_one`'s TPU block; each refill copies the prompt bucket."""
+  c = report.config
+  responses, prompts = queue_share(profile, queues)
+  tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
+  load = schedule.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots, min_slots=min_slots,
+                           prompt_slots=tp, block=decode_attention.default_block("tpu"))
+  return cost(load, p, chip, engine="contiguous", slots=slots * queues, copied_tokens=len(responses) * tp)
+
+
+def paged(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int, pages: int,
+          page_tokens: int, block_pages: int) -> DecodeCost:
+  """The paged refill engine (`rollout/refill.py`) on `profile`: `slots` rows and `pages` pages per queue, each
+  live row reading its own tokens; each refill copies one page (the prompt's last, partly filled one)."""
+  responses, prompts = queue_share(profile, queues)
+  load = schedule.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt, slots=slots,
+                           min_slots=min_slots, paged=schedule.Paged(pages, page_tokens, block_pages))
+  return cost(load, p, chip, engine="paged", slots=slots * queues, copied_tokens=len(responses) * page_tokens)
+
+
+def format_costs(costs: list[tuple[str, DecodeCost]]) -> list[str]:
+  """The itemised decode bytes per chip and step, one line per (profile, engine)."""
+  lines = [f"  {'decode, per chip and step':<38}{'slots':>7}{'steps':>8}{'live':>7}{'weights':>9}{'KV read':>9}"
+           f"{'KV wrt':>8}{'rest':>7}{'GB/step':>9}{'decode s':>10}{'preempt':>9}"]
+  for name, d in costs:
+    total = d.weights + d.kv_read + d.kv_written + d.rest
+    lines.append(f"  {name:<38}{d.slots:>7}{d.steps:>8}{d.live:>7.0f}{d.weights / 1e9:>9.2f}{d.kv_read / 1e9:>9.2f}"
+                 f"{d.kv_written / 1e9:>8.3f}{d.rest / 1e9:>7.2f}{total / 1e9:>9.2f}{d.seconds:>10.1f}"
+                 f"{d.preemptions:>9}")
+  return lines
