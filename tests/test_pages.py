@@ -90,12 +90,12 @@ def test_the_roofline_schedule_replays_the_engine(model):
 
   static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
   lengths = np.asarray(static.response_lengths)
-  for pages in (10, 0):
-    engine = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=pages, page_tokens=4, block_pages=2)
+  for pool in (10, 0):
+    engine = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
     _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
     load = schedule.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
                              paged=schedule.Paged(int(metrics["rollout/pages"]), 4, 2))
-    assert load.steps == metrics["rollout/decode_steps"], pages
-    assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pages
+    assert load.steps == metrics["rollout/decode_steps"], pool
+    assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pool
     assert (load.preemptions, load.recomputed_tokens, load.peak_pages) == (
-        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"]), pages
+        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"]), pool
