@@ -54,10 +54,11 @@ test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 proc
 lint: $(STAMP)  ## ruff check over the repository (its rules, and each ignored one's reason: ruff.toml).
 	$(VENV)/bin/ruff check .
 
-bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); long sequences; packed vs padded updates; pod (decode per layout, reshard).
+bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); paged vs contiguous refill at equal KV bytes; long sequences; packed vs padded updates; pod (decode per layout, reshard).
 	$(PY) -m benchmarks.gae_bench
 	$(PY) -m benchmarks.model_bench
 	$(PY) -m benchmarks.rollout_bench
+	$(PY) -m benchmarks.paged_bench
 	$(PY) -m benchmarks.long_seq_bench
 	$(PY) -m benchmarks.packing_bench
 	$(PY) -m benchmarks.pod_bench

@@ -167,20 +167,14 @@ class PagedKVCache:
 
   def write(self, layer, k: jax.Array, v: jax.Array) -> "PagedKVCache":
     """Each live row's key and value `[R, 1, K, H]` at its token `lengths[r]`: offset lengths mod Tg of page
-    `table[r, lengths // Tg]`, layer `layer` (a scatter batched over queues; rows holding nothing write nothing)."""
-    tg, pages, queues = self.page_tokens, self.pages, self.keys.shape[2]
+    `table[r, lengths // Tg]`, layer `layer` (one scatter batched over queues, in place; rows holding nothing
+    write nothing)."""
+    tg, queues = self.page_tokens, self.keys.shape[2]
     column = jnp.minimum(self.lengths // tg, self.table.shape[1] - 1)
     page = jnp.take_along_axis(self.table, column[:, None], axis=1)[:, 0]
-    page = jnp.where(self.live, page, pages)  # Out of range: dropped.
-    offset = self.lengths % tg
-    by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
-
-    def put(pool, new):  # pool [K, L, Q, Pq, Tg, H]; new [R, 1, K, H].
-      def one(part, p, o, x):  # part [K, L, Pq, Tg, H]; p, o [Rq]; x [Rq, K, H].
-        return part.at[:, layer, p, o, :].set(x.transpose(1, 0, 2).astype(part.dtype), mode="drop")
-      return jax.vmap(one, in_axes=(2, 0, 0, 0), out_axes=2)(pool, by_queue(page), by_queue(offset),
-                                                             by_queue(new[:, 0]))
-    return self.replace(keys=constrain(put(self.keys, k), POOL_AXES), values=constrain(put(self.values, v), POOL_AXES))
+    page = jnp.where(self.live, page, self.pages)  # Out of range: dropped.
+    return self.replace(keys=write_token(self.keys, k[:, 0], layer, page, self.lengths % tg, queues),
+                        values=write_token(self.values, v[:, 0], layer, page, self.lengths % tg, queues))
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
     """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of layer
@@ -192,6 +186,20 @@ class PagedKVCache:
 
   def advance(self, key_mask=None, steps: int = 1) -> "PagedKVCache":
     return self.replace(lengths=self.lengths + self.live.astype(jnp.int32))
+
+
+def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset: jax.Array, queues: int) -> jax.Array:
+  """`new` `[R, K, H]` written into the pool `[K, L, Q, Pq, Tg, H]` at (layer, row r's queue, `page[r]`,
+  `offset[r]`): a scatter batched over the queue axis (split over the data-parallel devices with the rows, it
+  stays on each device), in place, a page ≥ Pq dropped."""
+  rows = new.shape[0]
+  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32),
+                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 3)
+  updates = new.astype(pool.dtype).reshape(queues, rows // queues, *new.shape[1:])  # [Q, Rq, K, H]
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(1, 3, 4),
+                                            scatter_dims_to_operand_dims=(1, 3, 4), operand_batching_dims=(2,),
+                                            scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(pool, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
