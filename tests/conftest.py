@@ -32,6 +32,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ:  # The controller, or a run without 
 import jax  # noqa: E402  (must come after the environment is set)
 import pytest  # noqa: E402
 
+from vapo_jax import compile_cache  # noqa: E402
+
+compile_cache.install()  # The run's: each kept program checked against its key, a read-only cache said once.
+
 import experiments  # noqa: E402
 from experiments import variants  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402

@@ -31,3 +31,77 @@ def test_nothing_happens_without_both_variables_or_a_directory(tmp_path):
                   {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "absent"), "VAPO_JAX_CACHE_MAX_GIB": tiny}):
     assert bound_compilation_cache(environ) == 0
   assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
+def test_a_sealed_entry_that_does_not_match_its_key_is_evicted_and_replaced(tmp_path):
+  """`compile_cache.SealedCache` over JAX's file cache: an entry is read back while its seal matches; another
+  entry's bytes copied over it, or the entry cut short, make a miss that evicts the entry (and says so once);
+  the entry written next takes its place."""
+  import shutil
+
+  from jax._src.lru_cache import LRUCache
+
+  from vapo_jax.compile_cache import SEAL_SUFFIX, SealedCache
+
+  said = []
+  cache = SealedCache(LRUCache(str(tmp_path), max_size=-1), str(tmp_path), said.append)
+  cache.put("f", b"program f")
+  cache.put("g", b"program g")
+  assert cache.get("f") == b"program f" and cache.get("g") == b"program g" and cache.get("h") is None
+  shutil.copyfile(tmp_path / "f-cache", tmp_path / "g-cache")  # g's entry now holds f's program.
+  assert cache.get("g") is None and not (tmp_path / "g-cache").exists() and not (tmp_path / f"g{SEAL_SUFFIX}").exists()
+  assert len(said) == 1 and "make clean-cache" in said[0]
+  cache.put("g", b"program g")  # The recompiled entry replaces it (JAX's cache never overwrites one).
+  assert cache.get("g") == b"program g"
+  (tmp_path / "f-cache").write_bytes(b"progr")  # Cut short.
+  assert cache.get("f") is None and len(said) == 1  # Said once a process.
+  (tmp_path / "u-cache").write_bytes(b"unsealed")  # Written before seals (or by another JAX): compiled again.
+  assert cache.get("u") is None
+
+
+def _run(script: str, cache_dir, tmp_path):
+  import subprocess
+  import sys
+
+  environ = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PLATFORMS="cpu",
+                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=environ, cwd=tmp_path,
+                        timeout=300)
+
+
+PROGRAMS = """
+import jax, jax.numpy as jnp
+from vapo_jax import compile_cache
+print(compile_cache.install())
+f = jax.jit(lambda x: x * 2.0 + 1.0)
+g = jax.jit(lambda x: jnp.sin(x) - x ** 3)
+print(float(f(jnp.float32(3.0))), float(g(jnp.float32(3.0))))
+"""
+
+
+def test_another_programs_entry_is_compiled_again_with_one_line(tmp_path):
+  """A process whose cache entry holds another program's executable (copied over it) computes the right numbers,
+  says so in one line naming `make clean-cache`, and the next process loads the replaced entry silently."""
+  cache = tmp_path / "cache"
+  first = _run(PROGRAMS, cache, tmp_path)
+  assert first.returncode == 0, first.stderr
+  entries = sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
+  assert len(entries) >= 2 and all((cache / (p.name[:-6] + "-seal")).exists() for p in entries)
+  for entry in entries[1:]:  # Every entry but one now holds the first one's executable.
+    entry.write_bytes(entries[0].read_bytes())
+  swapped = _run(PROGRAMS, cache, tmp_path)
+  assert swapped.returncode == 0 and swapped.stdout == first.stdout, swapped.stderr
+  assert swapped.stderr.count("make clean-cache") == 1 and "Traceback" not in swapped.stderr
+  again = _run(PROGRAMS, cache, tmp_path)
+  assert again.stdout == first.stdout and "make clean-cache" not in again.stderr, again.stderr
+
+
+def test_an_unwritable_cache_is_said_once_and_compiles_without_keeping(tmp_path):
+  """A cache path this process cannot write (here a file where the directory should be): one line at the start,
+  no warning per program, the same numbers."""
+  blocked = tmp_path / "cache"
+  blocked.write_text("not a directory")
+  result = _run(PROGRAMS, blocked, tmp_path)
+  assert result.returncode == 0 and result.stdout.splitlines()[0] == "read-only", result.stderr
+  assert result.stderr.count("compiling without keeping programs") == 1
+  assert "PermissionError" not in result.stderr and "Error writing" not in result.stderr

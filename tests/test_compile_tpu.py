@@ -9,6 +9,7 @@ shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. 
 import dataclasses
 import math
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -127,11 +128,11 @@ def test_a_second_compile_loads_what_the_tpu_compiler_said(smoke_report, monkeyp
   for name, flags in ((TOPOLOGY, ""), (TOPOLOGY, " --xla_dump_to=/nonexistent"), ("v5p:2x2x2", "")):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + flags)
     with compiled_cache.keeping(topologies.named(name)):
-      paths.add(compiled_cache._path("module @same {}"))
+      paths.add(compiled_cache._path(compiled_cache._key("module @same {}")))
   assert len(paths) == 3 and None not in paths
 
 
-def test_an_unwritable_or_damaged_kept_file_costs_a_compile(tmp_path, monkeypatch):
+def test_an_unwritable_damaged_or_swapped_kept_file_costs_a_compile(tmp_path, monkeypatch):
   said = compiled_cache.Said((1, 2, 3, 4), {"flops": 5.0}, "HloModule m", (), None)
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "absent"))
   with compiled_cache.keeping(topologies.named(TOPOLOGY)):
@@ -141,7 +142,14 @@ def test_an_unwritable_or_damaged_kept_file_costs_a_compile(tmp_path, monkeypatc
   with compiled_cache.keeping(topologies.named(TOPOLOGY)):
     compiled_cache.store("module @m {}", said)
     assert compiled_cache.load("module @m {}") == said
-    with open(compiled_cache._path("module @m {}"), "r+b") as f:
+    path = lambda text: compiled_cache._path(compiled_cache._key(text))
+    other = said._replace(cost={"flops": 6.0})
+    compiled_cache.store("module @other {}", other)
+    shutil.copyfile(path("module @other {}"), path("module @m {}"))  # Another program's file under m's name:
+    assert compiled_cache.load("module @m {}") is None  # a miss (its key is inside),
+    compiled_cache.store("module @m {}", said)  # which the compile that follows rewrites.
+    assert compiled_cache.load("module @m {}") == said and compiled_cache.load("module @other {}") == other
+    with open(path("module @m {}"), "r+b") as f:
       f.truncate(20)  # A file cut short (a full disk, a killed process): read as absent.
     assert compiled_cache.load("module @m {}") is None
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from multiprocess_launch import without_device_count
@@ -222,3 +223,82 @@ def test_a_run_directory_turning_read_only_mid_run_is_one_line_and_resumes(tmp_p
   assert (run / "checkpoints").is_dir() and os.listdir(run / "checkpoints")  # Its checkpoints stay.
   result = train("")  # Writable again: the same command resumes.
   assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-3000:]
+
+
+# The run's checkpoint directory turning read-only while an asynchronous save is in flight: from the fourth write
+# of metrics.jsonl on, Orbax's background threads (not the run's own) are refused every write under checkpoints/;
+# the time of the first refusal is written to REFUSED_AT.
+READ_ONLY_IN_FLIGHT = """
+    import builtins, threading, time
+    CHECKPOINTS, state = os.path.join(os.path.abspath(RUN_DIR), "checkpoints"), {"metrics": 0}
+    def refuse(path, write=True):
+      if (write and state["metrics"] >= 4 and threading.current_thread() is not threading.main_thread()
+          and os.path.abspath(str(path)).startswith(CHECKPOINTS)):
+        if not os.path.exists(REFUSED_AT):
+          with real_open(REFUSED_AT, "w") as f:
+            f.write(str(time.time()))
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    real_open = builtins.open
+    def guarded_open(path, mode="r", *args, **kwargs):
+      if str(path).endswith("metrics.jsonl") and "a" in mode:
+        state["metrics"] += 1
+      refuse(path, any(c in mode for c in "wax+"))
+      return real_open(path, mode, *args, **kwargs)
+    builtins.open = guarded_open
+    for name in ("unlink", "remove", "rename", "replace", "mkdir", "rmdir"):
+      real = getattr(os, name)
+      setattr(os, name, lambda path, *a, _real=real, **k: (refuse(path), _real(path, *a, **k))[1])
+    """
+
+
+# make test-slow (a minute); make test: test_a_checkpoint_directory_that_cannot_be_written_stops_a_save.
+@pytest.mark.slow
+def test_a_failed_asynchronous_save_stops_the_run_at_once_in_one_line(tmp_path):
+  """An asynchronous save whose writes are refused ends the run within 30 s of the first refusal: exit 2, one
+  line naming the directory, no traceback (Orbax's threads, tensorstore's closed event loop, un-awaited
+  coroutines: silenced); the complete checkpoints stay and the same command resumes."""
+  import time
+
+  run, refused = tmp_path / "full", tmp_path / "refused_at"
+  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}", "name=full", "sft.steps=8", "algo.value_pretrain_steps=0",
+          "rl_steps=0", "eval.path=none", "checkpoint.every_steps=1", "checkpoint.async_save=true"]
+  env = without_device_count(PYTHONPATH=str(REPO))
+  train = lambda inject: subprocess.run(
+      [sys.executable, "-c",
+       "import errno, os, sys\n" + inject + f"from vapo_jax.cli import train\nsys.exit(train.main({args!r}))"],
+      capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
+  inject = textwrap.dedent(READ_ONLY_IN_FLIGHT).replace("RUN_DIR", repr(str(run))).replace(
+      "REFUSED_AT", repr(str(refused)))
+  result = train(inject)
+  ended = time.time()
+  line = _one_line_error(result)
+  assert f"saving a checkpoint in {run}/checkpoints: cannot write" in line and "Permission denied" in line, line
+  assert "Traceback" not in result.stderr and "never awaited" not in result.stderr, result.stderr[-3000:]
+  assert ended - float(refused.read_text()) < 30
+  assert [n for n in os.listdir(run / "checkpoints") if n.isdigit()]  # The complete checkpoints stay.
+  result = train("")  # Writable again: the same command resumes.
+  assert result.returncode == 0 and "resumed from" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_stops_a_save(tmp_path, monkeypatch):
+  """Before each save the directory is probed: one that refuses a file is one line at once, and no background
+  save starts writing into it."""
+  import builtins
+
+  from vapo_jax.config import CheckpointConfig
+  from vapo_jax.train import checkpoints
+
+  found = checkpoints.RunCheckpoints(str(tmp_path / "checkpoints"), CheckpointConfig(async_save=True))
+  monkeypatch.setattr(found.manager, "save", lambda *a, **k: pytest.fail("a save started into an unwritable directory"))
+  real_open = builtins.open
+
+  def refuse(path, mode="r", *args, **kwargs):
+    if ".write_probe" in str(path):
+      raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    return real_open(path, mode, *args, **kwargs)
+  monkeypatch.setattr(builtins, "open", refuse)
+  with pytest.raises(SetupError, match=r"saving a checkpoint in .*checkpoints: cannot write .*\.write_probe\.\d+ "
+                                       r"\(Permission denied\)"):
+    found.save(1, {"x": np.zeros(3)}, {"progress": {}})
+  monkeypatch.setattr(builtins, "open", real_open)
+  found.close()

@@ -227,3 +227,13 @@ def test_make_eval_reads_the_problems_as_the_trainer_does(tmp_path, smoke_config
   assert evaluate.main(args) == 0, capsys.readouterr().err
   summary = json.loads((tmp_path / "out" / "summary.json").read_text())["overall"]
   assert summary["problems"] == 4 and summary["avg@1"] == 1.0
+
+
+def test_pass_at_k_stops_at_the_fewest_samples_and_says_so():
+  """Problems with 4 and 2 samples: pass@k up to k = 2, and a note saying why pass@4 is left out."""
+  samples = _samples("A", "s1", ["7", "6", "6", "6"], "7") + _samples("B", "s1", ["5", "6"], "5")
+  summary = accuracy.summarize(samples)
+  assert "avg@2-4" in summary and "pass@2" in summary and "pass@4" not in summary
+  assert summary["pass@k_note"] == ("pass@k up to k=2 only: problems have 2-4 samples (the fewest bound k; "
+                                    "1 problem(s) have 2)")
+  assert "pass@k_note" not in accuracy.summarize(samples[:4])

@@ -87,3 +87,18 @@ def test_a_signal_during_a_stage_is_honoured_on_entering_the_next_one_the_last_i
   with pytest.raises(checkpoints.Preempted, match=f"on entering {stage}; checkpoint saved") as stopped:
     Trainer._enter(trainer, stage)
   assert stopped.value.exit_code == checkpoints.PREEMPTED_EXIT_CODE and saved == [False]
+
+
+def test_a_changed_config_is_warned_about_once(recwarn):
+  """`checkpoint.allow_config_change=true`: the start and the restore both check the saved config; one warning."""
+  import dataclasses as dc
+
+  from vapo_jax.config import ExperimentConfig
+  from vapo_jax.train import checkpoints as ck
+
+  saved = ExperimentConfig(name="x")
+  now = dc.replace(saved, seed=5, checkpoint=dc.replace(saved.checkpoint, allow_config_change=True))
+  for _ in range(2):
+    ck.check_resumable(now, dc.asdict(saved), "/runs/x/checkpoints")
+  changed = [w for w in recwarn if "resuming with a changed config" in str(w.message)]
+  assert len(changed) == 1 and "seed: 0 → 5" in str(changed[0].message)

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -204,5 +205,95 @@ def test_sigterm_stops_the_sweep_and_its_runs(tmp_path):
   out, err = sweep_process.communicate(timeout=180)  # (test_resume's slow tests); before that, SIGTERM ends it.
   assert sweep_process.returncode == 130, err
   assert "stopped toy_vapo_seed0 (exit " in out, out + err
-  assert "the same command resumes it" in err
+  assert "the same command resumes the sweep" in err
   assert not subprocess.run(["pgrep", "-f", f"run_dir={tmp_path}"], capture_output=True).stdout  # Not left running.
+
+
+# A run as the sweep launches it, in miniature: on SIGTERM it takes a second to save, marks that it stopped, and
+# exits 75 (the trainer's preemption exit); a further SIGTERM while saving is ignored, as the trainer ignores it.
+FAKE_RUN = """
+import os, signal, sys, time
+name = sys.argv[1]
+def stop(signum, frame):
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  time.sleep(1.0)
+  open(os.path.join(sys.argv[2], name + ".stopped"), "w").close()
+  sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(sys.argv[2], name + ".started"), "w").close()
+time.sleep(float(sys.argv[3]))
+os.makedirs(sys.argv[4], exist_ok=True)
+open(os.path.join(sys.argv[4], "summary.json"), "w").close()
+"""
+
+HARNESS = """
+import signal, subprocess, sys
+from vapo_jax.cli import sweep
+marks, seconds = sys.argv[1], sys.argv[2]
+def launch(run, extra, env):
+  process = subprocess.Popen([sys.executable, "-c", {fake!r}, run.name, marks, seconds, run.directory])
+  process.log = open("/dev/null", "w")
+  return process
+sweep._launch = launch
+signal.signal(signal.SIGTERM, sweep._terminate)
+runs = [sweep.Run(name, 0, marks) for name in ("one", "two")]
+try:
+  sweep.execute(runs, jobs=2)
+except sweep.SweepStopped as e:
+  print(e.message, flush=True)
+  sys.exit(130)
+"""
+
+
+def _harness(tmp_path, seconds: float):
+  return subprocess.Popen([sys.executable, "-c", HARNESS.format(fake=FAKE_RUN), str(tmp_path), str(seconds)],
+                          cwd=paths.REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+
+
+def test_a_stopped_sweep_waits_for_every_run_whatever_signals_follow(tmp_path):
+  """SIGTERM to the sweep's process group (its runs get it too), then another to the sweep (make passes its own
+  on): the sweep exits only after both runs have saved and stopped, each run's end printed before the closing
+  line, which says what happened."""
+  harness = _harness(tmp_path, 60)
+  deadline = time.time() + 60
+  while not all((tmp_path / f"{n}_seed0.started").exists() for n in ("one", "two")) and time.time() < deadline:
+    time.sleep(0.1)
+  os.killpg(harness.pid, signal.SIGTERM)
+  time.sleep(0.3)
+  harness.send_signal(signal.SIGTERM)
+  out, _ = harness.communicate(timeout=60)
+  assert harness.returncode == 130, out
+  assert all((tmp_path / f"{n}_seed0.stopped").exists() for n in ("one", "two")), out  # Both ended before the sweep.
+  lines = out.splitlines()
+  ends = [i for i, line in enumerate(lines) if line.startswith("stopped ") and "(exit 75)" in line]
+  assert len(ends) == 2 and lines[-1].startswith("sweep stopped: 2 run(s) in progress saved checkpoints"), out
+  assert max(ends) < len(lines) - 1
+
+
+def test_a_rerun_waits_for_a_run_still_held_and_prints_ends_before_starts(tmp_path):
+  """A run whose directory another process still holds (a stopped run still saving) is waited for, said once,
+  and started after; with one run at a time, each run's end is printed before the next one starts."""
+  from vapo_jax.train import runlock
+
+  held = sweep.Run("one", 0, str(tmp_path))
+  lock = runlock.RunLock(held.directory).acquire()
+  out = io.StringIO()
+  runs = [held, sweep.Run("two", 0, str(tmp_path))]
+
+  def launch(run, extra, env):
+    process = subprocess.Popen([sys.executable, "-c", FAKE_RUN, run.name, str(tmp_path), "0.2", run.directory])
+    process.log = open(os.devnull, "w")
+    return process
+  original = sweep._launch
+  sweep._launch = launch
+  try:
+    import threading
+    threading.Timer(1.5, lock.release).start()
+    status = sweep.execute(runs, jobs=1, stream=out)
+  finally:
+    sweep._launch = original
+  text = out.getvalue()
+  assert status == {"one_seed0": "done", "two_seed0": "done"}, text
+  lines = [line.split()[0] + " " + line.split()[1].rstrip(":") for line in text.splitlines()]
+  assert lines == ["wait one_seed0", "start two_seed0", "done two_seed0", "start one_seed0", "done one_seed0"], text

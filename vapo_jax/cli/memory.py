@@ -121,6 +121,8 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
   from vapo_jax.memory import topologies, xla_report, xla_report_text
 
   bound_compilation_cache()  # make memory's cache (what the compiler said before), at its size.
+  from vapo_jax import compile_cache
+  compile_cache.install()
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")

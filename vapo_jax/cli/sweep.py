@@ -20,8 +20,10 @@ row of the paper starts from one base model; the seeds vary the RL) and
 (every member's seed 0 first), so a partial sweep already compares all members. A run whose
 directory holds `summary.json` is finished and skipped, so running the same command again resumes
 the sweep (an interrupted run resumes from its own checkpoint). Ctrl-C or SIGTERM stops the sweep:
-the runs in progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once they have
-stopped. A failed run is reported with its log and the others go on; the exit status is 1 if any
+the runs in progress get SIGTERM (each saves a checkpoint) and the sweep exits 130 once every one has
+stopped, each run's end printed before the closing line (a further signal, such as the one make passes
+on, does not cut the wait short); a rerun waits for a run whose directory a stopping run still holds
+rather than failing it. A failed run is reported with its log and the others go on; the exit status is 1 if any
 failed. The runs share one XLA compilation
 cache, `<sweep dir>/xla_cache` (unless JAX_COMPILATION_CACHE_DIR is set), so a run compiles only
 the programs that differ from those of the runs before it.
@@ -50,6 +52,7 @@ import experiments
 from vapo_jax import paths
 from vapo_jax.cli import ArgumentParser, sweep_report
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from vapo_jax.train import runlock
 
 DEFAULT_ROOT = os.path.join("runs", "sweeps")
 
@@ -162,16 +165,26 @@ def error_line(log: str, *, tail_bytes: int = 65536) -> str | None:
   return found[-1][:300] if found else None
 
 
+class SweepStopped(KeyboardInterrupt):
+  """The sweep was stopped (SIGTERM, Ctrl-C) and every run in progress has ended; `message` says how."""
+
+  def __init__(self, message: str):
+    super().__init__(message)
+    self.message = message
+
+
 def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on_done=None,
             status: dict[str, str] | None = None, stream=sys.stdout) -> dict[str, str]:
   """Runs the unfinished `runs`, `jobs` at a time; returns {run name: status}.
 
   Status: "skipped" (finished before), "done", or "failed (exit N)", entered into `status` (when
-  given) as each run ends; then `on_done(run)` is called. Ctrl-C sends SIGTERM to the runs in
-  progress (each saves a checkpoint and stops) and waits for them.
+  given) as each run ends; then `on_done(run)` is called. A run whose directory another process still
+  holds (the run of an earlier, stopped sweep that is still saving) waits for it, said once. Ctrl-C or
+  SIGTERM sends SIGTERM to the runs in progress (each saves a checkpoint and stops), waits for every one
+  of them whatever signals follow, and raises `SweepStopped`.
   """
   status = {} if status is None else status
-  pending, active = [], {}
+  pending, active, waiting = [], {}, set()
   env = dict(os.environ)
   if runs and "JAX_COMPILATION_CACHE_DIR" not in env:
     env["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.path.abspath(runs[0].sweep_dir), "xla_cache")
@@ -184,8 +197,14 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
   total = len(pending)
   try:
     while pending or active:
+      for process in [p for p in active if p.poll() is not None]:  # Ends first: "done" before the next "start".
+        run, start = active.pop(process)
+        process.log.close()
+        status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
+        if on_done is not None:
+          on_done(run)
       # A run whose shared stage failed, or can no longer finish (not among the runs): nothing to start from.
-      stuck = not active and not any(r.ready for r in pending)
+      stuck = not active and not any(r.ready for r in pending) and not waiting
       for run in list(pending):
         unfinished = [s for _, s in run.starts if not s.finished]
         failed = [s for s in unfinished if stuck or status.get(s.name, "").startswith(("failed", "stopped"))]
@@ -195,7 +214,7 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
           status[run.name] = f"failed (shared stage {failed[0].name}: {status[failed[0].name]})"
           print(f"FAILED  {run.name} (its shared stage {failed[0].name} did not finish)", file=stream, flush=True)
       while len(active) < jobs:
-        ready = [r for r in pending if r.ready]
+        ready = [r for r in pending if r.ready and not _held(r, waiting, stream)]
         if not ready:
           break
         run = ready[0]
@@ -203,21 +222,52 @@ def execute(runs: Sequence[Run], *, jobs: int = 1, extra: Sequence[str] = (), on
         active[_launch(run, extra, env)] = (run, time.perf_counter())
         print(f"start   {run.name} [{total - len(pending)}/{total}] (log: {run.log})", file=stream, flush=True)
       time.sleep(0.2)
-      for process in [p for p in active if p.poll() is not None]:
-        run, start = active.pop(process)
-        process.log.close()
-        status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
-        if on_done is not None:
-          on_done(run)
   except KeyboardInterrupt:
+    raise SweepStopped(_stop(active, status, stream)) from None
+  return status
+
+
+def _held(run: Run, waiting: set, stream) -> bool:
+  """Whether another process holds `run`'s directory (said once): it is waited for, never started beside."""
+  holder = runlock.holder(run.directory)
+  if holder is None:
+    waiting.discard(run.name)
+    return False
+  if run.name not in waiting:
+    waiting.add(run.name)
+    who = runlock.describe(holder) if holder else "a process"
+    print(f"wait    {run.name}: {who} still holds {run.directory} (a stopped sweep's run saving its checkpoint?); "
+          "it starts when that ends", file=stream, flush=True)
+  return True
+
+
+def _stop(active: dict, status: dict, stream) -> str:
+  """SIGTERM to every run in progress, then a wait for each that no further signal interrupts (make passes
+  its own on to the sweep, and a group's SIGTERM reaches it twice); each run's end is printed. Returns the
+  closing line."""
+  said = []
+
+  def again(signum, frame):  # A second stop: the runs are already stopping.
+    if not said:
+      said.append(signum)
+      print(f"still stopping: waiting for {len(active)} run(s) to save their checkpoints", file=stream, flush=True)
+  previous = {s: signal.signal(s, again) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
     for process in active:
-      process.send_signal(signal.SIGTERM)  # The trainer checkpoints and exits 75; rerun to resume.
-    for process, (run, _) in active.items():
+      if process.poll() is None:
+        process.send_signal(signal.SIGTERM)  # The trainer checkpoints and exits 75; a second SIGTERM is ignored.
+    for process, (run, start) in active.items():
       process.wait()
       process.log.close()
-      print(f"stopped {run.name} (exit {process.returncode}); run the sweep again to resume", file=stream)
-    raise
-  return status
+      status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  ended = [status[run.name] for run, _ in active.values()]
+  saved = sum(s.startswith("stopped") for s in ended)
+  lost = [s for s in ended if not s.startswith(("stopped", "done"))]
+  return (f"sweep stopped: {saved} run(s) in progress saved checkpoints" + (f", {len(lost)} ended otherwise ("
+          f"{'; '.join(lost)})" if lost else "") + "; the same command resumes the sweep")
 
 
 # --------------------------------------------------------------------------------------- main
@@ -311,6 +361,9 @@ if __name__ == "__main__":
   except UserError as e:  # The final report on a full disk.
     print(f"error: {e}", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT_CODE)
-  except KeyboardInterrupt:
-    print("sweep stopped: the runs in progress saved checkpoints; the same command resumes it", file=sys.stderr)
+  except SweepStopped as e:
+    print(e.message, file=sys.stderr)
+    sys.exit(130)
+  except KeyboardInterrupt:  # Before any run started.
+    print("sweep stopped before any run started", file=sys.stderr)
     sys.exit(130)

@@ -33,13 +33,14 @@ def main(argv: list[str]) -> int:
     return 0
   from vapo_jax.cli import bound_compilation_cache
   bound_compilation_cache()  # make train's cache, at its size before this run adds to it.
-  from vapo_jax import distributed  # Imports JAX: kept off the `--help` path.
+  from vapo_jax import compile_cache, distributed  # Imports JAX: kept off the `--help` path.
   from vapo_jax.cli import preflight
   from vapo_jax.train import checkpoints
   from vapo_jax.train.experience import DynamicSamplingCapReached
   from vapo_jax.train.trainer import Diverged, Trainer
 
   run_dir, created = config.run_directory, []
+  compile_cache.install()  # Before anything compiles: each kept program checked against its key.
   try:
     distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
     devices = preflight.check_backend()
@@ -64,6 +65,9 @@ def main(argv: list[str]) -> int:
   except (Diverged, DynamicSamplingCapReached) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except Exception:
+    preflight.remove_empty(created)  # A crash at the start leaves no empty run directory behind either.
+    raise
   if not distributed.is_main_process():
     return 0
   before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]

@@ -11,8 +11,9 @@ collectives, the decode loop's traffic, the refused bytes) is derived again at e
 
 The key is the sha256 of the lowered module's text with the topology, the device kind, the versions of
 jax, jaxlib and libtpu, and `XLA_FLAGS` and `LIBTPU_INIT_ARGS`: a change to the program, the compiler or
-its flags misses. Without `JAX_COMPILATION_CACHE_DIR`, or for a CPU target (XLA's cache keeps those),
-nothing is kept.
+its flags misses. Each file holds its key, compared at every load: a file whose contents are another
+program's (copied over it) is a miss, and the compile that follows rewrites it. Without
+`JAX_COMPILATION_CACHE_DIR`, or for a CPU target (XLA's cache keeps those), nothing is kept.
 """
 
 import base64
@@ -30,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from vapo_jax import files
 
 PREFIX = "vapo-tpu-"
-FORMAT = 1  # Of the files: part of the key, so a file of another format is never read.
+FORMAT = 2  # Of the files: part of the key, so a file of another format is never read.
 _active: list = []  # [(directory, {device id: device}, key salt)] inside `keeping`.
 
 
@@ -77,11 +78,15 @@ def keeping(target):
     _active.pop()
 
 
-def _path(text: str) -> str | None:
+def _key(text: str) -> str | None:
+  """The key of this lowered program inside `keeping` (None outside)."""
   if not _active:
     return None
-  directory, _, salt = _active[-1]
-  return os.path.join(directory, PREFIX + hashlib.sha256((salt + "\n" + text).encode()).hexdigest() + ".json")
+  return hashlib.sha256((_active[-1][2] + "\n" + text).encode()).hexdigest()
+
+
+def _path(key: str) -> str:
+  return os.path.join(_active[-1][0], PREFIX + key + ".json")
 
 
 def _sharding(s: NamedSharding) -> dict:
@@ -100,11 +105,14 @@ def _named(data: dict, devices: dict) -> NamedSharding:
 
 def load(lowered_text: str) -> Said | None:
   """What the compiler said of this lowered program before, or None (not kept, or unreadable)."""
-  if (path := _path(lowered_text)) is None:
+  if (key := _key(lowered_text)) is None:
     return None
+  path = _path(key)
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
+    if data["key"] != key:  # Another program's file under this name: a miss, rewritten by the compile.
+      return None
     shardings = None if data["refusal"] else tuple(_named(s, _active[-1][1]) for s in data["shardings"])
     text = zlib.decompress(base64.b64decode(data["text"])).decode()
     os.utime(path)  # Recently used: `bound_compilation_cache` deletes the least recently used first.
@@ -115,14 +123,14 @@ def load(lowered_text: str) -> Said | None:
 
 def store(lowered_text: str, said: Said) -> None:
   """Keeps `said` for this lowered program (inside `keeping`; written whole or not at all)."""
-  if (path := _path(lowered_text)) is None:
+  if (key := _key(lowered_text)) is None:
     return
   shardings = [_sharding(s) if isinstance(s, NamedSharding) else None for s in said.shardings or ()]
   if any(s is None or _named(s, _active[-1][1]) != original for s, original in zip(shardings, said.shardings or ())):
     return  # A sharding this file would not rebuild equal: such a program compiles each time.
-  data = {"memory": said.memory, "cost": said.cost, "refusal": said.refusal,
+  data = {"key": key, "memory": said.memory, "cost": said.cost, "refusal": said.refusal,
           "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(), "shardings": shardings}
   try:
-    files.write_atomically(path, json.dumps(data))
+    files.write_atomically(_path(key), json.dumps(data))
   except OSError:  # A full or read-only cache directory costs a compile next time, nothing else.
     pass

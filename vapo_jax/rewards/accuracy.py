@@ -85,6 +85,9 @@ def summarize(samples: Sequence[Sample]) -> dict[str, float]:
   for k in pass_ks(n_min):
     summary[f"pass@{k}"] = float(np.mean([pass_at_k(len(g), sum(s.correct for s in g), k)
                                           for g in groups.values()]))
+  if n_min != n_max:  # Larger k would need more samples than some problems have.
+    summary["pass@k_note"] = (f"pass@k up to k={n_min} only: problems have {n} samples (the fewest bound k; "
+                              f"{sum(c == n_min for c in counts)} problem(s) have {n_min})")
   votable = all(s.form != "user" for s in samples)  # A user reward function extracts no answers.
   summary[f"maj@{n}"] = float(np.mean([majority_correct([s.answer for s in g], [s.correct for s in g])
                                        for g in groups.values()])) if votable else None

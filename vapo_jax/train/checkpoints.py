@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -118,9 +119,55 @@ class _NoDiskFullTracebacks(logging.Filter):
                 or any(t in record.getMessage() for t in texts))
 
 
-def _join_background_saves(timeout_s: float = 120.0) -> None:
+def _is_closed_loop(value) -> bool:
+  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _quiet_background_noise() -> None:
+  """Orbax's background writes print noise of no use beside a failed save's one-line error: tensorstore's
+  writes completing into an event loop Orbax has closed ("Event loop is closed", one traceback a write), and
+  coroutines never awaited. Installed once per process; `_quiet_after_failure` adds the rest."""
+  if getattr(sys.excepthook, "vapo_quiet", False):
+    return
+  previous_hook, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def quiet(kind, value, traceback):
+    if not _is_closed_loop(value):
+      previous_hook(kind, value, traceback)
+  quiet.vapo_quiet = True
+
+  def quiet_unraisable(unraisable):
+    if not (_is_closed_loop(unraisable.exc_value) or "was never awaited" in str(unraisable.exc_value)):
+      previous_unraisable(unraisable)
+  sys.excepthook, sys.unraisablehook = quiet, quiet_unraisable
+
+
+def _quiet_after_failure() -> None:
+  """After a failed save: Orbax's threads' exceptions, its log records and un-awaited coroutine warnings are
+  not printed either (the one-line error says what happened; the complete checkpoints stay)."""
+  previous_thread = threading.excepthook
+
+  def quiet_thread(args):
+    if not (args.thread is not None and type(args.thread).__module__.startswith(("orbax", "concurrent"))):
+      previous_thread(args)
+  threading.excepthook = quiet_thread
+  warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
+  logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
+
+
+def _probe(directory: str) -> None:
+  """Writes and removes a small file in `directory`: an unwritable directory fails here, before a background
+  save would start writing into it."""
+  path = os.path.join(directory, f".write_probe.{os.getpid()}")
+  with open(path, "wb") as f:
+    f.write(b"\0")
+  os.remove(path)
+
+
+def _join_background_saves(timeout_s: float = 10.0) -> None:
   """Lets Orbax's background threads end after a failed save (its wait returns at the first error,
-  while the other parts of the checkpoint are still being written), at most `timeout_s`."""
+  while the other parts of the checkpoint are still being written), at most `timeout_s` in all: a thread
+  stuck on the failed directory is not waited for (its time-outs run to minutes)."""
   deadline = time.monotonic() + timeout_s
   for thread in threading.enumerate():
     if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax"):
@@ -143,6 +190,7 @@ class RunCheckpoints:
     absl_log = logging.getLogger("absl")
     if not any(isinstance(f, _NoDiskFullTracebacks) for f in absl_log.filters):
       absl_log.addFilter(_NoDiskFullTracebacks())
+    _quiet_background_noise()
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -157,6 +205,7 @@ class RunCheckpoints:
       if files.disk_full_cause(e) is None and files.unwritable_cause(e) is None:
         raise
       self.failed = True
+      _quiet_after_failure()
       with contextlib.suppress(Exception):
         self.manager.wait_until_finished()
       _join_background_saves()
@@ -172,6 +221,8 @@ class RunCheckpoints:
   def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
     """Saves (in the background when configured: arrays are copied to host before this returns)."""
     with self._saving("saving a checkpoint"):
+      if distributed.is_main_process():
+        _probe(self.directory)  # Each save: a directory turned read-only stops the run now, in one line.
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
       if wait:
@@ -304,6 +355,10 @@ def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir
         f"the run in {checkpoint_dir} was saved with a different config; refusing to resume. Fields that differ "
         f"(saved → now):\n  " + "\n  ".join(diffs) +
         "\nUse the saved values, another experiment name, or pass checkpoint.allow_config_change=true.")
-  if diffs:
+  if diffs and (checkpoint_dir, tuple(diffs)) not in _WARNED_CHANGES:  # Checked at start and at the restore: said once.
+    _WARNED_CHANGES.add((checkpoint_dir, tuple(diffs)))
     warnings.warn("resuming with a changed config (checkpoint.allow_config_change=true):\n  " + "\n  ".join(diffs),
                   stacklevel=2)
+
+
+_WARNED_CHANGES: set[tuple[str, tuple[str, ...]]] = set()

@@ -112,6 +112,24 @@ class RunLock:
     self.release()
 
 
+def holder(run_dir: str) -> dict | None:
+  """Who holds `run_dir`'s lock now (its record; {} when it has recorded nothing yet), or None when it is free."""
+  path = os.path.join(run_dir, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+  except OSError:
+    return None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+  except OSError:
+    return _read(fd) or {}
+  else:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return None
+  finally:
+    os.close(fd)
+
+
 def describe(holder: dict) -> str:
   return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('since', '?')}; "
           f"command: {holder.get('command', '?')})")
