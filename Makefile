@@ -24,10 +24,21 @@ $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e ".[test]"
+	$(PY) -m pip install --quiet --no-compile -e .
 	@touch $(STAMP)
 
-install: $(STAMP)  ## Create .venv and install the package with its test dependencies.
+# The extras, each installed once by the targets that need it: "test" (make test, lint) with "tpu" (libtpu's
+# compile-only client: make memory TOPOLOGY=, and the compile report's tests).
+TEST_STAMP := $(VENV)/.stamp-test
+$(TEST_STAMP): setup.py $(STAMP)
+	$(PY) -m pip install --quiet --no-compile -e ".[test,tpu]"
+	@touch $(TEST_STAMP)
+TPU_STAMP := $(VENV)/.stamp-tpu
+$(TPU_STAMP): setup.py $(STAMP)
+	$(PY) -m pip install --quiet --no-compile -e ".[tpu]"
+	@touch $(TPU_STAMP)
+
+install: $(STAMP)  ## Create .venv and install the package and what a run needs (make test adds its extras).
 
 # XLA's compilation cache for make train, make test and make memory: .jax_cache/ in the clone (gitignored;
 # or JAX_COMPILATION_CACHE_DIR), at most JAX_CACHE_GIB GiB: the least recently used files are deleted as a
@@ -44,14 +55,14 @@ train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with o
 # emitters off (about 40 % less again); the settings differ from the defaults only in rounding, bounded by
 # tests/test_optimisation_level.py. make test-slow, make bench and runs compile at the defaults.
 TEST_JOBS ?= 2
-test: $(STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2); TEST_ARGS: more pytest arguments.
+test: $(TEST_STAMP)  ## Run the test suite (8 virtual CPU devices; slow tests excluded), TEST_JOBS processes at once (2); TEST_ARGS: more pytest arguments.
 	$(JAX_CACHE) XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false $$XLA_FLAGS" \
 	  $(PY) -m pytest -q -m "not slow" -n $(TEST_JOBS) --dist loadfile --durations=15 $(TEST_ARGS) tests
 
-test-slow: $(STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
+test-slow: $(TEST_STAMP)  ## Run the slow tests: SIGKILL-and-resume exactness, 2 processes vs 1, 1 vs 8 devices, the heavier trainer runs and test variants (~20 min).
 	$(PY) -m pytest -q -m slow tests
 
-lint: $(STAMP)  ## ruff check over the repository (its rules, and each ignored one's reason: ruff.toml).
+lint: $(TEST_STAMP)  ## ruff check over the repository (its rules, and each ignored one's reason: ruff.toml).
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/s; rollout (decode, refill, top-p, vs transformers); paged vs contiguous refill at equal KV bytes; long sequences; packed vs padded updates; pod (decode per layout, reshard).
@@ -87,6 +98,7 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 
 .PHONY: memory
 memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths), else planned on MESH with DEVICE_GIB; exit 1 if over.
+	@$(if $(filter v%,$(TOPOLOGY)),$(MAKE) -s --no-print-directory $(TPU_STAMP),true)
 	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(if $(PROFILE),--profile $(PROFILE)) $(ARGS)
 
 clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).

@@ -23,11 +23,13 @@ setuptools.setup(
         "tensorboardX>=2.6,<3",  # TensorBoard event files without TensorFlow.
     ],
     extras_require={
-        # The optional features' tests run too: W&B offline logging and the plots. jax[tpu] brings the libtpu
-        # of this jax (0.0.42.*), whose compile-only client the compile report tests compile TPU topologies with
-        # on a CPU machine (tests/test_compile_tpu.py; skipped without it).
+        # The optional features' tests run too: W&B offline logging and the plots. (make test also installs
+        # "tpu": the compile report's tests compile TPU topologies, tests/test_compile_tpu.py.)
         "test": ["pytest>=8,<10", "pytest-xdist>=3.5,<4", "hypothesis>=6.100,<7", "ruff>=0.8,<1", "wandb>=0.19,<1",
-                 "matplotlib>=3.7,<4", "jax[tpu]==0.10.2"],
+                 "matplotlib>=3.7,<4"],
+        # make memory TOPOLOGY=v5p:...: libtpu's compile-only client compiles for a TPU topology on any machine.
+        # jax[tpu] pins jax to the version its libtpu (0.0.42.*) was built with; only this extra pins it.
+        "tpu": ["jax[tpu]==0.10.2"],
         "hf": ["datasets>=3,<6"],  # Hugging Face `datasets` inputs (hub names, saved datasets).
         "wandb": ["wandb>=0.19,<1"],  # log.wandb=true: Weights & Biases beside TensorBoard and metrics.jsonl.
         "plot": ["matplotlib>=3.7,<4"],  # make plot RUN=runs/<name>: PNG curves of a run.

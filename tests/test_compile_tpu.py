@@ -4,7 +4,7 @@ decode's per-layer gathers under scanned layers are found), a layout that cannot
 phase (also by `make memory`'s entry point, exit 1), splash compiles for the chips under shard_map, the
 HBM table is what the TPU compiler says, and the roofline's arithmetic holds; in `make test-slow`, the
 shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. Skipped without libtpu
-(`pip install -e ".[test]"` installs it)."""
+(`make test` installs it: `pip install -e ".[test,tpu]"`)."""
 
 import dataclasses
 import math

@@ -103,7 +103,7 @@ def libtpu_missing() -> str | None:
   try:
     import libtpu  # noqa: F401
   except ImportError:
-    return "libtpu is not installed (pip install \"jax[tpu]==<jax's version>\", or pip install -e \".[test]\")"
+    return "libtpu is not installed (make memory TOPOLOGY= installs it: pip install -e \".[tpu]\")"
   return None
 
 
