@@ -17,5 +17,8 @@ aims it at XLA's figure).
   hlo              the collectives of a compiled program, read from its HLO text
   xla_report       every program of a run compiled for a topology: XLA's bytes per device of each phase
   xla_report_text  the compile report as a table, and its refusal naming what to change
-  roofline         a roofline estimate of one RL step from the compile report's FLOPs and bytes
+  roofline         a roofline estimate of one RL step from the compile report's FLOPs and bytes, per rollout
+                   engine and response-length profile
+  schedule         the refill engine's schedule replayed on the host from a response-length profile
+  decode_cost      a decode step's bytes per chip, itemised (weights, KV read, KV written, the rest), priced
 """

@@ -133,79 +133,104 @@ def _prompts(prompts: np.ndarray, count: int) -> np.ndarray:
   return np.resize(np.asarray(prompts, np.int64), count)
 
 
+class _Queue:
+  """One queue's rows and pages, step by step, as the refill engine keeps them (`simulate`)."""
+
+  def __init__(self, responses, prompts, *, group: int, slots: int, paged: Paged | None):
+    self.responses, self.prompts, self.group, self.paged = responses, np.asarray(prompts), group, paged
+    self.seq, self.held, self.gen = np.full(slots, -1), np.zeros(slots, np.int64), np.zeros(slots, np.int64)
+    self.started, self.shared = np.zeros(slots, np.int64), np.zeros(slots, np.int64)
+    self.waiting, self.next_new, self.rows = [], 0, slots
+    self.tg = paged.page_tokens if paged else 1
+    self.prompt_pages = -(-self.prompts // self.tg)
+    self.free = (paged.pages - int(self.prompt_pages.sum())) if paged else 0
+    self.peak = paged.pages - self.free if paged else 0
+    self.users = np.full(len(self.prompts), group)
+    self.preemptions = self.recomputed = 0
+
+  def own(self, i) -> int:
+    return int(-(-self.held[i] // self.tg) - self.shared[i])
+
+  def remaining(self) -> bool:
+    return self.next_new < len(self.responses) or bool(self.waiting) or bool((self.seq >= 0).any())
+
+  def preempt(self, need: int) -> tuple[int, bool]:
+    """The rows that started last (then the highest slots) until the rest's pages fit; (need left, preempted)."""
+    chosen = []
+    for i in sorted(np.flatnonzero(self.seq >= 0), key=lambda i: (self.started[i], i), reverse=True):
+      if need <= self.free:
+        break
+      need -= int(self.held[i] % self.tg == 0)
+      self.free += self.own(i)
+      chosen.append(i)
+    for i in sorted(chosen):  # Waiting in slot order, as the engine stacks them.
+      self.preemptions, self.recomputed = self.preemptions + 1, self.recomputed + int(self.gen[i])
+      self.waiting.append(self.seq[i])
+      self.seq[i] = -1
+    return need, bool(chosen)
+
+  def admit(self, t: int, need: int, blocked: bool) -> int:
+    """Free slots take the waiting sequences, then the next ones, while pages last; returns how many."""
+    open_slots = np.flatnonzero(self.seq[:self.rows] < 0)
+    take = min(len(open_slots), len(self.waiting) + len(self.responses) - self.next_new)
+    if self.paged:
+      take = 0 if blocked else min(take, max(self.free - need, 0))
+    for i in open_slots[:take]:
+      self.seq[i] = self.waiting.pop() if self.waiting else self.next_new
+      self.next_new += self.seq[i] == self.next_new
+      p = self.seq[i] // self.group
+      self.held[i], self.gen[i], self.started[i] = (self.prompts[p] if self.paged else 0), 0, t
+      self.shared[i] = self.prompts[p] // self.tg if self.paged else 0
+    return take
+
+  def end(self, ended) -> None:
+    for i in np.flatnonzero(ended):
+      p = self.seq[i] // self.group
+      if self.paged:
+        self.free += self.own(i)
+        self.users[p] -= 1
+        self.free += int(self.prompt_pages[p]) if self.users[p] == 0 else 0
+      self.seq[i] = -1
+
+  def shrink(self, min_slots: int) -> None:
+    """The compaction: once the queue is drained and at most half the rows live, the live rows first."""
+    live = int((self.seq >= 0).sum())
+    if self.next_new < len(self.responses) or self.waiting or not 0 < live <= queues_lib.shrink_threshold(
+        self.rows, min_slots):
+      return
+    kept = np.flatnonzero(self.seq >= 0)
+    self.rows = queues_lib.shrunk_slots(live, min_slots)
+    for array, empty in ((self.seq, -1), (self.held, 0), (self.gen, 0), (self.started, 0), (self.shared, 0)):
+      moved = array[kept].copy()
+      array[:] = empty
+      array[:len(kept)] = moved
+
+
 def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: int, min_slots: int = 1,
              paged: Paged | None = None, prompt_slots: int = 0, block: int = 512) -> Load:
   """One queue's decode loop (module docstring): `responses` `[n]` its sequences' lengths in order, `prompts`
   `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail."""
-  n = len(responses)
-  seq, held, gen = (np.full(slots, -1), np.zeros(slots, np.int64), np.zeros(slots, np.int64))
-  started, shared = np.zeros(slots, np.int64), np.zeros(slots, np.int64)
-  waiting, next_new, rows, t = [], 0, slots, 0
-  tg = paged.page_tokens if paged else 1
-  prompt_pages = -(-np.asarray(prompts) // tg)
-  free = (paged.pages - int(prompt_pages.sum())) if paged else 0
-  users = np.full(len(prompts), group)
-  out_rows, out_live, out_read = [], [], []
-  preemptions = recomputed = 0
-  peak = paged.pages - free if paged else 0
-  own = lambda rows_: -(-held[rows_] // tg) - shared[rows_]
-  while next_new < n or waiting or (seq >= 0).any():
-    live = seq >= 0
-    need = int((live & (held % tg == 0)).sum()) if paged else 0
-    blocked = False
-    if paged and need > free:
-      chosen = []  # The rows that started last (then the highest slots) until the rest fit.
-      for i in sorted(np.flatnonzero(live), key=lambda i: (started[i], i), reverse=True):
-        if need <= free:
-          break
-        need -= int(held[i] % tg == 0)
-        free += int(own(i))
-        chosen.append(i)
-      for i in sorted(chosen):  # Waiting in slot order, as the engine stacks them.
-        preemptions, recomputed, blocked = preemptions + 1, recomputed + int(gen[i]), True
-        waiting.append(seq[i])
-        seq[i] = -1
-      live = seq >= 0
-    open_slots = np.flatnonzero(~live[:rows])
-    take = min(len(open_slots), len(waiting) + n - next_new)
+  q, t = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0
+  rows, live, read = [], [], []
+  while q.remaining():
+    need = int(((q.seq >= 0) & (q.held % q.tg == 0)).sum()) if paged else 0
+    need, blocked = q.preempt(need) if paged and need > q.free else (need, False)
+    take = q.admit(t, need, blocked)
+    running = q.seq >= 0
     if paged:
-      take = 0 if blocked else min(take, max(free - need, 0))
-    for i in open_slots[:take]:
-      seq[i] = waiting.pop() if waiting else next_new
-      next_new += seq[i] == next_new
-      p = seq[i] // group
-      held[i], gen[i], started[i] = (prompts[p] if paged else 0), 0, t
-      shared[i] = prompts[p] // tg if paged else 0
-    live = seq >= 0
-    if paged:
-      free -= need + take
-      peak = max(peak, paged.pages - free)
-      span = tg * paged.block_pages
-      out_read.append(int((-(-(held[live] + 1) // span) * span).sum()))
+      q.free -= need + take
+      q.peak = max(q.peak, paged.pages - q.free)
+      span = q.tg * paged.block_pages
+      read.append(int((-(-(q.held[running] + 1) // span) * span).sum()))
     else:
-      longest = prompt_slots + int(gen[live].max(initial=0)) + 1
-      out_read.append(rows * -(-longest // block) * block)
-    out_rows.append(rows)
-    out_live.append(int(live.sum()))
-    held[live] += 1
-    gen[live] += 1
-    ended = live & (gen >= responses[np.maximum(seq, 0)])
-    for i in np.flatnonzero(ended):
-      p = seq[i] // group
-      if paged:
-        free += int(own(i))
-        users[p] -= 1
-        free += int(prompt_pages[p]) if users[p] == 0 else 0
-      seq[i] = -1
+      longest = prompt_slots + int(q.gen[running].max(initial=0)) + 1
+      read.append(q.rows * -(-longest // block) * block)
+    rows.append(q.rows)
+    live.append(int(running.sum()))
+    q.held[running] += 1
+    q.gen[running] += 1
+    q.end(running & (q.gen >= q.responses[np.maximum(q.seq, 0)]))
+    q.shrink(min_slots)
     t += 1
-    live_now = int((seq >= 0).sum())
-    shrink_at = queues_lib.shrink_threshold(rows, min_slots)
-    if next_new >= n and not waiting and 0 < live_now <= shrink_at:
-      kept = np.flatnonzero(seq >= 0)  # The compaction: the live rows first, in slot order.
-      rows = queues_lib.shrunk_slots(live_now, min_slots)
-      for array, empty in ((seq, -1), (held, 0), (gen, 0), (started, 0), (shared, 0)):
-        moved = array[kept].copy()
-        array[:] = empty
-        array[:len(kept)] = moved
-  return Load(np.asarray(out_rows), np.asarray(out_live), np.asarray(out_read, np.float64), preemptions, recomputed,
-              peak)
+  return Load(np.asarray(rows), np.asarray(live), np.asarray(read, np.float64), q.preemptions, q.recomputed,
+              q.peak)

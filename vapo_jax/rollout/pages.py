@@ -7,6 +7,10 @@ depth `[Q]`, updated inside the decode loop with no host round trip:
   free, got = take(free, want)                  # want `[Q, M]` bool: each wanting entry pops one page
   free = give_back(free, pages, returned)       # pages `[Q, M]` int32 pushed where `returned`
 
+and the prompts' pages: `prompt_pages` lays each queue's prompts end to end from page 0, `write_prompts` puts the
+prefill's keys and values there (padding dropped), and `copy_pages` copies a prompt's last, partly filled page
+into a new row's own page (in place, every layer).
+
 A row's page table entry Pq means "no page" (`PagedKVCache` drops writes there). `take` never hands out more
 pages than are free: an entry beyond the depth gets Pq, and the caller plans its wants from `count`
 (the refill engine preempts before it would ask for more). `peak` is the most pages in use at once.
@@ -17,6 +21,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from vapo_jax.rollout import queues as q_lib
 
 
 class FreePages(NamedTuple):
@@ -62,3 +69,42 @@ def row_pages(table: jax.Array, first: jax.Array, held: jax.Array) -> jax.Array:
   """`[R, W]` bool: which entries of each row's page table `[R, W]` are its own pages: [first[r], held[r])."""
   column = jnp.arange(table.shape[1], dtype=jnp.int32)[None]
   return (column >= first[:, None]) & (column < held[:, None])
+
+
+def prompt_pages(lengths: jax.Array, queues: int, pages: int, page_tokens: int, width: int):
+  """Each prompt's pages, laid end to end in its queue from page 0: (table `[P, Wp]`, pages used `[Q]`)."""
+  held = (lengths + page_tokens - 1) // page_tokens
+  by_queue = q_lib.by_queue(held, queues)
+  first = (jnp.cumsum(by_queue, axis=1, dtype=jnp.int32) - by_queue).reshape(-1)
+  column = jnp.arange(width, dtype=jnp.int32)[None]
+  table = jnp.where(column < held[:, None], first[:, None] + column, pages).astype(jnp.int32)
+  return table, jnp.sum(by_queue, axis=1, dtype=jnp.int32)
+
+
+def write_prompts(pool: jax.Array, padded: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
+  """The prefill's left-padded keys or values `[L, P, K, Tp, H]` into the pool `[K, L, Q, Pq, Tg, H]`: prompt p's
+  real tokens from logical slot 0, at its pages `table[p]` (a scatter batched over queues)."""
+  layers, count, kv_heads, tp, h = padded.shape
+  queues, tg, width = pool.shape[2], pool.shape[4], table.shape[1]
+  source = tp - lengths[:, None] + jnp.arange(width * tg)[None]  # [P, Wp·Tg]; ≥ Tp past the prompt.
+  tokens = jnp.take_along_axis(padded, jnp.minimum(source, tp - 1)[None, :, None, :, None], axis=3)
+  tokens = tokens.reshape(layers, queues, count // queues, kv_heads, width, tg, h)
+
+  def put(part, new, ids):  # part [K, L, Pq, Tg, H]; new [L, P/Q, K, Wp, Tg, H]; ids [P/Q, Wp].
+    new = new.transpose(2, 0, 1, 3, 4, 5).reshape(kv_heads, layers, -1, tg, h)
+    return part.at[:, :, ids.reshape(-1)].set(new.astype(part.dtype), mode="drop")
+  return jax.vmap(put, in_axes=(2, 1, 0), out_axes=2)(pool, tokens, q_lib.by_queue(table, queues))
+
+
+def copy_pages(pool: jax.Array, source: jax.Array, target: jax.Array, copies: jax.Array) -> jax.Array:
+  """`pool` `[K, L, Q, Pq, Tg, H]` with page `source[q, i]` copied to `target[q, i]` (every layer) for each
+  `copies[q, i]`, one page per queue at a time in place: no iteration when nothing is copied."""
+  order = jnp.argsort(~copies, axis=1, stable=True)
+  source, target = (jnp.take_along_axis(x, order, axis=1) for x in (source, target))
+  counts = jnp.sum(copies, axis=1, dtype=jnp.int32)
+
+  def one(i, pool):
+    s, t = source[:, i], jnp.where(i < counts, target[:, i], pool.shape[3])  # Pq: dropped.
+    copy = lambda part, s, t: part.at[:, :, t].set(part[:, :, s], mode="drop")
+    return jax.vmap(copy, in_axes=(2, 0, 0), out_axes=2)(pool, s, t)
+  return lax.fori_loop(0, jnp.max(counts), one, pool)

@@ -82,31 +82,6 @@ class Slots(NamedTuple):
   outputs: q_lib.Outputs
 
 
-def _prompt_pages(lengths: jax.Array, queues: int, pages: int, page_tokens: int, width: int):
-  """Each prompt's pages, laid end to end in its queue from page 0: (table `[P, Wp]`, pages used `[Q]`)."""
-  held = (lengths + page_tokens - 1) // page_tokens
-  by_queue = q_lib.by_queue(held, queues)
-  first = (jnp.cumsum(by_queue, axis=1, dtype=jnp.int32) - by_queue).reshape(-1)
-  column = jnp.arange(width, dtype=jnp.int32)[None]
-  table = jnp.where(column < held[:, None], first[:, None] + column, pages).astype(jnp.int32)
-  return table, jnp.sum(by_queue, axis=1, dtype=jnp.int32)
-
-
-def _write_prompts(pool: jax.Array, padded: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
-  """The prefill's left-padded keys or values `[L, P, K, Tp, H]` into the pool `[K, L, Q, Pq, Tg, H]`: prompt p's
-  real tokens from logical slot 0, at its pages `table[p]` (a scatter batched over queues)."""
-  layers, count, kv_heads, tp, h = padded.shape
-  queues, tg, width = pool.shape[2], pool.shape[4], table.shape[1]
-  source = tp - lengths[:, None] + jnp.arange(width * tg)[None]  # [P, Wp·Tg]; ≥ Tp past the prompt.
-  tokens = jnp.take_along_axis(padded, jnp.minimum(source, tp - 1)[None, :, None, :, None], axis=3)
-  tokens = tokens.reshape(layers, queues, count // queues, kv_heads, width, tg, h)
-
-  def put(part, new, ids):  # part [K, L, Pq, Tg, H]; new [L, P/Q, K, Wp, Tg, H]; ids [P/Q, Wp].
-    new = new.transpose(2, 0, 1, 3, 4, 5).reshape(kv_heads, layers, -1, tg, h)
-    return part.at[:, :, ids.reshape(-1)].set(new.astype(part.dtype), mode="drop")
-  return jax.vmap(put, in_axes=(2, 1, 0), out_axes=2)(pool, tokens, q_lib.by_queue(table, queues))
-
-
 def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int, pages: int,
           page_tokens: int, block_pages: int, implementation: str, max_new_tokens: int, pad_id: int,
           cache_dtype) -> tuple[Prompts, Slots]:
@@ -116,12 +91,12 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   lengths = jnp.sum(prompt_mask, -1).astype(jnp.int32)
   count, prompt_len = prompt_tokens.shape
   width = common.table_pages(prompt_len, max_new_tokens, page_tokens, block_pages)
-  table, used = _prompt_pages(lengths, queues, pages, page_tokens, -(-prompt_len // page_tokens))
+  table, used = pages_lib.prompt_pages(lengths, queues, pages, page_tokens, -(-prompt_len // page_tokens))
   cache = PagedKVCache.zeros(model.cfg, rows=slots, queues=queues, pages=pages, page_tokens=page_tokens,
                              table_pages=width, dtype=cache_dtype, implementation=implementation,
                              block_pages=block_pages)
-  cache = cache.replace(keys=_write_prompts(cache.keys, prefilled.keys, lengths, table),
-                        values=_write_prompts(cache.values, prefilled.values, lengths, table))
+  cache = cache.replace(keys=pages_lib.write_prompts(cache.keys, prefilled.keys, lengths, table),
+                        values=pages_lib.write_prompts(cache.values, prefilled.values, lengths, table))
   n, rows = count * group, lambda dtype: q_lib.rows((slots,), dtype)
   zeros = lambda shape: jnp.zeros(shape, jnp.int32)
   state = Slots(cache, q_lib.rows((slots, logits.shape[-1]), jnp.float32), rows(jnp.int32), rows(jnp.int32),
@@ -226,20 +201,6 @@ def admit(prompts: Prompts, s: Slots, blocked: jax.Array, *, group: int) -> tupl
   return s, take
 
 
-def _copy_pages(pool: jax.Array, source: jax.Array, target: jax.Array, copies: jax.Array) -> jax.Array:
-  """`pool` `[K, L, Q, Pq, Tg, H]` with page `source[q, i]` copied to `target[q, i]` (every layer) for each
-  `copies[q, i]`, one page per queue at a time in place: no iteration when nothing is copied."""
-  order = jnp.argsort(~copies, axis=1, stable=True)
-  source, target = (jnp.take_along_axis(x, order, axis=1) for x in (source, target))
-  counts = jnp.sum(copies, axis=1, dtype=jnp.int32)
-
-  def one(i, pool):
-    s, t = source[:, i], jnp.where(i < counts, target[:, i], pool.shape[3])  # Pq: dropped.
-    copy = lambda part, s, t: part.at[:, :, t].set(part[:, :, s], mode="drop")
-    return jax.vmap(copy, in_axes=(2, 0, 0), out_axes=2)(pool, s, t)
-  return lax.fori_loop(0, jnp.max(counts), one, pool)
-
-
 def allocate(prompts: Prompts, s: Slots, taken: jax.Array, *, group: int) -> Slots:
   """A page for every live row whose next token starts one, and for every row just taken (its first own page,
   into which its prompt's partly filled last page is copied)."""
@@ -256,7 +217,7 @@ def allocate(prompts: Prompts, s: Slots, taken: jax.Array, *, group: int) -> Slo
   source = jnp.take_along_axis(q_lib.gather(prompts.table, local // group, queues),
                                jnp.minimum(s.shared, prompts.table.shape[1] - 1)[:, None], axis=1)[:, 0]
   by_queue = lambda x: q_lib.by_queue(x, queues)
-  copy = lambda pool: _copy_pages(pool, by_queue(source), by_queue(got), by_queue(partial))
+  copy = lambda pool: pages_lib.copy_pages(pool, by_queue(source), by_queue(got), by_queue(partial))
   cache = s.cache.replace(keys=copy(s.cache.keys), values=copy(s.cache.values), table=table)
   return s._replace(cache=cache, free=free)
 
