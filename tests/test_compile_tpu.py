@@ -278,3 +278,67 @@ def test_the_paged_kernel_is_opaque_to_cost_analysis():
       counted[implementation, pages] = (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
   assert counted["kernel", 256] == counted["kernel", 1024] < 2**21  # The queries, output and table: about 1 MiB.
   assert counted["gather", 256] > 10 * counted["kernel", 256]
+
+
+@pytest.mark.slow  # make test-slow: four compiles of a small decode step for a v5p chip.
+def test_what_cost_analysis_counts_of_a_decode_step(capsys):
+  """One decode step of a small unrolled model (head dim 128, 64 rows, 4,096 cached tokens a row) compiled for
+  one v5p chip at 1 and 2 layers: each layer adds to `cost_analysis`'s bytes its weights and about twice its
+  whole cache slice, for the contiguous cache and the paged pool alike (the in-place write of one token a row is
+  counted as the cache it updates), and nothing of the pages the kernel reads. So the corrected figure of the
+  scanned program (`roofline.every_layer`) already held about 2x the cache per step, which the roofline before
+  `memory/decode_cost.py` then counted again as the whole-cache read; `decode_cost` counts the reads from the
+  schedule, the writes as one token a row, and takes the rest from the program at a pool that does not
+  change it (the decode loop of the refill engine: tests/test_compile_tpu.py's opaque kernel, docs/pod.md)."""
+  from flax import nnx
+
+  from vapo_jax.models.config import preset
+  from vapo_jax.models.kv_cache import KVCache, PagedKVCache
+  from vapo_jax.models.transformer import CausalLM
+
+  device = topologies.named(TOPOLOGY).devices[0]
+  rows, slots = 64, 4096
+
+  def counted(layers: int, kind: str) -> float:
+    cfg = dataclasses.replace(preset("tiny"), hidden_size=256, intermediate_size=512, num_heads=2, num_kv_heads=1,
+                              head_dim=128, num_layers=layers, vocab_size=1024)
+    model = CausalLM(cfg, scan_layers=False, dtype="bfloat16", param_dtype="bfloat16", rngs=nnx.Rngs(0))
+    cache = (PagedKVCache.zeros(cfg, rows=rows, queues=1, pages=rows * slots // 128, page_tokens=128,
+                                table_pages=slots // 128, dtype=jnp.bfloat16, implementation="kernel", block_pages=4)
+             if kind == "paged" else KVCache.zeros(cfg, rows, slots, jnp.bfloat16, decode_block=512).replace(
+                 length=jnp.zeros((rows,), jnp.int32)))
+    on_chip = jax.sharding.SingleDeviceSharding(device)
+    inputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_chip), (nnx.state(model), cache))
+    graph = nnx.graphdef(model)
+    step = jax.jit(lambda state, cache: nnx.merge(graph, state)(
+        jnp.zeros((rows, 1), jnp.int32), jnp.zeros((rows, 1), jnp.int32), jnp.ones((rows, 1), bool), cache))
+    cost = step.lower(*inputs).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["bytes accessed"]
+
+  layer_cache = rows * slots * 2 * 128 * 2  # Keys and values of one layer: 1 KV head of 128, bfloat16.
+  layer_weights = (256 * 2 * 128 + 2 * 256 * 128 + 2 * 128 * 256 + 3 * 256 * 512) * 2
+  for kind in ("contiguous", "paged"):
+    per_layer = counted(2, kind) - counted(1, kind)
+    with capsys.disabled():
+      print(f"\n{kind}: a layer adds {per_layer / 2**20:.1f} MiB to cost_analysis's bytes: its weights "
+            f"{layer_weights / 2**20:.2f} MiB, its cache slice {layer_cache / 2**20:.1f} MiB")
+    assert 1.5 * layer_cache < per_layer - layer_weights < 2.5 * layer_cache, kind
+
+
+def test_the_kernels_cache_write_compiles_to_one_scatter():
+  """The paged cache's write in the kernel's layout (one token a row, rows of the pool flattened to token slots)
+  compiles for a v5p chip to one scatter and no loop; the write batched over queues is expanded by the TPU
+  compiler into a loop over the rows (one iteration a row, per layer and step)."""
+  from vapo_jax.models import paged_attention
+
+  device = topologies.named(TOPOLOGY).devices[0]
+  on_chip = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+  args = (on_chip((1, 4, 1, 512, 128, 128), jnp.bfloat16), on_chip((256, 1, 128), jnp.bfloat16),
+          on_chip((256,), jnp.int32), on_chip((256,), jnp.int32))
+  texts = {}
+  for implementation in ("kernel", "gather"):
+    fn = jax.jit(lambda *a, implementation=implementation: paged_attention.write(*a, 2, implementation=implementation),
+                 donate_argnums=0)
+    texts[implementation] = fn.lower(*args).compile().as_text()
+  assert " while(" not in texts["kernel"] and "scatter(" in texts["kernel"]
+  assert " while(" in texts["gather"]

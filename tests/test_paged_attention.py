@@ -115,3 +115,27 @@ def test_the_tpu_kernel_in_the_interpreter_equals_the_gather(block_pages):
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(sharded, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[2], 0.0)
+
+
+def test_the_kernels_write_equals_the_batched_one():
+  """Each row's token into its page and offset: the TPU layout's write (rows of the pool flattened to token slots,
+  under shard_map on a mesh) gives the pool the batched scatter gives, a page ≥ Pq dropped."""
+  _, keys, _ = pool_and_query(7)
+  new = np.random.default_rng(8).normal(size=(TABLE.shape[0], KV_HEADS, HEAD_DIM)).astype(np.float32)
+  page = np.array([2, 6, PAGES, 4, 6, 3], np.int32)  # Row 2 holds nothing.
+  offset = np.array([1, 3, 0, 2, 0, 3], np.int32)
+  batched = np.asarray(paged_attention.write(keys, new, page, offset, 1, implementation="gather"))
+  expected = keys.copy()
+  for r in range(TABLE.shape[0]):
+    if page[r] < PAGES:
+      expected[:, 1, r // 3, page[r], offset[r]] = new[r]
+  np.testing.assert_array_equal(batched, expected)
+  flat = lambda *a: paged_attention.write(*a, 1, implementation="kernel")
+  np.testing.assert_array_equal(np.asarray(jax.jit(flat)(keys, new, page, offset)), expected)
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  rules = dict(sharding.PRESETS["tp"], batch="data")
+  pool = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor", None, "data"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  sharded = sharding.jit(flat, mesh, rules)(jax.device_put(keys, pool), jax.device_put(new, rows),
+                                            jax.device_put(page, rows), jax.device_put(offset, rows))
+  np.testing.assert_array_equal(np.asarray(sharded), expected)

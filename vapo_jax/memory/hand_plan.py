@@ -140,7 +140,7 @@ def _parameters(cfg: TransformerConfig, cls, param_dtype: str, preset_name: str,
 def refill_engine(config: ExperimentConfig, cfg: TransformerConfig, devices: int) -> "rollout.Engine | None":
   """The refill engine over `devices` data-parallel groups (`rollout_groups`), as `rollout.engine_for` chooses
   it (one slot per group and the pages one sequence needs when not even that fits the budget, so that the plan
-  shows by how much); None when the static engine runs (or every sequence has a slot)."""
+  shows by how much); None when the static engine runs (`rollout.refills`)."""
   r = config.rollout
   sequences, prompt_len = r.responses_per_step, common.prompt_bucket(r.max_prompt_tokens)
   try:
@@ -152,7 +152,9 @@ def refill_engine(config: ExperimentConfig, cfg: TransformerConfig, devices: int
     tg = r.page_tokens or common.default_page_tokens()
     pages = -(-r.prompts_per_step // devices) * -(-prompt_len // tg) + common.sequence_pages(r.max_response_tokens, tg)
     return rollout.Engine(kind="refill", slots=devices, queues=devices, pages=pages, page_tokens=tg)
-  return engine if engine.kind == "refill" and engine.slots < sequences else None
+  refilled = rollout.refills(engine, prompts=r.prompts_per_step, group=r.samples_per_prompt, prompt_tokens=prompt_len,
+                             max_new_tokens=r.max_response_tokens)  # As `rollout.sample` decides.
+  return engine if refilled else None
 
 
 def rollout_groups(config: ExperimentConfig, mesh_shape: Mapping[str, int]) -> int:

@@ -167,14 +167,15 @@ class PagedKVCache:
 
   def write(self, layer, k: jax.Array, v: jax.Array) -> "PagedKVCache":
     """Each live row's key and value `[R, 1, K, H]` at its token `lengths[r]`: offset lengths mod Tg of page
-    `table[r, lengths // Tg]`, layer `layer` (one scatter batched over queues, in place; rows holding nothing
-    write nothing)."""
-    tg, queues = self.page_tokens, self.keys.shape[2]
+    `table[r, lengths // Tg]`, layer `layer` (`paged_attention.write`, in place; rows holding nothing write
+    nothing)."""
+    tg = self.page_tokens
     column = jnp.minimum(self.lengths // tg, self.table.shape[1] - 1)
     page = jnp.take_along_axis(self.table, column[:, None], axis=1)[:, 0]
     page = jnp.where(self.live, page, self.pages)  # Out of range: dropped.
-    return self.replace(keys=write_token(self.keys, k[:, 0], layer, page, self.lengths % tg, queues),
-                        values=write_token(self.values, v[:, 0], layer, page, self.lengths % tg, queues))
+    put = lambda pool, new: paged_attention.write(pool, new[:, 0], page, self.lengths % tg, layer,
+                                                  implementation=self.implementation)
+    return self.replace(keys=put(self.keys, k), values=put(self.values, v))
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
     """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of layer

@@ -160,6 +160,43 @@ def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int) -
                            pages_per_compute_block=block_pages)
 
 
+def write(pool, new, page, offset, layer, *, implementation: str):
+  """`new` `[R, K, H]` written into the pool `[K, L, Q, Pq, Tg, H]` at (layer, row r's queue, `page[r]`,
+  `offset[r]`), in place, a page ≥ Pq dropped. With the kernel (TPU): under `jax.shard_map` on a mesh, each
+  device scatters its own rows into its own pages as rows of the pool flattened to token slots, a scatter the
+  TPU compiler keeps whole (one batched over queues it expands into a loop over the rows, per layer); else
+  `kv_cache.write_token`, batched over queues."""
+  from vapo_jax.models.kv_cache import write_token
+
+  if implementation != "kernel":
+    return write_token(pool, new, layer, page, offset, pool.shape[2])
+  layer = jnp.asarray(layer, jnp.int32)
+  found = sharding.context()
+  if found is None or found[0].size == 1:
+    return _write_local(pool, new, page, offset, layer)
+  mesh, rules = found
+  rows = sharding.partition_spec(("batch",), rules, mesh.shape, (new.shape[0],))
+  heads = sharding.partition_spec(("cache_kv_heads",), rules, mesh.shape, (pool.shape[0],))
+  row_axes, head_axes = (rows[0] if len(rows) else None), (heads[0] if len(heads) else None)
+  pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
+  return jax.shard_map(_write_local, mesh=mesh, check_vma=False, out_specs=pool_spec,
+                       in_specs=(pool_spec, PartitionSpec(row_axes, head_axes, None), PartitionSpec(row_axes),
+                                 PartitionSpec(row_axes), PartitionSpec()))(pool, new, page, offset, layer)
+
+
+def _write_local(pool, new, page, offset, layer):
+  """One device's rows `[r, k, H]` into its pool `[k, L, q, Pq, Tg, H]`, as rows of `[k, L·q·Pq·Tg, H]`."""
+  kv_heads, layers, queues, pages, tg, h = pool.shape
+  rows = new.shape[0]
+  total = layers * queues * pages * tg
+  queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
+  slot = ((layer * queues + queue) * pages + page) * tg + offset
+  slot = jnp.where(page < pages, slot, total + jnp.arange(rows, dtype=jnp.int32))  # Out of range, each its own.
+  flat = pool.reshape(kv_heads, total, h)
+  flat = flat.at[:, slot, :].set(new.transpose(1, 0, 2).astype(pool.dtype), mode="drop", unique_indices=True)
+  return flat.reshape(pool.shape)
+
+
 def read_bytes(lengths, *, page_tokens: int, block_pages: int, token_bytes: float) -> float:
   """Bytes of keys and values the kernel reads in one decode step: each row the blocks of `block_pages` pages
   up to its own `lengths[r]` (the tokens its query sees), `token_bytes` a token's keys and values at every
