@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 import experiments  # noqa: E402
 from benchmarks.tables import RatioTarget, Table, best_seconds, print_table, targets_table  # noqa: E402
 from experiments.smoke import smoke  # noqa: E402
+from vapo_jax import rollout  # noqa: E402
 from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.memory import topologies, xla_report  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
@@ -81,9 +82,13 @@ def _rollout_state(config, layout, cfg):
   graphdef, params = nnx.split(actor)
   r = config.rollout
   sampling = common.Sampling(max_new_tokens=r.max_response_tokens, stop_token_ids=(-1,), temperature=1.0)
+  engine = rollout.engine_for(r, cfg, sequences=r.responses_per_step, prompt_tokens=16,
+                             dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices)
   fns = refill.programs(sampling=sampling, group=r.samples_per_prompt, slots=r.slots, queues=layout.data_devices,
-                        steps_per_call=1, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), decode_block=None,
-                        min_slots=0, jit=layout.jit)
+                        steps_per_call=1, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), min_slots=0,
+                        jit=layout.jit, **rollout.paged_settings(
+                            engine, queues=layout.data_devices, prompts=r.prompts_per_step, prompt_tokens=16,
+                            max_new_tokens=r.max_response_tokens, head_dim=cfg.head_dim))
   rng = np.random.default_rng(0)
   tokens = rng.integers(3, cfg.vocab_size, (r.prompts_per_step, 16)).astype(np.int32)
   prompts_tokens, mask = layout.place((tokens, np.ones_like(tokens, bool)))

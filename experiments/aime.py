@@ -66,14 +66,15 @@ def vapo() -> ExperimentConfig:
       # Decoding in the training layout gathers the whole model every token and does not fit (XLA refuses
       # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
       # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
-      # once per step, over a paged KV cache: a pool of 71.5 GiB per chip (18,288 pages of 128 tokens per
-      # group, 32 KiB per token per chip) and every one of a group's 256 sequences in a slot at once: the
-      # fewest decode steps (the longest response's), and under a long tail the pool holds them (the
-      # roofline's log-normal profile peaks at 4,432 pages); at the cap the engine preempts and restarts
-      # the latest-started (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
+      # once per step, over a paged KV cache: a pool of 64 GiB per chip (16,384 pages of 128 tokens per
+      # group, 32 KiB per token per chip), every one of a group's 256 sequences in a slot at once: the
+      # fewest decode steps (the longest response's). Under the roofline's long-tailed profile the pool
+      # peaks at 4,432 pages (a quarter of it); with every response at the cap it holds about 100 sequences
+      # a group and the engine preempts and restarts the latest-started. The start-up check's plan needs
+      # 80.3 GiB, XLA's figures about 76 GiB (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
-                            prompts_per_generation=128, kv_cache_budget_gib=71.5, tensor_parallel=8,
+                            prompts_per_generation=128, kv_cache_budget_gib=64.0, tensor_parallel=8,
                             slots=8192, page_tokens=128),
       # Pure FSDP over every device: with flash attention (no [T, S] scores) and log-probs from
       # logit blocks (no [Tr, V] logits) a 22528-token sequence needs no tensor parallelism.

@@ -89,7 +89,7 @@ def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   assert [p.name for p in over.over()] == ["rollout"] and needs <= over.budget
   message = xla_report_text.refusal(over)
   assert "92% of" in message and "mesh.memory_margin=0.08" in message, message
-  assert message.splitlines()[1].startswith("  rollout needs ") and "rollout.slots=8 (now 24" in message, message
+  assert message.splitlines()[1].startswith("  rollout needs ") and "rollout.pages=4 (now 7;" in message, message
   assert "does NOT fit (rollout over)" in xla_report_text.table(over)
   whole = at(memory_margin=0.0)
   assert not whole.over() and xla_report_text.refusal(whole) is None and "fits (" in xla_report_text.table(whole)

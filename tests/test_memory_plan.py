@@ -349,7 +349,8 @@ def test_the_aime_plan_on_256_chips():
   groups = hand_plan.rollout_groups(config, mesh)
   engine = hand_plan.refill_engine(config, cfg, groups)
   assert config.rollout.tensor_parallel == 8 and groups == 32 and engine.slots == config.rollout.slots
-  assert engine.pages == config.rollout.pages and engine.page_tokens == config.rollout.page_tokens
+  page_bytes = engine.page_tokens * 2 * 64 * 8 * 128 * 2 // 8  # Keys and values, 64 layers, 8 KV heads over 8 chips.
+  assert engine.pages == int(config.rollout.kv_cache_budget_gib * GIB // page_bytes) == 16384
   assert _item(shipped, "rollout", "kv_cache") == PagedKVCache.pool_bytes(
       cfg, queues=1, pages=engine.pages, page_tokens=engine.page_tokens, dtype=jnp.bfloat16) // 8
   # The static engine (rollout.engine=static) in rounds of 128 prompts fits as well (256 would not,

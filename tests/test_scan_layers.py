@@ -166,8 +166,9 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
   outputs = []
   for m in (model, unrolled(model)):
     fn = static.make_generate(sampling=sampling, samples_per_prompt=2, pad_id=0, jit=layout.jit)
-    refilled, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, samples_per_prompt=2, slots=8,
-                                            queues=2, steps_per_call=3, min_slots=2, jit=layout.jit)
+    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, samples_per_prompt=2, slots=8,
+                                               queues=2, steps_per_call=3, min_slots=2, jit=layout.jit, pages=12,
+                                               page_tokens=16)
     outputs.append((fn(m, tokens, mask, key), refilled))
   for a, b in zip(outputs[0], outputs[1]):
     np.testing.assert_array_equal(np.asarray(a.response_tokens), np.asarray(b.response_tokens))
@@ -230,13 +231,14 @@ def test_no_cache_sized_copy_in_the_decode_loop(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
   fns = refill.programs(sampling=common.Sampling(max_new_tokens=4, stop_token_ids=(2,)), group=2, slots=8, queues=2,
-                        steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), decode_block=None, min_slots=2,
-                        jit=layout.jit)
+                        steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), pages=12, page_tokens=16,
+                        block_pages=1, implementation="gather", min_slots=2, jit=layout.jit)
   prompts, state = fns.start(model, *layout.place((tokens, mask)))
   text = fns.decode.lower(model, prompts, state, jax.random.key(0), None).compile().as_text()
-  stack = state.cache.keys.addressable_shards[0].data.shape  # [L, R, K, S, H] on one device.
-  cache_like = {tuple(sorted(stack)), tuple(sorted(stack[1:]))}  # The stack, or one layer of it, in any layout.
-  copies = hlo.large_copies(text, int(np.prod(stack[1:])) * 4)
+  pool = state.cache.keys.addressable_shards[0].data.shape  # [K, L, Q, Pq, Tg, H] on one device.
+  layer = pool[:1] + pool[2:]
+  cache_like = {tuple(sorted(pool)), tuple(sorted(layer))}  # The pool, or one layer of it, in any layout.
+  copies = hlo.large_copies(text, int(np.prod(layer)) * 4 // 8)  # An eighth of a layer's pool: weights' copies too.
   assert copies  # The check finds copies (of the scan's weight slices, laid out for the CPU's dots) ...
   dims = lambda copy: tuple(sorted(int(d) for d in copy.split("[")[1].split("]")[0].split(",")))
   assert not [c for c in copies if dims(c) in cache_like], copies  # ... and none of a layer's cache.

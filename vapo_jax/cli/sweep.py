@@ -259,13 +259,18 @@ def _stop(active: dict, status: dict, stream) -> str:
     for process, (run, start) in active.items():
       process.wait()
       process.log.close()
-      status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
+      if process.returncode in (0, 75, 130):  # Finished, or saved a checkpoint and stopped.
+        status[run.name] = _outcome(run, process.returncode, time.perf_counter() - start, stream)
+      else:  # Stopped before it could save (still starting): its rerun starts from its newest checkpoint, if any.
+        status[run.name] = f"stopped (exit {process.returncode}, before saving)"
+        print(f"stopped {run.name} (exit {process.returncode}): before it could save; run the sweep again to start it "
+              f"again; log: {run.log}", file=stream, flush=True)
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
   ended = [status[run.name] for run, _ in active.values()]
-  saved = sum(s.startswith("stopped") for s in ended)
-  lost = [s for s in ended if not s.startswith(("stopped", "done"))]
+  saved = sum(s.startswith("stopped") and "before saving" not in s for s in ended)
+  lost = [s for s in ended if not (s.startswith("stopped") and "before saving" not in s) and s != "done"]
   return (f"sweep stopped: {saved} run(s) in progress saved checkpoints" + (f", {len(lost)} ended otherwise ("
           f"{'; '.join(lost)})" if lost else "") + "; the same command resumes the sweep")
 

@@ -13,6 +13,7 @@ import math
 from vapo_jax.memory import advice, compiled_cache, hand_plan
 from vapo_jax.memory.topologies import GIB
 from vapo_jax.models.kv_cache import PagedKVCache
+from vapo_jax.rollout import common
 from vapo_jax.train import build
 
 MIB = 2**20
@@ -101,8 +102,11 @@ def _page_advice(report, phase) -> str | None:
   per_page = PagedKVCache.pool_bytes(cfg, queues=1, pages=1, page_tokens=engine.page_tokens,
                                      dtype=c.model.dtype) / c.rollout.tensor_parallel  # Per chip.
   keep = engine.pages - math.ceil((phase.needs - report.allowed) / per_page)
+  r, groups = c.rollout, hand_plan.rollout_groups(c, report.mesh_shape)
+  least = (-(-r.prompts_per_step // groups) * -(-common.prompt_bucket(r.max_prompt_tokens) // engine.page_tokens)
+           + common.sequence_pages(r.max_response_tokens, engine.page_tokens))  # A group's prompts and one sequence.
   return (f"rollout.pages={keep} (now {engine.pages}; {readable_bytes(per_page)} of KV cache per page per chip)"
-          if keep > 0 else None)
+          if keep >= least else None)
 
 
 def _plan_advice(report, phase) -> list[str]:

@@ -189,20 +189,6 @@ class PagedKVCache:
     return self.replace(lengths=self.lengths + self.live.astype(jnp.int32))
 
 
-def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset: jax.Array, queues: int) -> jax.Array:
-  """`new` `[R, K, H]` written into the pool `[K, L, Q, Pq, Tg, H]` at (layer, row r's queue, `page[r]`,
-  `offset[r]`): a scatter batched over the queue axis (split over the data-parallel devices with the rows, it
-  stays on each device), in place, a page ≥ Pq dropped."""
-  rows = new.shape[0]
-  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32),
-                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 3)
-  updates = new.astype(pool.dtype).reshape(queues, rows // queues, *new.shape[1:])  # [Q, Rq, K, H]
-  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(1, 3, 4),
-                                            scatter_dims_to_operand_dims=(1, 3, 4), operand_batching_dims=(2,),
-                                            scatter_indices_batching_dims=(0,))
-  return jax.lax.scatter(pool, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-
-
 def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:
   """`new` written into `buffer` along its slot axis `axis` at slot `length` (scalar), or row b at
   slot `length[b]` (`[B]`): a mask `[B, S]` (axis 1) from `[B, T]`."""

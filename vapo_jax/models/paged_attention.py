@@ -165,9 +165,7 @@ def write(pool, new, page, offset, layer, *, implementation: str):
   `offset[r]`), in place, a page ≥ Pq dropped. With the kernel (TPU): under `jax.shard_map` on a mesh, each
   device scatters its own rows into its own pages as rows of the pool flattened to token slots, a scatter the
   TPU compiler keeps whole (one batched over queues it expands into a loop over the rows, per layer); else
-  `kv_cache.write_token`, batched over queues."""
-  from vapo_jax.models.kv_cache import write_token
-
+  `write_token`, batched over queues."""
   if implementation != "kernel":
     return write_token(pool, new, layer, page, offset, pool.shape[2])
   layer = jnp.asarray(layer, jnp.int32)
@@ -195,6 +193,20 @@ def _write_local(pool, new, page, offset, layer):
   flat = pool.reshape(kv_heads, total, h)
   flat = flat.at[:, slot, :].set(new.transpose(1, 0, 2).astype(pool.dtype), mode="drop", unique_indices=True)
   return flat.reshape(pool.shape)
+
+
+def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset: jax.Array, queues: int) -> jax.Array:
+  """`new` `[R, K, H]` written into the pool `[K, L, Q, Pq, Tg, H]` at (layer, row r's queue, `page[r]`,
+  `offset[r]`): a scatter batched over the queue axis (split over the data-parallel devices with the rows, it
+  stays on each device), in place, a page ≥ Pq dropped."""
+  rows = new.shape[0]
+  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32),
+                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 3)
+  updates = new.astype(pool.dtype).reshape(queues, rows // queues, *new.shape[1:])  # [Q, Rq, K, H]
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(1, 3, 4),
+                                            scatter_dims_to_operand_dims=(1, 3, 4), operand_batching_dims=(2,),
+                                            scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(pool, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def read_bytes(lengths, *, page_tokens: int, block_pages: int, token_bytes: float) -> float:
