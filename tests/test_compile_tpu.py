@@ -230,6 +230,7 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   d = step.decode  # Itemised: the bytes of every step are weights, KV read, KV written and the rest.
   assert d.engine == "static" and d.steps == step.decode_steps
   assert d.bytes == pytest.approx(d.steps * (d.weights + d.kv_read + d.kv_written + d.rest), rel=1e-6)
+  assert 0 < d.floor_s <= d.seconds  # The rest left out: a bound from below.
   assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1 and 0 < step.rollout_share < 1
   assert step.model_flops == sum(p.model_flops for p in step.phases)
   text = roofline.format_estimate(step, "TPU v5")
@@ -240,6 +241,29 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
   assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")
+
+
+@pytest.mark.slow  # make test-slow: the smoke run compiled again, with the paged refill engine.
+def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path):
+  """A smoke run whose pool holds fewer sequences than it decodes compiles the paged engine; the roofline prices
+  both engines at the same KV bytes under two profiles, each decode itemised, its bound without the rest below
+  it, and says the paged rollout's speed against the contiguous one's."""
+  from vapo_jax.memory import schedule
+
+  config = build_smoke_config(tmp_path, QUICK | {"rollout.slots": 8, "rollout.page_tokens": 8, "rollout.pages": 24})
+  report = xla_report.compile_run(config, topologies.named(TOPOLOGY))
+  assert report.refill and report.pool["pages"] == 24 and roofline.engines(report) == ("paged", "contiguous")
+  prompts, where = schedule.prompt_lengths(config)
+  estimates = roofline.compare(report, [schedule.at_cap(config, prompts, where),
+                                        schedule.log_normal(config, prompts, where)])
+  assert [label for label, _ in estimates] == ["A, paged", "A, contiguous", "B, paged", "B, contiguous"]
+  for label, step in estimates:
+    d = step.decode
+    assert d.engine == label.split(", ")[1] and 0 < d.floor_s <= d.seconds and d.steps > 0, label
+    assert d.bytes >= d.steps * (d.weights + d.kv_written), label
+  text = roofline.format_comparison(report, estimates)
+  for letter in "AB":
+    assert f"profile {letter}: the paged rollout is " in text and "with the decode's rest left out" in text
 
 
 @pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.

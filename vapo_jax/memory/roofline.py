@@ -355,7 +355,10 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
     if f"{letter}, paged" in by and f"{letter}, contiguous" in by:
       paged, contiguous = by[f"{letter}, paged"], by[f"{letter}, contiguous"]
       ratio = contiguous.phase("rollout").seconds / paged.phase("rollout").seconds
+      floor = ((contiguous.phase("rollout").seconds - contiguous.decode.seconds + contiguous.decode.floor_s)
+               / (paged.phase("rollout").seconds - paged.decode.seconds + paged.decode.floor_s))
       lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
-                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots)")
+                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
+                   f"{floor:.2f}x with the decode's rest left out)")
   lines += [format_estimate(step, f"{chip} ({label})") for label, step in estimates]
   return "\n".join(lines)
