@@ -301,7 +301,7 @@ def test_actor_loss_micro_batches_add_up_to_the_reference(maybe_jit, case):
                              rtol=1e-5, atol=1e-6)
   assert ("actor/nll_loss" in metrics) == (algo.positive_nll_coef > 0)
   assert ("actor/ref_kl" in metrics) == use_kl
-  assert ("actor/entropy" in metrics) == use_entropy
+  assert ("actor/entropy_term" in metrics) == use_entropy
   assert ("actor/dual_clip_frac" in metrics) == (algo.dual_clip is not None)
 
 

@@ -28,7 +28,7 @@ def _write_run(run_dir, rl_steps=12, vp_steps=4, eval_every=4, seed=0):
     t = step / rl_steps
     m = {"rollout/reward_mean": 2 * t - 1 + 0.1 * rng.standard_normal(), "rollout/accuracy": t,
          "rollout/response_len_mean": 30 + 10 * t, "rollout/response_len_max": 64.0, "rollout/truncated_frac": 0.1,
-         "actor/entropy": 1.5 - t, "actor/entropy_rollout": 1.5 - t, "critic/explained_variance": 0.5 + 0.4 * t,
+         "actor/entropy": 1.5 - t, "actor/entropy_term": 1.5 - t, "critic/explained_variance": 0.5 + 0.4 * t,
          "actor/clip_frac_low": 0.01, "actor/clip_frac_high": 0.02 + 0.01 * t, "critic/clip_frac": 0.0,
          "adv/lam_actor_mean": 0.95, "adv/lam_actor_min": 0.93, "adv/lam_actor_max": 0.98,
          "actor/approx_kl": 1e-3 * (1 + t), "rollout/logprob_gap": 2e-3, "actor/pg_loss": -0.01,

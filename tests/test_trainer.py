@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from vapo_jax import metric_keys
 from vapo_jax.rl import advantages, losses
 from vapo_jax.train import updates
 from vapo_jax.train.trainer import Trainer
@@ -45,7 +46,9 @@ def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
     again = Trainer(trainer.config, verbose=False)  # The same run again: resumes at its end.
     assert again.progress.stage == "done" and again.run()["accuracy_after_rl"] == summary["accuracy_after_rl"]
   if not trainer.config.algo.dynamic_sampling:  # Without it, groups are not selected: the fraction is measured.
-    assert "rollout/mixed_group_frac" not in rl[0]
+    assert "rollout/mixed_group_frac" not in rl[0] and "reward/sampled_mean" not in rl[0]
+  logged = {key for h in trainer.history for key in h}  # Every key the run logs is declared (metric_keys.py).
+  assert [key for key in sorted(logged) if not metric_keys.declared(key)] == []
   lines = (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()
   assert any('"stage": "rl"' in line and "actor/clip_frac_high" in line and "time/rollout_s" in line for line in lines)
   assert list((tmp_path / "test" / "tensorboard").iterdir())
@@ -96,6 +99,8 @@ def test_dynamic_sampling_fills_the_batch_with_mixed_groups(smoke_config):
   assert out.response_tokens.shape[0] == 32
   assert np.all((accuracy > 0) & (accuracy < 1)), accuracy
   assert stats["rollout/mixed_group_frac"] == 1.0 and stats["rollout/sampling_rounds"] >= 1
+  assert np.isfinite(stats["reward/sampled_mean"]) and stats["reward/sampled_mean"] <= 1.0  # ≥ −1 less penalties
+  assert all(metric_keys.declared(key) for key in stats)
   trainer.pool.close()
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vapo_jax import files
+from vapo_jax import files, metric_keys
 from vapo_jax.cli import ArgumentParser
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -38,7 +38,8 @@ FIGURES = [
       ("held-out mean", "eval/response_len_mean")]),
     ("truncated", "Responses cut at the length limit", "fraction", [("truncated", "rollout/truncated_frac")]),
     ("entropy", "Policy entropy", "nats per token",
-     [("updated policy", "actor/entropy"), ("sampling policy", "actor/entropy_rollout")]),
+     [("sampling policy, on the batch", "actor/entropy"),
+      ("the loss's entropy term (updated policy)", "actor/entropy_term")]),
     ("explained_variance", "Critic explained variance", "1 − Var[R − V] / Var[R]",
      [("explained variance", "critic/explained_variance")]),
     ("early_advantage", "Mean advantage over the first 10 % of each response's tokens", "advantage",
@@ -56,7 +57,7 @@ FIGURES = [
     ("scoring", "Responses without an answer, or whose scoring failed", "fraction of responses",
      [("no answer", "reward/no_answer_frac"), ("reward function error", "reward/error_frac")]),
     ("time", "Time per step", "seconds",
-     [("step", "time/step_s"), ("sampling", "time/rollout_s"), ("scoring", "time/scoring_s"),
+     [("step", "time/step_s"), ("sampling", "time/rollout_s"), ("verifier", "time/verify_s"),
       ("log-probs and values", "time/logprobs_values_s"), ("updates", "time/update_s")]),
     ("losses", "Losses", "loss",
      [("policy gradient", "actor/pg_loss"), ("positive-example NLL", "actor/nll_loss"),
@@ -71,7 +72,7 @@ def read_metrics(path: str) -> list[dict]:
   with open(path, "rb") as f:
     for number, line in enumerate(f, 1):
       try:
-        record = json.loads(line)
+        record = metric_keys.current(json.loads(line))
         records[(record["stage"], record["step"])] = record
       except (ValueError, KeyError, TypeError):
         if line.strip():

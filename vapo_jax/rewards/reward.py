@@ -165,7 +165,6 @@ def compute_rewards(
     rewards = rewards + format_penalty(formatted, penalty=format_penalty_value)
   n = max(len(responses), 1)
   metrics = {
-      "reward/mean": float(rewards.mean()) if len(rewards) else 0.0,
       "reward/no_answer_frac": sum(f == "none" and s == "ok" for f, s in zip(found_forms, statuses)) / n,
       "reward/verifier_timeouts": float(statuses.count("timeout")),
       "reward/verifier_crashes": float(statuses.count("crash")),

@@ -147,14 +147,14 @@ def batch_metrics(rewards: jax.Array, correct: jax.Array, response_mask: jax.Arr
 def advantage_metrics(est: Advantages, values: jax.Array | None, entropy: jax.Array, logprob_gap: jax.Array,
                       response_mask: jax.Array) -> dict[str, jax.Array]:
   """A scored batch's estimates, token means over `response_mask`: the critic's explained variance and
-  mean value (0 without a critic), the rollout policy's entropy, `rollout/logprob_gap` (|rollout −
+  mean value (0 without a critic), the sampling policy's entropy (`actor/entropy`), `rollout/logprob_gap` (|rollout −
   scoring log-probs|, given per token), the mean return, λ_actor's mean / min / max and |advantage|."""
   mask = response_mask
   critic = {"critic/explained_variance": losses.explained_variance(values, est.returns, mask),
             "critic/value_mean": masked.masked_mean(values, mask)} if values is not None else {
                 "critic/explained_variance": 0.0, "critic/value_mean": 0.0}
   return critic | {
-      "actor/entropy": masked.masked_mean(entropy, mask),  # Of the rollout policy, on this batch.
+      "actor/entropy": masked.masked_mean(entropy, mask),  # The sampling policy's, on this batch.
       "rollout/logprob_gap": masked.masked_mean(logprob_gap, mask),
       "critic/return_mean": masked.masked_mean(est.returns, mask),
       "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
@@ -227,6 +227,6 @@ def actor_loss(
   if entropy is not None:
     mean_entropy = losses.aggregate_loss(entropy, response_mask, **agg)
     total = total - algo.entropy_coef * mean_entropy
-    metrics["actor/entropy"] = mean_entropy
+    metrics["actor/entropy_term"] = mean_entropy
   metrics["actor/loss"] = total
   return total, metrics

@@ -37,6 +37,21 @@ from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps, TrainBatch
 
 
+def verifier_rounds(rounds: list[tuple[int, float, dict]]) -> dict[str, float]:
+  """The verifier's metrics over a step's sampling rounds, each (responses, Σ rewards, its metrics): fractions
+  weighted by the responses, counts and seconds summed, the rate over the sum, and `reward/sampled_mean` (every
+  response sampled, before dynamic sampling's filter)."""
+  responses = sum(n for n, _, _ in rounds)
+  out = {"reward/sampled_mean": sum(total for _, total, _ in rounds) / max(responses, 1)}
+  for key in rounds[0][2]:
+    values = [(n, m[key]) for n, _, m in rounds]
+    out[key] = (sum(n * v for n, v in values) / max(responses, 1) if key.endswith("_frac")
+                else sum(v for _, v in values))
+  if "time/verify_s" in out:
+    out["perf/verify_responses_per_s"] = responses / max(out["time/verify_s"], 1e-9)
+  return out
+
+
 class DynamicSamplingCapReached(RuntimeError):
   """Dynamic sampling hit `algo.dynamic_sampling_max_rounds` with `dynamic_sampling_on_cap="raise"`."""
 
@@ -217,7 +232,7 @@ class Experience:
       rewards, correct = self._place_share(scored, out)
       return Sampled(out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0},
                      labels(out, [x.answer for x in records for _ in range(group)]))
-    kept, spare, parts, answers, rounds, rollout_s = [], [], [], [], 0, 0.0
+    kept, spare, parts, answers, rounds, rollout_s, verified = [], [], [], [], 0, 0.0, []
     while True:
       key, sample_key = jax.random.split(key)
       records, out, scored, generated = self._sample_round(policy, prompts, sample_key)
@@ -225,6 +240,7 @@ class Experience:
       rollout_s += generated["time/rollout_s"]
       correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
       rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
+      verified.append((rewards.size, float(rewards.sum()), scored.metrics))
       offset = sum(len(p[0].response_lengths) for p in parts)
       parts.append((out, rewards, correct))
       for p, accuracy in enumerate(correct.mean(axis=1)):
@@ -246,9 +262,10 @@ class Experience:
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     out = _take_rows(out, self.steps.place(rows.astype(np.int32)))
     rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
-    stats = generated | scored.metrics | {"time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
-                              "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
-                              "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
+    stats = generated | verifier_rounds(verified) | {
+        "time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
+        "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
+        "rollout/unmixed_groups": float(max(0, len(groups) - len(kept)))}
     return Sampled(out, rewards, correct, stats, labels(out, [answers[r] for r in rows]))
 
   def _sample_round(self, policy: nnx.Module, prompts: PromptIterator, key: jax.Array):

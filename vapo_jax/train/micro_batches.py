@@ -49,7 +49,7 @@ def unsplit(tree, shards: int = 1):
 # Metrics that are a micro-batch's share of the mini-batch value (losses with whole-batch
 # denominators, counts): summed over micro-batches. Every other metric is a mean over valid tokens:
 # weighted by each micro-batch's valid tokens, which gives the mini-batch's token mean exactly.
-SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/entropy", "actor/loss",
+SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/entropy_term", "actor/loss",
                             "actor/positive_tokens"})
 
 

@@ -242,7 +242,7 @@ class Trainer:
     metrics = metrics_lib.fetch(stats | batch_stats | update_metrics)
     end, n = time.perf_counter(), out.response_lengths.shape[0]
     tokens = metrics["rollout/response_len_mean"] * n
-    metrics |= {"time/scoring_s": stats.get("time/verify_s", 0.0), "time/logprobs_values_s": scored - sampled,
+    metrics |= {"time/logprobs_values_s": scored - sampled,
                 "time/update_s": end - scored, "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start),
                 "perf/train_tokens_per_s": (tokens + metrics["rollout/prompt_len_mean"] * n) / (end - sampled)}
     return state, metrics
