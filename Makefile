@@ -97,9 +97,9 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 	$(if $(PRINT),@)$(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
-memory: $(STAMP)  ## Per-device memory of EXP: compiled for TOPOLOGY (v5p:8x8x4; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths), else planned on MESH with DEVICE_GIB; exit 1 if over.
+memory: $(STAMP)  ## XLA's per-device memory of EXP's every program, compiled for TOPOLOGY (v5p:8x8x4, cpu:8; default: this machine's devices; MESH=fsdp=256; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths); exit 1 if a phase does not fit, naming the fix.
 	@$(if $(filter v%,$(TOPOLOGY)),$(MAKE) -s --no-print-directory $(TPU_STAMP),true)
-	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(DEVICE_GIB),--device-gib $(DEVICE_GIB)) $(if $(PROFILE),--profile $(PROFILE)) $(ARGS)
+	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(PROFILE),--profile $(PROFILE)) $(ARGS)
 
 clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).
 	rm -rf .jax_cache

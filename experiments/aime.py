@@ -70,8 +70,9 @@ def vapo() -> ExperimentConfig:
       # group, 32 KiB per token per chip), every one of a group's 256 sequences in a slot at once: the
       # fewest decode steps (the longest response's). Under the roofline's long-tailed profile the pool
       # peaks at 4,432 pages (a quarter of it); with every response at the cap it holds about 100 sequences
-      # a group and the engine preempts and restarts the latest-started. The start-up check's plan needs
-      # 80.3 GiB, XLA's figures about 76 GiB (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md).
+      # a group and the engine preempts and restarts the latest-started. Sized by XLA's figures (`make memory
+      # EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md): the peak, the rollout's start, needs 76.36 GiB per chip of
+      # the 88.08 allowed; a larger pool buys no speed there (docs/pod.md's roofline), so the rest is margin.
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
                             prompts_per_generation=128, kv_cache_budget_gib=64.0, tensor_parallel=8,

@@ -1,7 +1,7 @@
 """Reports stay exact when the decoder layers are a scan (`model.scan_layers`), on a model small enough
 that its unrolled program compiles too: the roofline's FLOPs count every layer (`roofline.every_layer`
-equals the unrolled program's `cost_analysis`), and the hand plan's reshard holds the largest rollout shard
-of a stacked `[L, ...]` parameter, L layers of it, as the real rollout copy does.
+equals the unrolled program's `cost_analysis`), and the compile report's largest reshard program writes the
+largest rollout shard, a stacked `[L, ...]` parameter's, L layers of it, as the real rollout copy holds.
 (The weight-collective check under scan needs TPU devices: `tests/test_compile_tpu.py`.)"""
 
 import jax
@@ -10,7 +10,7 @@ from flax import nnx
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
 from vapo_jax.config.sections import MeshConfig, ModelConfig
-from vapo_jax.memory import hand_plan, roofline, topologies, xla_report
+from vapo_jax.memory import roofline, topologies, xla_report
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
@@ -41,13 +41,13 @@ def _layout_config(model: str) -> ExperimentConfig:
       algo=AlgoConfig(value_pretrain_steps=0, mini_batch_responses=128),
       rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32, max_response_tokens=992,
                             engine="refill", tensor_parallel=2),
-      mesh=MeshConfig(preset="fsdp"))
+      mesh=MeshConfig(preset="fsdp", data=2, fsdp=4))
 
 
 def test_the_reshard_in_flight_is_the_largest_shard_of_a_stacked_parameter():
   """The reshard moves one array at a time; the largest is a stacked decoder-layer parameter, L layers of
-  it (the `small` model: its MLP kernels, 4 x 128 x 176 per chip in the tensor-parallel layout), which the
-  plan counts: the largest of the real rollout copy's shards on a chip."""
+  it (the `small` model: its MLP kernels, 4 x 128 x 176 per chip in the tensor-parallel layout): XLA's output
+  of the largest reshard program is the largest of the real rollout copy's shards on a chip."""
   shape = {"data": 2, "fsdp": 4, "tensor": 1}
   config, cfg = _layout_config("small"), preset("small")
   mesh, rules = sharding.make_mesh(**shape), sharding.PRESETS["fsdp"]
@@ -55,8 +55,9 @@ def test_the_reshard_in_flight_is_the_largest_shard_of_a_stacked_parameter():
   copy = layout.reshard(nnx.state(sharding.create_sharded(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), mesh, rules)))
   device = jax.devices()[0]
   shards = [s.data.nbytes for x in jax.tree.leaves(copy) for s in x.addressable_shards if s.device == device]
-  plan = hand_plan.plan_memory(config, shape)
-  in_flight = next(p for p in plan.phases if p.name == "rollout").get("reshard")
+  report = xla_report.compile_run(config, topologies.named("cpu:8"), phases=("reshard",))
+  assert [p.name for p in report.phases] == ["reshard"] and report.mesh_shape == shape
+  in_flight = max(p.memory.outputs for p in report.phases[0].programs)
   layer = cfg.hidden_size * cfg.intermediate_size // 2 * jnp.dtype(jnp.bfloat16).itemsize  # One layer's MLP shard.
   assert in_flight == max(shards) == cfg.num_layers * layer and cfg.num_layers == 4
   assert in_flight > cfg.vocab_size * cfg.hidden_size * 2  # Larger than the embedding: the stack governs.

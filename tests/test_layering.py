@@ -78,10 +78,10 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_imports_flow_down_the_tiers():
   graph = module_graph()
-  assert {"vapo_jax.train.trainer", "vapo_jax.memory.hand_plan", "vapo_jax.cli.train",
+  assert {"vapo_jax.train.trainer", "vapo_jax.memory.verdict", "vapo_jax.cli.train",
           "experiments.toy"} <= graph.keys()
   assert "vapo_jax.rl.losses" in graph["vapo_jax.train.algorithm"]  # The graph is real.
-  assert "vapo_jax.memory.hand_plan" in graph["vapo_jax.cli.preflight"]  # The start-up memory check.
+  assert "vapo_jax.memory.verdict" in graph["vapo_jax.cli.preflight"]  # The start-up memory check.
   assert violations(graph) == []
 
 
@@ -97,8 +97,8 @@ def test_a_lower_tier_importing_a_higher_one_is_caught(tmp_path):
   assert violations(graph) == ["vapo_jax.rollout.common (rollout, data, rewards) imports vapo_jax.data.records "
                                "(rollout, data, rewards)"]
   graph = module_graph()  # The run reaching up to the memory reports.
-  graph["vapo_jax.train.trainer"].add("vapo_jax.memory.hand_plan")
-  assert violations(graph) == ["vapo_jax.train.trainer (train) imports vapo_jax.memory.hand_plan (memory)"]
+  graph["vapo_jax.train.trainer"].add("vapo_jax.memory.verdict")
+  assert violations(graph) == ["vapo_jax.train.trainer (train) imports vapo_jax.memory.verdict (memory)"]
 
 
 def test_every_module_is_in_a_tier():

@@ -1,7 +1,7 @@
 """The trainer fails loudly and loses nothing: NaN weights are refused at start, non-finite updates
 are skipped with a warning and stop the run after a few steps, a failed start leaves no empty run
 directory behind, a second trainer on a busy run directory is refused, and `make train` refuses a
-run whose hand memory plan exceeds the device memory before the trainer builds anything."""
+run whose compiled programs exceed the device memory before the trainer builds anything."""
 
 import json
 import logging
@@ -117,14 +117,22 @@ def test_supervised_warm_start_from_a_file(tmp_path, smoke_config):
   assert len(nll) == 2 and all(np.isfinite(nll))
 
 
-def test_make_train_prints_the_plan_and_refuses_a_phase_over_the_device_memory(tmp_path, capsys):
-  """`make train` prints the hand plan before the trainer builds anything and, with a phase over the
-  device memory, exits 2 naming the phase and the setting to change; it leaves no run directory."""
-  from vapo_jax.cli import train
-  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", "mesh.device_memory_gib=0.001"]
-  assert train.main(args) == 2
+def test_make_train_refuses_a_run_xla_refuses_before_the_first_step(tmp_path, capsys):
+  """`make train` compiles the run's programs on its devices before the trainer builds anything and, with
+  XLA's figure for a phase over the device memory, exits 2 naming the phase and the setting to change (each
+  fix compiled); it leaves no run directory. A pool of 3,000 KV-cache pages makes the rollout the peak, several
+times any other phase."""
+  from vapo_jax.cli import resolve, train
+  from vapo_jax.memory import topologies, xla_report
+  args = ["--exp", "tiny", "--smoke", f"run_dir={tmp_path}/runs", "name=x", "eval.path=None", "sft.steps=0",
+          "rollout.slots=24", "rollout.pages=3000"]
+  report = xla_report.compile_run(resolve.resolve(args)[0], topologies.here(jax.devices()), phases=("rollout",))
+  allowed = 0.6 * report.phases[0].needs
+  assert train.main(args + [f"mesh.device_memory_gib={allowed / 0.92 / 2**30:.12f}"]) == 2
   out, err = capsys.readouterr()
-  assert out.startswith("memory plan of x: ") and "peak, with resident" in out
-  assert err.startswith("error: the run needs ") and "mesh.check_memory=false skips this check" in err
-  assert re.search(r"\n  (rollout|scoring|actor update|critic update|supervised update) needs [\d.]+ GiB: \w", err), err
-  assert os.listdir(tmp_path) == []
+  assert out.startswith("memory: compiling the run's programs on cpu:8") and "does NOT fit (rollout over)" in out
+  assert err.startswith("error: the run does not fit cpu:8: ") and "mesh.check_memory=false skips this check" in err
+  line = next(x for x in err.splitlines() if x.startswith("  rollout needs "))
+  pages = int(re.search(r"set rollout\.pages=(\d+) \(compiled: rollout needs ", line).group(1))
+  assert 7 <= pages < 3000, line
+  assert os.listdir(tmp_path) == []  # Refused before the trainer made anything.

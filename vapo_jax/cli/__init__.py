@@ -5,9 +5,9 @@
   sweep      `make sweep`: every member × seed, then a report  python -m vapo_jax.cli.sweep
   sweep_report  a sweep's runs.csv, table.md and plots/, rebuilt from the runs' own metrics
   plots      `make plot`: PNG curves of runs                   python -m vapo_jax.cli.plots
-  memory     `make memory`: the per-device memory plan         python -m vapo_jax.cli.memory
+  memory     `make memory`: XLA's per-device memory of a run    python -m vapo_jax.cli.memory
   resolve    `--exp`, `--smoke` and `field.path=value` overrides into a config (no JAX)
-  preflight  the checks before a run starts: backend, devices, run directory, the hand memory plan
+  preflight  the checks before a run starts: backend, devices, run directory, XLA's memory verdict
 
 Every entry point parses its arguments with `ArgumentParser` before it imports JAX: `--help` prints its
 usage (exit 0) at once, and a bad argument is one line on stderr (exit 2).

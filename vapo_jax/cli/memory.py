@@ -1,27 +1,23 @@
-"""`make memory`: the per-device memory of an experiment, compiled for a target or planned by hand.
+"""`make memory`: XLA's per-device memory of every program of an experiment's run, compiled ahead of time.
 
-  python -m vapo_jax.cli.memory --exp NAME --topology v5p:8x8x4 [--mesh fsdp=256] [--layers 2] [--phases rollout]
-                                [--tail] [--profile runs/<name>] [field=value ...]
-  python -m vapo_jax.cli.memory --exp NAME [--mesh data=1,fsdp=256,tensor=1] [--device-gib 95] [field=value ...]
-  python -m vapo_jax.cli.memory --model qwen2.5-32b [--sharding fsdp] [--mesh fsdp=256]
+  python -m vapo_jax.cli.memory --exp NAME [--topology v5p:8x8x4 | cpu:N] [--mesh fsdp=256] [--layers 2]
+                                [--phases rollout] [--tail] [--profile runs/<name>] [field=value ...]
 
-The first compiles every program of a run ahead of time for the target (`memory/xla_report.py`:
-a TPU topology's compile-only devices, `cpu:N` for N CPU devices of this process, `cpu` for those it
-has), with the configured mesh (or `--mesh`) laid over its devices, and prints XLA's bytes per device
-of each phase against the chip's HBM; `--layers N` compiles the models with their first N layers only
-(a quick look), `--phases a,b` only those phases (and the ones whose outputs they take), `--tail` also
-the refill engine's decode loop at every slot count it shrinks to; then the roofline of one RL step for
-each rollout engine under two response-length profiles (`--profile runs/<name>`: a third, that run's
-logged lengths). The second
-plans a run by hand (`memory/hand_plan.py`) for `--mesh` (axes not named: 1), else for the
-configured mesh on this machine's devices. Both refuse a run whose phase needs more than
-(1 − `mesh.memory_margin`, default 8 %) of the device memory, naming the phase and what to change
-(`memory/advice.py`). The third prints only the parameters, gradients and AdamW moments per device
-of a model preset's policy and critic. Exit status 1 when a phase does not fit, 2 on a bad argument.
+Compiles every program of a run (`memory/xla_report.py`) for the target: a TPU topology's compile-only
+devices (libtpu's, `pip install -e ".[tpu]"`), `cpu:N` for N CPU devices of this process, or without
+`--topology` this machine's own devices (where the run would start), with the configured mesh (or `--mesh`,
+axes not named: 1) laid over them, and prints XLA's bytes per device of each phase against the device's
+memory (the chip's HBM, what the device reports, or `mesh.device_memory_gib`). `--layers N` compiles the
+models with their first N layers only (a quick look), `--phases a,b` only those phases (and the ones whose
+outputs they take), `--tail` also the refill engine's decode loop at every slot count it shrinks to. For a
+TPU topology, then the roofline of one RL step for each rollout engine under two response-length profiles
+(`--profile runs/<name>`: a third, that run's logged lengths). A phase that needs more than (1 −
+`mesh.memory_margin`, default 8 %) of the device memory refuses the run, naming the phase and the
+settings, each compiled to check it, that bring it under (`memory/what_if.py`): the same verdict as
+`make train`'s start-up check. Exit status 1 when a phase does not fit, 2 on a bad argument.
 """
 
 import dataclasses
-import math
 import os
 import sys
 
@@ -33,16 +29,13 @@ def _parser():
   """`--exp`, `--smoke` and overrides (`resolve.parser`), and this tool's own options."""
   command = resolve.parser("vapo_jax.cli.memory", __doc__.strip())
   command.add_argument("--topology", default="", metavar="TARGET",
-                       help="compile for a TPU topology (v5p:8x8x4), cpu:N or cpu; else plan by hand")
+                       help="compile for a TPU topology (v5p:8x8x4) or cpu:N; else for this machine's devices")
   command.add_argument("--mesh", default="", metavar="AXIS=SIZE,...", help="the mesh (axes not named: 1)")
   command.add_argument("--layers", default="", metavar="N", help="compile the models' first N layers only")
   command.add_argument("--phases", default="", metavar="A,B", help="compile only these phases")
   command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it shrinks to")
   command.add_argument("--profile", default="", metavar="RUN_DIR",
                        help="also price the rollout at the response lengths a run logged (its metrics.jsonl)")
-  command.add_argument("--device-gib", default="", metavar="GIB", help="the device memory of a hand plan")
-  command.add_argument("--model", default="", metavar="PRESET", help="only the parameter memory of a model preset")
-  command.add_argument("--sharding", default="fsdp", metavar="PRESET", help="the sharding preset of --model")
   return command
 
 
@@ -55,41 +48,6 @@ def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
       raise ConfigError(f"--mesh takes axis=size pairs of {', '.join(axes)}, got {item!r}")
     sizes[axis] = int(size)
   return sizes
-
-
-def parameters(model: str, rules_name: str, mesh_text: str) -> int:
-  """Prints the parameter memory per device of preset `model`'s policy and critic."""
-  from flax import nnx
-
-  from vapo_jax.memory import footprint
-  from vapo_jax.models import sharding
-  from vapo_jax.models.config import preset
-  from vapo_jax.models.transformer import CausalLM, ValueModel
-
-  if rules_name not in sharding.PRESETS:
-    raise ConfigError(f"--sharding {rules_name!r} is not one of {', '.join(sharding.PRESETS)}")
-  cfg, rules = preset(model), sharding.PRESETS[rules_name]
-  mesh_shape = mesh_sizes(mesh_text, sharding.MESH_AXES)
-  print(f"{model} on mesh {mesh_shape} ({math.prod(mesh_shape.values())} devices), preset {rules_name}, "
-        "float32 parameters and AdamW moments")
-  for name, cls in (("policy", CausalLM), ("critic", ValueModel)):
-    report = footprint.parameter_memory(lambda cls=cls: cls(cfg, rngs=nnx.Rngs(0)), rules=rules, mesh_shape=mesh_shape)
-    print("  " + report.format(name))
-  return 0
-
-
-def assumptions(mesh_text: str, sizes: dict[str, int], device_bytes: int | None, devices: list) -> list[str]:
-  """What a plan assumed without `--mesh`, and that nothing was checked without a device memory."""
-  notes = []
-  if not mesh_text:
-    here = f"{len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)}"
-    notes.append(f"assumed: the configured mesh on this machine's {here}, "
-                 f"{' '.join(f'{a}={n}' for a, n in sizes.items())}; plan for the machine the run will use with "
-                 "--mesh (make memory MESH=fsdp=256)")
-  if device_bytes is None:
-    notes.append(f"not checked: no device memory is known ({devices[0].platform} devices report none), so nothing "
-                 "was compared with it; give --device-gib (make memory DEVICE_GIB=95) or mesh.device_memory_gib=")
-  return notes
 
 
 def _roofline(config, target, report, log, profile_run: str = "") -> str:
@@ -117,6 +75,8 @@ def _roofline(config, target, report, log, profile_run: str = "") -> str:
 
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "") -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
+  import jax
+
   from vapo_jax.cli import bound_compilation_cache
   from vapo_jax.memory import topologies, xla_report, xla_report_text
 
@@ -126,7 +86,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")
-  target = topologies.named(topology)
+  target = topologies.named(topology) if topology else topologies.here(jax.devices())
   if mesh_text:
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
@@ -158,39 +118,11 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     topologies.cpu_flags(topology)
   try:
-    if options.model:
-      return parameters(options.model, options.sharding, options.mesh)
     config, _ = resolve.resolve(argv, command)
-    if topology:
-      return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile)
-    import jax
-
-    from vapo_jax.memory import advice, hand_plan
-    from vapo_jax.models import sharding
-
-    if options.device_gib:
-      config = dataclasses.replace(config, mesh=dataclasses.replace(
-          config.mesh, device_memory_gib=float(options.device_gib)))
-    if options.mesh:
-      sizes = mesh_sizes(options.mesh, sharding.MESH_AXES)
-    else:  # The configured mesh on this machine's devices.
-      sizes = {a: getattr(config.mesh, a) for a in sharding.MESH_AXES}
-      known = math.prod(s for s in sizes.values() if s != -1)
-      sizes = {a: max(1, jax.device_count() // known) if s == -1 else s for a, s in sizes.items()}
-    plan = hand_plan.plan_memory(config, sizes)
+    return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  device_bytes = hand_plan.device_memory_bytes(config)
-  print(plan.format(device_bytes, margin=config.mesh.memory_margin))
-  for note in assumptions(options.mesh, sizes, device_bytes, jax.devices()):
-    print(note)
-  try:
-    advice.refuse(plan, device_bytes, margin=config.mesh.memory_margin)
-  except ConfigError as e:
-    print(f"refused: {e}")
-    return 1
-  return 0
 
 
 if __name__ == "__main__":

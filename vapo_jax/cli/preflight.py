@@ -2,7 +2,7 @@
 
   devices = preflight.check_backend()        # after distributed.initialize(), before any JAX work
   preflight.check_run_dir("runs/aime_vapo")  # the run directory can be created and written
-  preflight.check_memory(config, devices)    # the hand memory plan, printed; refused when a phase is over
+  preflight.check_memory(config, devices)    # XLA's figures of the run's programs; refused when a phase is over
 
 The device count a mesh needs is checked by `models.sharding.make_mesh` (a `ConfigError` naming
 mesh.data / mesh.fsdp / mesh.tensor).
@@ -76,21 +76,13 @@ def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> list[str]:
 
 
 def check_memory(config, devices: list, *, show: bool = True) -> None:
-  """Prints (with `show`) the hand memory plan of `config` (`memory.hand_plan`) on the mesh its run has on
-  `devices`, and with `mesh.check_memory` raises `ConfigError` when a phase needs more than
-  (1 − `mesh.memory_margin`) of the device memory (`mesh.device_memory_gib`, else the device's own),
-  naming each phase over it and the settings, with their values, that bring it under (`memory.advice`).
-  Runs before the trainer builds anything."""
-  from vapo_jax.memory import advice, hand_plan
-  from vapo_jax.models import sharding
+  """XLA's figures for every program of `config`'s run compiled on `devices` (`memory.verdict`), printed
+  with `show`; with `mesh.check_memory`, a `ConfigError` naming each phase over (1 − `mesh.memory_margin`)
+  of the device memory and the settings, each compiled, that bring it under. Runs before the trainer
+  builds anything."""
+  from vapo_jax.memory import verdict
 
-  m = config.mesh
-  mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
-  plan = hand_plan.plan_memory(config, dict(mesh.shape))
-  if show:
-    print(plan.format(), flush=True)
-  if m.check_memory:
-    advice.refuse(plan, hand_plan.device_memory_bytes(config), margin=m.memory_margin)
+  verdict.check(config, devices, show=show)
 
 
 def remove_empty(directories: list[str]) -> None:

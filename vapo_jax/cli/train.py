@@ -4,8 +4,9 @@
   python -m vapo_jax.cli.train --exp aime --help      (every field with its current value)
   python -m vapo_jax.cli.train --exp aime --smoke     (the same experiment at smoke-test size)
 
-Prints the run's hand memory plan and refuses a run with a phase over the device memory, naming the
-phase and the settings to change (`preflight.check_memory`); then runs the experiment's stages
+Compiles the run's programs on its devices and refuses a run with a phase over the device memory by
+XLA's figures, naming the phase and the settings to change (`preflight.check_memory`; on CPUs only with
+mesh.device_memory_gib, which they do not report); then runs the experiment's stages
 (supervised warm start, value pretraining, RL) with `trainer.Trainer` and prints held-out accuracy
 before and after RL and where the run directory is.
 Running the same command again resumes from the run directory's newest checkpoint. Exit codes:

@@ -94,8 +94,8 @@ def _raise(errors: list[str]) -> None:
 
 def replace_fields(config: Any, values: dict[str, Any], errors: list[str] | None = None) -> Any:
   """`config` with each dotted `field.path` set to its (typed) value, checked as a whole: the one
-  override syntax, shared by the command line (`apply_overrides`) and the code (the memory plan's
-  alternatives). Unknown paths and refused values are one `ConfigError` naming every one of them
+  override syntax, shared by the command line (`apply_overrides`) and the code (the memory
+  what-if's variants). Unknown paths and refused values are one `ConfigError` naming every one of them
   (with `errors` given: added to it, for the caller to raise)."""
   known, found = field_paths(config), [] if errors is None else errors
   changes: dict[str, Any] = {}

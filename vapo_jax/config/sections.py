@@ -111,8 +111,8 @@ class MeshConfig:
   data: int = -1  # Data-parallel size; -1 fills the devices left over.
   fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
   tensor: int = 1  # Tensor-parallel size.
-  device_memory_gib: float | None = None  # Memory per device for the plan; None: the device's own report.
-  check_memory: bool = True  # Refuse (before compiling) a configuration whose plan exceeds the memory.
+  device_memory_gib: float | None = None  # Memory per device the programs must fit; None: the device's own.
+  check_memory: bool = True  # At start-up, refuse a run whose compiled programs exceed the memory.
   memory_margin: float = 0.08  # Share of the device memory kept free: a phase may need at most (1 - margin).
 
   def __post_init__(self):

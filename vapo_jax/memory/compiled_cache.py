@@ -13,7 +13,7 @@ The key is the sha256 of the lowered module's text with the topology, the device
 jax, jaxlib and libtpu, and `XLA_FLAGS` and `LIBTPU_INIT_ARGS`: a change to the program, the compiler or
 its flags misses. Each file holds its key, compared at every load: a file whose contents are another
 program's (copied over it) is a miss, and the compile that follows rewrites it. Without
-`JAX_COMPILATION_CACHE_DIR`, or for a CPU target (XLA's cache keeps those), nothing is kept.
+`JAX_COMPILATION_CACHE_DIR`, or for devices that run (XLA's cache keeps those), nothing is kept.
 """
 
 import base64
@@ -63,7 +63,7 @@ def keeping(target):
   """Inside: `load` and `store` keep what the compiler says about `target`'s programs (a TPU topology's,
   with a cache directory set)."""
   directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  if target.platform != "tpu" or not directory:
+  if not target.compile_only or not directory:
     yield
     return
   import jaxlib

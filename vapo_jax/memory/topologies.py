@@ -1,7 +1,9 @@
-"""Where a compile report compiles for: a TPU topology's compile-only devices, or this machine's CPUs.
+"""Where a compile report compiles for: a TPU topology's compile-only devices, this machine's CPUs, or the
+devices a run has.
 
   target = topologies.named("v5p:8x8x4")   # 256 v5p chips; nothing is allocated
   target = topologies.named("cpu:8")       # 8 CPU devices of this process (the tests' devices)
+  target = topologies.here(jax.devices())  # a run's own devices, with the memory each reports
 
 A TPU topology comes from libtpu (`jax.experimental.topologies.get_topology_desc`, installed by
 `pip install "jax[tpu]==<jax's version>"`); its names are `<generation>:<chips per axis>` as libtpu
@@ -26,6 +28,12 @@ from typing import NamedTuple
 from vapo_jax.errors import ConfigError
 
 GIB = 2**30
+
+
+def readable_bytes(n: float) -> str:
+  """Bytes in the largest binary unit below them: "3.20 GiB", "512.00 KiB"."""
+  unit = next((u for u in ("GiB", "MiB", "KiB") if n >= 2 ** (10 * ("KMG".index(u[0]) + 1))), "B")
+  return f"{n / 2 ** (10 * ('KMG'.index(unit[0]) + 1)):.2f} {unit}" if unit != "B" else f"{n:.0f} B"
 
 
 class Chip(NamedTuple):
@@ -88,6 +96,8 @@ class Topology(NamedTuple):
   platform: str  # "tpu" or "cpu".
   device_kind: str
   chip: Chip | None
+  compile_only: bool = False  # A TPU topology's devices: nothing runs, and XLA's cache cannot load them back.
+  reported_bytes: int | None = None  # What each device reports it holds (`memory_stats()["bytes_limit"]`).
 
 
 def _quiet_libtpu() -> None:
@@ -123,7 +133,7 @@ def tpu(name: str) -> Topology:
     raise ConfigError(f"--topology {name}: libtpu refused it ({str(error).strip().splitlines()[0][:200]}); "
                       "e.g. v5p:2x2x1, v5p:8x8x4, v6e:16x16, v5e:16x16") from None
   kind = devices[0].device_kind
-  return Topology(name, devices, "tpu", kind, CHIPS.get(kind))
+  return Topology(name, devices, "tpu", kind, CHIPS.get(kind), compile_only=True)
 
 
 def cpu(count: int | None = None) -> Topology:
@@ -135,6 +145,19 @@ def cpu(count: int | None = None) -> Topology:
                       f"--xla_force_host_platform_device_count={count} before JAX starts "
                       "(python -m vapo_jax.cli.memory does)")
   return Topology(f"cpu:{len(devices)}", devices, "cpu", devices[0].device_kind, None)
+
+
+def here(devices) -> Topology:
+  """A run's own `devices` (of one platform), with the memory the first reports (None: it reports none, as a
+  CPU does)."""
+  first = devices[0]
+  try:
+    stats = first.memory_stats()
+  except (RuntimeError, NotImplementedError):  # Backends without memory statistics.
+    stats = None
+  limit = int(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
+  return Topology(f"{first.platform}:{len(devices)}", tuple(devices), first.platform, first.device_kind,
+                  CHIPS.get(first.device_kind) if first.platform == "tpu" else None, reported_bytes=limit)
 
 
 def cpu_count(name: str) -> int | None:
@@ -185,8 +208,9 @@ def probe_hbm_bytes(target: Topology) -> float | None:
 @contextlib.contextmanager
 def persistent_cache_for(target: Topology):
   """XLA's persistent compilation cache keeps no program compiled for a TPU topology's compile-only
-  devices: JAX cannot load one back without a TPU client (it warns at each read). CPU programs are kept."""
-  if target.platform != "tpu":
+  devices: JAX cannot load one back without a TPU client (it warns at each read). Programs for devices that
+  run are kept."""
+  if not target.compile_only:
     yield
     return
   import jax

@@ -30,8 +30,9 @@ Each program's inputs are the outputs of the programs before it as compiled (a b
 the scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs'
 own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them
 (the `TrainState` parts that are not arguments, the KV cache while the rollout finishes, ...).
-The budget is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`), lowered to
-`mesh.device_memory_gib` when that is set; a CPU has none unless `mesh.device_memory_gib` gives one.
+The device memory is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`), or what a run's own device
+reports (`topologies.here`), lowered to `mesh.device_memory_gib` when that is set; a CPU has none unless
+`mesh.device_memory_gib` gives one.
 A phase may need (1 − `mesh.memory_margin`) of it (`Report.allowed`, default 92 %): the rest is left to
 the runtime, fragmentation and the collectives' buffers, which no compiled figure shows.
 """
@@ -49,7 +50,6 @@ from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import compiled_cache, topologies
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
-from vapo_jax.memory.hand_plan import allowed_bytes
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common, refill, static
@@ -86,7 +86,7 @@ class Report:
   config: ExperimentConfig
   target: Topology
   mesh_shape: dict
-  budget: int | None  # Bytes per device; None: unknown (nothing is refused).
+  device_bytes: int | None  # The device memory; None: unknown (nothing is refused).
   phases: tuple[CompiledPhase, ...]
   weights: frozenset  # Element counts of the policy's weight matrices, whole, per device, and per layer.
   parameters: tuple[int, int]  # Of the policy and the critic, as compiled.
@@ -103,11 +103,11 @@ class Report:
 
   @property
   def allowed(self) -> int | None:
-    """Bytes per device a phase may need: (1 − `mesh.memory_margin`) of the budget (None: unknown)."""
-    return allowed_bytes(self.budget, self.config.mesh.memory_margin)
+    """Bytes per device a phase may need: (1 − `mesh.memory_margin`) of the device memory (None: unknown)."""
+    return allowed_bytes(self.device_bytes, self.config.mesh.memory_margin)
 
   def over(self) -> list[CompiledPhase]:
-    """The phases that need more than the budget allows (`allowed`)."""
+    """The phases that need more than the device memory allows (`allowed`)."""
     return [p for p in self.phases if self.allowed is not None and p.needs > self.allowed]
 
   def program(self, name: str) -> Program:
@@ -316,12 +316,19 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
        (state, batch, placement), resident=held)
 
 
-def budget(config: ExperimentConfig, target: Topology) -> int | None:
-  """Bytes per device the programs must fit: the chip's HBM, or `mesh.device_memory_gib` if lower
-  (or if the chip's is unknown)."""
+def device_bytes(config: ExperimentConfig, target: Topology) -> int | None:
+  """Bytes per device the programs must fit: the least of the chip's HBM, what the device reports and
+  `mesh.device_memory_gib` (None: none of them known)."""
   chip = target.chip.hbm_bytes if target.chip else None
   given = int(config.mesh.device_memory_gib * GIB) if config.mesh.device_memory_gib is not None else None
-  return min(b for b in (chip, given) if b is not None) if chip or given else None
+  known = [b for b in (chip, target.reported_bytes, given) if b is not None]
+  return min(known) if known else None
+
+
+def allowed_bytes(device_bytes: int | None, margin: float) -> int | None:
+  """What a phase may need per device: (1 − `margin`) of `device_bytes` (`mesh.memory_margin`; the rest
+  is left to the runtime, fragmentation and the collectives' buffers); None when the memory is unknown."""
+  return None if device_bytes is None else int(device_bytes * (1.0 - margin))
 
 
 # In a run's order; the reshard only with rollout.tensor_parallel > 1.
@@ -350,7 +357,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   state = run.state("rl")
   count = lambda params: sum(x.size for x in jax.tree.leaves(params))
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
-  return Report(config, target, dict(run.mesh.shape), budget(config, target), tuple(done),
+  return Report(config, target, dict(run.mesh.shape), device_bytes(config, target), tuple(done),
                 weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
                 architecture, layers, run.refill, run.decode_rows, run.pool)
 

@@ -159,17 +159,17 @@ def page_pool(model_cfg, rollout_config, *, sequences: int, prompts: int, prompt
   `devices` data-parallel groups (each of `rollout.tensor_parallel` chips, which split the pages by KV heads):
   its slots, `rollout.slots` or as many as `kv_cache_budget_gib` holds per chip with every response at the cap
   beside the group's prompts (a multiple of `devices`, no more than the sequences need); and its pages per group,
-  `rollout.pages`, or as many as the budget holds but no more than those slots need at the cap. A
+  `rollout.pages`, or as many as `kv_cache_budget_gib` holds but no more than those slots need at the cap. A
   `MemoryError` naming the settings when not one sequence fits."""
   r = rollout_config
   tg = r.page_tokens or default_page_tokens()
-  budget = int(r.kv_cache_budget_gib * 2**30 // (tg * KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel))
+  in_budget = int(r.kv_cache_budget_gib * 2**30 // (tg * KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel))
   per_group, per_sequence = -(-prompts // devices), sequence_pages(r.max_response_tokens, tg)
   prompt_pages = per_group * -(-prompt_tokens // tg)
-  check_pool(pages=r.pages or budget, prompts=per_group, held=prompt_pages, max_new_tokens=r.max_response_tokens,
+  check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages, max_new_tokens=r.max_response_tokens,
              page_tokens=tg)
-  slots = r.slots or min(-(-sequences // devices), ((r.pages or budget) - prompt_pages) // per_sequence) * devices
-  return PagePool(tg, r.pages or min(budget, prompt_pages + -(-slots // devices) * per_sequence), slots)
+  slots = r.slots or min(-(-sequences // devices), ((r.pages or in_budget) - prompt_pages) // per_sequence) * devices
+  return PagePool(tg, r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence), slots)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):

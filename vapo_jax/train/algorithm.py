@@ -202,7 +202,7 @@ def actor_loss(
 
   `denominators` (of the whole mini-batch) make this a micro-batch's share of the mini-batch
   loss; None normalises by this batch alone. Packed rows: per-token arrays `[R, L]` (verdicts too)
-  with their `segment_ids`, and `norm_length` the response budget Tr (`losses.aggregate_loss`).
+  with their `segment_ids`, and `norm_length` the response-length cap Tr (`losses.aggregate_loss`).
   """
   d = denominators or Denominators(None, None, None)
   agg = dict(mode=algo.loss_agg, denominator=d.policy, norm_length=norm_length, segment_ids=segment_ids)

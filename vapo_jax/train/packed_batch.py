@@ -33,7 +33,7 @@ from vapo_jax.train import packing
 
 def row_tokens(config: ExperimentConfig) -> int:
   """Tokens per packed row: `packing.row_tokens`, else the padded sequence's length (prompt bucket +
-  response budget)."""
+  the response-length cap)."""
   r = config.rollout
   return config.packing.row_tokens or prompt_bucket(r.max_prompt_tokens) + r.max_response_tokens
 

@@ -1,0 +1,71 @@
+"""The what-if solver (`memory/what_if.py`) against a phase whose figure is a known function of a setting: the
+value it names is the largest valid one under the allowed bytes, found with two compiles (the second value and
+the check), and a refuted line or a setting that lowers nothing says so or names nothing."""
+
+import dataclasses
+
+import pytest
+
+from vapo_jax.memory import what_if
+
+ALLOWED = 1000
+
+
+@dataclasses.dataclass
+class _Phase:
+  name: str
+  needs: float
+
+
+@dataclasses.dataclass
+class _Report:
+  phases: tuple
+  allowed: int = ALLOWED
+
+
+def _solve(monkeypatch, figure, now, values):
+  """`what_if.search` on a phase needing `figure(value)` bytes; (its answer, the values it compiled)."""
+  compiled = []
+  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes["f"])
+                      or figure(changes["f"]))
+  report = _Report((_Phase("update", figure(now)),))
+  return what_if.search(report, "update", "f", now, values), compiled
+
+
+def test_an_affine_figure_is_solved_with_two_compiles(monkeypatch):
+  answer, compiled = _solve(monkeypatch, lambda v: 200 + 10 * v, 128, list(range(127, 0, -1)))
+  assert answer == "set f=80 (compiled: update needs 1000 B)" and compiled == [64, 80]  # 200 + 10·80 = 1000.
+  answer, compiled = _solve(monkeypatch, lambda v: 200 + 10 * v, 128, list(range(120, 0, -8)))  # Multiples of 8.
+  assert answer.startswith("set f=80 ") and compiled == [64, 80]
+
+
+def test_where_the_second_value_fits_but_the_line_aims_too_high_the_second_value_is_named(monkeypatch):
+  figure = lambda v: 200 + 10 * v if v <= 64 else 2000  # A step: the line through 128 and 64 aims at 72.8.
+  answer, compiled = _solve(monkeypatch, figure, 128, list(range(127, 0, -1)))
+  assert compiled == [64, 72] and answer == "set f=64 (compiled: update needs 840 B)"
+
+
+def test_a_refuted_line_is_said_and_a_setting_that_lowers_nothing_names_nothing(monkeypatch):
+  figure = lambda v: 700 + 5 * v if v >= 64 else 1200  # The line through 128 and 64 aims at 60, which is over.
+  answer, compiled = _solve(monkeypatch, figure, 128, list(range(127, 0, -1)))
+  assert compiled == [64, 60] and answer.startswith("f below 60 (compiled: update needs 1.17 KiB; "), answer
+  answer, compiled = _solve(monkeypatch, lambda v: 2000, 128, list(range(127, 0, -1)))
+  assert answer is None and compiled == [64]  # Lowering it lowers nothing: no second compile.
+  answer, compiled = _solve(monkeypatch, lambda v: 1100 + v, 128, list(range(127, 100, -1)))
+  assert answer is None and compiled == [101]  # The line's aim (-100) is below every valid value.
+
+
+def test_a_switch_is_compiled_once(monkeypatch):
+  compiled = []
+  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes) or 900)
+  report = _Report((_Phase("update", 1200),))
+  assert what_if.search(report, "update", "model.remat", False, [True]) == \
+      "set model.remat=true (compiled: update needs 900 B)" and compiled == [{"model.remat": True}]
+
+
+@pytest.mark.parametrize("figure", [lambda v: 1500 - v, lambda v: 900 + 0 * v])
+def test_the_search_never_names_a_value_it_did_not_compile_under_the_allowed_bytes(monkeypatch, figure):
+  answer, compiled = _solve(monkeypatch, figure, 128, list(range(127, 0, -1)))
+  if answer and answer.startswith("set "):
+    value = int(answer.split("=")[1].split()[0])
+    assert value in compiled and figure(value) <= ALLOWED

@@ -1,0 +1,111 @@
+"""What to change when a phase does not fit, found by compiling the run again: no model of the memory.
+
+  what_if.fixes(report, "update")   # ["set packing.micro_batch_rows=8 (compiled: update needs 81.02 GiB)", ...]
+
+For each setting that can lower a phase (`settings`), the phase is compiled once more at a second value of it
+(about half the current one); the value that brings the phase under the allowed bytes is read off the line
+through the two figures (XLA's bytes are close to affine in each: micro-batch rows, pages of KV cache, prompts
+per generation, the response-length cap), rounded down to a value the setting takes, and compiled once more to
+check it. A fix is printed with its compiled figure; where the check refutes the line, the line says so. A
+boolean setting (`model.remat`) is compiled once. Each compile builds the phase and those it takes inputs from
+(`xla_report.compile_run(phases=)`), so XLA's cache answers for the programs a setting leaves unchanged.
+"""
+
+from vapo_jax.config import overrides
+from vapo_jax.errors import ConfigError
+from vapo_jax.memory import xla_report
+from vapo_jax.memory.topologies import readable_bytes
+from vapo_jax.rollout import common
+from vapo_jax.train import packed_batch
+
+
+def _divisors_below(n: int, below: int) -> list[int]:
+  return [d for d in range(below - 1, 0, -1) if n % d == 0]
+
+
+def _first_at_most(values, x: float) -> int:
+  """The index of the first of `values` (largest first: a list or a range) at most `x` (len: none)."""
+  lo, hi = 0, len(values)
+  while lo < hi:
+    mid = (lo + hi) // 2
+    lo, hi = (lo, mid) if values[mid] <= x else (mid + 1, hi)
+  return lo
+
+
+def settings(report, phase: str) -> list[tuple[str, object, list]]:
+  """(field, its value now, the values to try: valid, below it, largest first, a list or a range) of each
+  setting that can lower `phase` of `report`."""
+  c, shape = report.config, report.mesh_shape
+  r, found = c.rollout, []
+  if phase == "rollout" and report.refill and report.pool:
+    pages, tg = report.pool["pages"], report.pool["page_tokens"]
+    groups = shape["data"] * shape["fsdp"] if r.tensor_parallel == 1 else \
+        shape["data"] * shape["fsdp"] * shape["tensor"] // r.tensor_parallel
+    least = (-(-r.prompts_per_step // groups) * -(-common.prompt_bucket(r.max_prompt_tokens) // tg)
+             + common.sequence_pages(r.max_response_tokens, tg))  # A group's prompts and one sequence.
+    found.append(("rollout.pages", pages, range(pages - 1, least - 1, -1)))
+  elif phase == "rollout" and report.refill is False and r.engine == "static":
+    now = report.decode_rows // r.samples_per_prompt
+    found.append(("rollout.prompts_per_generation", now, _divisors_below(r.prompts_per_step, now)))
+  elif phase not in ("rollout", "reshard"):
+    if not c.model.remat:
+      found.append(("model.remat", False, [True]))
+    if c.packing.enabled:  # Rows per micro-batch: a multiple of the batch devices.
+      shards = shape["data"] * shape["fsdp"]
+      now = packed_batch.micro_rows(c, shards)
+      found.append(("packing.micro_batch_rows", now, range((now - 1) // shards * shards, 0, -shards)))
+    else:
+      mini = c.algo.mini_batch_responses
+      now = min(c.algo.micro_batch_responses or mini, mini)
+      found.append(("algo.micro_batch_responses", now, _divisors_below(mini, now)))
+  cap = r.max_response_tokens
+  step = 1024 if cap > 4096 else 16
+  found.append(("rollout.max_response_tokens", cap, range((cap - 1) // step * step, 0, -step)))
+  return found
+
+
+def needs(report, phase: str, changes: dict) -> float | None:
+  """What `phase` needs per device, compiled with `changes` to the report's config (None: not a valid config)."""
+  try:
+    config = overrides.replace_fields(report.config, changes)
+    again = xla_report.compile_run(config, report.target, layers=report.layers, phases=(phase,))
+  except (ConfigError, ValueError):
+    return None
+  return next(p.needs for p in again.phases if p.name == phase)
+
+
+def _said(field: str, value, phase: str, figure: float) -> str:
+  text = str(value).lower() if isinstance(value, bool) else value
+  return f"set {field}={text} (compiled: {phase} needs {readable_bytes(figure)})"
+
+
+def search(report, phase: str, field: str, now, values: list) -> str | None:
+  """The fix `field` gives `phase` (see the module docstring), or None where it gives none."""
+  allowed, then = report.allowed, next(p.needs for p in report.phases if p.name == phase)
+  if not len(values):
+    return None
+  if isinstance(now, bool):
+    figure = needs(report, phase, {field: values[0]})
+    return _said(field, values[0], phase, figure) if figure is not None and figure <= allowed else None
+  i = _first_at_most(values, now / 2)
+  second = min(values[max(i - 1, 0):i + 1], key=lambda v: abs(v - now / 2))
+  at_second = needs(report, phase, {field: second})
+  if at_second is None or at_second >= then:
+    return None  # Lowering it lowers nothing.
+  aim = now - (then - allowed) * (now - second) / (then - at_second)
+  if (i := _first_at_most(values, aim)) == len(values):
+    return None
+  value = values[i]
+  figure = at_second if value == second else needs(report, phase, {field: value})
+  if figure is not None and figure <= allowed:
+    return _said(field, value, phase, figure)
+  if at_second <= allowed:  # The line aimed too high; the second value was compiled and fits.
+    return _said(field, second, phase, at_second)
+  shown = "not a valid config" if figure is None else f"compiled: {phase} needs {readable_bytes(figure)}"
+  return f"{field} below {value} ({shown}; the line through two compiles aimed at {value})"
+
+
+def fixes(report, phase: str) -> list[str]:
+  """Each setting's fix for `phase` of `report` (one compile or two each; see the module docstring)."""
+  return [fix for field, now, values in settings(report, phase)
+          if (fix := search(report, phase, field, now, values)) is not None]
