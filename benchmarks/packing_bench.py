@@ -152,7 +152,7 @@ def flops(cfg: TransformerConfig, lengths: np.ndarray, scale: int) -> dict[str, 
   found = {}
   plan = packed_batch.plan_rows(np.full(lengths.size, prompt), lengths, np.arange(lengths.size)[None, None],
                                 row_tokens=length, micro_rows=MICRO)
-  rows = packing.layout(plan.placement[0, 0], plan.placement[0, 1], prompt + lengths,
+  rows = packing.row_layout(plan.placement[0, 0], plan.placement[0, 1], prompt + lengths,
                         rows=plan.scoring_rows, row_tokens=length)
   run = -(-(int(plan.placement[0, 0].max()) + 1) // MICRO) * MICRO  # Rows of the micro-batches that run.
   ranges = lambda part: dict(key_start=jnp.zeros(part.size, jnp.int32), key_end=jnp.asarray(prompt + part))

@@ -1,4 +1,4 @@
-"""Packed rows against the padded layout (their oracle): `Steps.score` gives the same values, log-probs,
+"""Packed rows against padded sequences (their oracle): `Steps.score` gives the same values, log-probs,
 advantages and statistics, and `Steps.ppo_update` / `Steps.sft_update` the same losses, metrics and
 gradient of every parameter of the actor and the critic, for each loss aggregation, decoupled and
 length-adaptive λ, micro-batch splits, several mini-batches and epochs, and under `fsdp` on 8 devices.

@@ -106,7 +106,7 @@ def _batches(draw):
 _to_rows = jax.jit(packing.to_rows)
 _unpack_tokens = jax.jit(packing.reference_unpack_tokens)
 _unpack_predictions = jax.jit(packing.reference_unpack_predictions)
-_layout = jax.jit(packing.layout, static_argnames=("rows", "row_tokens"))
+_layout = jax.jit(packing.row_layout, static_argnames=("rows", "row_tokens"))
 
 
 @hypothesis.settings(max_examples=30, deadline=None)
@@ -171,7 +171,7 @@ def test_place_groups_packs_each_group_into_rows_of_its_own():
   np.testing.assert_array_equal(offset, [0, 0, 0, 7, 5, 0])
   np.testing.assert_array_equal(needed, [1, 2])
   # Placed back by `layout`, group 1's rows hold 5 | 4 and 3.
-  lay = packing.layout(row[[0, 2, 4]], offset[[0, 2, 4]], lengths[[0, 2, 4]], rows=2, row_tokens=10)
+  lay = packing.row_layout(row[[0, 2, 4]], offset[[0, 2, 4]], lengths[[0, 2, 4]], rows=2, row_tokens=10)
   np.testing.assert_array_equal(lay.sequence, [[1] * 5 + [2] * 4 + [-1], [0] * 3 + [-1] * 7])
   np.testing.assert_array_equal(lay.segment_ids, [[1] * 5 + [2] * 4 + [0], [1] * 3 + [0] * 7])
 

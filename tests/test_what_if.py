@@ -23,13 +23,20 @@ class _Report:
   allowed: int = ALLOWED
 
 
-def _solve(monkeypatch, figure, now, values):
-  """`what_if.search` on a phase needing `figure(value)` bytes; (its answer, the values it compiled)."""
+@dataclasses.dataclass
+class _Program:
+  memory: object = None  # The compiler refused it.
+
+
+def _solve(monkeypatch, figure, now, values, refused=lambda v: False):
+  """`what_if.search` on a phase needing `figure(value)` bytes, the compiler refusing the values `refused`
+  says; (its answer, the values it compiled)."""
   compiled = []
   monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes["f"])
-                      or figure(changes["f"]))
-  report = _Report((_Phase("update", figure(now)),))
-  return what_if.search(report, "update", "f", now, values), compiled
+                      or (figure(changes["f"]), refused(changes["f"])))
+  phase = _Phase("update", figure(now))
+  phase.programs = [_Program()] if refused(now) else []
+  return what_if.search(_Report((phase,)), "update", "f", now, values), compiled
 
 
 def test_an_affine_figure_is_solved_with_two_compiles(monkeypatch):
@@ -57,10 +64,19 @@ def test_a_refuted_line_is_said_and_a_setting_that_lowers_nothing_names_nothing(
 
 def test_a_switch_is_compiled_once(monkeypatch):
   compiled = []
-  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes) or 900)
+  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes) or (900, False))
   report = _Report((_Phase("update", 1200),))
   assert what_if.search(report, "update", "model.remat", False, [True]) == \
       "set model.remat=true (compiled: update needs 900 B)" and compiled == [{"model.remat": True}]
+
+
+def test_where_the_compiler_refused_the_current_value_the_line_runs_through_two_measured_figures(monkeypatch):
+  """The refusal's 23,000 is what the compiler tried to allocate: a line through it would aim far too low."""
+  figure = lambda v: 23000 if v > 100 else 200 + 10 * v
+  answer, compiled = _solve(monkeypatch, figure, 128, list(range(127, 0, -1)), refused=lambda v: v > 100)
+  assert compiled == [64, 32, 80] and answer == "set f=80 (compiled: update needs 1000 B)"
+  answer, compiled = _solve(monkeypatch, lambda v: 23000, 128, list(range(127, 0, -1)), refused=lambda v: True)
+  assert answer is None and compiled == [64]  # Refused at half as well: no line to draw.
 
 
 @pytest.mark.parametrize("figure", [lambda v: 1500 - v, lambda v: 900 + 0 * v])

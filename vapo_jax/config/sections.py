@@ -14,7 +14,7 @@ class DataConfig:
   """Training prompts."""
 
   train_path: str | None = None  # jsonl / json / parquet file, or "hf:NAME[:CONFIG]" / a dataset dir.
-  schema: Literal["auto", Schema] = "auto"  # Row layout ("auto": detected from the first row's keys).
+  schema: Literal["auto", Schema] = "auto"  # Row schema ("auto": detected from the first row's keys).
   prompt_field: str | None = None  # Dotted path of the problem text (e.g. "prompt.0.content").
   answer_field: str | None = None  # Dotted path of the reference answer.
   id_field: str | None = None  # Dotted path of the row id (default: the row number).

@@ -6,9 +6,12 @@ For each setting that can lower a phase (`settings`), the phase is compiled once
 (about half the current one); the value that brings the phase under the allowed bytes is read off the line
 through the two figures (XLA's bytes are close to affine in each: micro-batch rows, pages of KV cache, prompts
 per generation, the response-length cap), rounded down to a value the setting takes, and compiled once more to
-check it. A fix is printed with its compiled figure; where the check refutes the line, the line says so. A
-boolean setting (`model.remat`) is compiled once. Each compile builds the phase and those it takes inputs from
-(`xla_report.compile_run(phases=)`), so XLA's cache answers for the programs a setting leaves unchanged.
+check it. Where the compiler refused the current value, its figure is what it tried to allocate, not a point
+on the line: a third value (about half the second) is compiled for a second measured figure. A fix is
+printed with its compiled figure; where the check refutes the line, a value compiled on the way that fits is
+named, else the line says so. A boolean setting (`model.remat`) is compiled once. Each compile builds the
+phase and those it takes inputs from (`xla_report.compile_run(phases=)`), so XLA's cache answers for the
+programs a setting leaves unchanged.
 """
 
 from vapo_jax.config import overrides
@@ -64,14 +67,22 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
   return found
 
 
-def needs(report, phase: str, changes: dict) -> float | None:
-  """What `phase` needs per device, compiled with `changes` to the report's config (None: not a valid config)."""
+def refused(phase) -> bool:
+  """Whether the compiler refused one of the phase's programs: its figure is then what the compiler tried to
+  allocate, not a size to draw a line through."""
+  return any(getattr(p, "memory", True) is None for p in getattr(phase, "programs", ()))
+
+
+def needs(report, phase: str, changes: dict) -> tuple[float, bool] | None:
+  """What `phase` needs per device compiled with `changes` to the report's config, and whether the compiler
+  refused a program of it (None: not a valid config)."""
   try:
     config = overrides.replace_fields(report.config, changes)
     again = xla_report.compile_run(config, report.target, layers=report.layers, phases=(phase,))
   except (ConfigError, ValueError):
     return None
-  return next(p.needs for p in again.phases if p.name == phase)
+  found = next(p for p in again.phases if p.name == phase)
+  return found.needs, refused(found)
 
 
 def _said(field: str, value, phase: str, figure: float) -> str:
@@ -79,33 +90,54 @@ def _said(field: str, value, phase: str, figure: float) -> str:
   return f"set {field}={text} (compiled: {phase} needs {readable_bytes(figure)})"
 
 
-def search(report, phase: str, field: str, now, values: list) -> str | None:
-  """The fix `field` gives `phase` (see the module docstring), or None where it gives none."""
-  allowed, then = report.allowed, next(p.needs for p in report.phases if p.name == phase)
+def _nearest(values, x: float):
+  i = _first_at_most(values, x)
+  return min(values[max(i - 1, 0):i + 1], key=lambda v: abs(v - x))
+
+
+def search(report, phase: str, field: str, now, values) -> str | None:
+  """The fix `field` gives `phase` (see the module docstring), or None where it gives none. The line runs
+  through two measured figures: the current one and the second value's, or, where the compiler refused the
+  current value, the second value's and a third's (about half the second)."""
+  allowed, current = report.allowed, next(p for p in report.phases if p.name == phase)
   if not len(values):
     return None
   if isinstance(now, bool):
-    figure = needs(report, phase, {field: values[0]})
-    return _said(field, values[0], phase, figure) if figure is not None and figure <= allowed else None
-  i = _first_at_most(values, now / 2)
-  second = min(values[max(i - 1, 0):i + 1], key=lambda v: abs(v - now / 2))
-  at_second = needs(report, phase, {field: second})
-  if at_second is None or at_second >= then:
+    got = needs(report, phase, {field: values[0]})
+    return _said(field, values[0], phase, got[0]) if got is not None and got[0] <= allowed else None
+  points = {} if refused(current) else {now: current.needs}  # Value: a figure the compiler measured.
+
+  def at(value) -> float | None:
+    got = needs(report, phase, {field: value})
+    if got is not None and not got[1]:
+      points[value] = got[0]
+    return None if got is None else got[0]
+
+  second = _nearest(values, now / 2)
+  if at(second) is None or second not in points:
+    return None
+  if len(points) < 2 and (third := _nearest(values, second / 2)) != second:
+    at(third)
+  fitting = lambda: max((v for v, f in points.items() if f <= allowed and v != now), default=None)
+  if len(points) < 2:
+    return _said(field, second, phase, points[second]) if points[second] <= allowed else None
+  (a, fa), (b, fb) = sorted(points.items(), reverse=True)[:2]
+  if fa <= fb:
     return None  # Lowering it lowers nothing.
-  aim = now - (then - allowed) * (now - second) / (then - at_second)
+  aim = a - (fa - allowed) * (a - b) / (fa - fb)
   if (i := _first_at_most(values, aim)) == len(values):
     return None
   value = values[i]
-  figure = at_second if value == second else needs(report, phase, {field: value})
-  if figure is not None and figure <= allowed:
+  figure = points[value] if value in points else at(value)
+  if value in points and figure <= allowed:
     return _said(field, value, phase, figure)
-  if at_second <= allowed:  # The line aimed too high; the second value was compiled and fits.
-    return _said(field, second, phase, at_second)
+  if (best := fitting()) is not None:  # The line aimed too high; a value compiled on the way fits.
+    return _said(field, best, phase, points[best])
   shown = "not a valid config" if figure is None else f"compiled: {phase} needs {readable_bytes(figure)}"
   return f"{field} below {value} ({shown}; the line through two compiles aimed at {value})"
 
 
 def fixes(report, phase: str) -> list[str]:
-  """Each setting's fix for `phase` of `report` (one compile or two each; see the module docstring)."""
+  """Each setting's fix for `phase` of `report` (one to three compiles each; see the module docstring)."""
   return [fix for field, now, values in settings(report, phase)
           if (fix := search(report, phase, field, now, values)) is not None]

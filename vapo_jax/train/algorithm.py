@@ -33,7 +33,7 @@ class Denominators(NamedTuple):
 
   @classmethod
   def from_lengths(cls, algo: AlgoConfig, response_lengths: jax.Array, is_positive: jax.Array) -> "Denominators":
-    """From the mini-batch's response lengths `[B]` and verdicts `[B]` (the same in either layout)."""
+    """From the mini-batch's response lengths `[B]` and verdicts `[B]` (the same padded or packed)."""
     lengths = jnp.asarray(response_lengths).astype(jnp.float32)
     tokens, sequences = jnp.sum(lengths), jnp.sum(lengths > 0).astype(jnp.float32)
     positive = jnp.sum(jnp.where(jnp.asarray(is_positive).astype(bool), lengths, 0.0))

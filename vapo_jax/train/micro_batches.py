@@ -1,5 +1,5 @@
 """Micro-batches: splitting a mini-batch, accumulating gradients over its parts, and forward passes
-part by part, in either layout (padded sequences or packed rows, `packed_batch`).
+part by part, in either form (padded sequences or packed rows, `packed_batch`).
 
   chunks = micro_batches.split_micro(batch, micro, shards)            # padded: [B, ...] -> [M, micro, ...]
   loss, grads, metrics = micro_batches.accumulate(loss_fn, params, chunks)

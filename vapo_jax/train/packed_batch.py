@@ -15,7 +15,7 @@ needs (a power of two times m: few programs). A sequence without a response is n
 Time index. A loss's per-token arrays sit at each response token's prediction column, the column
 before its own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
 (`packing.reference_unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
-sequence's (row, offset): `packing.layout` expands them here.
+sequence's (row, offset): `packing.row_layout` expands them here.
 """
 
 from typing import NamedTuple
@@ -132,8 +132,9 @@ def split_rows(tree, micro_rows: int):
 
 
 def _rows(tokens, response_len: int, lengths: Lengths, sequences, row, offset, *, rows: int, row_tokens: int):
-  """(global sequence id, layout, token ids), each `[R, L]`, of `sequences` placed at their (row, offset)."""
-  lay = packing.layout(row[sequences], offset[sequences], lengths.packed[sequences], rows=rows, row_tokens=row_tokens)
+  """(global sequence id, row layout, token ids), each `[R, L]`, of `sequences` placed at their (row, offset)."""
+  lay = packing.row_layout(row[sequences], offset[sequences], lengths.packed[sequences], rows=rows,
+                           row_tokens=row_tokens)
   seq = sequences[jnp.maximum(lay.sequence, 0)]
   width = tokens.shape[1]
   source = seq * width + (width - response_len - lengths.prompt[seq]) + lay.position

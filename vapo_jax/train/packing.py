@@ -1,6 +1,6 @@
 """Packed rows: sequences laid end to end in rows of a static token length, so compute follows real tokens.
 
-A batch in the rollout layout (`Rollout`, `updates.join`): left-padded prompts `[B, Tp]` and
+A batch as the rollout returns it (`Rollout`, `updates.join`): left-padded prompts `[B, Tp]` and
 right-padded responses `[B, Tr]` with their masks, spends B·(Tp + Tr) token slots on Σ_b n_b real
 tokens (n_b = prompt length + response length of sequence b). Packed, sequence b occupies n_b
 consecutive columns of one row of L = `row_tokens` slots:
@@ -23,7 +23,7 @@ Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the
 need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `reference_unpack_tokens`,
 `reference_unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
 token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
-(row, offset), `place_groups`'s `[B]` arrays, and `layout` expands them on the device into the
+(row, offset), `place_groups`'s `[B]` arrays, and `row_layout` expands them on the device into the
 columns' sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
 """
 
@@ -40,7 +40,7 @@ class Packed(NamedTuple):
   tokens: jax.Array  # [R, L] token ids (0 on padding).
   segment_ids: jax.Array  # [R, L] 1, 2, ... per sequence of a row in column order; 0 on padding.
   positions: jax.Array  # [R, L] 0 at each sequence's first token.
-  source: jax.Array  # [R, L] flat index b·S + s of the column's token in the joined [B, S = Tp + Tr] layout.
+  source: jax.Array  # [R, L] flat index b·S + s of the column's token in the joined [B, S = Tp + Tr] batch.
   response_index: jax.Array  # [B, Tr] flat index r·L + c of response token t's column (0 where masked).
   response_mask: jax.Array  # [B, Tr] bool: the response's real tokens.
 
@@ -102,7 +102,7 @@ def bucket_rows(needed: int, *, multiple: int = 1, geometric: bool = True) -> in
 
 
 def _lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Prompt and response lengths `[B]`, checking the layout: left-padded prompts, right-padded responses."""
+  """Prompt and response lengths `[B]`, checking the padding: left-padded prompts, right-padded responses."""
   prompt_len, response_len = prompt_mask.sum(-1), response_mask.sum(-1)
   tp, tr = prompt_mask.shape[1], response_mask.shape[1]
   if np.any(prompt_mask != (np.arange(tp)[None] >= tp - prompt_len[:, None])):
@@ -117,7 +117,7 @@ def _lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.nda
 
 def pack(prompt_tokens, prompt_mask, response_tokens, response_mask, *, row_tokens: int,
          rows: int | None = None) -> Packed:
-  """Packs a batch in the rollout layout (module doc) into `rows` rows of `row_tokens` slots.
+  """Packs a batch as the rollout returns it (module doc) into `rows` rows of `row_tokens` slots.
 
   prompt_tokens, prompt_mask `[B, Tp]` left-padded; response_tokens, response_mask `[B, Tr]`
   right-padded. rows: the static row count (e.g. `bucket_rows` of the rows needed); default: as
@@ -142,17 +142,17 @@ def pack(prompt_tokens, prompt_mask, response_tokens, response_mask, *, row_toke
   first_in_row = np.searchsorted(row_of[placed], row_of[placed])
   segment = np.zeros(b, np.int64)
   segment[placed] = np.arange(placed.size) - first_in_row + 1
-  layout = np.zeros((3, rows, row_tokens), np.int32)  # segment_ids, positions, source.
-  layout[:, row, column] = segment[seq], j, seq * (tp + tr) + tp - prompt_len[seq] + j
+  where = np.zeros((3, rows, row_tokens), np.int32)  # segment_ids, positions, source.
+  where[:, row, column] = segment[seq], j, seq * (tp + tr) + tp - prompt_len[seq] + j
   t = np.arange(tr)[None]
   response_index = np.where(response_mask, (row_of * row_tokens + offset + prompt_len)[:, None] + t, 0)
   joined = jnp.concatenate([jnp.asarray(prompt_tokens), jnp.asarray(response_tokens)], axis=1)
-  tokens = to_rows(joined, layout[2], layout[0]).astype(jnp.int32)
-  return Packed(tokens, layout[0], layout[1], layout[2], response_index.astype(np.int32), response_mask)
+  tokens = to_rows(joined, where[2], where[0]).astype(jnp.int32)
+  return Packed(tokens, where[0], where[1], where[2], response_index.astype(np.int32), response_mask)
 
 
 def to_rows(joined: jax.Array, source: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """Per-token values `[B, S, ...]` in the joined layout (prompt then response) → packed `[R, L, ...]`
+  """Per-token values `[B, S, ...]` joined (prompt then response) → packed `[R, L, ...]`
   (0 on padding), by a `Packed`'s `source` and `segment_ids`."""
   flat = joined.reshape((-1,) + joined.shape[2:])
   values = jnp.take(flat, jnp.asarray(source), axis=0)
@@ -184,14 +184,14 @@ def reference_unpack_predictions(values: jax.Array, packed: Packed) -> jax.Array
 
 
 class RowLayout(NamedTuple):
-  """Packed rows `[R, L]` on the device, from each sequence's (row, offset) (`layout`)."""
+  """Packed rows `[R, L]` on the device, from each sequence's (row, offset) (`row_layout`)."""
 
   sequence: jax.Array  # [R, L] int32 index of the column's sequence among those given; −1 on padding.
   position: jax.Array  # [R, L] int32 j: the column holds token j of its sequence (0 on padding).
   segment_ids: jax.Array  # [R, L] int32 1, 2, ... per sequence of a row in column order; 0 on padding.
 
 
-def layout(row, offset, lengths, *, rows: int, row_tokens: int) -> RowLayout:
+def row_layout(row, offset, lengths, *, rows: int, row_tokens: int) -> RowLayout:
   """jnp, static shapes: which sequence and which of its tokens each column of `rows` × `row_tokens`
   holds, from the sequences' row, offset and length `[n]` (row −1 or length 0: not placed). Each
   sequence start marks its column with the sequence's index; a running maximum of the start columns

@@ -198,9 +198,9 @@ class Steps:
   # ------------------------------------------------------------------------------ updates
   def _state_program(self, name, fn, state: TrainState):
     """`fn(state, ...)` jitted with the state donated and its output placed like `state`."""
-    layout = jax.tree.map(lambda x: x.sharding, state)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     return self._program((name, jax.tree.structure(state)), lambda: self.jit(
-        fn, donate_argnums=(0,), out_shardings=(layout, None)))
+        fn, donate_argnums=(0,), out_shardings=(shardings, None)))
 
   def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool,
                  plan: packed_batch.Plan | None = None):

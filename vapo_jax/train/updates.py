@@ -57,7 +57,7 @@ def _chunks(batch: TrainBatch | PackedBatch, micro: int, shards: int):
 
 
 def _sequences(batch: TrainBatch | PackedBatch) -> tuple[jax.Array, jax.Array]:
-  """Response lengths and verdicts `[n]` of a mini-batch's sequences, in either layout."""
+  """Response lengths and verdicts `[n]` of a mini-batch's sequences, padded or packed."""
   if isinstance(batch, PackedBatch):
     return batch.response_lengths, batch.is_positive
   return jnp.sum(batch.response_mask, axis=-1, dtype=jnp.int32), batch.is_positive
