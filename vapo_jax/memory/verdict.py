@@ -90,8 +90,9 @@ def check(config, devices: list, *, show: bool = True, log=None) -> str:
     return ""
   target = topologies.here(devices)
   if xla_report.device_bytes(config, target) is None:
-    line = (f"memory: not checked ({len(devices)} {target.platform} device{'s' * (len(devices) > 1)} report no "
-            "memory size; mesh.device_memory_gib=<GiB> gives one; make memory prints XLA's figures)")
+    many = len(devices) > 1
+    line = (f"memory: not checked ({len(devices)} {target.platform} device{'s' * many} report{'s' * (not many)} "
+            "no memory size; mesh.device_memory_gib=<GiB> gives one; make memory prints XLA's figures)")
     say(line)
     return line
   digest = key(config, target)
