@@ -18,7 +18,6 @@ from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import xla_report
 from vapo_jax.memory.topologies import readable_bytes
-from vapo_jax.rollout import common
 from vapo_jax.train import packed_batch
 
 
@@ -41,12 +40,8 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
   c, shape = report.config, report.mesh_shape
   r, found = c.rollout, []
   if phase == "rollout" and report.refill and report.pool:
-    pages, tg = report.pool["pages"], report.pool["page_tokens"]
-    groups = shape["data"] * shape["fsdp"] if r.tensor_parallel == 1 else \
-        shape["data"] * shape["fsdp"] * shape["tensor"] // r.tensor_parallel
-    least = (-(-r.prompts_per_step // groups) * -(-common.prompt_bucket(r.max_prompt_tokens) // tg)
-             + common.sequence_pages(r.max_response_tokens, tg))  # A group's prompts and one sequence.
-    found.append(("rollout.pages", pages, range(pages - 1, least - 1, -1)))
+    pages = report.pool["pages"]
+    found.append(("rollout.pages", pages, range(pages - 1, report.pool["least"] - 1, -1)))
   elif phase == "rollout" and report.refill is False and r.engine == "static":
     now = report.decode_rows // r.samples_per_prompt
     found.append(("rollout.prompts_per_generation", now, _divisors_below(r.prompts_per_step, now)))
@@ -79,7 +74,7 @@ def needs(report, phase: str, changes: dict) -> tuple[float, bool] | None:
   try:
     config = overrides.replace_fields(report.config, changes)
     again = xla_report.compile_run(config, report.target, layers=report.layers, phases=(phase,))
-  except (ConfigError, ValueError):
+  except (ConfigError, ValueError, MemoryError):  # MemoryError: the KV cache's own check (`common.check_pool`).
     return None
   found = next(p for p in again.phases if p.name == phase)
   return found.needs, refused(found)

@@ -94,7 +94,7 @@ class Report:
   layers: int | None  # Compiled with only this many decoder layers (None: all).
   refill: bool | None  # The rollout's engine: refill (True) or static (False); None: not compiled.
   decode_rows: int  # Rows its decode loop runs at first: the refill slots, or a static round's sequences.
-  pool: dict | None = None  # The refill engine's pages per queue, page_tokens, block_pages and implementation.
+  pool: dict | None = None  # The refill engine's pages per queue, page_tokens, block_pages, implementation, least.
 
   @property
   def weight_bytes(self) -> int:
@@ -270,7 +270,9 @@ def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, token
   shared = dict(group=c.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call, min_slots=engine.min_slots,
                 **paged, **settings)
   phase.detail += f", {paged['pages']} pages of {paged['page_tokens']} tokens per queue ({paged['implementation']})"
-  run.pool = paged
+  run.pool = paged | {"least": common.least_pages(  # The smallest pool `rollout.pages` may ask for.
+      prompts=c.rollout.prompts_per_step, devices=run.layout.data_devices, prompt_tokens=tokens[0].shape[1],
+      max_new_tokens=c.rollout.max_response_tokens, page_tokens=paged["page_tokens"])}
   fns = refill.programs(slots=engine.slots, **shared)
   prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
                         fallback=run.decoding)

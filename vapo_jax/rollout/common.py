@@ -133,6 +133,12 @@ def prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
   return int(held.reshape(queues, -1).sum(axis=1).max())
 
 
+def least_pages(*, prompts: int, devices: int, prompt_tokens: int, max_new_tokens: int, page_tokens: int) -> int:
+  """The fewest pages a data-parallel group's pool may have: its share of `prompts` prompts' pages and one
+  whole sequence's (`check_pool`'s bound)."""
+  return -(-prompts // devices) * -(-prompt_tokens // page_tokens) + sequence_pages(max_new_tokens, page_tokens)
+
+
 def check_pool(*, pages: int, prompts: int, held: int, max_new_tokens: int, page_tokens: int) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its `prompts` prompts
   (`held` pages) and one whole sequence: the one shortage no preemption can resolve."""
