@@ -6,7 +6,9 @@ Task: multi-step addition written out step by step ("7+5+9=" → "7+5=12\\n12+9=
 2 to 5 terms, so responses run from 13 to 35 tokens and longer problems are harder. A short
 supervised warm start on 2-4-term demonstrations leaves the policy imperfect (0.2-0.3 held-out
 accuracy; it has never seen 5 terms); value pretraining fits the critic; VAPO then trains on all
-lengths. Held-out avg@4 on 64 problems before → after RL: `docs/results.md` gives the figures
+lengths. Held-out avg@4 on 64 problems before → after RL, problems it never trained on (the training
+and demonstration problems that are also held-out ones are dropped, `data.drop_eval_overlap`; the run's
+log says how many): `docs/results.md` gives the figures
 with the commit each was measured at. It runs exactly the code path of the 32B experiment, with
 small numbers.
 """
@@ -39,8 +41,10 @@ def tiny() -> ExperimentConfig:
       rollout=RolloutConfig(prompts_per_step=16, samples_per_prompt=8, max_prompt_tokens=32,
                             max_response_tokens=64),
       reward=RewardConfig(answer_forms=("answer_line",), verifier_workers=2),
+      # The held-out problems are held out: the training and warm-start problems that are also evaluation
+      # problems (the 2-term sums' 81 are all drawn) are dropped from both.
       data=DataConfig(train_path="synthetic:arithmetic?terms=2-5&count=4000&seed=0", template="raw",
-                      chat_template=False),
+                      chat_template=False, drop_eval_overlap=True),
       eval=EvalConfig(path="synthetic:arithmetic?terms=2-5&count=64&seed=1", samples_per_problem=4,
                       temperature=1.0, top_p=0.7, every_steps=25),
       sft=SFTConfig(path="synthetic:arithmetic?terms=2-4&count=2000&seed=2", steps=300, batch_size=32, lr=2e-3),

@@ -1,7 +1,9 @@
 """Config validation, overrides, the experiment registry and the `make train` entry point."""
 
+import argparse
 import dataclasses
 import pathlib
+import sys
 
 import pytest
 
@@ -251,3 +253,30 @@ def test_every_entry_points_bad_argument_is_one_line_and_exit_2_without_jax():
     assert result.returncode == 2, (tool, result.returncode, result.stderr[-2000:])
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "no-such-option" in lines[0], (tool, lines)
+
+
+def test_a_finished_runs_closing_lines_round_the_accuracies_and_name_the_plot_command():
+  from vapo_jax.cli.train import closing_lines
+  lines = closing_lines({"seconds": 212.4, "accuracy_before_rl": 0.21370967741935484,
+                         "accuracy_after_rl": 0.38306451612903225}, "runs/tiny_vapo")
+  assert lines[0] == "done in 212s. held-out accuracy: before RL 0.214, after RL 0.383"
+  assert lines[1].startswith("run directory: runs/tiny_vapo (")
+  assert lines[2] == "curves: make plot RUN=runs/tiny_vapo (PNGs in runs/tiny_vapo/plots/)"
+  none = closing_lines({"seconds": 1.0, "accuracy_before_rl": None, "accuracy_after_rl": None}, "r")
+  assert none[0] == "done in 1s. no held-out evaluation (eval.path is unset)"
+
+
+def test_the_packages_warnings_are_one_line_and_a_librarys_keep_pythons_form(capsys):
+  import warnings
+
+  from vapo_jax.cli import one_line_warnings
+  from vapo_jax.data import problems
+  with warnings.catch_warnings():
+    warnings.showwarning = lambda message, category, filename, lineno, *_: print(  # Python's, as pytest leaves it.
+        f"{filename}:{lineno}: {category.__name__}: {message}", file=sys.stderr)
+    with one_line_warnings():
+      warnings.simplefilter("always")
+      warnings.warn_explicit("a setting to look at", UserWarning, problems.__file__, 7)
+      warnings.warn_explicit("library noise", UserWarning, argparse.__file__, 9)
+  err = capsys.readouterr().err.splitlines()
+  assert err == ["warning: a setting to look at", f"{argparse.__file__}:9: UserWarning: library noise"]

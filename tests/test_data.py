@@ -2,6 +2,7 @@
 
 import collections
 import json
+import re
 import warnings
 
 import numpy as np
@@ -267,9 +268,12 @@ def test_training_problems_that_are_evaluation_problems_are_warned_about_and_can
   eval_rows = problems.eval_problems(c)
   with pytest.warns(UserWarning, match=r"1 of 10 training problems .* are also evaluation problems .* id 't3'"):
     assert len(problems.training_problems(c, eval_rows=eval_rows)) == 10
-  with pytest.warns(UserWarning, match="dropped from training"):
-    kept = problems.training_problems(config(train, held_out, drop=True), eval_rows=eval_rows)
+  said = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # Dropped as asked: said in the run's log, not warned about.
+    kept = problems.training_problems(config(train, held_out, drop=True), eval_rows=eval_rows, say=said.append)
   assert [r.id for r in kept] == [f"t{i}" for i in range(10) if i != 3]
+  assert len(said) == 1 and re.match(r"data: 1 of 10 training problems .* id 't3'; dropped from training", said[0])
   same = config(train, train)  # One file as both: every problem, by text and by (source, id).
   with pytest.warns(UserWarning, match="10 of 10 training problems"):
     problems.training_problems(same, eval_rows=problems.eval_problems(same))
@@ -279,3 +283,13 @@ def test_training_problems_that_are_evaluation_problems_are_warned_about_and_can
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # No overlap: no warning.
     assert len(problems.training_problems(config(train, None), eval_rows=[])) == 10
+
+
+def test_the_default_experiments_held_out_problems_are_none_of_its_training_problems():
+  from experiments import tiny, toy
+  for config in (tiny.tiny(), toy.vapo()):
+    held_out, said = problems.eval_problems(config), []
+    for path in (config.data.train_path, config.sft.path):
+      kept = problems.training_problems(config, eval_rows=held_out, path=path, say=said.append)
+      assert kept and problems.eval_overlap(kept, held_out) == [], (config.name, path)
+    assert len(said) == 2 and all("dropped from training" in line for line in said), said

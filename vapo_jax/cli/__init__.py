@@ -13,11 +13,15 @@ Every entry point parses its arguments with `ArgumentParser` before it imports J
 usage (exit 0) at once, and a bad argument is one line on stderr (exit 2).
 Importing the package sets JAX_PLATFORMS=cpu on a machine without accelerator devices (`cpu_only_platform`).
 `bound_compilation_cache` keeps XLA's persistent compilation cache under its size (`make train`, `make test`).
+`one_line_warnings` shows the package's own warnings as the entry points' other messages: one line each.
 """
 
 import argparse
+import contextlib
 import glob
 import os
+import sys
+import warnings
 
 from vapo_jax.errors import USER_ERROR_EXIT_CODE
 
@@ -66,6 +70,29 @@ def bound_compilation_cache(environ=os.environ) -> int:
     except OSError:  # Another process removed or is reading it: it stays for the next run.
       pass
   return deleted
+
+
+# The package's own sources (vapo_jax/ and experiments/): the warnings raised from them are the run's messages.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN = (os.path.join(_PACKAGE, ""), os.path.join(os.path.dirname(_PACKAGE), "experiments", ""))
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+  """Inside the block, a warning raised from the package's own code is one line on stderr, `warning: ...`,
+  in the voice of the entry points' `error: ...` lines, without Python's file, line and source under it.
+  Warnings from libraries keep Python's form (and the filters the modules set for their known noise)."""
+  shown = warnings.showwarning
+
+  def show(message, category, filename, lineno, file=None, line=None):
+    if os.path.abspath(filename).startswith(_OWN):
+      print(f"warning: {message}", file=sys.stderr, flush=True)
+    else:
+      shown(message, category, filename, lineno, file, line)
+
+  with warnings.catch_warnings():
+    warnings.showwarning = show  # Restored on leaving the block.
+    yield
 
 
 cpu_only_platform()  # Before any entry point imports JAX.

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vapo_jax import files
-from vapo_jax.cli import resolve
+from vapo_jax.cli import one_line_warnings, resolve
 from vapo_jax.config import RewardConfig
 from vapo_jax.data.problems import held_out_problems
 from vapo_jax.data.records import Record, answer_text, read_rows
@@ -205,18 +205,13 @@ def _print_summary(summary: dict[str, Any]) -> None:
                                   for k, v in metrics.items()))
 
 
-def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
-  print(f"warning: {message}", file=sys.stderr)
-
-
 def main(argv: list[str]) -> int:
   parser = resolve.parser("vapo_jax.cli.evaluate", __doc__)
   parser.add_argument("--responses", metavar="FILE", help="saved responses to score (.jsonl, .json, .parquet)")
   parser.add_argument("--ckpt", metavar="DIR", help="a checkpoint to sample the responses from first")
   parser.add_argument("--out", metavar="DIR", help="where samples.jsonl and summary.json go "
                       "(default <run_dir>/eval/<responses' or checkpoint's name>)")
-  with warnings.catch_warnings():
-    warnings.showwarning = _one_line_warning  # Restored on leaving the block.
+  with one_line_warnings():
     try:
       config, args = resolve.resolve(argv, parser)
       if args.help:

@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 
-from vapo_jax.cli import resolve
+from vapo_jax.cli import one_line_warnings, resolve
 from vapo_jax.errors import ConfigError
 
 
@@ -126,4 +126,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  with one_line_warnings():
+    sys.exit(main(sys.argv[1:]))

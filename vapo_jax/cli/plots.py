@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from vapo_jax import files, metric_keys
-from vapo_jax.cli import ArgumentParser
+from vapo_jax.cli import ArgumentParser, one_line_warnings
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 Curve = tuple[np.ndarray, np.ndarray]  # (x [N], y [N]) of one run.
@@ -269,4 +269,5 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  with one_line_warnings():
+    sys.exit(main(sys.argv[1:]))

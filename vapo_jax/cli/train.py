@@ -16,13 +16,19 @@ names what to fix); 75 stopped by SIGTERM after saving a checkpoint, 130 stopped
 saving (run again to resume).
 """
 
+import os
 import sys
 
-from vapo_jax.cli import resolve
+from vapo_jax.cli import one_line_warnings, resolve
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def main(argv: list[str]) -> int:
+  with one_line_warnings():  # The package's warnings: one line each, as its errors.
+    return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
   parser = resolve.parser("vapo_jax.cli.train", __doc__)
   try:
     config, args = resolve.resolve(argv, parser)
@@ -71,12 +77,23 @@ def main(argv: list[str]) -> int:
     raise
   if not distributed.is_main_process():
     return 0
+  print("\n".join(closing_lines(summary, run_dir)))
+  return 0
+
+
+def closing_lines(summary: dict, run_dir: str) -> list[str]:
+  """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals), its
+  directory, and the command that draws its curves."""
   before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
   accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
-              f"held-out accuracy: before RL {before}, after RL {after}")
-  print(f"done in {summary['seconds']:.0f}s. {accuracy}")
-  print(f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)")
-  return 0
+              f"held-out accuracy: before RL {_rounded(before)}, after RL {_rounded(after)}")
+  return [f"done in {summary['seconds']:.0f}s. {accuracy}",
+          f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)",
+          f"curves: make plot RUN={run_dir} (PNGs in {os.path.join(run_dir, 'plots')}/)"]
+
+
+def _rounded(accuracy: float | None) -> str:
+  return "n/a" if accuracy is None else f"{accuracy:.3f}"
 
 
 if __name__ == "__main__":

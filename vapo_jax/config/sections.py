@@ -22,9 +22,10 @@ class DataConfig:
   template: Template = "dapo"  # Instruction wrapped around each problem.
   chat_template: bool = True  # Wrap the prompt in the tokenizer's chat template.
   dedup: bool = True  # Drop repeated problems (conflicting answers are reported).
-  # Training problems that are also evaluation problems (eval.path) are always warned about; true drops them.
-  # Off by default: a run's data stays what its file holds (the synthetic tasks' small problem spaces overlap
-  # by construction), and the warning says how many the held-out accuracy has seen in training.
+  # Training problems (data.train_path, and sft.path's demonstrations) that are also evaluation problems
+  # (eval.path): true drops them (one line in the run's log says how many); false keeps them with a warning
+  # that says how many the held-out accuracy has seen in training. Off by default: a run's data stays what its
+  # file holds. The synthetic experiments (tiny, toy) turn it on: their small problem spaces overlap.
   drop_eval_overlap: bool = False
   seed: int = 0  # Shuffling seed.
   skip_bad_rows: bool = False  # Warn and skip malformed rows instead of failing.

@@ -6,7 +6,7 @@ type (`Record`) from loading to scoring.
 """
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vapo_jax import kinds
@@ -48,25 +48,31 @@ def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup:
                                    skip_bad_rows=d.skip_bad_rows)
 
 
-def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Sequence[Record] = ()) -> list[Record]:
-  """The training problems of `data.train_path` (`load_problems`), with those that are also evaluation
-  problems (`eval_rows`, see `eval_overlap`) warned about, and dropped when `data.drop_eval_overlap`."""
-  records = load_problems(config.data.train_path, config, tokenizer)
+def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Sequence[Record] = (), *,
+                      path: str | None = None, dedup: bool | None = None,
+                      say: Callable[[str], None] | None = None) -> list[Record]:
+  """The training problems of `path` (default `data.train_path`; the warm start passes `sft.path`), loaded
+  by `load_problems`, less those that are also evaluation problems (`eval_rows`, see `eval_overlap`) when
+  `data.drop_eval_overlap`: the drop is said through `say` (a line of the run's log). Kept, they are
+  warned about: the held-out accuracy then measures problems the run trained on."""
+  path = path or config.data.train_path
+  records = load_problems(path, config, tokenizer, dedup=dedup)
   shared = eval_overlap(records, eval_rows)
-  if shared:
-    drop = config.data.drop_eval_overlap
-    warnings.warn(f"{len(shared)} of {len(records)} training problems ({config.data.train_path}) are also evaluation "
-                  f"problems ({config.eval.path}), by problem text or by source and id, "
-                  f"e.g. id {records[shared[0]].id!r}"
-                  + (": dropped from training (data.drop_eval_overlap=true)" if drop else
-                     ": the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true drops "
-                     "them"), stacklevel=2)
-    if drop:
-      drop_at = set(shared)
-      records = [r for i, r in enumerate(records) if i not in drop_at]
-      if not records:
-        raise DataError(f"{config.data.train_path}: every training problem is an evaluation problem of "
-                        f"{config.eval.path}, and data.drop_eval_overlap=true drops them all: train on other problems")
+  if not shared:
+    return records
+  what = (f"{len(shared)} of {len(records)} training problems ({path}) are also evaluation problems "
+          f"({config.eval.path}), by problem text or by source and id, e.g. id {records[shared[0]].id!r}")
+  if not config.data.drop_eval_overlap:
+    warnings.warn(f"{what}: the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true "
+                  "drops them", stacklevel=2)
+    return records
+  drop_at = set(shared)
+  records = [r for i, r in enumerate(records) if i not in drop_at]
+  if not records:
+    raise DataError(f"{path}: every training problem is an evaluation problem of {config.eval.path}, and "
+                    "data.drop_eval_overlap=true drops them all: train on other problems")
+  if say is not None:
+    say(f"data: {what}; dropped from training (data.drop_eval_overlap=true)")
   return records
 
 

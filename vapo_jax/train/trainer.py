@@ -89,7 +89,7 @@ class Trainer:
                                      timeout_s=config.reward.verifier_timeout_s,
                                      memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
     self.eval_rows = problems.eval_problems(config, self.tokenizer)
-    train = problems.training_problems(config, self.tokenizer, self.eval_rows)  # The overlap warned about.
+    train = problems.training_problems(config, self.tokenizer, self.eval_rows, say=self.log)  # Overlap: warned or dropped.
     actor, critic = self._build_models(rules)
     for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
       if path:
@@ -273,7 +273,8 @@ class Trainer:
   def sft_stage(self):
     """Token-level NLL on demonstrations (`sft.path` rows with a `solution`)."""
     config = self.config
-    rows = problems.load_problems(config.sft.path, config, self.tokenizer, dedup=False)  # Every demonstration.
+    rows = problems.training_problems(config, self.tokenizer, self.eval_rows, path=config.sft.path, dedup=False,
+                                      say=self.log)  # Every demonstration, less the held-out problems if dropped.
     missing = [r.id for r in rows if r.solution is None]
     if missing:
       raise DataError(f"{config.sft.path}: supervised warm start needs a 'solution' (or 'response') field on "
