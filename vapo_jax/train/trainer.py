@@ -89,7 +89,7 @@ class Trainer:
                                      timeout_s=config.reward.verifier_timeout_s,
                                      memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
     self.eval_rows = problems.eval_problems(config, self.tokenizer)
-    train = problems.training_problems(config, self.tokenizer, self.eval_rows, say=self.log)  # Overlap: warned or dropped.
+    train = problems.training_problems(config, self.tokenizer, self.eval_rows, say=self.log)  # Overlap: warned/dropped.
     actor, critic = self._build_models(rules)
     for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
       if path:
