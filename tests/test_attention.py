@@ -243,16 +243,16 @@ def test_skipped_blocks_are_never_read():
   assert np.all(np.isnan(out)) and np.all(np.isnan(dq)) and np.all(np.isnan(dk))
 
 
-def test_segments_fall_back_from_cudnn_and_are_refused_with_a_cache():
-  q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(2, 16, 16, kv_heads=2, groups=2, seed=9))
-  ids = jnp.asarray(_segments([[5, 11], [16]], 16))
+def test_segments_run_pallas_gpu_on_a_gpu_fall_back_where_it_refuses_and_are_refused_by_cudnn():
+  q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(2, 40, 40, kv_heads=2, groups=2, seed=9))
+  ids = jnp.asarray(_segments([[5, 11], [16]], 40))  # 40 tokens: not a multiple of the GPU kernel's 16.
   attention._WARNED.clear()
   auto = lambda *a: attention.attend(*a, segment_ids=ids, impl="auto", platform="gpu")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     got = jax.jit(auto)(q, k, v)
     jax.eval_shape(auto, q, k, v)
-  assert len(caught) == 1 and "no segment ids" in str(caught[0].message)
+  assert len(caught) == 1 and "pallas_gpu needs rows of a multiple of 16 tokens (here 40)" in str(caught[0].message)
   want = jax.jit(lambda *a: flash.chunked(*a, segment_ids=ids))(q, k, v)
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ConfigError, match="model.attention='cudnn' cannot run here.*no segment ids"):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax.models import decode_attention, paged_attention, sharding
+from vapo_jax.models import decode_attention, paged_attention, pallas_gpu, sharding
 
 KV_HEADS, GROUPS, HEAD_DIM, LAYERS, QUEUES, PAGES, PAGE_TOKENS, WIDTH = 2, 3, 8, 3, 2, 7, 4, 4
 # Queue 0: rows 0-2, queue 1: rows 3-5; page ids are within the row's queue. Rows 0 and 1 share pages 5 and 2 (a
@@ -115,6 +115,42 @@ def test_the_tpu_kernel_in_the_interpreter_equals_the_gather(block_pages):
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(sharded, expected, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[2], 0.0)
+
+
+@pytest.mark.parametrize("block_pages", [1, 2])
+def test_the_gpu_kernel_in_the_interpreter_equals_the_oracle(block_pages):
+  """The shipped Pallas GPU kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, split-K over each row's
+  pages, in the Pallas interpreter on this CPU): rows of different lengths (0, 1, a page, a partial page), pages
+  shared and out of order, 3 query heads per KV head; on one device and under the rollout layout's shard_map on
+  a 2 × 2 × 2 mesh (queues over data, KV heads over tensor)."""
+  q, keys, values = pool_and_query(6)
+  kernel = lambda *a: paged_attention.attend(*a, layer=2, implementation="gpu_kernel", block_pages=block_pages)
+  expected = np.asarray(oracle(q, keys, values, 2))
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  pool = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor", None, "data"))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  with pallas_gpu.interpret():
+    got = np.asarray(jax.jit(kernel)(q, keys, values, TABLE, LENGTHS))
+    sharded = np.asarray(sharding.jit(kernel, mesh, dict(sharding.PRESETS["tp"], batch="data"))(
+        jax.device_put(q, rows), jax.device_put(keys, pool), jax.device_put(values, pool),
+        jax.device_put(TABLE, rows), jax.device_put(LENGTHS, rows)))
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(sharded, expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[2], 0.0)
+  assert pallas_gpu.k_splits(WIDTH, block_pages) == (4 if block_pages == 1 else 2)  # Split-K ran: partitions > 1.
+
+
+def test_each_platform_chooses_its_paged_attention():
+  assert paged_attention.default_implementation("cpu", head_dim=8, page_tokens=4) == "gather"
+  assert paged_attention.default_implementation("tpu", head_dim=128, page_tokens=16) == "kernel"
+  assert paged_attention.default_implementation("gpu", head_dim=128, page_tokens=16) == "gpu_kernel"
+  assert paged_attention.default_implementation("cuda", head_dim=64, page_tokens=128) == "gpu_kernel"
+  with pytest.warns(UserWarning, match="the GPU kernel needs pages of a power of two of at least 16 tokens"):
+    assert paged_attention.default_implementation("gpu", head_dim=128, page_tokens=8) == "gather"
+  with pytest.warns(UserWarning, match="the GPU kernel needs a head dim that is a power of two"):
+    assert paged_attention.default_implementation("gpu", head_dim=96, page_tokens=16) == "gather"
+  # Split-K: the most partitions (≤ 16) of whole blocks.
+  assert [pallas_gpu.k_splits(w, b) for w, b in ((64, 4), (48, 4), (24, 4), (7, 1), (40, 8))] == [16, 12, 6, 7, 5]
 
 
 def test_the_kernels_write_equals_the_batched_one():

@@ -19,7 +19,7 @@ ValueTarget = Literal["returns", "outcome", "prefix"]
 
 # models/: numerics, attention kernels (models/attention.py) and sharding presets (models/sharding.py).
 DType = Literal["float32", "bfloat16"]
-Attention = Literal["auto", "chunked", "cudnn", "splash", "reference"]
+Attention = Literal["auto", "chunked", "cudnn", "splash", "pallas_gpu", "reference"]
 MeshPreset = Literal["dp", "fsdp", "fsdp_tp", "tp"]  # "tp": the rollout layout (rollout/layout.py).
 
 # rollout/: the decoding engine (rollout/__init__.py).

@@ -3,6 +3,7 @@
   devices = preflight.check_backend()        # after distributed.initialize(), before any JAX work
   preflight.check_run_dir("runs/aime_vapo")  # the run directory can be created and written
   preflight.check_memory(config, devices)    # XLA's figures of the run's programs; refused when a phase is over
+  print(preflight.kernels(config, model_cfg, devices[0].platform))  # The attention each phase runs, said once
 
 The device count a mesh needs is checked by `models.sharding.make_mesh` (a `ConfigError` naming
 mesh.data / mesh.fsdp / mesh.tensor).
@@ -83,6 +84,25 @@ def check_memory(config, devices: list, *, show: bool = True) -> None:
   from vapo_jax.memory import verdict
 
   verdict.check(config, devices, show=show)
+
+
+def kernels(config, model_cfg, platform: str) -> str:
+  """One line naming the attention the run's programs choose on `platform` with `config`'s settings: the
+  training and scoring attention for padded and packed rows (`attention.select`), and the paged decode of the
+  refill engine (`paged_attention.default_implementation`)."""
+  import jax.numpy as jnp
+
+  from vapo_jax.models import attention, paged_attention
+  from vapo_jax.rollout import common
+
+  m, r = config.model, config.rollout
+  train = {form: attention.select(m.attention, jnp.dtype(m.dtype), platform, packed=form == "packed")
+           for form in ("padded", "packed")}
+  rows = " and ".join(f"{kernel} ({form} rows)" for form, kernel in train.items()) if len(set(train.values())) > 1 \
+      else next(iter(train.values()))
+  paged = paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim,
+                                                 page_tokens=r.page_tokens or common.default_page_tokens(platform))
+  return f"kernels on {platform}: attention {rows}; paged decode (refill engine) {paged}"
 
 
 def remove_empty(directories: list[str]) -> None:

@@ -57,6 +57,7 @@ def _main(argv: list[str]) -> int:
     if distributed.is_main_process():
       resolve.write_resolved_config(config)
       print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
+      print(preflight.kernels(config, trainer.model_cfg, devices[0].platform))
     summary = trainer.run()
   except UserError as e:
     preflight.remove_empty(created)  # A failed start leaves no empty run directory behind.

@@ -85,7 +85,8 @@ class ModelConfig:
   dtype: DType = "bfloat16"  # Compute dtype.
   param_dtype: DType = "float32"  # Parameter storage dtype.
   remat: bool = True  # Rematerialise each layer's activations in the backward pass.
-  # Attention kernel (models/attention.py): "auto" = splash on TPU, cudnn on GPU in bf16, else chunked.
+  # Attention kernel (models/attention.py): "auto" = splash on TPU; on GPU in bf16 cudnn (padded rows) and
+  # pallas_gpu (packed rows); chunked otherwise.
   attention: Attention = "auto"
   tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
   random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.

@@ -35,7 +35,11 @@ Implementations (`impl`):
              only (jax 0.10.2's public API takes no segment ids, so packed rows run `chunked`).
   splash     the Pallas TPU splash attention with a causal mask and segment ids: TPU; on a mesh under
              `jax.shard_map` over the batch and head axes.
-  auto       splash on TPU, cudnn on GPU in bfloat16/float16, chunked otherwise.
+  pallas_gpu the Pallas GPU flash attention with segment ids (`pallas_gpu.packed_attention`, forward and
+             backward): GPU, packed rows (and ranges, as segment ids 1 / 0); on a mesh under `jax.shard_map`
+             as splash. Rows of a multiple of 16 tokens.
+  auto       splash on TPU; on GPU in bfloat16/float16, cudnn for unpacked rows (ranges) and pallas_gpu for
+             packed ones (segment ids); chunked otherwise.
 
 The kernels serve whole-sequence calls (training and scoring); calls with a KV cache (queries
 offset from the keys) always run `chunked`. When a kernel rejects a call, `auto` falls back to
@@ -56,7 +60,7 @@ from jax.sharding import PartitionSpec
 from vapo_jax import kinds
 from vapo_jax.errors import ConfigError
 from vapo_jax.kinds import Attention
-from vapo_jax.models import flash, sharding
+from vapo_jax.models import flash, pallas_gpu, sharding
 from vapo_jax.models.flash import chunked
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -90,7 +94,7 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
   whole sequence; with a KV cache, its length). platform: where the kernel choice is made for
   (default: JAX's backend). chunked_options: `block_q`, `block_k`, `skip_masked_blocks` of `chunked`."""
   given = flash.validity(key_start, key_end, segment_ids)
-  kernel = select(impl, q.dtype, platform)
+  kernel = select(impl, q.dtype, platform, packed=segment_ids is not None)
   whole = isinstance(query_offset, int) and query_offset == 0 and q.shape[1] == k.shape[1]
   if segment_ids is not None and not whole:
     raise ValueError(f"segment_ids serve whole-sequence calls (T = S, query_offset 0), got q {q.shape}, "
@@ -98,9 +102,9 @@ def attend(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_off
   if kernel == "reference":
     note("reference")
     return reference(q, k, v, **given, query_offset=query_offset, causal=causal)
-  if kernel in ("cudnn", "splash") and whole:
+  if kernel in KERNELS and whole:
     try:
-      out = (cudnn if kernel == "cudnn" else splash)(q, k, v, **given, causal=causal)
+      out = KERNELS[kernel](q, k, v, **given, causal=causal)
       note(kernel)
       return out
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:  # The kernels' refusals.
@@ -130,18 +134,18 @@ def _chunked_by_device(q, k, v, given: dict, *, query_offset, causal: bool, **op
                        out_specs=heads, check_vma=False)(q, k, v, given, jnp.asarray(query_offset))
 
 
-def select(impl: str, dtype, platform: str | None = None) -> str:
+def select(impl: str, dtype, platform: str | None = None, *, packed: bool = False) -> str:
   """The implementation `impl` resolves to on `platform` (default: the platform being traced for,
-  `sharding.platform()`) for compute `dtype`.
+  `sharding.platform()`) for compute `dtype`, for packed rows (segment ids) or not.
 
   Raises ConfigError when an explicit choice cannot run there."""
   platform = platform or sharding.platform()
-  half = jnp.dtype(dtype) in _HALF
+  half, gpu = jnp.dtype(dtype) in _HALF, platform in ("gpu", "cuda")
   match impl:
     case "auto":
-      return "splash" if platform == "tpu" else "cudnn" if platform in ("gpu", "cuda") and half else "chunked"
-    case "cudnn" if platform not in ("gpu", "cuda"):
-      raise ConfigError(f"model.attention='cudnn' needs an NVIDIA GPU, but JAX runs on {platform!r}; "
+      return "splash" if platform == "tpu" else ("pallas_gpu" if packed else "cudnn") if gpu and half else "chunked"
+    case "cudnn" | "pallas_gpu" if not gpu:
+      raise ConfigError(f"model.attention={impl!r} needs an NVIDIA GPU, but JAX runs on {platform!r}; "
                         "use 'auto' or 'chunked'")
     case "cudnn" if not half:
       raise ConfigError(f"model.attention='cudnn' needs bfloat16 or float16 compute, got {jnp.dtype(dtype)}; "
@@ -149,7 +153,7 @@ def select(impl: str, dtype, platform: str | None = None) -> str:
     case "splash" if platform != "tpu":
       raise ConfigError(f"model.attention='splash' needs a TPU, but JAX runs on {platform!r}; "
                         "use 'auto' or 'chunked'")
-    case "chunked" | "reference" | "cudnn" | "splash":
+    case "chunked" | "reference" | "cudnn" | "splash" | "pallas_gpu":
       return impl
   raise ConfigError(f"model.attention must be one of {kinds.names(Attention)}, got {impl!r}")
 
@@ -249,13 +253,35 @@ def splash(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: b
     raise ValueError(f"splash needs a sequence length that is a multiple of 128, got {t}")
   segments = (_real(key_start, key_end, t) if segment_ids is None else segment_ids).astype(jnp.int32)
   local = functools.partial(_splash_local, causal=causal, block=block, interpret=interpret)
+  return _kernel_by_device(local, q, k, v, segments, name="splash, a Mosaic kernel,", interpret=interpret)
+
+
+def pallas_gpu_attention(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: bool = True):
+  """Whole-sequence attention (T = S, a multiple of 16) by the Pallas GPU flash attention
+  (`pallas_gpu.packed_attention`): packed rows' segment ids, or with ranges 1 on real tokens and 0 on padding;
+  on a mesh under `jax.shard_map` as `splash`."""
+  if reason := pallas_gpu.packed_rule(tokens=q.shape[1]):
+    raise ValueError(f"pallas_gpu needs {reason}")
+  segments = (_real(key_start, key_end, q.shape[1]) if segment_ids is None else segment_ids).astype(jnp.int32)
+  local = functools.partial(pallas_gpu.packed_attention, causal=causal)
+  return _kernel_by_device(local, q, k, v, segments, name="the Pallas GPU attention, a Triton kernel,",
+                           interpret=pallas_gpu.interpreting())
+
+
+KERNELS = {"cudnn": cudnn, "splash": splash, "pallas_gpu": pallas_gpu_attention}
+
+
+def _kernel_by_device(local, q, k, v, segments, *, name: str, interpret: bool) -> jax.Array:
+  """`local(q, k, v, segments)`, a kernel that XLA does not partition: on a mesh (`sharding.use_rules`, as every
+  program of a run is traced) under `jax.shard_map` over `_splash_specs`; outside a mesh, several devices are
+  refused."""
   found = sharding.context()
   if found is None or found[0].size == 1:
     if jax.device_count() > 1 and not interpret and found is None:
-      raise ValueError(f"splash is a Mosaic kernel that XLA cannot partition over {jax.device_count()} devices; "
-                       "it runs under shard_map on a mesh (sharding.use_rules / sharding.jit)")
+      raise ValueError(f"{name} cannot be partitioned by XLA over {jax.device_count()} devices; it runs under "
+                       "shard_map on a mesh (sharding.use_rules / sharding.jit)")
     return local(q, k, v, segments)
-  heads, rows = _splash_specs(*found, batch=b, heads=n, kv_heads=k.shape[2])
+  heads, rows = _splash_specs(*found, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
   return jax.shard_map(local, mesh=found[0], in_specs=(heads, heads, heads, rows), out_specs=heads,
                        check_vma=False)(q, k, v, segments)
 

@@ -27,8 +27,8 @@ page table `[R, W]` (row r's logical token t sits at offset t mod Tg of its page
 page id local to the row's queue, rows [q·R/Q, (q+1)·R/Q) being queue q's), each row's tokens `[R]`
 and which rows hold a sequence `[R]`. Tokens are stored compactly from logical slot 0 (no padding), so
 a row's keys are exactly its first `lengths[r]` tokens and a query reads only those
-(`paged_attention`: the Pallas kernel on TPU, a gather over pages elsewhere, a dense gather as the
-oracle). Pages are handed out by the rollout (`rollout/pages.py`); the cache only reads and writes
+(`paged_attention`: the Pallas kernels on TPU and GPU, a gather over pages elsewhere, a dense gather as
+the oracle). Pages are handed out by the rollout (`rollout/pages.py`); the cache only reads and writes
 them. A row that holds no sequence writes nothing and reads nothing.
 
 Pure JAX; no flax modules.
@@ -128,9 +128,10 @@ class PagedKVCache:
   table: jax.Array  # [R, W] int32 page ids within the row's queue (≥ Pq: none).
   lengths: jax.Array  # [R] int32 tokens held.
   live: jax.Array  # [R] bool: the row holds a sequence (set by each call from its attention mask).
-  # "kernel" (the Pallas TPU kernel), "gather" (pure JAX, pages gathered block by block) or "reference" (dense).
+  # "kernel" (the Pallas TPU kernel), "gpu_kernel" (the Pallas GPU kernel), "gather" (pure JAX, pages gathered
+  # block by block) or "reference" (dense).
   implementation: str = struct.field(pytree_node=False, default="gather")
-  block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernel or gather).
+  block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernels, gather).
 
   @classmethod
   def zeros(cls, cfg: TransformerConfig, *, rows: int, queues: int, pages: int, page_tokens: int, table_pages: int,

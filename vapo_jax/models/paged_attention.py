@@ -23,6 +23,13 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
              kernel's page axis (a reshape, no copy) and the page ids offset to layer `layer`. It reads
              keys and values in bfloat16 (`pltpu` rounds them as it loads); the tests run it in the Pallas
              interpreter (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`).
+  gpu_kernel the Pallas GPU kernel `jax.experimental.pallas.ops.gpu.paged_attention` (`pallas_gpu.paged_decode`):
+             split-K over each row's own pages, partitions past its length skipped; the same pool layout,
+             page ids and `jax.shard_map` as the TPU kernel. The tests run it in the Pallas interpreter
+             (`pallas_gpu.interpret`).
+
+`default_implementation` chooses per platform: the kernel on TPU, the GPU kernel on GPU, each where its shape
+rules hold; the gather elsewhere.
 
 `read_bytes` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
 """
@@ -36,15 +43,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from vapo_jax.models import decode_attention, sharding
+from vapo_jax.models import decode_attention, pallas_gpu, sharding
 
-IMPLEMENTATIONS = ("kernel", "gather", "reference")
+IMPLEMENTATIONS = ("kernel", "gpu_kernel", "gather", "reference")
 
 
 def default_implementation(platform: str | None = None, *, head_dim: int = 128, page_tokens: int = 128) -> str:
   """The kernel on TPU where Mosaic takes its blocks (head dim a multiple of 128, pages of a multiple of 8
-  tokens); the gather elsewhere (and, with a warning, on TPU otherwise)."""
-  if (platform or jax.default_backend()) != "tpu":
+  tokens); the GPU kernel on GPU where Triton takes its tiles (`pallas_gpu.paged_rule`); the gather elsewhere
+  (and, with a warning, on TPU or GPU otherwise)."""
+  platform = platform or jax.default_backend()
+  if platform in ("gpu", "cuda"):
+    if reason := pallas_gpu.paged_rule(head_dim=head_dim, page_tokens=page_tokens):
+      warnings.warn(f"paged attention: the GPU kernel needs {reason}; the gather runs instead", stacklevel=2)
+      return "gather"
+    return "gpu_kernel"
+  if platform != "tpu":
     return "gather"
   if head_dim % 128 or page_tokens % 8:
     warnings.warn(f"paged attention: the TPU kernel needs a head dim that is a multiple of 128 and pages of a "
@@ -66,8 +80,9 @@ def attend(q, keys, values, table, lengths, layer, *, implementation: str = "gat
       return attend_reference(q, keys, values, table, lengths, layer)
     case "gather":
       return attend_gather(q, keys, values, table, lengths, layer, block_pages=block_pages)
-    case "kernel":
-      return attend_kernel(q, keys, values, table, lengths, layer, block_pages=block_pages)
+    case "kernel" | "gpu_kernel":
+      local = _kernel_local if implementation == "kernel" else pallas_gpu.paged_decode
+      return attend_kernel(q, keys, values, table, lengths, layer, block_pages=block_pages, local=local)
     case _:
       raise ValueError(f"unknown paged attention {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
@@ -117,10 +132,11 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
   return decode_attention.finish(lax.fori_loop(0, blocks, step, decode_attention.start_carry(qg)), dtype)
 
 
-def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
-  """The Pallas TPU kernel (module docstring): under `jax.shard_map` on a mesh (`sharding.use_rules`), each
-  device on its rows, queues and KV heads."""
-  local = functools.partial(_kernel_local, block_pages=block_pages)
+def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, local=None) -> jax.Array:
+  """A Pallas kernel, by default the TPU one (module docstring; `local`: the one-device call, as
+  `_kernel_local`): under `jax.shard_map` on a mesh (`sharding.use_rules`), each device on its rows, queues
+  and KV heads."""
+  local = functools.partial(local or _kernel_local, block_pages=block_pages)
   layer = jnp.asarray(layer, jnp.int32)
   found = sharding.context()
   if found is None or found[0].size == 1:

@@ -8,16 +8,14 @@ math-verify (huggingface/Math-Verify) parses LaTeX and plain answers into sympy 
 them (numbers within 6 decimals, symbolic equality, sets, intervals, matrices, relations,
 percentages, units removed). Its own signal-based time-outs are switched off here: the time-out
 is the verifier pool's (`pool.py`), which kills a worker stuck in sympy. Called in-process, these
-functions have no time limit.
+functions have no time limit. It is imported at the first answer parsed, not with this module: the
+programs of a run (`make memory`, the GPU check) compile without it.
 """
 
 import functools
 import logging
 import re
 from typing import NamedTuple
-
-import math_verify
-from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
 from vapo_jax.kinds import AnswerForm
 from vapo_jax.rewards.extract import DEFAULT_FORMS, extract_answer, unwrap
@@ -61,20 +59,26 @@ def canonical(text: str) -> str:
 @functools.lru_cache(maxsize=8192)
 def parse_answer(text: str) -> tuple:
   """math-verify's parse of one answer string: `(sympy object, latex string)`, or `()`."""
-  parsed = math_verify.parse("\\boxed{" + text + "}", extraction_config=[LatexExtractionConfig()],
+  import math_verify
+
+  parsed = math_verify.parse("\\boxed{" + text + "}", extraction_config=[math_verify.LatexExtractionConfig()],
                              parsing_timeout=None)
   if not parsed:
-    parsed = math_verify.parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+    parsed = math_verify.parse(text, extraction_config=[math_verify.ExprExtractionConfig()], parsing_timeout=None)
   return tuple(parsed)
 
 
 @functools.lru_cache(maxsize=1024)
 def parse_free_text(text: str) -> tuple:
   """math-verify's extraction from free text (its last LaTeX or plain expression), parsed."""
+  import math_verify
+
   return tuple(math_verify.parse(text, parsing_timeout=None))
 
 
 def _verify(gold: tuple, pred: tuple) -> bool:
+  import math_verify
+
   return bool(gold and pred) and math_verify.verify(list(gold), list(pred), timeout_seconds=None)
 
 

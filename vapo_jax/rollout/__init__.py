@@ -70,7 +70,7 @@ class Engine(NamedTuple):
   pages: int = 0
   page_tokens: int = 16  # refill: tokens per page.
   block_pages: int | None = None  # refill: pages read per block of paged attention (None: per platform).
-  attention: str | None = None  # refill: paged attention ("kernel", "gather", "reference"; None: per platform).
+  attention: str | None = None  # refill: paged attention (paged_attention.IMPLEMENTATIONS; None: per platform).
 
 
 def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
