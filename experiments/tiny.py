@@ -31,7 +31,7 @@ def tiny() -> ExperimentConfig:
   """VAPO, every technique on; byte-level tiny model, 16 prompts × 8 samples, ≤ 64-token responses."""
   return ExperimentConfig(
       name="tiny_vapo",
-      # 100 steps: over 3 seeds the held-out gain is +0.152 ± 0.010 (50 steps: +0.076 ± 0.044); docs/results.md.
+      # 100 steps: over 3 seeds the held-out gain is +0.085 ± 0.014 (docs/results.md: 50 steps left one seed flat).
       rl_steps=100,
       model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
       # α is scaled to this task's 15-60-token responses (the paper's 0.05 targets thousands of
