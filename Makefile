@@ -48,8 +48,10 @@ install: $(STAMP)  ## Create .venv and install the package and what a run needs 
 JAX_CACHE_GIB ?= 2
 JAX_CACHE = JAX_COMPILATION_CACHE_DIR="$${JAX_COMPILATION_CACHE_DIR:-$(CURDIR)/.jax_cache}" VAPO_JAX_CACHE_MAX_GIB=$(JAX_CACHE_GIB)
 
+# train, eval and sweep exec Python (no shell between make and it): a signal to the process group reaches it as it
+# would the command alone, and its stop saves its checkpoint even when make, and with it the output pipe, is gone.
 train: $(STAMP)  ## Run experiment EXP (default: the tiny CPU experiment) with overrides ARGS.
-	$(JAX_CACHE) $(PY) -m vapo_jax.cli.train --exp $(EXP) $(ARGS)
+	exec env $(JAX_CACHE) $(PY) -m vapo_jax.cli.train --exp $(EXP) $(ARGS)
 
 # make test compiles at XLA's backend optimisation level 0 (a third less compile time) with the CPU's fusion
 # emitters off (about 40 % less again); the settings differ from the defaults only in rounding, bounded by
@@ -81,7 +83,7 @@ gpu-check:  ## On an NVIDIA GPU: its kernels against the oracles, update tokens/
 	PYTHONPATH=$(CURDIR) $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(QUICK),--quick)
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
-	$(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	exec $(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 PLOT_STAMP := $(VENV)/.stamp-plot
 $(PLOT_STAMP): setup.py $(STAMP)
@@ -100,7 +102,7 @@ JOBS ?= 1
 sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/sweeps/SWEEP/ (table.md, runs.csv, plots/); PRINT=1: list the runs.
 	@test -n "$(SWEEP)" || { echo "make sweep needs SWEEP=<name>, e.g. make sweep SWEEP=toy SEEDS=0,1,2 (registered: experiments/__init__.py SWEEPS)"; exit 2; }
 	@$(MAKE) -s --no-print-directory $(PLOT_STAMP)
-	$(if $(PRINT),@)$(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
+	$(if $(PRINT),@)exec $(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
 memory: $(STAMP)  ## XLA's per-device memory of EXP's every program, compiled for TOPOLOGY (v5p:8x8x4, cpu:8; default: this machine's devices; MESH=fsdp=256; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths); exit 1 if a phase does not fit, naming the fix.

@@ -14,10 +14,12 @@ usage (exit 0) at once, and a bad argument is one line on stderr (exit 2).
 Importing the package sets JAX_PLATFORMS=cpu on a machine without accelerator devices (`cpu_only_platform`).
 `bound_compilation_cache` keeps XLA's persistent compilation cache under its size (`make train`, `make test`).
 `one_line_warnings` shows the package's own warnings as the entry points' other messages: one line each.
+`outlasting_output` keeps a run going when the pipe or terminal its output goes to is gone (a stop saves).
 """
 
 import argparse
 import contextlib
+import errno
 import glob
 import os
 import sys
@@ -93,6 +95,47 @@ def one_line_warnings():
   with warnings.catch_warnings():
     warnings.showwarning = show  # Restored on leaving the block.
     yield
+
+
+class _Outlasting:
+  """A text stream whose writes outlast its reader: once the pipe or terminal behind it is gone (EPIPE, EIO),
+  what is written goes nowhere instead of raising in the middle of a step or a save."""
+
+  _GONE = (errno.EPIPE, errno.EIO, errno.EBADF, errno.ECONNRESET)
+
+  def __init__(self, stream):
+    self._stream, self._gone = stream, False
+
+  def _call(self, method, *args):
+    if not self._gone:
+      try:
+        return getattr(self._stream, method)(*args)
+      except OSError as e:
+        if e.errno not in self._GONE:
+          raise
+        self._gone = True
+    return len(args[0]) if args else None
+
+  def write(self, text):
+    return self._call("write", text)
+
+  def flush(self):
+    return self._call("flush")
+
+  def __getattr__(self, name):
+    return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def outlasting_output():
+  """Inside the block, stdout and stderr outlast their readers (`_Outlasting`): under `make train | tee log`, a
+  signal to the process group ends make and tee, and the run still finishes its step and saves."""
+  saved = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = _Outlasting(sys.stdout), _Outlasting(sys.stderr)
+  try:
+    yield
+  finally:
+    sys.stdout, sys.stderr = saved
 
 
 cpu_only_platform()  # Before any entry point imports JAX.

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from vapo_jax import files
-from vapo_jax.cli import one_line_warnings, resolve
+from vapo_jax.cli import one_line_warnings, outlasting_output, resolve
 from vapo_jax.config import RewardConfig
 from vapo_jax.data.problems import held_out_problems
 from vapo_jax.data.records import Record, answer_text, read_rows
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--ckpt", metavar="DIR", help="a checkpoint to sample the responses from first")
   parser.add_argument("--out", metavar="DIR", help="where samples.jsonl and summary.json go "
                       "(default <run_dir>/eval/<responses' or checkpoint's name>)")
-  with one_line_warnings():
+  with one_line_warnings(), outlasting_output():
     try:
       config, args = resolve.resolve(argv, parser)
       if args.help:

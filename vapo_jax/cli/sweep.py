@@ -50,7 +50,7 @@ from collections.abc import Sequence
 
 import experiments
 from vapo_jax import paths
-from vapo_jax.cli import ArgumentParser, one_line_warnings, sweep_report
+from vapo_jax.cli import ArgumentParser, one_line_warnings, outlasting_output, sweep_report
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 from vapo_jax.train import runlock
 
@@ -362,7 +362,7 @@ def _terminate(signum, frame):
 if __name__ == "__main__":
   signal.signal(signal.SIGTERM, _terminate)  # A scheduler's or `kill`'s stop, like Ctrl-C.
   try:
-    with one_line_warnings():
+    with one_line_warnings(), outlasting_output():
       sys.exit(main(sys.argv[1:]))
   except UserError as e:  # The final report on a full disk.
     print(f"error: {e}", file=sys.stderr)

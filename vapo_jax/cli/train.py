@@ -19,12 +19,12 @@ saving (run again to resume).
 import os
 import sys
 
-from vapo_jax.cli import one_line_warnings, resolve
+from vapo_jax.cli import one_line_warnings, outlasting_output, resolve
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def main(argv: list[str]) -> int:
-  with one_line_warnings():  # The package's warnings: one line each, as its errors.
+  with one_line_warnings(), outlasting_output():  # Warnings in one line; a gone reader does not stop a save.
     return _main(argv)
 
 

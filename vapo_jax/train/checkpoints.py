@@ -306,15 +306,17 @@ class PreemptionFlag:
   def _handle(self, signum: int, frame) -> None:
     if self.event.is_set():
       if signum == signal.SIGINT:
-        os.write(2, b"\nsecond Ctrl-C: aborting now, without saving\n")
+        with contextlib.suppress(OSError):
+          os.write(2, b"\nsecond Ctrl-C: aborting now, without saving\n")
         raise KeyboardInterrupt
       return  # A repeated SIGTERM: already stopping.
     self.signum = signum
     self.event.set()
     how = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else "SIGTERM"
     again = "; press Ctrl-C again to abort at once without saving" if signum == signal.SIGINT else ""
-    os.write(2, f"\n{how} received: finishing the current step, then saving a checkpoint and stopping "
-                f"(exit {self.exit_code}{again})\n".encode())
+    with contextlib.suppress(OSError):  # Nobody reads stderr any more (make and its pipe gone): save all the same.
+      os.write(2, f"\n{how} received: finishing the current step, then saving a checkpoint and stopping "
+                  f"(exit {self.exit_code}{again})\n".encode())
 
   @property
   def exit_code(self) -> int:
