@@ -80,3 +80,30 @@ def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   assert "does NOT fit (rollout over)" in xla_report_text.table(over)
   whole = at(memory_margin=0.0)
   assert not whole.over() and xla_report_text.refusal(whole) is None and "fits (" in xla_report_text.table(whole)
+
+
+def test_a_kept_verdict_is_keyed_by_the_model_the_checkpoint_holds_and_a_file_of_another_shape_is_compiled_again(
+    tmp_path, monkeypatch):
+  """The same `model.checkpoint` path with another model behind it is another key (compiled again); a kept file
+  whose table is not text is read as not kept."""
+  import json
+
+  from vapo_jax.config import ExperimentConfig
+  from vapo_jax.config.sections import ModelConfig
+  from vapo_jax.models.config import preset
+
+  checkpoint = tmp_path / "ckpt"
+  checkpoint.mkdir()
+  write = lambda cfg: (checkpoint / "config.json").write_text(json.dumps(cfg.to_hf()))
+  config = ExperimentConfig(name="k", model=ModelConfig(checkpoint=str(checkpoint)))
+  target = topologies.here(jax.devices())
+  write(preset("tiny"))
+  small = verdict.key(config, target)
+  assert verdict.key(config, target) == small  # The same model: the same key.
+  write(dataclasses.replace(preset("tiny"), num_layers=preset("tiny").num_layers + 2))
+  assert verdict.key(config, target) != small
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+  (tmp_path / "cache").mkdir()
+  for content in ({"key": small, "table": 3}, [small], {"key": small}, "text"):
+    (tmp_path / "cache" / f"{verdict.PREFIX}{small}.json").write_text(json.dumps(content))
+    assert verdict._load(small) is None, content

@@ -11,7 +11,8 @@ device reports and `mesh.device_memory_gib`; a CPU reports none, so without `mes
 nothing is compiled and one line says so. `mesh.check_memory=false` skips the check.
 
 A verdict that fits is kept in `$JAX_COMPILATION_CACHE_DIR/vapo-memory-<key>.json`: the key is the sha256
-of the config (less its name and run_dir), the devices (platform, kind, count, memory), the versions of
+of the config (less its name and run_dir), the models' architectures as read from their checkpoints (the
+same path holding another model compiles again), the devices (platform, kind, count, memory), the versions of
 jax and jaxlib, `XLA_FLAGS`, `LIBTPU_INIT_ARGS` and every source file of the package, so that a second
 start of the same run reads it back in well under a second, and any change to what is compiled misses.
 A refusal is never kept: the run is refused again, with its fixes, at the next start.
@@ -46,8 +47,11 @@ def _sources() -> str:
 def key(config, target: topologies.Topology) -> str:
   """The key of `config`'s verdict on `target` (see the module docstring)."""
   import jaxlib
+
+  from vapo_jax.train import build
   fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "run_dir")}
-  text = json.dumps([fields, target.platform, target.device_kind, len(target.devices), target.reported_bytes,
+  models = [dataclasses.asdict(cfg) for cfg in build.model_configs(config)]  # What the checkpoints hold now.
+  text = json.dumps([fields, models, target.platform, target.device_kind, len(target.devices), target.reported_bytes,
                      jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
                      os.environ.get("LIBTPU_INIT_ARGS", ""), _sources()], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()
@@ -66,9 +70,10 @@ def _load(digest: str) -> str | None:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
     os.utime(path)  # Recently used: the cache's bound deletes the least recently used first.
-    return data["table"] if data["key"] == digest else None
-  except (OSError, ValueError, KeyError, TypeError):
+    table = data["table"] if data["key"] == digest else None
+  except (OSError, ValueError, KeyError, TypeError, IndexError):
     return None
+  return table if isinstance(table, str) else None  # A file of another shape: compiled again, then replaced.
 
 
 def _store(digest: str, table: str) -> None:
