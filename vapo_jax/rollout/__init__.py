@@ -71,21 +71,25 @@ class Engine(NamedTuple):
   page_tokens: int = 16  # refill: tokens per page.
   block_pages: int | None = None  # refill: pages read per block of paged attention (None: per platform).
   attention: str | None = None  # refill: paged attention (paged_attention.IMPLEMENTATIONS; None: per platform).
+  pages_given: bool = False  # refill: `pages` is rollout.pages as set (else kv_cache_budget_gib's): what errors name.
 
 
-def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int) -> Engine:
+def engine_for(rollout_config, model_cfg, *, sequences: int, prompt_tokens: int, dtype, devices: int,
+               prompts: int | None = None) -> Engine:
   """The `Engine` of a `RolloutConfig` for a call of `sequences` sequences of `prompt_tokens`-token
   (bucketed) prompts split over `devices` data-parallel groups (each of `rollout.tensor_parallel`
   chips, which split the KV cache by heads), one queue per group, its slots and pages per group from
-  `common.page_pool`."""
+  `common.page_pool`. `prompts`: the call's prompts (default: `sequences` / `rollout.samples_per_prompt`; the
+  held-out evaluation samples another number per problem)."""
   r = rollout_config
   if r.engine == "static":
     return Engine(kind="static", prompts_per_round=r.prompts_per_generation, decode_block=r.decode_block)
-  pool = common.page_pool(model_cfg, r, sequences=sequences, prompts=-(-sequences // r.samples_per_prompt),
+  prompts = prompts or -(-sequences // r.samples_per_prompt)
+  pool = common.page_pool(model_cfg, r, sequences=sequences, prompts=prompts,
                           prompt_tokens=prompt_tokens, dtype=dtype, devices=devices)
   return Engine(kind="refill", slots=pool.slots, steps_per_call=r.decode_steps_per_call,
                 min_slots=devices if r.shrink_slots else 0, queues=devices, pages=pool.pages,
-                page_tokens=pool.page_tokens)
+                page_tokens=pool.page_tokens, pages_given=bool(r.pages))
 
 
 def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: float, decode_steps: int,
@@ -120,20 +124,17 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   sequences = prompts * group
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
-  refilled = refills(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens.shape[1],
-                     max_new_tokens=sampling.max_new_tokens)
+  refilled = refill_settings(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens.shape[1],
+                             max_new_tokens=sampling.max_new_tokens, head_dim=model.cfg.head_dim,
+                             prompt_lengths=np.sum(prompt_mask, axis=-1))
   figures = {}
   if refilled:
-    queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
-    slots = min(engine.slots, -(-sequences // queues) * queues)
     out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
-        slots=slots, queues=queues, steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype,
-        min_slots=engine.min_slots, jit=jit, length_limits=None if limits is None else place(limits),
-        prompt_lengths=np.sum(prompt_mask, axis=-1),
-        **paged_settings(engine, queues=queues, prompts=prompts, prompt_tokens=prompt_tokens.shape[1],
-                         max_new_tokens=sampling.max_new_tokens, head_dim=model.cfg.head_dim))
-    rows = slots
+        steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype, min_slots=engine.min_slots,
+        jit=jit, length_limits=None if limits is None else place(limits), prompt_lengths=np.sum(prompt_mask, axis=-1),
+        **refilled)
+    rows = refilled["slots"]
   else:
     fn = static.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
                                decode_block=engine.decode_block, jit=jit)
@@ -170,6 +171,31 @@ def refills(engine: Engine, *, prompts: int, group: int, prompt_tokens: int, max
   needed = (prompts // queues * -(-prompt_tokens // engine.page_tokens)
             + sequences // queues * common.sequence_pages(max_new_tokens, engine.page_tokens))
   return 0 < engine.pages * engine.queues // queues < needed
+
+
+def refill_settings(engine: Engine, *, prompts: int, group: int, prompt_tokens: int, max_new_tokens: int,
+                    head_dim: int, platform: str | None = None, prompt_lengths=None) -> dict | None:
+  """What `sample` runs for a call of `prompts` × `group` sequences of `prompt_tokens`-token (bucketed) prompts:
+  None for the static engine; for the refill engine its slots, queues (the most dividing `engine.queues`, the
+  prompts, the slots and `engine.min_slots`) and `paged_settings`. Raises `MemoryError` naming the setting to
+  change, and a value that works, where slots do not split over the data-parallel groups or a queue's pool
+  cannot hold its prompts (`prompt_lengths` `[P]` real tokens each; by default every prompt at the bucket) and
+  one whole sequence (`common.check_pool`): the start-up check calls it for each rollout of the run before the
+  first step."""
+  if not refills(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens):
+    return None
+  if engine.slots % engine.queues:
+    raise MemoryError(f"rollout.slots={engine.slots} does not split over the {engine.queues} data-parallel groups "
+                      f"(each decodes its own slots from its own pages): set rollout.slots="
+                      f"{-(-engine.slots // engine.queues) * engine.queues}, a multiple of {engine.queues}")
+  queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)
+  paged = paged_settings(engine, queues=queues, prompts=prompts, prompt_tokens=prompt_tokens,
+                         max_new_tokens=max_new_tokens, head_dim=head_dim, platform=platform)
+  tg = paged["page_tokens"]
+  lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
+  common.check_pool(pages=paged["pages"], prompts=prompts // queues, max_new_tokens=max_new_tokens, page_tokens=tg,
+                    held=common.prompt_pages(lengths, queues=queues, page_tokens=tg), given=engine.pages_given)
+  return dict(slots=min(engine.slots, -(-prompts * group // queues) * queues), queues=queues, **paged)
 
 
 def paged_settings(engine: Engine, *, queues: int, prompts: int, prompt_tokens: int, max_new_tokens: int,

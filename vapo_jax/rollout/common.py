@@ -139,16 +139,19 @@ def least_pages(*, prompts: int, devices: int, prompt_tokens: int, max_new_token
   return -(-prompts // devices) * -(-prompt_tokens // page_tokens) + sequence_pages(max_new_tokens, page_tokens)
 
 
-def check_pool(*, pages: int, prompts: int, held: int, max_new_tokens: int, page_tokens: int) -> None:
+def check_pool(*, pages: int, prompts: int, held: int, max_new_tokens: int, page_tokens: int,
+               given: bool = False) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its `prompts` prompts
-  (`held` pages) and one whole sequence: the one shortage no preemption can resolve."""
+  (`held` pages) and one whole sequence: the one shortage no preemption can resolve. `given`: the pages are
+  `rollout.pages` as set (the message names it and the value that works), else `kv_cache_budget_gib`'s."""
   needed = held + sequence_pages(max_new_tokens, page_tokens)
   if pages < needed:
     raise MemoryError(
         f"the KV cache's pool of {pages} pages of {page_tokens} tokens per data-parallel group cannot hold its "
-        f"{prompts} prompts ({held} pages) and one {max_new_tokens}-token response ({needed} pages in all): raise "
-        "rollout.kv_cache_budget_gib (or rollout.pages) if the devices have the memory, or lower "
-        "rollout.max_response_tokens or rollout.prompts_per_step, or use more data-parallel devices")
+        f"{prompts} prompts ({held} pages) and one {max_new_tokens}-token response ({needed} pages in all): "
+        + (f"set rollout.pages={needed} or more" if given else "raise rollout.kv_cache_budget_gib") +
+        " if the devices have the memory, or lower rollout.max_response_tokens or rollout.prompts_per_step, or use "
+        "more data-parallel devices")
 
 
 class PagePool(NamedTuple):
@@ -173,7 +176,7 @@ def page_pool(model_cfg, rollout_config, *, sequences: int, prompts: int, prompt
   per_group, per_sequence = -(-prompts // devices), sequence_pages(r.max_response_tokens, tg)
   prompt_pages = per_group * -(-prompt_tokens // tg)
   check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages, max_new_tokens=r.max_response_tokens,
-             page_tokens=tg)
+             page_tokens=tg, given=bool(r.pages))
   slots = r.slots or min(-(-sequences // devices), ((r.pages or in_budget) - prompt_pages) // per_sequence) * devices
   return PagePool(tg, r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence), slots)
 

@@ -80,7 +80,9 @@ def engine(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, pro
   settings, dtype = config.rollout, jnp.dtype(config.model.dtype)
   try:
     chosen = rollout.engine_for(settings, model_cfg, sequences=prompts * group, prompt_tokens=prompt_tokens,
-                                dtype=dtype, devices=devices)
+                                dtype=dtype, devices=devices, prompts=prompts)
+    rollout.refill_settings(chosen, prompts=prompts, group=group, prompt_tokens=prompt_tokens,  # What `sample` runs.
+                            max_new_tokens=settings.max_response_tokens, head_dim=model_cfg.head_dim)
     if chosen.kind == "static":
       common.check_cache_fits(model_cfg, batch=min(settings.prompts_per_generation or prompts, prompts) * group,
                               prompt_tokens=prompt_tokens, max_new_tokens=settings.max_response_tokens, dtype=dtype,
@@ -172,11 +174,16 @@ class Experience:
                                     place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
 
-  def check_cache_budget(self) -> None:
-    """At start-up: the KV cache of a training rollout with the longest prompts allowed fits."""
-    settings = self.config.rollout
-    engine(self.config, self.model_cfg, prompts=settings.prompts_per_step, group=settings.samples_per_prompt,
-           prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens), devices=self.layout.data_devices)
+  def check_cache_budget(self, eval_problems: int = 0) -> None:
+    """At start-up: every rollout of the run, with the longest prompts allowed, is one its engine runs (its KV
+    cache fits, its slots split over the groups, its pool holds its prompts): the training rollout's and each
+    call of the held-out evaluation of `eval_problems` problems. Else a `ConfigError` naming the setting."""
+    settings, evaluation = self.config.rollout, self.config.eval
+    calls = {(settings.prompts_per_step, settings.samples_per_prompt)} | {
+        (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)}
+    for prompts, group in sorted(calls):
+      engine(self.config, self.model_cfg, prompts=prompts, group=group, devices=self.layout.data_devices,
+             prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids
@@ -290,13 +297,12 @@ class Experience:
     `evaluation_key(seed, rl_steps_done)` (device scalars), and the fractions of responses that failed to
     score (`eval/error_frac`: verifier time-outs, crashes, errors; they count as incorrect) and in which no
     answer was found (`eval/no_answer_frac`)."""
-    evaluation, settings = self.config.eval, self.config.rollout
+    evaluation = self.config.eval
     key = distributed.replicate_local(evaluation_key(self.config.seed, rl_steps_done), self.steps.mesh)
-    per_call = max(1, (settings.prompts_per_generation or settings.prompts_per_step) * settings.samples_per_prompt
-                   // evaluation.samples_per_problem)
     correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, self.policy(state)
-    for n, i in enumerate(range(0, len(records), per_call)):
-      part = records[i:i + per_call]
+    starts = np.cumsum([0, *evaluation_calls(self.config, len(records))])
+    for n, (i, j) in enumerate(zip(starts[:-1], starts[1:])):
+      part = records[i:j]
       out, _ = self.generate_in_layout(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
                                        temperature=evaluation.temperature, top_p=evaluation.top_p)
       scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
@@ -308,6 +314,15 @@ class Experience:
     return {"eval/accuracy": float(np.concatenate(correct).mean()),
             "eval/response_len_mean": float(np.concatenate(lengths).mean())} | {
                 f"eval/{name}": float(total / responses) for name, total in failed.items()}
+
+
+def evaluation_calls(config: ExperimentConfig, problems: int) -> list[int]:
+  """The problems of each rollout call of a held-out evaluation of `problems` problems: as many sequences a call
+  as a training rollout's (round) holds, `eval.samples_per_problem` per problem."""
+  r = config.rollout
+  per_call = max(1, (r.prompts_per_generation or r.prompts_per_step) * r.samples_per_prompt
+                 // config.eval.samples_per_problem)
+  return [min(per_call, problems - i) for i in range(0, problems, per_call)]
 
 
 @jax.jit

@@ -102,7 +102,7 @@ class Trainer:
                        critic_tx=txs["critic"], sft_tx=txs["sft"])
     self.experience = Experience(config, steps=self.steps, layout=self.layout, model_cfg=self.model_cfg,
                                  tokenizer=self.tokenizer, pool=self.pool)
-    self.experience.check_cache_budget()  # Now, not when the first rollout (after the warm start) needs it.
+    self.experience.check_cache_budget(len(self.eval_rows))  # Now, not after the warm start: every rollout.
     stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
     init_opt = lambda name, params: optim.init_optimizer(txs[name], params, self.mesh)
     self.state = TrainState(actor=actor_params, critic=critic_params, actor_opt=init_opt("actor", actor_params),
@@ -348,7 +348,7 @@ class Trainer:
     try:
       if done.stage == "sft":
         self.sft_stage()
-        self._enter("value_pretrain", save=False)
+        self._enter("value_pretrain")  # The warm start saved before anything else (the evaluation) can fail.
       if done.eval_before is None:
         done.eval_before = self.evaluate(0)
         self.writer.write(0, "eval_before_rl", done.eval_before, global_step=done.global_step)

@@ -1,0 +1,57 @@
+"""Every rollout of a run is checked at start-up: the training rollout and each call of the held-out evaluation
+(its own problems per call and samples per problem), with the slots as the engine places them over the data-parallel
+groups; an impossible setting is one line naming the setting and a value that works. The warm start is saved before
+the first evaluation, so nothing after it can lose it."""
+
+import os
+
+import pytest
+
+from vapo_jax.errors import ConfigError
+from vapo_jax.models.config import preset
+from vapo_jax.train import checkpoints, experience
+from vapo_jax.train.trainer import Trainer
+
+
+def test_the_evaluations_pool_is_sized_for_its_own_prompts(smoke_config):
+  """The smoke run: 8 prompts × 4 samples a step over 8 groups (1 prompt page + 2 for a response each), the
+  evaluation 16 problems × 2 samples a call (2 prompts a group): 3 pages a group hold the first, not the second."""
+  config = smoke_config({"rollout.pages": 3})
+  assert experience.evaluation_calls(config, 40) == [16, 16, 8]
+  assert experience.engine(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).kind == "refill"
+  with pytest.raises(ConfigError, match=r"cannot hold its 2 prompts \(2 pages\).*\(4 pages in all\): set "
+                                        r"rollout\.pages=4 or more"):
+    experience.engine(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8)
+  experience.engine(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=16,
+                    devices=8)
+  with pytest.raises(ConfigError, match=r"raise rollout\.kv_cache_budget_gib"):  # No pages given: the budget's.
+    experience.engine(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
+                      prompt_tokens=16, devices=8)
+
+
+def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that_works(smoke_config):
+  config = smoke_config({"rollout.slots": 3})
+  with pytest.raises(ConfigError, match=r"^rollout\.slots=3 does not split over the 2 data-parallel groups .*: set "
+                                        r"rollout\.slots=4, a multiple of 2$"):
+    experience.engine(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=2)
+  assert experience.engine(smoke_config({"rollout.slots": 4}), preset("micro"), prompts=8, group=4, prompt_tokens=16,
+                           devices=2).slots == 4
+
+
+def test_the_trainer_refuses_an_evaluation_that_cannot_run_before_the_first_step(smoke_config):
+  """32 held-out problems: calls of 16 problems × 2 samples, 2 prompts a group; 3 pages hold the training rollout's."""
+  held_out = "synthetic:arithmetic?terms=2-3&count=32&seed=1"
+  with pytest.raises(ConfigError, match=r"set rollout\.pages=4 or more"):
+    Trainer(smoke_config({"rollout.pages": 3, "eval.path": held_out}), verbose=False)
+
+
+def test_the_warm_start_is_saved_before_the_first_evaluation(smoke_config, monkeypatch):
+  config = smoke_config({"algo.value_pretrain_steps": 0, "rl_steps": 0})
+  trainer = Trainer(config, verbose=False)
+  monkeypatch.setattr(trainer, "evaluate", lambda *a: (_ for _ in ()).throw(RuntimeError("the evaluation failed")))
+  with pytest.raises(RuntimeError, match="the evaluation failed"):
+    trainer.run()
+  found = checkpoints.RunCheckpoints(os.path.join(config.run_directory, "checkpoints"), config.checkpoint)
+  step, meta = found.latest_meta()
+  found.close()
+  assert meta["progress"]["stage"] == "value_pretrain" and meta["progress"]["eval_before"] is None, meta["progress"]
