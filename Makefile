@@ -83,7 +83,7 @@ gpu-check:  ## On an NVIDIA GPU: its kernels against the oracles, update tokens/
 	PYTHONPATH=$(CURDIR) $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(QUICK),--quick)
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.
-	exec $(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
+	exec env $(JAX_CACHE) $(PY) -m vapo_jax.cli.evaluate --exp $(EXP) $(if $(CKPT),--ckpt $(CKPT)) $(if $(RESPONSES),--responses $(RESPONSES)) $(if $(OUT),--out $(OUT)) $(ARGS)
 
 PLOT_STAMP := $(VENV)/.stamp-plot
 $(PLOT_STAMP): setup.py $(STAMP)

@@ -181,7 +181,7 @@ def test_engine_from_config_fits_slots_and_pages_to_the_budget():
   fixed = rollout.engine_for(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64), cfg,
                              sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
   assert fixed == rollout.Engine(kind="refill", slots=64, steps_per_call=32, min_slots=32, queues=32, pages=5000,
-                                 page_tokens=64)
+                                 page_tokens=64, pages_given=True)
   assert rollout.engine_for(RolloutConfig(slots=64, shrink_slots=False), cfg, sequences=8192, prompt_tokens=1024,
                             dtype=jnp.bfloat16, devices=32).min_slots == 0
   static = rollout.engine_for(RolloutConfig(engine="static", prompts_per_generation=8), cfg, sequences=8192,

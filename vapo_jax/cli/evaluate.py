@@ -231,6 +231,10 @@ def _evaluate(config, args) -> int:
   out_dir = args.out or str(Path(config.run_directory) / "eval" /
                             (Path(responses).stem if responses else Path(args.ckpt).name))
   if responses is None:
+    from vapo_jax import compile_cache
+    from vapo_jax.cli import bound_compilation_cache
+    bound_compilation_cache()
+    compile_cache.install()  # Before anything compiles: each kept program checked against its key, as make train.
     responses = sample_from_checkpoint(config, args.ckpt, str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()
   summary = evaluate_responses(responses, problems=problems or None, aliases=aliases, out_dir=out_dir,

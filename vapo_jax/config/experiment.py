@@ -17,6 +17,7 @@ of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
   7. group sampling (§4.3)           `RolloutConfig.samples_per_prompt` (1 disables)
 """
 
+import math
 import os
 from typing import Literal
 
@@ -218,7 +219,8 @@ class RolloutConfig:
     in_range(self, "temperature", 0.0, 100.0)
     in_range(self, "top_p", 0.0, 1.0, lo_open=True)
     positive_int(self, "top_k", allow_zero=True)
-    require(self.kv_cache_budget_gib > 0, self, "kv_cache_budget_gib", "must be > 0", self.kv_cache_budget_gib)
+    require(0 < self.kv_cache_budget_gib < math.inf, self, "kv_cache_budget_gib", "must be a finite number > 0 (GiB)",
+            self.kv_cache_budget_gib)
 
   @property
   def responses_per_step(self) -> int:

@@ -138,6 +138,7 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
     raise ValueError(f"field {name!r}: expected a string, got {type(prompt).__name__}")
   if not prompt.strip():
     raise ValueError(f"field {name!r}: empty prompt")
+  _check_encodable(name, prompt)
   name, raw = _first(row, fields.answer)
   if raw is _MISSING:
     raise ValueError(f"field {name}: missing")
@@ -150,6 +151,7 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
     answer = answer.rsplit(fields.answer_after, 1)[1].strip().replace(",", "")
   if not answer:
     raise ValueError(f"field {name!r}: empty answer")
+  _check_encodable(name, answer)
   id_name, id_value = _first(row, fields.id)
   if id_value is _MISSING:
     id_value = number
@@ -162,10 +164,21 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
       continue
     if not isinstance(value, str):
       raise ValueError(f"field {path!r}: expected a string solution, got {type(value).__name__}")
+    _check_encodable(path, value)
     if value.strip():
       solution = value
       break
   return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution)
+
+
+def _check_encodable(field: str, text: str) -> None:
+  """A ValueError naming `field` where `text` holds what no tokenizer can encode: a lone UTF-16 surrogate
+  (valid JSON as "\\ud83d", not a character)."""
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"field {field!r}: a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} (half of "
+                     "an emoji or other character cut in two), not text a tokenizer can encode") from None
 
 
 def _not_utf8(raw: bytes, position: int) -> str:

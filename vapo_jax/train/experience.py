@@ -179,9 +179,9 @@ class Experience:
     cache fits, its slots split over the groups, its pool holds its prompts): the training rollout's and each
     call of the held-out evaluation of `eval_problems` problems. Else a `ConfigError` naming the setting."""
     settings, evaluation = self.config.rollout, self.config.eval
-    calls = {(settings.prompts_per_step, settings.samples_per_prompt)} | {
-        (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)}
-    for prompts, group in sorted(calls):
+    calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
+        (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)]
+    for prompts, group in dict.fromkeys(calls):
       engine(self.config, self.model_cfg, prompts=prompts, group=group, devices=self.layout.data_devices,
              prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
 
