@@ -3,6 +3,8 @@ happens without both variables."""
 
 import os
 
+import pytest
+
 from vapo_jax.cli import bound_compilation_cache
 
 MIB = 2**20
@@ -105,3 +107,26 @@ def test_an_unwritable_cache_is_said_once_and_compiles_without_keeping(tmp_path)
   assert result.returncode == 0 and result.stdout.splitlines()[0] == "read-only", result.stderr
   assert result.stderr.count("compiling without keeping programs") == 1
   assert "PermissionError" not in result.stderr and "Error writing" not in result.stderr
+
+
+def test_a_full_disk_is_said_once_and_nothing_more_is_written(tmp_path):
+  """JAX's cache raising ENOSPC at a write (a full disk): one line, once; later programs are not written."""
+  import errno
+
+  from vapo_jax.compile_cache import SealedCache
+
+  class FullDisk:
+    writes = 0
+
+    def put(self, key, value):
+      FullDisk.writes += 1
+      raise OSError(errno.ENOSPC, "No space left on device")
+
+  said = []
+  cache = SealedCache(FullDisk(), str(tmp_path), said.append)
+  for key in ("f", "g", "h"):
+    cache.put(key, b"program")
+  assert FullDisk.writes == 1 and len(said) == 1 and "is on a full disk: compiling without keeping" in said[0]
+  with pytest.raises(OSError, match="Permission"):  # Anything else is not a full disk: JAX reports it as it does.
+    SealedCache(type("Denied", (), {"put": lambda self, k, v: (_ for _ in ()).throw(PermissionError(
+        errno.EACCES, "Permission denied"))})(), str(tmp_path), said.append).put("k", b"v")

@@ -280,3 +280,11 @@ def test_the_packages_warnings_are_one_line_and_a_librarys_keep_pythons_form(cap
       warnings.warn_explicit("library noise", UserWarning, argparse.__file__, 9)
   err = capsys.readouterr().err.splitlines()
   assert err == ["warning: a setting to look at", f"{argparse.__file__}:9: UserWarning: library noise"]
+
+
+def test_a_refused_section_is_not_followed_by_a_knock_on_error_about_its_defaults():
+  """rollout refused: the whole config's cross-field checks are not run against the rollout defaults left in its
+  place (they would blame algo.mini_batch_responses=24 against the default 16 × 8 responses)."""
+  with pytest.raises(ConfigError) as refused:
+    resolve.resolve(["--exp", "tiny", "rollout.samples_per_prompt=-1", "algo.mini_batch_responses=24"])
+  assert str(refused.value) == "RolloutConfig.samples_per_prompt must be an integer >= 1, got -1"

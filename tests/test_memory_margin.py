@@ -107,3 +107,9 @@ def test_a_kept_verdict_is_keyed_by_the_model_the_checkpoint_holds_and_a_file_of
   for content in ({"key": small, "table": 3}, [small], {"key": small}, "text"):
     (tmp_path / "cache" / f"{verdict.PREFIX}{small}.json").write_text(json.dumps(content))
     assert verdict._load(small) is None, content
+
+
+def test_make_memorys_profile_is_read_before_anything_compiles(monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(xla_report, "compile_run", lambda *a, **k: pytest.fail("compiled before reading --profile"))
+  assert memory_cli.main(["--exp", "tiny", "--profile", str(tmp_path / "no_such_run")]) == 2
+  assert "no_such_run/metrics.jsonl: cannot read the run's logged response lengths" in capsys.readouterr().err

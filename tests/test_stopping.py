@@ -102,3 +102,25 @@ def test_a_changed_config_is_warned_about_once(recwarn):
     ck.check_resumable(now, dc.asdict(saved), "/runs/x/checkpoints")
   changed = [w for w in recwarn if "resuming with a changed config" in str(w.message)]
   assert len(changed) == 1 and "seed: 0 → 5" in str(changed[0].message)
+
+
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C (SIGINT)"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_signal_during_start_up_says_what_is_true_and_leaves_no_run_directory(tmp_path, sig, code, name):
+  """Before the first step nothing is trained or saved: one line says so (no "second Ctrl-C", no checkpoint
+  claimed), the exit status is the signal's, and the run directory made for the run is gone."""
+  import subprocess
+  import sys
+
+  from smoke_runs import ROOT
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env.pop("PYTEST_CURRENT_TEST", None)
+  proc = subprocess.Popen([sys.executable, "-m", "vapo_jax.cli.train", "--exp", "tiny", "--smoke",
+                           f"run_dir={tmp_path / 'runs'}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  assert proc.stdout.readline().startswith("memory: not checked")  # The start-up check: before the trainer.
+  proc.send_signal(sig)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == code, err[-2000:]
+  assert err.strip().splitlines()[-1] == (f"stopped by {name} during start-up, before any step: nothing was trained "
+                                          "or saved. Run the same command again to start."), err[-2000:]
+  assert not (tmp_path / "runs").exists()

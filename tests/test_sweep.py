@@ -154,6 +154,20 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
     sweep.main(["toy", "--seeds", "0,0"])
 
 
+def test_every_runs_config_is_checked_before_the_first_run_starts(tmp_path, capsys, monkeypatch):
+  """A field's typo, or a value one member refuses, is found before any run (shared stages included) starts."""
+  monkeypatch.setattr(sweep, "execute", lambda *a, **k: pytest.fail("a run started"))
+  assert sweep.main(["toy", "--seeds", "0", "--root", str(tmp_path), "algo.eps_hi=0.3"]) == 2
+  err = capsys.readouterr().err
+  assert "nothing has run" in err and "unknown config field 'algo.eps_hi'" in err and "(every run)" in err
+  # A group of 1 is refused by GRPO's group-normalised advantages alone of the members.
+  assert sweep.main(["toy", "--seeds", "0", "--root", str(tmp_path), "--members", "toy_vapo,toy_grpo",
+                     "rollout.samples_per_prompt=1", "algo.mini_batch_responses=16"]) == 2
+  err = capsys.readouterr().err
+  assert "(toy_grpo_seed0)" in err and "toy_vapo_seed0" not in err, err
+  assert not os.path.exists(tmp_path / "toy")
+
+
 def test_a_failed_shared_stage_fails_the_later_runs_without_starting_them(tmp_path):
   sweep_dir = str(tmp_path / "toy")
   warm, reward = experiments.TOY_STAGES

@@ -11,11 +11,13 @@ access time and its seal) and compiled again, the recompiled entry taking its pl
 process prints one line naming the directory and `make clean-cache`. An entry written before seals existed
 is compiled again once.
 
-A directory the process cannot write is found once, here: one line ("... is read-only: compiling without
+A full disk is said once, in one line, when an entry first fails to be written; nothing more is written. A
+directory the process cannot write is found once, here: one line ("... is read-only: compiling without
 keeping programs") and the run compiles with the cache off, instead of a two-line `PermissionError` warning
 per program.
 """
 
+import errno
 import hashlib
 import os
 import sys
@@ -68,7 +70,7 @@ class SealedCache:
   """JAX's cache interface (`get`, `put`, `clear`) over its file cache, each entry checked against its seal."""
 
   def __init__(self, base, directory: str, say=_say):
-    self._base, self._directory, self._say, self._said = base, directory, say, False
+    self._base, self._directory, self._say, self._said, self._full = base, directory, say, False, False
 
   @property
   def _path(self):
@@ -100,7 +102,17 @@ class SealedCache:
     return None
 
   def put(self, key: str, value: bytes) -> None:
-    self._base.put(key, value)
+    if self._full:
+      return
+    try:
+      self._base.put(key, value)
+    except OSError as e:  # JAX would warn in two lines for every program: one line, once, and no more writes.
+      if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        raise
+      self._full = True
+      self._say(f"{self._directory} is on a full disk: compiling without keeping programs (free space there, "
+                "make clean-cache, or a JAX_COMPILATION_CACHE_DIR with room keeps them)")
+      return
     try:  # Seal what is on disk: another process may have written the entry first.
       with open(os.path.join(self._directory, key + "-cache"), "rb") as f:
         files.write_atomically(self._seal_path(key), self.seal(key, f.read()))

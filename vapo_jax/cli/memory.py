@@ -50,9 +50,9 @@ def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
   return sizes
 
 
-def _roofline(config, target, report, log, profile_run: str = "") -> str:
+def _roofline(config, target, report, log, logged=None) -> str:
   """The roofline of one RL step (`memory/roofline.py`) under two response-length profiles (every response at
-  the cap; a log-normal one, mean 0.3 of the cap) and, given `profile_run`, that run's logged lengths, for each
+  the cap; a log-normal one, mean 0.3 of the cap) and, given `logged`, a run's logged lengths (`_logged`), for each
   rollout engine; scanned layers compile the per-step programs a second time with two layers per scan
   iteration, so that every layer is counted."""
   from vapo_jax.memory import roofline, schedule, xla_report
@@ -68,9 +68,16 @@ def _roofline(config, target, report, log, profile_run: str = "") -> str:
     report = roofline.every_layer(report, twice)
   prompts, where = schedule.prompt_lengths(config)
   profiles = [schedule.at_cap(config, prompts, where), schedule.log_normal(config, prompts, where)]
-  if profile_run:
-    profiles.append(schedule.from_run(config, prompts, where, profile_run))
-  return roofline.format_comparison(report, roofline.compare(report, profiles))
+  return roofline.format_comparison(report, roofline.compare(report, profiles + [logged] * (logged is not None)))
+
+
+def _logged(config, profile_run: str):
+  """`--profile`'s run read now, before anything compiles: a mistake there is one line at once."""
+  from vapo_jax.memory import schedule
+  if not profile_run:
+    return None
+  prompts, where = schedule.prompt_lengths(config)
+  return schedule.from_run(config, prompts, where, profile_run)
 
 
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "") -> int:
@@ -91,6 +98,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))
   log = lambda message: print(message, file=sys.stderr, flush=True)
+  logged = _logged(config, profile)
   report = xla_report.compile_run(
       config, target, layers=int(layers) if layers else None,
       phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail, log=log)
@@ -102,7 +110,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
     print(f"refused: {message}")
     return 1
   if whole:
-    print(_roofline(config, target, report, log, profile))
+    print(_roofline(config, target, report, log, logged))
   return 0
 
 

@@ -330,6 +330,10 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   status: dict[str, str] = {}
   # Absolute paths: the runs start in the repository root.
   everything = plan_runs(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
+  if not args.report and (mistakes := check_configs(everything, extra)):
+    print("error: the sweep's overrides do not make a valid config for every run (nothing has run):\n  "
+          + "\n  ".join(mistakes), file=sys.stderr)
+    return 2
   runs = everything[len(stages):]  # The table's rows.
   if not args.report:
     start = time.perf_counter()
@@ -345,6 +349,19 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   for run in failed:
     print(f"failed: {run.name}: {status[run.name]}; log: {run.log}", file=stream)
   return 1 if failed else 0
+
+
+def check_configs(runs: Sequence[Run], extra: Sequence[str]) -> list[str]:
+  """Each run's config resolved as its `make train` will resolve it (experiment, overrides, shared stages' paths):
+  the mistakes, one line each ("<error> (<runs>)"), so that none is found only when its run starts."""
+  from vapo_jax.cli import resolve
+  found: dict[str, list[str]] = {}
+  for run in runs:
+    try:
+      resolve.resolve(run.argv(extra)[3:])
+    except UserError as e:
+      found.setdefault(str(e), []).append(run.name)
+  return [f"{error} ({'every run' if len(names) == len(runs) else ', '.join(names)})" for error, names in found.items()]
 
 
 def _report_between_runs(*args, stream) -> None:

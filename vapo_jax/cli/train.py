@@ -17,6 +17,7 @@ saving (run again to resume).
 """
 
 import os
+import signal
 import sys
 
 from vapo_jax.cli import one_line_warnings, outlasting_output, resolve
@@ -24,8 +25,13 @@ from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
 
 
 def main(argv: list[str]) -> int:
-  with one_line_warnings(), outlasting_output():  # Warnings in one line; a gone reader does not stop a save.
-    return _main(argv)
+  handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    with one_line_warnings(), outlasting_output():  # Warnings in one line; a gone reader does not stop a save.
+      return _main(argv)
+  finally:
+    for signum, handler in handlers.items():  # As they were (a caller in the same process: the tests).
+      signal.signal(signum, handler)
 
 
 def _main(argv: list[str]) -> int:
@@ -46,8 +52,9 @@ def _main(argv: list[str]) -> int:
   from vapo_jax.train.experience import DynamicSamplingCapReached
   from vapo_jax.train.trainer import Diverged, Trainer
 
-  run_dir, created = config.run_directory, []
+  run_dir, created, started = config.run_directory, [], False
   compile_cache.install()  # Before anything compiles: each kept program checked against its key.
+  stopped_by = _stop_at_start()
   try:
     distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
     devices = preflight.check_backend()
@@ -58,6 +65,7 @@ def _main(argv: list[str]) -> int:
       resolve.write_resolved_config(config)
       print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
       print(preflight.kernels(config, trainer.model_cfg, devices[0].platform))
+    started = True  # From here the run's own stop (PreemptionFlag) finishes a step and saves.
     summary = trainer.run()
   except UserError as e:
     preflight.remove_empty(created)  # A failed start leaves no empty run directory behind.
@@ -67,6 +75,12 @@ def _main(argv: list[str]) -> int:
     print(f"stopped: {e}. Run the same command again to resume.", file=sys.stderr)
     return e.exit_code
   except KeyboardInterrupt:
+    if not started:
+      preflight.remove_empty(created)
+      _interrupted_start[0] = True
+      print(f"stopped by {stopped_by[0]} during start-up, before any step: nothing was trained or saved. Run the same "
+            "command again to start.", file=sys.stderr)
+      return checkpoints.INTERRUPTED_EXIT_CODE if stopped_by[0].startswith("Ctrl-C") else 128 + signal.SIGTERM
     print("interrupted (a second Ctrl-C): stopped without saving; the newest checkpoint is intact. Run the same "
           "command again to resume from it.", file=sys.stderr)
     return checkpoints.INTERRUPTED_EXIT_CODE
@@ -80,6 +94,22 @@ def _main(argv: list[str]) -> int:
     return 0
   print("\n".join(closing_lines(summary, run_dir)))
   return 0
+
+
+_interrupted_start = [False]  # Set when a signal stopped the start-up (see `__main__`).
+
+
+def _stop_at_start() -> list[str]:
+  """Until the run starts (its own handler then takes over): Ctrl-C or SIGTERM stops the start-up at once, as a
+  KeyboardInterrupt; the returned list holds the signal's name."""
+  which = ["Ctrl-C (SIGINT)"]
+
+  def stop(signum, frame):
+    which[0] = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C (SIGINT)"
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGTERM, stop)
+  signal.signal(signal.SIGINT, stop)
+  return which
 
 
 def closing_lines(summary: dict, run_dir: str) -> list[str]:
@@ -98,4 +128,9 @@ def _rounded(accuracy: float | None) -> str:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  status = main(sys.argv[1:])
+  if _interrupted_start[0]:  # Stopped inside JAX's start-up work, whose teardown may crash: nothing is left to keep.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)

@@ -69,20 +69,25 @@ def _replace(config: Any, changes: dict[str, Any], errors: list[str]) -> Any:
   """One `dataclasses.replace` per dataclass, with all of its changes at once (so fields that must
   change together, like `algo.estimator` and `algo.value_pretrain_steps`, validate together). A change
   that is refused adds its error to `errors` (each field's own, where each alone is refused) and leaves
-  that dataclass as it was, so that every mistake of an override list is found in one pass."""
+  that dataclass as it was, so that every mistake of an override list is found in one pass; a dataclass
+  holding a refused one is not checked as a whole (that would judge the defaults left in its place)."""
+  before = len(errors)
   nested = {k: _replace(getattr(config, k), v, errors) for k, v in changes.items() if isinstance(v, dict)}
   flat = {k: v for k, v in changes.items() if not isinstance(v, dict)}
-  try:
-    return dataclasses.replace(config, **flat, **nested)
-  except ConfigError as together:
-    alone = []
-    for key, value in flat.items():
-      try:
-        dataclasses.replace(config, **{key: value})
-      except ConfigError as e:
-        alone.append(str(e))
-    errors.extend(alone or [str(together)])
-    return config
+  together = None
+  if len(errors) == before:  # With a part refused, the whole's cross-field checks would judge the defaults kept.
+    try:
+      return dataclasses.replace(config, **flat, **nested)
+    except ConfigError as e:
+      together = str(e)
+  alone = []
+  for key, value in flat.items():
+    try:
+      dataclasses.replace(config, **{key: value})
+    except ConfigError as e:
+      alone.append(str(e))
+  errors.extend(alone or ([together] if together else []))
+  return config
 
 
 def _raise(errors: list[str]) -> None:

@@ -153,6 +153,9 @@ def _quiet_after_failure() -> None:
   threading.excepthook = quiet_thread
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
   logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
+  # The background writes' futures, collected with their errors never read: asyncio's "Future exception was never
+  # retrieved" / "_GatheringFuture exception was never retrieved", one traceback each.
+  logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
 
 
 def _probe(directory: str) -> None:
