@@ -316,8 +316,7 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   if args.jobs < 1:
     print(f"error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
     return 2
-  bad = [o for o in args.overrides if "=" not in o]
-  if bad:
+  if bad := [o for o in args.overrides if "=" not in o]:
     print(f"error: overrides look like field.path=value, got {', '.join(bad)}", file=sys.stderr)
     return 2
   sweep_dir = os.path.join(args.root, args.sweep)
@@ -330,9 +329,7 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   status: dict[str, str] = {}
   # Absolute paths: the runs start in the repository root.
   everything = plan_runs(members, args.seeds, os.path.abspath(sweep_dir), stages=stages)
-  if not args.report and (mistakes := check_configs(everything, extra)):
-    print("error: the sweep's overrides do not make a valid config for every run (nothing has run):\n  "
-          + "\n  ".join(mistakes), file=sys.stderr)
+  if not args.report and not check_configs(everything, extra):
     return 2
   runs = everything[len(stages):]  # The table's rows.
   if not args.report:
@@ -351,9 +348,10 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   return 1 if failed else 0
 
 
-def check_configs(runs: Sequence[Run], extra: Sequence[str]) -> list[str]:
-  """Each run's config resolved as its `make train` will resolve it (experiment, overrides, shared stages' paths):
-  the mistakes, one line each ("<error> (<runs>)"), so that none is found only when its run starts."""
+def check_configs(runs: Sequence[Run], extra: Sequence[str]) -> bool:
+  """Each run's config resolved as its `make train` will resolve it (experiment, overrides, shared stages' paths),
+  so that no mistake is found only when its run starts: whether all resolve, else the mistakes printed, one line
+  each ("<error> (<runs>)")."""
   from vapo_jax.cli import resolve
   found: dict[str, list[str]] = {}
   for run in runs:
@@ -361,7 +359,11 @@ def check_configs(runs: Sequence[Run], extra: Sequence[str]) -> list[str]:
       resolve.resolve(run.argv(extra)[3:])
     except UserError as e:
       found.setdefault(str(e), []).append(run.name)
-  return [f"{error} ({'every run' if len(names) == len(runs) else ', '.join(names)})" for error, names in found.items()]
+  if found:
+    print("error: the sweep's overrides do not make a valid config for every run (nothing has run):\n  " + "\n  ".join(
+        f"{error} ({'every run' if len(names) == len(runs) else ', '.join(names)})" for error, names in found.items()),
+          file=sys.stderr)
+  return not found
 
 
 def _report_between_runs(*args, stream) -> None:

@@ -17,6 +17,7 @@ saving (run again to resume).
 """
 
 import os
+import shutil
 import signal
 import sys
 
@@ -76,11 +77,7 @@ def _main(argv: list[str]) -> int:
     return e.exit_code
   except KeyboardInterrupt:
     if not started:
-      preflight.remove_empty(created)
-      _interrupted_start[0] = True
-      print(f"stopped by {stopped_by[0]} during start-up, before any step: nothing was trained or saved. Run the same "
-            "command again to start.", file=sys.stderr)
-      return checkpoints.INTERRUPTED_EXIT_CODE if stopped_by[0].startswith("Ctrl-C") else 128 + signal.SIGTERM
+      return _stopped_at_start(stopped_by[0], run_dir, created)
     print("interrupted (a second Ctrl-C): stopped without saving; the newest checkpoint is intact. Run the same "
           "command again to resume from it.", file=sys.stderr)
     return checkpoints.INTERRUPTED_EXIT_CODE
@@ -112,6 +109,19 @@ def _stop_at_start() -> list[str]:
   return which
 
 
+def _stopped_at_start(signal_name: str, run_dir: str, created: list[str]) -> int:
+  """A signal before the first step: the run directory this start made removed, one line, the signal's status."""
+  from vapo_jax.cli import preflight
+  from vapo_jax.train import checkpoints
+  if run_dir in created:  # Made by this start, which stopped before any step: all it holds is this start's.
+    shutil.rmtree(run_dir, ignore_errors=True)
+  preflight.remove_empty(created)
+  _interrupted_start[0] = True
+  print(f"stopped by {signal_name} during start-up, before any step: nothing was trained or saved. Run the same "
+        "command again to start.", file=sys.stderr)
+  return checkpoints.INTERRUPTED_EXIT_CODE if signal_name.startswith("Ctrl-C") else 128 + signal.SIGTERM
+
+
 def closing_lines(summary: dict, run_dir: str) -> list[str]:
   """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals), its
   directory, and the command that draws its curves."""
@@ -129,7 +139,10 @@ def _rounded(accuracy: float | None) -> str:
 
 if __name__ == "__main__":
   status = main(sys.argv[1:])
-  if _interrupted_start[0]:  # Stopped inside JAX's start-up work, whose teardown may crash: nothing is left to keep.
+  from vapo_jax.train import background_saves
+  # Stopped inside JAX's start-up work, whose teardown may crash, or after a failed save whose background threads
+  # wait minutes for signals: nothing is left to keep, so the process ends without them.
+  if _interrupted_start[0] or (status and background_saves.background_left()):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

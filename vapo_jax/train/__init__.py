@@ -12,6 +12,7 @@
   experience     prompts → sampled responses → verifier rewards (training and evaluation)
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation, export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption
+  background_saves  Orbax's background saves: their noise after a failure silenced, their waits bounded
   metrics        metrics.jsonl, TensorBoard, W&B, the progress line, collapse warnings
   runlock        the lock that keeps a second start out of a run directory
 

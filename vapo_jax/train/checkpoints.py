@@ -23,9 +23,7 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +34,7 @@ import orbax.checkpoint as ocp
 from vapo_jax import distributed, files
 from vapo_jax.config import CheckpointConfig, ExperimentConfig
 from vapo_jax.errors import ConfigError
+from vapo_jax.train import background_saves as background
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
@@ -108,75 +107,6 @@ def abstract(tree, mesh: jax.sharding.Mesh | None = None):
   return jax.tree.map(target, tree)
 
 
-class _NoDiskFullTracebacks(logging.Filter):
-  """Orbax logs a background save's error, with its traceback, before raising it again where the run
-  waits for the save; a full disk is then reported once, in one line (`RunCheckpoints._saving`)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    error = record.exc_info[1] if record.exc_info else None
-    texts = files.DISK_FULL_TEXTS + files.UNWRITABLE_TEXTS
-    return not (files.disk_full_cause(error) or files.unwritable_cause(error)
-                or any(t in record.getMessage() for t in texts))
-
-
-def _is_closed_loop(value) -> bool:
-  return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
-
-
-def _quiet_background_noise() -> None:
-  """Orbax's background writes print noise of no use beside a failed save's one-line error: tensorstore's
-  writes completing into an event loop Orbax has closed ("Event loop is closed", one traceback a write), and
-  coroutines never awaited. Installed once per process; `_quiet_after_failure` adds the rest."""
-  if getattr(sys.excepthook, "vapo_quiet", False):
-    return
-  previous_hook, previous_unraisable = sys.excepthook, sys.unraisablehook
-
-  def quiet(kind, value, traceback):
-    if not _is_closed_loop(value):
-      previous_hook(kind, value, traceback)
-  quiet.vapo_quiet = True
-
-  def quiet_unraisable(unraisable):
-    if not (_is_closed_loop(unraisable.exc_value) or "was never awaited" in str(unraisable.exc_value)):
-      previous_unraisable(unraisable)
-  sys.excepthook, sys.unraisablehook = quiet, quiet_unraisable
-
-
-def _quiet_after_failure() -> None:
-  """After a failed save: Orbax's threads' exceptions, its log records and un-awaited coroutine warnings are
-  not printed either (the one-line error says what happened; the complete checkpoints stay)."""
-  previous_thread = threading.excepthook
-
-  def quiet_thread(args):
-    if not (args.thread is not None and type(args.thread).__module__.startswith(("orbax", "concurrent"))):
-      previous_thread(args)
-  threading.excepthook = quiet_thread
-  warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
-  logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
-  # The background writes' futures, collected with their errors never read: asyncio's "Future exception was never
-  # retrieved" / "_GatheringFuture exception was never retrieved", one traceback each.
-  logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
-
-
-def _probe(directory: str) -> None:
-  """Writes and removes a small file in `directory`: an unwritable directory fails here, before a background
-  save would start writing into it."""
-  path = os.path.join(directory, f".write_probe.{os.getpid()}")
-  with open(path, "wb") as f:
-    f.write(b"\0")
-  os.remove(path)
-
-
-def _join_background_saves(timeout_s: float = 10.0) -> None:
-  """Lets Orbax's background threads end after a failed save (its wait returns at the first error,
-  while the other parts of the checkpoint are still being written), at most `timeout_s` in all: a thread
-  stuck on the failed directory is not waited for (its time-outs run to minutes)."""
-  deadline = time.monotonic() + timeout_s
-  for thread in threading.enumerate():
-    if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax"):
-      threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
-
-
 class RunCheckpoints:
   """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one.
 
@@ -186,14 +116,14 @@ class RunCheckpoints:
   """
 
   def __init__(self, directory: str, config: CheckpointConfig):
-    self.directory, self.config, self.failed = os.path.abspath(directory), config, False
+    self.directory, self.config, self.failed, self._unchecked = os.path.abspath(directory), config, False, False
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=config.async_save,
                                            create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
     absl_log = logging.getLogger("absl")
-    if not any(isinstance(f, _NoDiskFullTracebacks) for f in absl_log.filters):
-      absl_log.addFilter(_NoDiskFullTracebacks())
-    _quiet_background_noise()
+    if not any(isinstance(f, background.NoDiskFullTracebacks) for f in absl_log.filters):
+      absl_log.addFilter(background.NoDiskFullTracebacks())
+    background.quiet_noise()
 
   def steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -208,10 +138,9 @@ class RunCheckpoints:
       if files.disk_full_cause(e) is None and files.unwritable_cause(e) is None:
         raise
       self.failed = True
-      _quiet_after_failure()
-      with contextlib.suppress(Exception):
-        self.manager.wait_until_finished()
-      _join_background_saves()
+      background.quiet_after_failure()
+      background.wait_at_most(self.manager, background.WAIT_AFTER_FAILURE_S)  # A stuck save: not waited out.
+      background.join()
       complete = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
       if distributed.is_main_process():
         for name in os.listdir(self.directory):
@@ -225,9 +154,10 @@ class RunCheckpoints:
     """Saves (in the background when configured: arrays are copied to host before this returns)."""
     with self._saving("saving a checkpoint"):
       if distributed.is_main_process():
-        _probe(self.directory)  # Each save: a directory turned read-only stops the run now, in one line.
+        background.probe(self.directory)  # Each save: a directory turned read-only stops the run now, in one line.
       self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                       meta=ocp.args.JsonSave(meta)), force=True)
+      self._unchecked = True  # `check` probes the directory once after it.
       if wait:
         self.manager.wait_until_finished()
 
@@ -267,7 +197,20 @@ class RunCheckpoints:
     warnings.warn(f"checkpoint {path} is incomplete or unreadable ({type(error).__name__}: {first_line[:300]}); "
                   "skipping it", stacklevel=3)
 
+  def check(self) -> None:
+    """Between steps, before anything else writes in the run directory: a background save that failed, or one in
+    flight into a directory no longer writable, is its one-line error now (naming this directory), not a wait of
+    minutes (Orbax's) at the next save or at the end."""
+    if self.failed:
+      return
+    with self._saving("saving a checkpoint"):
+      self.manager.check_for_errors()
+      if (self._unchecked or self.manager.is_saving_in_progress()) and distributed.is_main_process():
+        background.probe(self.directory)  # Orbax reports no error of a save whose directory went read-only under it.
+      self._unchecked = False
+
   def wait(self) -> None:
+    self.check()
     with self._saving("saving a checkpoint"):
       self.manager.wait_until_finished()
 
@@ -275,12 +218,14 @@ class RunCheckpoints:
     """Waits for the last save and closes; after a failed save, only closes (its error was raised)."""
     try:
       if not self.failed:
+        self.check()
         with self._saving("saving the last checkpoint"):
           self.manager.wait_until_finished()
     finally:
       with contextlib.suppress(Exception) if self.failed else contextlib.nullcontext():
         self.manager.close()
-      _join_background_saves()  # Its metadata writers too: nothing writes here once closed.
+      if not self.failed:  # (After a failure `_saving` gave them their time.)
+        background.join()  # Its metadata writers too: nothing writes here once closed.
 
 
 class PreemptionFlag:

@@ -248,6 +248,8 @@ class Trainer:
     return state, metrics
 
   def _record(self, stage: str, step: int, m: dict, progress=None, keys=None):
+    if self.checkpoints is not None:
+      self.checkpoints.check()  # A save failing in the background is said as the save's, before the logs fail.
     self.writer.write(step, stage, m, global_step=self.progress.global_step)
     self.history.append({"stage": stage, **m})
     if progress is not None and self.verbose and distributed.is_main_process():
