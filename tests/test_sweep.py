@@ -31,8 +31,7 @@ from vapo_jax.errors import ConfigError
 pytest.importorskip("matplotlib")
 
 MEMBERS = "toy_vapo,toy_vapo_no_clip_higher"
-# Smoke-test size (experiments/smoke.py), one held-out evaluation during RL, and value pretraining on,
-# which GRPO (no critic) refuses: toy_grpo's runs fail at once with exit 2.
+# Smoke-test size (experiments/smoke.py), one held-out evaluation during RL, and value pretraining on.
 MICRO = ["--smoke", "eval.every_steps=1", "algo.value_pretrain_steps=1"]
 
 
@@ -86,38 +85,44 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
   for name in [name for name, *_ in sweep_report.FIGURES] + ["mechanism_toy_vapo", "mechanism_toy_vapo_no_clip_higher"]:
     assert (sweep_dir / "plots" / f"{name}.png").stat().st_size > 1000, name
 
-  # Rerun with a third member that fails (GRPO has no critic to pretrain: value_pretrain_steps=1 is
-  # refused) placed before the others, and one run made unfinished: the failures are reported with
-  # their logs, the finished runs are skipped, and the unfinished one still runs.
+  # Rerun with a third member whose runs fail when they start (a file where each run's directory goes), placed
+  # before the others, and one run made unfinished: the failures are reported with their logs, the finished runs
+  # are skipped, and the unfinished one still runs.
   (sweep_dir / "toy_vapo_seed1" / "summary.json").unlink()
+  for seed in (0, 1):
+    (sweep_dir / f"toy_ppo_seed{seed}").write_text("in the way")
   before = mtimes(sweep_dir)
-  code, out = run_sweep(tmp_path, "--members", "toy_grpo," + MEMBERS)
+  code, out = run_sweep(tmp_path, "--members", "toy_ppo," + MEMBERS)
   assert code == 1, out
   for name in ("toy_warm_start_seed0", "toy_reward_model_seed0", "toy_vapo_seed0", "toy_vapo_no_clip_higher_seed0",
                "toy_vapo_no_clip_higher_seed1"):
     assert f"skip    {name}" in out
-  assert mtimes(sweep_dir).keys() - before.keys() == {"toy_vapo_seed1"}  # Ran again after grpo failed.
+  assert mtimes(sweep_dir).keys() - before.keys() == {"toy_vapo_seed1"}  # Ran again after ppo failed.
   assert all(mtimes(sweep_dir)[name] == t for name, t in before.items())
   for seed in (0, 1):
-    log = sweep_dir / "logs" / f"toy_grpo_seed{seed}.log"
-    assert f"failed: toy_grpo_seed{seed}: failed (exit 2); log: {log}" in out
-    assert "value_pretrain_steps" in log.read_text()
+    log = sweep_dir / "logs" / f"toy_ppo_seed{seed}.log"
+    assert f"failed: toy_ppo_seed{seed}: failed (exit 2); log: {log}" in out
+    assert "cannot write to the run directory" in log.read_text()
   table = (sweep_dir / "table.md").read_text()
-  assert "| `toy_grpo` | 0 |" in table and "`toy_grpo_seed0`: failed (exit 2)" in table
+  assert "| `toy_ppo` | 0 |" in table and "`toy_ppo_seed0`: failed (exit 2)" in table
   assert "| `toy_vapo` | 2 |" in table  # The first member is still the reference (the sweep's order).
 
 
 def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
-  code, out = run_sweep(tmp_path, "--members", "toy_grpo,toy_dapo", "--no-shared-stages")
+  """Runs that fail when they start (their training data missing: a valid config, checked before the sweep)."""
+  out, missing = io.StringIO(), tmp_path / "missing.jsonl"
+  code = sweep.main(["toy", "--seeds", "0,1", "--root", str(tmp_path), "--members", "toy_grpo,toy_dapo",
+                     "--no-shared-stages", "--smoke", f"data.train_path={missing}"], stream=out)
+  out = out.getvalue()
   assert code == 1, out
   names = ["toy_grpo_seed0", "toy_dapo_seed0", "toy_grpo_seed1", "toy_dapo_seed1"]
   assert [line.split()[1] for line in out.splitlines() if line.startswith("FAILED")] == names
   for name in names:
     log = tmp_path / "toy" / "logs" / f"{name}.log"
     assert f"failed: {name}: failed (exit 2); log: {log}" in out
-    assert "value_pretrain_steps must be 0 with estimator='group'" in log.read_text()
+    assert f"{missing}: no such file" in log.read_text()
     failed = next(line for line in out.splitlines() if line.startswith(f"FAILED  {name} "))
-    assert re.search(r"\(exit 2\) after \d+s: error: .*value_pretrain_steps must be 0 with estimator='group'.*; log: ",
+    assert re.search(r"\(exit 2\) after \d+s: error: .*missing\.jsonl: no such file.*; log: ",
                      failed), failed  # The run's own error line, not only where its log is.
   with open(tmp_path / "toy" / "runs.csv") as f:
     assert [(r["run"], r["status"]) for r in csv.DictReader(f)] == [(n, "failed (exit 2)") for n in names]
