@@ -20,22 +20,25 @@ help:  ## List the targets.
 # every Python process (each test process, each run a test starts) compiles JAX's, Flax's and the package's
 # sources again, 4-5 CPU seconds each. The bytecode lands in .venv/ and the clone's __pycache__/ (gitignored).
 unexport PYTHONDONTWRITEBYTECODE
+# setuptools' editable build warns, with its source lines, of folders named like the package: the repository's
+# own layout, nothing for a user to act on.
+PIP_QUIET := PYTHONWARNINGS=ignore
 $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e .
+	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e .
 	@touch $(STAMP)
 
 # The extras, each installed once by the targets that need it: "test" (make test, lint) with "tpu" (libtpu's
 # compile-only client: make memory TOPOLOGY=, and the compile report's tests).
 TEST_STAMP := $(VENV)/.stamp-test
 $(TEST_STAMP): setup.py $(STAMP)
-	$(PY) -m pip install --quiet --no-compile -e ".[test,tpu]"
+	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[test,tpu]"
 	@touch $(TEST_STAMP)
 TPU_STAMP := $(VENV)/.stamp-tpu
 $(TPU_STAMP): setup.py $(STAMP)
-	$(PY) -m pip install --quiet --no-compile -e ".[tpu]"
+	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[tpu]"
 	@touch $(TPU_STAMP)
 
 install: $(STAMP)  ## Create .venv and install the package and what a run needs (make test adds its extras).
@@ -87,7 +90,7 @@ eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or
 
 PLOT_STAMP := $(VENV)/.stamp-plot
 $(PLOT_STAMP): setup.py $(STAMP)
-	$(PY) -m pip install --quiet -e ".[plot]"
+	$(PIP_QUIET) $(PY) -m pip install --quiet -e ".[plot]"
 	@touch $(PLOT_STAMP)
 
 .PHONY: plot
