@@ -124,16 +124,16 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   sequences = prompts * group
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
+  prompt_lengths = np.sum(prompt_mask, axis=-1)
   refilled = refill_settings(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens.shape[1],
                              max_new_tokens=sampling.max_new_tokens, head_dim=model.cfg.head_dim,
-                             prompt_lengths=np.sum(prompt_mask, axis=-1))
+                             prompt_lengths=prompt_lengths)
   figures = {}
   if refilled:
     out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, samples_per_prompt=group,
         steps_per_call=engine.steps_per_call, pad_id=pad_id, cache_dtype=cache_dtype, min_slots=engine.min_slots,
-        jit=jit, length_limits=None if limits is None else place(limits), prompt_lengths=np.sum(prompt_mask, axis=-1),
-        **refilled)
+        jit=jit, length_limits=None if limits is None else place(limits), prompt_lengths=prompt_lengths, **refilled)
     rows = refilled["slots"]
   else:
     fn = static.make_generate(sampling=sampling, samples_per_prompt=group, pad_id=pad_id, cache_dtype=cache_dtype,
