@@ -43,7 +43,9 @@ Status = Literal["ok", "timeout", "crash", "error"]
 DEFAULT_FN = "vapo_jax.rewards.equivalence:score_response"
 STARTUP_TIMEOUT_S = 120.0  # A replacement worker's time to import `fn` before its first task counts.
 IMPORT_TIMEOUT_S = 60.0  # Default limit on importing `fn`'s module when the pool starts.
-_PRELOAD = ["vapo_jax.rewards._forkserver_init", DEFAULT_FN.partition(":")[0]]  # Imported by the fork server.
+# Imported by the fork server; math_verify too (the default function imports it at its first answer): every
+# worker forked from it starts with it loaded.
+_PRELOAD = ["vapo_jax.rewards._forkserver_init", DEFAULT_FN.partition(":")[0], "math_verify"]
 _START_ATTEMPTS, _START_RETRY_S = 50, 0.1  # Starting a worker while a dead fork server is replaced.
 
 
