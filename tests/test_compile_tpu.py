@@ -19,9 +19,18 @@ from jax.sharding import NamedSharding
 from conftest import build_smoke_config
 from experiments import get_experiment
 from vapo_jax.cli import memory
-from vapo_jax.memory import aot, compiled_cache, hlo, roofline, topologies, xla_report, xla_report_text
+from vapo_jax.memory import (
+  aot,
+  compiled_cache,
+  hlo,
+  micro_batch_cost,
+  roofline,
+  topologies,
+  xla_report,
+  xla_report_text,
+)
 from vapo_jax.models import attention, sharding
-from vapo_jax.train import packed_batch, packing
+from vapo_jax.train import packed_batch
 
 pytestmark = pytest.mark.skipif(topologies.libtpu_missing() is not None, reason=str(topologies.libtpu_missing()))
 TOPOLOGY = "v5p:2x2x1"
@@ -237,7 +246,7 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
-  assert roofline._trips(smoke_report, "scoring") == packing.bucket_rows(c.rollout.responses_per_step, multiple=m) // m
+  assert micro_batch_cost.trips(smoke_report, "scoring") == -(-c.rollout.responses_per_step // m)  # A row each.
   assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")
 
 

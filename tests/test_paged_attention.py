@@ -175,3 +175,22 @@ def test_the_kernels_write_equals_the_batched_one():
   sharded = sharding.jit(flat, mesh, rules)(jax.device_put(keys, pool), jax.device_put(new, rows),
                                             jax.device_put(page, rows), jax.device_put(offset, rows))
   np.testing.assert_array_equal(np.asarray(sharded), expected)
+
+
+@pytest.mark.parametrize("megacore", ["batch", "kv_head"])
+def test_the_tpu_kernel_split_over_two_cores_equals_the_oracle(megacore):
+  """The shipped kernel with its grid split over a megacore chip's two TensorCores (as `megacore_mode` picks on
+  v5p: by KV heads when a device holds an even number, else by rows), in the TPU interpreter."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  q, keys, values = pool_and_query(6)
+  rounded = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  keys, values = rounded(keys), rounded(values)
+  kernel = lambda *a: paged_attention._kernel_local(*a, block_pages=2, megacore=megacore)
+  with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(num_cores_or_threads=2)):  # Both cores interpreted.
+    got = np.asarray(jax.jit(kernel)(q, keys, values, TABLE, LENGTHS, jnp.int32(2)))
+  np.testing.assert_allclose(got, np.asarray(oracle(q, keys, values, 2)), rtol=1e-5, atol=1e-6)
+  assert paged_attention.megacore_mode("TPU v5", 256, 1) == "batch"
+  assert paged_attention.megacore_mode("TPU v5", 256, 2) == "kv_head"
+  assert paged_attention.megacore_mode("TPU v5", 3, 1) is None
+  assert paged_attention.megacore_mode("TPU v6 lite", 256, 2) is None

@@ -8,7 +8,8 @@ devices may be a TPU topology's compile-only ones. `Program` keeps XLA's per-dev
 (`memory_analysis()`: arguments, outputs, outputs aliased to donated arguments, temporaries; XLA
 counts only the arguments it reads, so what a device holds is reckoned from the inputs passed),
 `cost_analysis()` (FLOPs and bytes accessed per device; a loop body counts once, and Pallas kernels
-count nearly nothing), the collectives of its decode loop (`decode_traffic`), the attention
+count nearly nothing), the HBM bytes and compiler cycles walked from its HLO (`hlo_walk`: loops by their
+trips, in-place writes as their updates), the collectives of its decode loop (`decode_traffic`), the attention
 implementations traced into it, the lower and compile seconds, and the bytes of the arrays a run holds
 beside it (`resident`: live, but not its arguments). A program the TPU compiler refuses for memory
 keeps the compiler's figure instead (`refused_bytes`). The abstract outputs feed the next program.
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from vapo_jax.memory import compiled_cache, hlo, topologies
+from vapo_jax.memory import compiled_cache, hlo, hlo_walk, topologies
 from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
 
@@ -81,6 +82,7 @@ class Program(NamedTuple):
   collectives: tuple[hlo.Collective, ...]
   fingerprint: str  # sha256 of the lowered module: equal fingerprints, the same program.
   kept: bool = False  # Loaded from what the compiler said before (`compiled_cache`), not compiled now.
+  walked: hlo_walk.Walked | None = None  # Its HBM bytes and cycles walked from its HLO, loops by their trips.
 
   @property
   def needs(self) -> float:
@@ -144,15 +146,16 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   lowered_at = time.perf_counter()
   said, kept = _compile(lowered, text)
   done = time.perf_counter()
-  memory, found, traffic = None, (), None
+  memory, found, traffic, walked = None, (), None, None
   if said.refusal is None:
     memory = Memory(*said.memory)
+    walked = hlo_walk.walk(said.text)
     found = tuple(hlo.collectives(said.text))
     traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
   refused = topologies.refused_bytes(said.refusal) if said.refusal is not None else None
   program = Program(name, memory, refused, chip_bytes(args), resident, said.cost.get("flops", 0.0),
                     said.cost.get("bytes accessed", 0.0), lowered_at - start, done - lowered_at,
-                    tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered, text), kept)
+                    tuple(sorted(used)), traffic, found, lowered_fingerprint(lowered, text), kept, walked)
   return program, _outputs(lowered, said.shardings, fallback)
 
 

@@ -57,6 +57,7 @@ class DecodeCost(NamedTuple):
   recomputed_tokens: int
   peak_pages: int
   floor_s: float  # `seconds` with the rest left out: the bound from below.
+  cycles: float = 0.0  # The compiler's estimated cycles of the steps (in proportion to the rows).
 
 
 class Prices(NamedTuple):
@@ -69,19 +70,25 @@ class Prices(NamedTuple):
   collectives: float  # Bytes per step.
   token_bytes: float  # A cached token's keys and values at every layer, per chip.
   attention_flops: float  # Per cached token read (every layer), per chip.
+  cycles: float = 0.0  # The compiler's estimated cycles of one step (its kernels count none).
+  read_cores: int = 1  # Of the chip's TensorCores, how many read the cache (a kernel without megacore: one).
 
 
-def prices(report, program, *, xla_kv_tokens: float) -> Prices:
+def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Prices:
   """The compiled decode step's prices per chip (module docstring). `xla_kv_tokens`: the cached tokens its
-  `cost_analysis` counted (one block per row per layer for `attend_one` and the gather; 0 for the kernel)."""
+  walked bytes count (one block per row per layer for `attend_one` and the gather; 0 for the kernel, whose
+  operands are set apart); `read_cores`: the TensorCores the cache is read with."""
   c, cfg = report.config, report.architecture
   t, dtype = c.rollout.tensor_parallel, np.dtype(c.model.dtype)
   embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
   weights = (report.weight_bytes - embedding) / t
   token_bytes = KVCache.bytes_per_token(cfg, dtype) / t
-  rest = max(program.bytes_accessed - weights - xla_kv_tokens * token_bytes, 0.0)
+  loop = program.walked.loop(common.DECODE_LOOP) if program.walked is not None else None
+  step = program.bytes_accessed if loop is None else loop.iteration.bytes - loop.iteration.kernel_bytes
+  rest = max(step - weights - xla_kv_tokens * token_bytes, 0.0)
   return Prices(report.decode_rows, weights, rest, program.flops, program.decode.bytes if program.decode else 0.0,
-                token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t)
+                token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t,
+                loop.iteration.cycles if loop is not None else 0.0, read_cores)
 
 
 def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:
@@ -94,7 +101,9 @@ def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copie
   step_bytes = p.weights + kv_read + kv_written + rest
   step_flops = p.flops * scale + p.attention_flops * load.read_tokens
   collectives = p.collectives * scale
-  time = lambda b: np.maximum(step_flops / chip.peak_flops, b / chip.hbm_bandwidth) + collectives / chip.ici_bandwidth
+  slower = chip.cores / p.read_cores - 1  # A cache read on fewer cores than the chip's takes that much longer.
+  time = lambda b: (np.maximum(step_flops / chip.peak_flops, (b + slower * kv_read) / chip.hbm_bandwidth)
+                    + collectives / chip.ici_bandwidth)
   seconds, floor = time(step_bytes), time(step_bytes - rest)
   copy = 2 * copied_tokens * p.token_bytes
   steps = max(load.steps, 1)
@@ -103,7 +112,7 @@ def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copie
                     float(step_bytes.sum() + copy), float(collectives.sum()),
                     float(seconds.sum() + copy / chip.hbm_bandwidth), float(load.live.mean()) if load.steps else 0.0,
                     load.preemptions, load.recomputed_tokens, load.peak_pages,
-                    float(floor.sum() + copy / chip.hbm_bandwidth))
+                    float(floor.sum() + copy / chip.hbm_bandwidth), float(p.cycles * np.sum(scale)))
 
 
 def queue_share(profile: schedule.Profile, queues: int) -> tuple[np.ndarray, np.ndarray]:

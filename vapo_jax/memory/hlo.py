@@ -7,11 +7,11 @@
 `collectives` lists every all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute,
 ragged-all-to-all and collective-broadcast (an asynchronous `-start` once, its `-done` skipped),
 with the bytes of its operands and result per device and the `while` loops around it (outermost
-first, with XLA's known trip count when it printed one), so that a decode loop's traffic per
-iteration is the sum over the collectives inside it (`bytes_per_iteration`; a loop is found by the
-`jax.named_scope` it was traced in, `while_op_names`); those in a conditional's branches (run on
-some iterations only) are flagged. Operands are printed without their types; they are looked up by
-name. Tuple operands (XLA combines all-reduces) add up.
+first, each with its trip count: XLA's `known_trip_count`, else read from its condition, `trip_count`),
+so that a decode loop's traffic per iteration is the sum over the collectives inside it
+(`bytes_per_iteration`; a loop is found by the `jax.named_scope` it was traced in, `while_op_names`);
+those in a conditional's branches (run on some iterations only) are flagged. Operands are printed
+without their types; they are looked up by name. Tuple operands (XLA combines all-reduces) add up.
 
 What crosses devices is judged by size, not by opcode: XLA moves a gathered weight as an
 `all-gather` or as an `all-reduce` of the whole weight depending on the mesh (seen for TPU
@@ -94,16 +94,69 @@ def _computations(text: str):
   return entry, computations, types
 
 
+def by_name(computations) -> dict[str, tuple[str, str, str]]:
+  """Instruction name → (its computation, opcode, body)."""
+  return {name: (comp, opcode, body) for comp, rows in computations.items() for name, _, opcode, body in rows}
+
+
+def _constant(body: str) -> int | None:
+  m = re.match(r"constant\((-?\d+)\)", body)
+  return int(m.group(1)) if m else None
+
+
+def _start(found: dict, tuple_name: str, k: int) -> int:
+  """The constant a loop counter (element `k` of the while's operand tuple) starts at, traced through copies;
+  0 where it cannot be traced (JAX's scans and fori_loops start there)."""
+  _, op, body = found.get(tuple_name, (None, "", ""))
+  if op != "tuple":
+    return 0
+  value = _operands(body, "tuple")[k]
+  for _ in range(8):
+    _, op, body = found.get(value, (None, "", ""))
+    if op == "constant":
+      return _constant(body) or 0
+    if op not in ("copy", "bitcast", "copy-start", "copy-done"):
+      return 0
+    value = _operands(body, op)[0]
+  return 0
+
+
+def trip_count(computations, found: dict, body: str, condition: str, operand: str) -> int | None:
+  """A while instruction's trips: XLA's `known_trip_count` when printed, else from its condition
+  `counter < constant(N)` (`counter > ...` mirrored) with the counter's start (`_start`); None for any
+  other condition (a loop that runs until its state says stop). `found`: `by_name(computations)`."""
+  if m := _TRIPS.search(body):
+    return int(m.group(1))
+  rows = computations.get(condition, [])
+  root = rows[-1] if rows else None  # XLA prints the ROOT last.
+  direction = re.search(r"direction=(\w+)", root[3]) if root is not None and root[2] == "compare" else None
+  if direction is None or direction.group(1) not in ("LT", "GT"):
+    return None
+  a, b = (_operands(root[3], "compare") + [None, None])[:2]
+  local = {name: (op, text) for name, _, op, text in rows}
+  counter, limit = (a, b) if direction.group(1) == "LT" else (b, a)
+  if counter not in local or local[counter][0] != "get-tuple-element" or limit not in local \
+      or (n := _constant(local[limit][1])) is None:
+    return None
+  k = int(re.search(r"index=(\d+)", local[counter][1]).group(1))
+  return max(n - _start(found, operand, k), 0)
+
+
 def collectives(text: str) -> list[Collective]:
   """Every collective of a compiled module (`compiled.as_text()`), with the while loops around it."""
   entry, computations, types = _computations(text)
+  found_by_name = by_name(computations)
   calls = defaultdict(list)  # computation -> (callee, (while name, trips) or None, via a conditional)
   for comp, instructions in computations.items():
     for name, _, opcode, body in instructions:
       for callee in re.findall(r"%([\w.\-]+)", body[len(opcode):]):
         if callee in computations and callee != comp:
-          trips = _TRIPS.search(body)
-          loop = (name, int(trips.group(1)) if trips else None) if opcode == "while" else None
+          trips = None
+          if opcode == "while":
+            condition = re.search(r"condition=%([\w.\-]+)", body)
+            trips = trip_count(computations, found_by_name, body, condition.group(1) if condition else "",
+                               _operands(body, opcode)[0])
+          loop = (name, trips) if opcode == "while" else None
           calls[comp].append((callee, loop, opcode == "conditional"))
   found = {}
 

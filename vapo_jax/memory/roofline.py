@@ -1,33 +1,38 @@
 """A roofline estimate of one RL step from a compile report: each phase's FLOPs and HBM bytes per chip at
 the chip's peak bfloat16 FLOP/s and HBM bandwidth, the slower of the two, plus the bytes its
-collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`, Google's published
-figures: v5p 459 TFLOP/s, 2,765 GB/s HBM, 600 GB/s ICI into a chip).
+collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`: JAX's chip table, v5p
+459 TFLOP/s and 2.46e12 B/s over two TensorCores; 600 GB/s ICI into a chip).
 
   report = roofline.every_layer(report, twice)   # scanned layers: `twice` compiled with model.scan_unroll=2
-  estimate = roofline.estimate(report)           # needs a target with a known chip
+  estimate = roofline.estimate(report, profile)  # needs a target with a known chip
   print(roofline.format_estimate(estimate, report.target.device_kind))
 
-From `cost_analysis` (per chip), with what it cannot see added:
+HBM bytes are walked from each compiled program's HLO (`hlo_walk`): every loop body times its trip count
+(read from its condition where XLA prints none), a buffer updated in place as the update it writes, a
+gather as its rows, VMEM as nothing. The rollout's decode loop runs until its rows finish, so the walk
+gives one decode step; `decode_cost` prices the steps one by one on a schedule of the profile's lengths,
+the cache's reads from the schedule (the Pallas kernel's operands set apart: it reads each row's own
+blocks), at the bandwidth of the TensorCores the kernel runs on (`paged_attention.megacore_mode`).
+Scoring's and the update's loops over micro-batches are charged for the micro-batches that run on the
+profile's lengths (`micro_batch_cost.trips`: ⌈rows / m⌉ per pass, the compiled ones past it skipped).
+
+FLOPs come from `cost_analysis`, with what it cannot see added:
 - It counts a loop body once. Scanned decoder layers (`model.scan_layers`): `every_layer` counts the
   layer loop's body L times from a second compile whose body holds two layers (`model.scan_unroll=2`):
   with r1, r2 the two programs' figures, one layer is r2 − r1 and the program r1 + (L − 1)(r2 − r1)
-  (exact when 2 divides L: no iteration runs outside the loop). The decode loop's program is one
-  decode step (times the steps of a rollout), scoring's micro-batch loop one micro-batch (times the
-  micro-batches), the update's loops one micro-batch of one update (times the updates and micro-batches).
+  (exact when 2 divides L: no iteration runs outside the loop). The decode program is one decode step,
+  scoring's and the update's one micro-batch (times the micro-batches that run).
 - The log-probs' vocabulary blocks are a `lax.scan` too: the output projection's blocks it leaves out
   are added from the definition (`_head_flops`).
-- It sees little of attention: `chunked`'s block loops have dynamic trip counts (counted once) and
-  splash is a kernel (counted as nothing). Causal attention is added from its definition: per
-  sequence of T tokens, 2·N·H·T²·L FLOPs forward (two T×T×H matmuls per head, half of them
-  masked), backward twice that, remat one more forward. A decode step reads every slot's KV cache up
-  to the longest live sequence: the whole cache once a long sequence runs (the bound used here).
-- Decode steps (the response-length assumption): every response at `rollout.max_response_tokens` (an
-  upper bound: the steps scale with the mean response length), the refill engine's slots all busy:
-  N·Tr / slots steps; the static engine's rounds each run to the cap.
+- It sees little of attention (`chunked`'s block loops have dynamic trip counts, splash and the paged
+  kernel are kernels): causal attention is added from its definition, per sequence of T tokens 2·N·H·T²·L
+  FLOPs forward, backward twice that, remat one more forward; a decode step 4·N·H per cached token read.
 - Collectives from the HLO (`hlo.collectives`): each moves the larger of its operands and result per
-  chip, times the known trip counts of the loops around it (the layer scan's L); the decode loop's per
-  step (`aot.DecodeTraffic`) times the decode steps; loops of unknown count, the micro-batches. Their
-  time adds to the phase's (no overlap with compute assumed: a bound, not a forecast).
+  chip, times the trips of the loops around it (the layer scan's L; micro-batch loops: those that run);
+  the decode loop's per step (`aot.DecodeTraffic`) times the decode steps. Their time adds to the
+  phase's (no overlap with compute assumed, and no latency per collective: bytes over bandwidth only).
+- The compiler's own estimate: its `estimated_cycles` summed the same way, at the core's clock, printed
+  beside the bounds (uncalibrated; Pallas kernels and gathers carry none).
 
 Model FLOPs for the MFU (useful work, remat not counted): 2·params per generated or scored token,
 6·params per trained token, plus attention by the same formula; params without the input embedding (a
@@ -35,15 +40,14 @@ lookup).
 """
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import numpy as np
 
-from vapo_jax.memory import decode_cost, schedule
-from vapo_jax.models import decode_attention, logprobs
+from vapo_jax.memory import decode_cost, micro_batch_cost, schedule
+from vapo_jax.models import decode_attention, logprobs, paged_attention
 from vapo_jax.rollout import common
-from vapo_jax.train import packed_batch, packing
+from vapo_jax.train import packed_batch
 
 MFU_FLOOR = 0.40  # Below it, the estimate says what bounds the update.
 
@@ -60,6 +64,7 @@ class Estimate(NamedTuple):
   collective_s: float = 0.0  # collective_bytes / ICI bandwidth.
   model_flops: float = 0.0  # Useful FLOPs of the phase on all chips.
   priced_s: float | None = None  # Priced part by part (the rollout: its decode steps one by one), else None.
+  cycles_s: float = 0.0  # The compiler's estimated cycles at the chip's clock (uncalibrated; kernels count none).
 
   @property
   def seconds(self) -> float:
@@ -74,6 +79,8 @@ class StepEstimate(NamedTuple):
   engine: str = "paged"  # The rollout engine priced.
   profile: str = ""  # The response-length profile, in words.
   decode: "decode_cost.DecodeCost | None" = None
+  update_fill: float | None = None  # Real tokens over the update's token slots run (packed rows), else None.
+  micro_rows: int = 0  # Rows per micro-batch (packed).
 
   @property
   def seconds(self) -> float:
@@ -127,24 +134,11 @@ def _attention_forward(cfg, tokens) -> float:
   return float(2.0 * cfg.num_heads * cfg.head_dim * np.sum(np.asarray(tokens, np.float64) ** 2) * cfg.num_layers)
 
 
-def _collective_bytes(program, *, unknown: float) -> float:
-  """Bytes per chip the program's collectives move: each the larger of its operands and result, times
-  the trip counts of the loops around it (`unknown` for a loop whose count XLA does not print)."""
-  return sum(max(c.operand_bytes, c.result_bytes) * math.prod(unknown if t is None else t for _, t in c.loops)
-             for c in program.collectives)
-
-
 def groups(report) -> int:
   """The rollout's data-parallel groups (its queues): the chips over `rollout.tensor_parallel`, or the mesh's
   batch devices in the training layout."""
   t = report.config.rollout.tensor_parallel
   return len(report.target.devices) // t if t > 1 else report.mesh_shape["data"] * report.mesh_shape["fsdp"]
-
-
-def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:
-  """`[N]` each sequence's tokens under `profile`: its prompt's and its response's."""
-  g = report.config.rollout.samples_per_prompt
-  return np.repeat(profile.prompts, g)[:len(profile.responses)] + profile.responses
 
 
 def decode(report, program, profile: schedule.Profile, engine: str, chip) -> decode_cost.DecodeCost:
@@ -154,16 +148,21 @@ def decode(report, program, profile: schedule.Profile, engine: str, chip) -> dec
   min_slots = 1 if c.rollout.shrink_slots else 0
   if engine == "static":
     p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
-        report.target.platform))
+        report.target.platform), read_cores=chip.cores)
     rounds = c.rollout.responses_per_step // report.decode_rows
     costs = [decode_cost.contiguous(report, schedule.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
                                     // queues, queues=queues, min_slots=0)
              for r in np.split(profile.responses, rounds)]
     return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs), seconds=sum(x.seconds for x in costs),
                              flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
+                             cycles=sum(x.cycles for x in costs),
                              collective_bytes=sum(x.collective_bytes for x in costs))
-  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
-  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted)
+  kernel = pool["implementation"] == "kernel"
+  counted = 0.0 if kernel else pool["page_tokens"] * pool["block_pages"]
+  cores = (chip.cores if paged_attention.megacore_mode(report.target.device_kind, report.decode_rows // queues,
+                                                       report.architecture.num_kv_heads // c.rollout.tensor_parallel)
+           else 1) if kernel else chip.cores
+  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted, read_cores=cores)
   p = p._replace(rows=report.decode_rows // queues)
   if engine == "paged":
     return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
@@ -171,42 +170,6 @@ def decode(report, program, profile: schedule.Profile, engine: str, chip) -> dec
                              block_pages=pool["block_pages"])
   slots = decode_cost.contiguous_slots(report, pool["pages"] * pool["page_tokens"] * p.token_bytes)
   return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues, min_slots=min_slots)
-
-
-def _trips(report, phase_name: str, profile: schedule.Profile | None = None) -> float:
-  """How many times the loop bodies cost_analysis counted once run in one RL step: micro-batches of
-  sequences, or packed, of `packing.micro_batch_rows` rows: the rows first-fit decreasing packs `profile`'s
-  sequences into (default: every response at the cap, a row each, the rows the report compiled)."""
-  c = report.config
-  n, mini = c.rollout.responses_per_step, min(c.algo.mini_batch_responses, c.rollout.responses_per_step)
-  if c.packing.enabled:
-    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
-    tokens = None if profile is None else sequence_tokens(report, profile)
-    row_tokens = packed_batch.row_tokens(c)
-
-    def rows(part) -> int:
-      needed = len(part) if tokens is None else int(packing.first_fit_decreasing(tokens[part], row_tokens)[0].max()) + 1
-      return packing.bucket_rows(needed, multiple=m) // m
-    if phase_name == "scoring":
-      return rows(np.arange(n))
-    order = np.random.default_rng(0).permutation(n)  # The update's mini-batches: random subsets of the step.
-    return c.algo.ppo_epochs * sum(rows(order[i:i + mini]) for i in range(0, n, mini))
-  micro = min(c.algo.micro_batch_responses or mini, mini)
-  if phase_name == "scoring":
-    return n // micro if micro < n else 1
-  return c.updates_per_step * (mini // micro)
-
-
-def _computed_tokens(report, phase_name: str, trips: float) -> float:
-  """Tokens a pass over a step's sequences computes: packed, the micro-batches' rows end to end (padding too);
-  padded, every sequence at the prompt bucket + cap."""
-  c = report.config
-  if c.packing.enabled:
-    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
-    passes = 1 if phase_name == "scoring" else c.algo.ppo_epochs
-    return trips / passes * m * packed_batch.row_tokens(c)
-  r = c.rollout
-  return r.responses_per_step * (common.prompt_bucket(r.max_prompt_tokens) + r.max_response_tokens)
 
 
 def _head_flops(report, chips: int, tokens: float) -> float:
@@ -223,7 +186,7 @@ def _model_flops(report, profile: schedule.Profile) -> dict[str, float]:
   """Useful FLOPs of each phase on all chips under `profile` (module docstring); the input embedding is a
   lookup, not a matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
   c, cfg = report.config, report.architecture
-  tokens = sequence_tokens(report, profile)
+  tokens = micro_batch_cost.sequence_tokens(report, profile)
   critic_used = c.algo.uses_critic
   models = 1 + critic_used + (c.algo.kl_coef > 0)
   embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
@@ -236,30 +199,37 @@ def _model_flops(report, profile: schedule.Profile) -> dict[str, float]:
 
 
 def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, chip):
-  """(FLOPs, bytes, collective bytes, the decode loop's cost or None) of one phase per chip in one RL step."""
+  """(FLOPs, bytes, collective bytes, compiler cycles, the decode loop's cost or None) of one phase per chip in
+  one RL step."""
   c, cfg = report.config, report.architecture
-  tokens = sequence_tokens(report, profile)
+  tokens = micro_batch_cost.sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
-  flops = bytes_ = moved = 0.0
+  flops = bytes_ = moved = cycles = 0.0
   found = None
   for program in phase.programs:
     if program.decode is not None:
       found = decode(report, program, profile, engine, chip)
-      f, b, m = found.flops, found.bytes, found.collective_bytes
+      f, b, m, k = found.flops, found.bytes, found.collective_bytes, found.cycles
     elif phase.name == "rollout":
-      f, b, m = program.flops, program.bytes_accessed, _collective_bytes(program, unknown=1)
+      f, m = program.flops, micro_batch_cost.collective_bytes(program, unknown=1)
+      b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed, 0.0)
       f += _attention_forward(cfg, profile.prompts) / chips if "prefill" in program.name else 0.0
     else:
-      trips = _trips(report, phase.name, profile)
+      mb = micro_batch_cost
+      trips = mb.trips(report, phase.name, profile)
       calls = c.updates_per_step if phase.name == "update" else 1  # One update program per mini-batch.
-      f, b = program.flops * trips, program.bytes_accessed * trips
-      m = calls * _collective_bytes(program, unknown=trips / calls)
+      f = program.flops * trips
+      if program.walked is not None and mb.micro_loops(program):
+        b, k = mb.walked_bytes(program, trips), mb.walked_cycles(program, trips)
+        m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
+      else:
+        b, k, m = program.bytes_accessed * trips, 0.0, calls * mb.collective_bytes(program, unknown=trips / calls)
       attention = _attention_forward(cfg, tokens) / chips
       f += attention * (models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs)
       heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
-      f += _head_flops(report, chips, _computed_tokens(report, phase.name, trips)) * heads  # Actor's (reference's).
-    flops, bytes_, moved = flops + f, bytes_ + b, moved + m
-  return flops, bytes_, moved, found
+      f += _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads  # Actor's (reference's).
+    flops, bytes_, moved, cycles = flops + f, bytes_ + b, moved + m, cycles + k
+  return flops, bytes_, moved, cycles, found
 
 
 def engines(report) -> tuple[str, ...]:
@@ -279,16 +249,21 @@ def estimate(report, profile: schedule.Profile | None = None, engine: str | None
   engine = engine or engines(report)[0]
   useful, found, decoded = _model_flops(report, profile), [], None
   for phase in (p for p in report.phases if p.name in ("rollout", "scoring", "update")):
-    flops, bytes_, moved, cost = _phase(report, phase, chips, profile, engine, chip)
+    flops, bytes_, moved, cycles, cost = _phase(report, phase, chips, profile, engine, chip)
     priced = None
     if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
       decoded = cost
       priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops, (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
           + (moved - cost.collective_bytes) / chip.ici_bandwidth
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, moved,
-                          moved / chip.ici_bandwidth, useful[phase.name], priced))
+                          moved / chip.ici_bandwidth, useful[phase.name], priced,
+                          cycles / chip.clock_hz if chip.clock_hz else 0.0))
+  fill, m = None, 0
+  if c.packing.enabled:
+    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
+    fill = micro_batch_cost.token_fill(c, micro_batch_cost.sequence_tokens(report, profile), m)
   return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine, profile.name,
-                      decoded)
+                      decoded, fill, m)
 
 
 def update_bound(step: StepEstimate) -> str | None:
@@ -316,10 +291,13 @@ def format_estimate(step: StepEstimate, chip_name: str) -> str:
   lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
            f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
            f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
-           f"{'estimate s':>12}{'MFU':>8}"]
+           f"{'cycles s':>10}{'estimate s':>12}{'MFU':>8}"]
   lines += [f"  {p.phase:<12}{p.flops / 1e12:10.1f}{p.bytes / 1e9:10.1f}{p.collective_bytes / 1e9:10.1f}"
-            f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.seconds:12.1f}"
+            f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.cycles_s:10.1f}{p.seconds:12.1f}"
             f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
+  lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their updates; "
+               "cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, kernels and gathers "
+               "counting none)")
   lines.append(f"  {summary(step)}")
   if bound := update_bound(step):
     lines.append(f"  {bound}")
@@ -330,7 +308,9 @@ def summary(step: StepEstimate) -> str:
   rollout = step.phase("rollout").seconds
   return (f"one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout {rollout:.0f} s, "
           f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
-          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})")
+          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
+          + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
+             f"micro-batches of {step.micro_rows} rows"))
 
 
 def compare(report, profiles: list[schedule.Profile]) -> list[tuple[str, StepEstimate]]:

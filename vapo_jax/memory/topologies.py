@@ -12,11 +12,11 @@ a mesh of its devices compile with the real TPU compiler.
 
 The chips' HBM is not exposed by the API; the TPU compiler states it when it refuses a program
 ("... exceeds available HBM (95.74G)"), and `probe_hbm_bytes` reads it from such a refusal (a test
-checks the table against it). Peak bfloat16 FLOP/s and HBM bandwidth per chip are Google's
-published figures: v5p 459 TFLOP/s, 2,765 GB/s (cloud.google.com/tpu/docs/v5p-training);
-v6e 918 TFLOP/s, 1,638 GB/s (cloud.google.com/tpu/docs/v6e); v5e 197 TFLOP/s, 819 GB/s
-(cloud.google.com/tpu/docs/v5e); inter-chip (ICI) bandwidth into a chip, half the pages' bidirectional
-figure: v5p 600 GB/s, v6e 400 GB/s, v5e 200 GB/s. They serve the roofline estimates only.
+checks the table against it). Peak bfloat16 FLOP/s, HBM bandwidth, TensorCores and clock per chip
+are JAX's own table's (`pallas.tpu.get_tpu_info_for_chip`): v5p 459 TFLOP/s, 2.46e12 B/s, 2 cores;
+v6e 920 TFLOP/s, 1.64e12 B/s; v5e 197 TFLOP/s, 0.82e12 B/s; inter-chip (ICI) bandwidth into a chip is
+half the Cloud TPU pages' bidirectional figure: v5p 600 GB/s, v6e 400 GB/s, v5e 200 GB/s. They serve the
+roofline estimates only.
 """
 
 import contextlib
@@ -39,17 +39,33 @@ def readable_bytes(n: float) -> str:
 class Chip(NamedTuple):
   hbm_bytes: int  # What the TPU compiler allows a program per chip (its refusal message's figure).
   peak_flops: float  # bfloat16 FLOP/s per chip.
-  hbm_bandwidth: float  # Bytes/s per chip.
+  hbm_bandwidth: float  # Bytes/s per chip, every TensorCore reading.
   ici_bandwidth: float  # Bytes/s per chip into it over its inter-chip links (half the bidirectional figure).
+  cores: int = 1  # TensorCores per chip: a kernel whose grid runs on one of them reads at hbm_bandwidth / cores.
+  clock_hz: float = 0.0  # Of a TensorCore: the compiler's estimated cycles at this rate.
 
 
-# Peak bf16 FLOP/s, HBM and ICI bandwidth from the Cloud TPU system-architecture pages (v5p, v6e, v5e): ICI
-# v5p 1,200 GB/s bidirectional per chip (4,800 Gbps), v6e 800 GB/s bidirectional, v5e 1,600 Gbps one way.
-# By `device_kind`: libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
+def _jax_chip(version: str, hbm_bytes: int, ici_bandwidth: float) -> Chip:
+  """A chip from JAX's own table (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`: per TensorCore, times the
+  cores), the clock from it: a core's bf16 FLOP/s over its MXUs' multiply-adds per cycle."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  chip = getattr(pltpu.ChipVersion, version)
+  cores = chip.num_physical_tensor_cores_per_chip
+  info = pltpu.get_tpu_info_for_chip(chip, cores)
+  per_cycle = 2 * info.num_mxus * info.mxu_column_size ** 2
+  return Chip(hbm_bytes, info.bf16_ops_per_second * cores, info.mem_bw_bytes_per_second * cores, ici_bandwidth,
+              cores, info.bf16_ops_per_second / per_cycle)
+
+
+# HBM the compiler allows (its refusals); FLOP/s, HBM bandwidth, cores and clock from JAX's chip table (v5p: 459
+# TFLOP/s, 2.46e12 B/s over 2 cores at 1.75 GHz); ICI from the Cloud TPU system-architecture pages: v5p 1,200 GB/s
+# bidirectional per chip (4,800 Gbps), v6e 800 GB/s bidirectional, v5e 1,600 Gbps one way. By `device_kind`:
+# libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
 CHIPS = {
-    "TPU v5": Chip(int(95.74 * GIB), 459e12, 2765e9, 600e9),
-    "TPU v6 lite": Chip(int(31.25 * GIB), 918e12, 1640e9, 400e9),
-    "TPU v5 lite": Chip(int(15.75 * GIB), 197e12, 819e9, 200e9),
+    "TPU v5": _jax_chip("TPU_V5P", int(95.74 * GIB), 600e9),
+    "TPU v6 lite": _jax_chip("TPU_V6E", int(31.25 * GIB), 400e9),
+    "TPU v5 lite": _jax_chip("TPU_V5E", int(15.75 * GIB), 200e9),
 }
 _TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
 

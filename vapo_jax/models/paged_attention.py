@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec
 from vapo_jax.models import decode_attention, pallas_gpu, sharding
 
 IMPLEMENTATIONS = ("kernel", "gpu_kernel", "gather", "reference")
+MEGACORE_CHIPS = frozenset({"TPU v4", "TPU v5", "TPU v5p"})  # Two TensorCores the kernel can split its grid over.
 
 
 def default_implementation(platform: str | None = None, *, head_dim: int = 128, page_tokens: int = 128) -> str:
@@ -132,13 +133,25 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
   return decode_attention.finish(lax.fori_loop(0, blocks, step, decode_attention.start_carry(qg)), dtype)
 
 
+def megacore_mode(device_kind: str, rows: int, kv_heads: int) -> str | None:
+  """How the TPU kernel splits its grid over a chip's two TensorCores (`megacore_mode`): by KV heads when
+  the device holds an even number, else by rows when even; None on a chip of one core (or an odd split),
+  where the grid runs on one core. `rows`, `kv_heads`: the device's own."""
+  if device_kind not in MEGACORE_CHIPS:
+    return None
+  return "kv_head" if kv_heads % 2 == 0 else "batch" if rows % 2 == 0 else None
+
+
 def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, local=None) -> jax.Array:
   """A Pallas kernel, by default the TPU one (module docstring; `local`: the one-device call, as
   `_kernel_local`): under `jax.shard_map` on a mesh (`sharding.use_rules`), each device on its rows, queues
   and KV heads."""
-  local = functools.partial(local or _kernel_local, block_pages=block_pages)
-  layer = jnp.asarray(layer, jnp.int32)
   found = sharding.context()
+  devices = found[0].devices.flat if found is not None else jax.devices()
+  kind = getattr(next(iter(devices)), "device_kind", "")
+  local = (functools.partial(local, block_pages=block_pages) if local is not None
+           else functools.partial(_kernel_local, block_pages=block_pages, device_kind=kind))
+  layer = jnp.asarray(layer, jnp.int32)
   if found is None or found[0].size == 1:
     return local(q, keys, values, table, lengths, layer)
   mesh, rules = found
@@ -159,8 +172,10 @@ def _axes(axes) -> tuple:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
-  """The kernel on one device's rows `[r, n, H]`, pool `[k, L, q, Pq, Tg, H]`, table `[r, W]`, lengths `[r]`."""
+def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int, device_kind: str = "",
+                  megacore: str | None = None) -> jax.Array:
+  """The kernel on one device's rows `[r, n, H]`, pool `[k, L, q, Pq, Tg, H]`, table `[r, W]`, lengths `[r]`;
+  its grid over both TensorCores of a megacore chip (`megacore_mode` of `device_kind`, or `megacore`)."""
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
   kv_heads, layers, queues, pages, tg, h = keys.shape
@@ -173,7 +188,8 @@ def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int) -
   # a run's (or the tests') global "highest" must not reach them.
   with jax.default_matmul_precision("default"):
     return paged_attention(scaled, flat(keys), flat(values), lengths.astype(jnp.int32), ids.astype(jnp.int32),
-                           pages_per_compute_block=block_pages)
+                           pages_per_compute_block=block_pages,
+                           megacore_mode=megacore or megacore_mode(device_kind, rows, kv_heads))
 
 
 def write(pool, new, page, offset, layer, *, implementation: str):

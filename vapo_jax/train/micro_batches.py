@@ -16,6 +16,8 @@ import optax
 
 from vapo_jax.train.optim import learning_rate
 
+MICRO_BATCHES = "micro_batches"  # `jax.named_scope` of the loops over micro-batches: their op_name in compiled HLO.
+
 
 def split_micro(tree, micro: int, shards: int = 1):
   """Splits the leading batch axis `[B, ...]` into `[M, micro, ...]` micro-batches.
@@ -68,7 +70,8 @@ def accumulate(loss_fn, params, chunks):
                                       lambda: _zeros_like_output(grad_fn, params, chunk))
     return jax.tree.map(jnp.add, grads, g), (loss, metrics, tokens)
 
-  grads, (loss, metrics, tokens) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), chunks)
+  with jax.named_scope(MICRO_BATCHES):
+    grads, (loss, metrics, tokens) = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), chunks)
   weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
   combined = {k: jnp.sum(v) if k in SUMMED_METRICS else jnp.sum(v * weights) for k, v in metrics.items()}
   return jnp.sum(loss), grads, combined
@@ -88,7 +91,8 @@ def _map(fn, params, xs):
   """`fn(params, x)` over the leading axis of `xs`. The parameters ride in the loop's carry, so that a
   model merged from them inside `fn` holds the loop's own tracers: `nnx.remat` (`model.remat`) refuses
   to update variables whose values were closed over from an outer trace."""
-  return jax.lax.scan(lambda carried, x: (carried, fn(carried, x)), params, xs)[1]
+  with jax.named_scope(MICRO_BATCHES):
+    return jax.lax.scan(lambda carried, x: (carried, fn(carried, x)), params, xs)[1]
 
 
 def forward(fn, params, args, micro: int | None, shards: int):

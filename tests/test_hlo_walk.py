@@ -1,0 +1,131 @@
+"""The HLO walk (`memory/hlo_walk.py`) against hand counts: on a hand-written module (each rule on its own:
+a loop's trips read from its condition, an in-place update counted as its update, a fusion's gathered
+operand as its rows, VMEM as nothing, a conditional as its costliest branch, a Pallas call set apart, the
+compiler's cycles times the trips), and on a scan compiled for a v5p chip by the TPU compiler (skipped
+without libtpu): its trip count read from the condition (the compiler prints none), and a 32 MiB buffer
+updated in place one row an iteration counted as the rows it reads and writes."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from vapo_jax.memory import hlo, hlo_walk, topologies
+
+ALIAS = '"aliasing_operands":{"lists":[{"indices":["0","2"]}]}'
+MODULE = """HloModule jit_f
+
+%dus (a: f32[1024,256], u: f32[1,256]) -> f32[1024,256] {
+  %a = f32[1024,256]{1,0} parameter(0)
+  %u = f32[1,256]{1,0} parameter(1)
+  %z = s32[] constant(0)
+  ROOT %d = f32[1024,256]{1,0} dynamic-update-slice(%a, %u, %z, %z)
+}
+
+%take (t: f32[512,256], i: s32[]) -> f32[1,256] {
+  %t = f32[512,256]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %s = f32[1,256]{1,0} dynamic-slice(%t, %i, %z), dynamic_slice_sizes={1,256}
+}
+
+%cond (p: {T}) -> pred[] {
+  %p = {T} parameter(0)
+  %n = s32[] constant(9)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%left (q: f32[64]) -> f32[64] {
+  %q = f32[64]{0} parameter(0)
+  ROOT %l = f32[64]{0} negate(%q)
+}
+
+%right (q: f32[64]) -> f32[64] {
+  %q = f32[64]{0} parameter(0)
+  %r0 = f32[64]{0} negate(%q)
+  ROOT %r1 = f32[64]{0} negate(%r0)
+}
+
+%body (p: {T}) -> {T} {
+  %p = {T} parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %a = f32[1024,256]{1,0} get-tuple-element(%p), index=1
+  %t = f32[512,256]{1,0} get-tuple-element(%p), index=2
+  %row = f32[1,256]{1,0:S(1)} fusion(%t, %i), kind=kLoop, calls=%take, backend_config={"estimated_cycles":"10"}
+  %new = f32[1024,256]{1,0} fusion(%a, %row), kind=kLoop, calls=%dus, backend_config={ALIAS}
+  %pick = pred[] constant(true)
+  %small = f32[64]{0} broadcast(%row), dimensions={}
+  %branch = f32[64]{0} conditional(%pick, %small, %small), branch_computations={%left, %right}
+  %k = f32[8]{0} custom-call(%small), custom_call_target="tpu_custom_call"
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = {T} tuple(%next, %new, %t)
+}
+
+%forever (p: {T}) -> pred[] {
+  %p = {T} parameter(0)
+  ROOT %go = pred[] constant(true)
+}
+
+ENTRY %main (a0: f32[1024,256], t0: f32[512,256]) -> f32[1024,256] {
+  %a0 = f32[1024,256]{1,0} parameter(0)
+  %t0 = f32[512,256]{1,0} parameter(1)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %init = {T} tuple(%start, %a0, %t0)
+  %loop = {T} while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/rows/while"}
+  %again = {T} while(%init), condition=%forever, body=%body, metadata={op_name="jit(f)/open/while"}
+  ROOT %r = f32[1024,256]{1,0} get-tuple-element(%loop), index=1
+}
+""".replace("{ALIAS}", ALIAS).replace("{T}", "(s32[], f32[1024,256], f32[512,256])")
+ROW, SMALL = 256 * 4, 64 * 4
+
+
+def test_each_rule_of_the_walk_on_a_hand_written_module():
+  walked = hlo_walk.walk(MODULE)
+  rows, forever = walked.loop("rows"), walked.loop("open")
+  assert rows.trips == 9 - 2 and forever.trips is None  # From 2 (a copied constant) while < 9; an open loop: None.
+  # One iteration: the row gathered (one row of the table and its index read, written to VMEM: nothing), the
+  # update written in place (one row, not the 1 MiB buffer), the broadcast's 64 floats written, the costlier
+  # branch (two negates, each reading and writing), the kernel's operand and result, the counter's add (three
+  # scalars); the condition's compare (two scalars read, a predicate written).
+  kernel = SMALL + 8 * 4
+  body = (ROW + 4) + ROW + SMALL + 2 * 2 * SMALL + kernel + 3 * 4
+  condition = 4 + 4 + 1
+  assert rows.iteration.bytes == body + condition and rows.iteration.kernel_bytes == kernel
+  assert rows.iteration.cycles == 10
+  assert walked.bytes == 7 * (body + condition) + body + (4 + 4)  # The open loop once; the start's copy.
+  assert walked.cycles == 8 * 10 and walked.kernel_bytes == 8 * kernel
+
+
+def test_collectives_in_a_loop_carry_the_trips_read_from_its_condition():
+  module = MODULE.replace("%k = f32[8]{0} custom-call", "%g = f32[256]{0} all-gather(%small), dimensions={0}\n  %k = "
+                                                          "f32[8]{0} custom-call")
+  found = {c.loops[0][0]: c for c in hlo.collectives(module)}
+  assert found["loop"].loops == (("loop", 7),) and found["again"].loops == (("again", None),)
+
+
+@pytest.mark.skipif(topologies.libtpu_missing() is not None, reason=str(topologies.libtpu_missing()))
+def test_a_scan_compiled_for_a_v5p_chip_is_walked_by_its_trips_and_its_updates():
+  device = topologies.named("v5p:2x2x1").devices[0]
+  on_chip = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+
+  def f(buffer, table, ids, x):
+    def body(carry, i):
+      buffer, x = carry
+      row = jnp.take(table, ids[i], axis=0)  # A gather: one row of the 16 MiB table.
+      return (lax.dynamic_update_slice(buffer, (row * x)[None], (i, 0)), x + 1.0), None  # One row of 32 MiB.
+    return lax.scan(body, (buffer, x), jnp.arange(7))[0]
+
+  compiled = jax.jit(f, donate_argnums=0).lower(on_chip((8192, 1024)), on_chip((4096, 1024)),
+                                                jax.ShapeDtypeStruct((7,), jnp.int32, sharding=on_chip((1,)).sharding),
+                                                on_chip((1024,))).compile()
+  text = compiled.as_text()
+  walked = hlo_walk.walk(text)
+  assert "known_trip_count" not in text and [x.trips for x in walked.loops] == [7]
+  row = 1024 * 4
+  # Per iteration: the table's row read, x read and written, the row written into the buffer; scalars besides.
+  iteration = walked.loops[0].iteration.bytes
+  assert 4 * row <= iteration <= 4 * row + 512
+  assert 7 * iteration <= walked.bytes <= 7 * iteration + 4 * row  # x copied in and out around the loop.

@@ -1,0 +1,213 @@
+"""What a compiled program reads and writes in HBM, and the compiler's cycle estimate, walked instruction by
+instruction through its HLO text (`compiled.as_text()`), every loop body times its trip count.
+
+  walked = hlo_walk.walk(compiled.as_text())
+  walked.bytes, walked.cycles, walked.kernel_bytes               # per device, one run of the program
+  walked.loop("decode_loop")                                     # one iteration of the loop traced in that scope
+
+`cost_analysis` counts a loop body once and a buffer updated in place whole. This walk prices each
+instruction of a computation that runs (the entry, `while` bodies and conditions, `conditional` branches,
+`call`s; a fusion is one kernel: its operands and results, not what it computes inside) as the bytes of its
+operands and results, except:
+- an array outside HBM (a layout with a memory space `S(n)`, n > 0: VMEM, SMEM) counts nothing;
+- a buffer updated in place (the TPU compiler's `aliasing_operands` pairs an operand with the result it is
+  written into) by a scatter or dynamic-update-slice counts as the update it writes (the bytes of the other
+  operands, at most the buffer's), not its whole size; elsewhere an aliased operand is still read whole;
+- an operand that a fusion only gathers from or slices (every use inside a `gather` or `dynamic-slice`)
+  counts the rows taken, not the whole operand; a top-level gather or dynamic-slice likewise;
+- bookkeeping (parameter, constant, tuple, get-tuple-element, bitcast, the `-done` half of an asynchronous
+  pair) counts nothing;
+- a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, and the same bytes
+  are reported apart (`kernel_bytes`), for a caller that prices the kernel's reads itself.
+
+A `while` runs its condition and body `trips` times: XLA's `known_trip_count` when printed, else read from
+the condition, `counter < constant(N)` (the counter's start traced through copies to a constant; a start
+it cannot trace is taken as 0, where JAX's scans and fori_loops start); a loop whose condition is anything
+else (the decode loop's) counts once, and `loops` keeps one iteration of every loop so that a caller prices
+it by its own count. A `conditional` counts its costliest branch. The compiler's `estimated_cycles`
+(in a fusion's `backend_config`) add up the same way: uncalibrated, but the compiler's own. Pure Python.
+"""
+
+import dataclasses
+import re
+
+from vapo_jax.memory import hlo
+
+_FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+                   "replica-id", "opt-barrier", "add-dependency"})
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_SPACE = re.compile(r"S\((\d+)\)")
+_TYPED = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_IN_PLACE = ("scatter", "dynamic-update-slice")
+
+
+@dataclasses.dataclass
+class Cost:
+  """HBM bytes, compiler cycles and Pallas kernels' bytes per device (see the module docstring)."""
+
+  bytes: float = 0.0
+  cycles: float = 0.0
+  kernel_bytes: float = 0.0
+
+  def add(self, other: "Cost", times: float = 1.0) -> None:
+    self.bytes += other.bytes * times
+    self.cycles += other.cycles * times
+    self.kernel_bytes += other.kernel_bytes * times
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """One `while` of the program: one iteration's cost (its nested loops times their trips) and its trips."""
+
+  name: str
+  op_name: str  # Its metadata: the `jax.named_scope`s it was traced in ("jit(f)/decode_loop/while").
+  trips: int | None  # None: a count the walk could not read (counted once).
+  iteration: Cost
+  runs: float  # How many times the loop itself runs per run of the program (the trips of the loops around it).
+
+
+@dataclasses.dataclass(frozen=True)
+class Walked:
+  bytes: float
+  cycles: float
+  kernel_bytes: float
+  loops: tuple[Loop, ...]
+
+  def loop(self, scope: str) -> Loop | None:
+    """The outermost loop traced under `jax.named_scope(scope)` (None: none)."""
+    found = [x for x in self.loops if x.op_name.endswith(f"{scope}/while")]
+    return min(found, key=lambda x: x.runs) if found else None
+
+
+def hbm_bytes(type_text: str) -> int:
+  """Bytes of the arrays of an HLO type (a tuple's added) that live in HBM: no memory space, or `S(0)`."""
+  total = 0
+  for dtype, dims, layout in _TYPED.findall(type_text):
+    if dtype not in hlo._BYTES or ((space := _SPACE.search(layout or "")) and space.group(1) != "0"):
+      continue
+    size = hlo._BYTES[dtype]
+    for d in (d for d in dims.split(",") if d):
+      size *= int(d)
+    total += size
+  return total
+
+
+def _aliased(body: str, operands: int) -> list[tuple[int, int]]:
+  """(operand, output) index pairs that share a buffer (`aliasing_operands`: operands 0..n−1, then the
+  result's arrays n, n+1, ...)."""
+  start = body.find('"aliasing_operands":{"lists":[')
+  if start < 0:
+    return []
+  pairs = []
+  for group in re.findall(r'\{"indices":\[([^\]]*)\]\}', body[start:]):
+    ids = [int(i) for i in re.findall(r'"(\d+)"', group)]
+    ins, outs = [i for i in ids if i < operands], [i - operands for i in ids if i >= operands]
+    pairs += [(i, o) for i in ins[:1] for o in outs[:1]]
+  return pairs
+
+
+class _Program:
+  def __init__(self, text: str):
+    self.entry, self.computations, self.types = hlo._computations(text)
+    self.by_name = hlo.by_name(self.computations)
+    self.loops: list[Loop] = []
+
+  def _callees(self, body: str, key: str) -> list[str]:
+    return [c for c in re.findall(key + r"=%([\w.\-]+)", body) if c in self.computations]
+
+  def _sliced(self, fused: str, depth: int = 0) -> dict[int, int]:
+    """Parameter number → bytes taken, for each parameter of fused computation `fused` used only as the
+    sliced or gathered operand of `dynamic-slice`/`gather` (through bitcasts and nested fusions)."""
+    rows = self.computations.get(fused, [])
+    params = {name: int(re.match(r"parameter\((\d+)\)", body).group(1)) for name, _, op, body in rows
+              if op == "parameter"}
+    uses: dict[str, list[tuple[str, str, str, int, str]]] = {}
+    for name, type_text, op, body in rows:
+      for k, o in enumerate(hlo._operands(body, op)):
+        uses.setdefault(o, []).append((name, type_text, op, k, body))
+
+    def taken(value: str, hops: int = 0) -> int | None:
+      total = 0
+      for name, type_text, op, k, body in uses.get(value, []):
+        inner = None
+        if op in ("dynamic-slice", "gather") and k == 0:
+          inner = sum(b for *_, b in hlo.arrays(type_text))
+        elif op == "bitcast" and hops < 4:
+          inner = taken(name, hops + 1)
+        elif op == "fusion" and depth < 4 and (nested := self._callees(body, "calls")):
+          inner = self._sliced(nested[0], depth + 1).get(k)
+        if inner is None:
+          return None
+        total += inner
+      return total if uses.get(value) else None
+    return {number: t for name, number in params.items() if (t := taken(name)) is not None}
+
+  def instruction(self, name: str, type_text: str, opcode: str, body: str, runs: float) -> Cost:
+    cost = Cost(cycles=float(m.group(1)) if (m := _CYCLES.search(body)) else 0.0)
+    if opcode in _FREE or opcode.endswith("-done"):
+      return cost
+    operands = hlo._operands(body, opcode)
+    if opcode == "while":
+      body_comp, = self._callees(body, "body")
+      condition, = self._callees(body, "condition")
+      trips = hlo.trip_count(self.computations, self.by_name, body, condition, operands[0])
+      count = 1 if trips is None else trips
+      iteration = Cost()
+      iteration.add(self.computation(body_comp, runs * count))
+      iteration.add(self.computation(condition, runs * count))
+      op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', body)) else ""
+      self.loops.append(Loop(name, op_name, trips, iteration, runs))
+      cost.add(iteration, count)
+      return cost
+    if opcode == "conditional":
+      listed = re.search(r"branch_computations=\{([^}]*)\}", body)
+      branches = re.findall(r"%([\w.\-]+)", listed.group(1)) if listed else []
+      branches += self._callees(body, "true_computation") + self._callees(body, "false_computation")
+      costs = [self.computation(b, runs) for b in branches if b in self.computations]
+      if costs:
+        cost.add(max(costs, key=lambda c: c.bytes))
+      return cost
+    if opcode == "call":
+      for callee in self._callees(body, "to_apply"):
+        cost.add(self.computation(callee, runs))
+      return cost
+    sizes = [hbm_bytes(self.types.get(o, "")) for o in operands]
+    result = hbm_bytes(type_text)
+    fused = self._callees(body, "calls")
+    inner = " ".join(op for _, _, op, _ in self.computations.get(fused[0], [])) if fused else opcode
+    if fused:
+      for number, taken in self._sliced(fused[0]).items():
+        if number < len(sizes):
+          sizes[number] = min(sizes[number], taken)
+    elif opcode in ("gather", "dynamic-slice") and sizes:
+      sizes[0] = min(sizes[0], result)
+    outputs = [hbm_bytes(t) for t in _result_arrays(type_text)]
+    for i, o in _aliased(body, len(operands)):
+      if any(op in inner.split() for op in _IN_PLACE) and i < len(sizes) and o < len(outputs):
+        written = sum(b for j, name in enumerate(operands) if j != i for *_, b in hlo.arrays(self.types.get(name, "")))
+        result -= outputs[o] - min(written, outputs[o])  # The update lands in HBM wherever it was computed.
+        sizes[i] = 0
+    cost.bytes += sum(sizes) + result
+    if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in body:
+      cost.kernel_bytes += sum(sizes) + result
+    return cost
+
+  def computation(self, comp: str, runs: float) -> Cost:
+    total = Cost()
+    for row in self.computations.get(comp, []):
+      total.add(self.instruction(*row, runs=runs))
+    return total
+
+
+def _result_arrays(type_text: str) -> list[str]:
+  """A result type's arrays, each as its own type text (a tuple's in order)."""
+  return [m.group(0) for m in _TYPED.finditer(type_text)] or [type_text]
+
+
+def walk(text: str) -> Walked:
+  """The program's HBM bytes, cycles and kernels' bytes per device, and its loops (module docstring)."""
+  program = _Program(text)
+  if program.entry is None:
+    return Walked(0.0, 0.0, 0.0, ())
+  total = program.computation(program.entry, 1.0)
+  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops))

@@ -1,0 +1,120 @@
+"""What scoring and the update run in one RL step: their micro-batches on a response-length profile's lengths
+(those that run: ⌈rows / m⌉ of each pass, the compiled ones past them skipped), the token fill of the update's
+micro-batches, and a compiled program's bytes, cycles and collectives charged for the micro-batches that run
+(its loops over micro-batches, traced under `micro_batches.MICRO_BATCHES`, found in its walked HLO).
+
+  trips(report, "update", profile)             # micro-batches run in one step (every epoch's mini-batches)
+  token_fill(config, tokens, micro_rows)       # real tokens / the update's token slots run
+  fitting_micro_rows(config, tokens, multiple) # the largest micro-batch whose padding is at most 15%
+"""
+
+import math
+
+import numpy as np
+
+from vapo_jax.memory import hlo_walk, schedule
+from vapo_jax.rollout import common
+from vapo_jax.train import micro_batches, packed_batch, packing
+
+MAX_PADDING = 0.15  # Of the update's token slots: `fitting_micro_rows`'s bound.
+
+
+def micro_loops(program) -> dict[str, "hlo_walk.Loop"]:
+  """The program's loops over micro-batches (traced under `micro_batches.MICRO_BATCHES`) of a known count."""
+  walked = program.walked
+  return {} if walked is None else {x.name: x for x in walked.loops
+                                    if x.op_name.endswith(f"{micro_batches.MICRO_BATCHES}/while") and x.trips}
+
+
+def collective_bytes(program, *, unknown: float, run: float | None = None) -> float:
+  """Bytes per chip the program's collectives move: each the larger of its operands and result, times the
+  trips of the loops around it (`unknown` for a count neither XLA nor the condition gives); `run`: the
+  micro-batches that run in all, in place of the compiled ones, for a collective inside a micro-batch loop."""
+  micro = micro_loops(program) if run is not None else {}
+  total = 0.0
+  for c in program.collectives:
+    trips = [unknown if t is None else t for _, t in c.loops]
+    factor = math.prod(trips)
+    for i, (name, _) in enumerate(c.loops):
+      if name in micro:
+        factor = factor / math.prod(trips[:i + 1]) * run
+    total += max(c.operand_bytes, c.result_bytes) * factor
+  return total
+
+
+def walked_bytes(program, run: float) -> float:
+  """HBM bytes per chip of the program's runs in one step, walked (`hlo_walk`), with its micro-batch loops
+  charged for the `run` micro-batches that run in all rather than the compiled ones."""
+  walked = program.walked
+  return walked.bytes + sum(x.iteration.bytes * (run - x.runs * x.trips) for x in micro_loops(program).values())
+
+
+def walked_cycles(program, run: float) -> float:
+  walked = program.walked
+  return walked.cycles + sum(x.iteration.cycles * (run - x.runs * x.trips) for x in micro_loops(program).values())
+
+
+def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:
+  """`[N]` each sequence's tokens under `profile`: its prompt's and its response's."""
+  g = report.config.rollout.samples_per_prompt
+  return np.repeat(profile.prompts, g)[:len(profile.responses)] + profile.responses
+
+
+def trips(report, phase_name: str, profile: schedule.Profile | None = None) -> float:
+  """How many times the loop bodies cost_analysis counted once run in one RL step: micro-batches of
+  sequences, or packed, of `packing.micro_batch_rows` rows: those that run (⌈rows / m⌉, the rest skipped)
+  for the rows first-fit decreasing packs `profile`'s sequences into (default: every response at the cap,
+  a row each)."""
+  c = report.config
+  n, mini = c.rollout.responses_per_step, min(c.algo.mini_batch_responses, c.rollout.responses_per_step)
+  if c.packing.enabled:
+    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
+    tokens = np.full(n, packed_batch.row_tokens(c)) if profile is None else sequence_tokens(report, profile)
+    parts = [np.arange(n)] if phase_name == "scoring" else update_parts(c)
+    run = sum(-(-needed // m) for needed in needed_rows(c, tokens, parts))
+    return run if phase_name == "scoring" else c.algo.ppo_epochs * run
+  micro = min(c.algo.micro_batch_responses or mini, mini)
+  if phase_name == "scoring":
+    return n // micro if micro < n else 1
+  return c.updates_per_step * (mini // micro)
+
+
+def computed_tokens(report, phase_name: str, trips: float) -> float:
+  """Tokens a pass over a step's sequences computes: packed, the micro-batches' rows end to end (padding too);
+  padded, every sequence at the prompt bucket + cap."""
+  c = report.config
+  if c.packing.enabled:
+    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
+    passes = 1 if phase_name == "scoring" else c.algo.ppo_epochs
+    return trips / passes * m * packed_batch.row_tokens(c)
+  r = c.rollout
+  return r.responses_per_step * (common.prompt_bucket(r.max_prompt_tokens) + r.max_response_tokens)
+
+
+def update_parts(config) -> list[np.ndarray]:
+  """The sequence ids of one epoch's mini-batches (random subsets of the step, as the trainer draws them)."""
+  n = config.rollout.responses_per_step
+  mini = min(config.algo.mini_batch_responses, n)
+  order = np.random.default_rng(0).permutation(n)
+  return [order[i:i + mini] for i in range(0, n, mini)]
+
+
+def needed_rows(config, tokens: np.ndarray, parts) -> list[int]:
+  """Rows first-fit decreasing packs each part of `tokens` (`[N]` sequence lengths) into."""
+  row_tokens = packed_batch.row_tokens(config)
+  return [int(packing.first_fit_decreasing(tokens[part], row_tokens)[0].max()) + 1 for part in parts]
+
+
+def token_fill(config, tokens: np.ndarray, micro_rows: int) -> float:
+  """The update's real tokens over its token slots run, in micro-batches of `micro_rows` rows."""
+  parts = update_parts(config)
+  run = sum(-(-n // micro_rows) * micro_rows for n in needed_rows(config, tokens, parts))
+  return float(sum(tokens[p].sum() for p in parts)) / (run * packed_batch.row_tokens(config))
+
+
+def fitting_micro_rows(config, tokens: np.ndarray, multiple: int, max_padding: float = MAX_PADDING) -> int:
+  """The most rows per micro-batch, a multiple of `multiple` (the mesh's data × fsdp), that keeps the update's
+  padding at most `max_padding` on `tokens`; `multiple` when none does (the least padding there is)."""
+  most = max(needed_rows(config, tokens, update_parts(config)))
+  fitting = [m for m in range(multiple, most + multiple, multiple) if 1 - token_fill(config, tokens, m) <= max_padding]
+  return max(fitting, default=multiple)
