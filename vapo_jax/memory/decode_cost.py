@@ -9,23 +9,19 @@ Itemised per decode step and chip (`DecodeCost`, means over the steps):
               × a token's keys and values at every layer per chip
   KV written  one token per live row (and the prompt a refill copies: the paged engine one page, the
               contiguous engine the prompt bucket's slots)
-  the rest    what `cost_analysis` counts of the compiled decode step besides the weights and its own count of
-              the cache reads (activations, logits, the sampler, page tables, and whatever it counts of the
-              pool's in-place write), in proportion to the rows decoded: an upper bound (below)
+  the rest    the compiled decode step's other HBM bytes (activations, logits, the sampler, page tables, the
+              pool's in-place write as the tokens it writes), in proportion to the rows decoded
 
-`cost_analysis` counts a loop body once: the decode step's figures are its layer-corrected ones
-(`roofline.every_layer`); it sees one block of the contiguous cache per layer (`attend_one`'s loop has a
-dynamic trip count) and nothing of the Pallas kernel's reads, so those are taken out of "the rest" and the
-reads are counted here once, from the schedule. (Adding the whole cache on top of the corrected figure
-counts every layer's block twice.) What it counts of the in-place write of one token a row is not the token:
-about twice the layer's cache slice in tests/test_compile_tpu.py's small unrolled step, and, for the paged
-pool, anywhere from 0.06× to 4.5× the layer's pool slice as the pool's size changes the compiler's fusions
-(docs/pod.md). That count stays in "the rest", so the rest bounds the step's other bytes from above; the
-decode's time with the rest left out bounds it from below.
-FLOPs: `cost_analysis`'s (the matmuls, the sampler) in proportion to the rows, plus attention from its
-definition, 4·N·H per cached token read per layer. Collectives: the decode loop's per-step bytes
-(`aot.DecodeTraffic`), in proportion to the rows. A step costs the slower of its FLOPs at the chip's peak
-and its bytes at the HBM bandwidth, plus its collectives at the ICI bandwidth.
+A step's bytes are walked from the compiled program's HLO (`hlo_walk`: one iteration of the decode loop, the
+layer loop's body times its trips, a buffer updated in place as its update): the rest is that step's bytes
+less the weights and the cache reads the walk counted (the gather's one block per row per layer; the Pallas
+kernel's operands are set apart, since it reads only each row's blocks), and the reads are counted here once,
+from the schedule. The kernel reads at the bandwidth of the TensorCores its grid runs on (`read_cores`: both
+of a v5p chip with `megacore_mode`, else one). FLOPs: `cost_analysis`'s (the matmuls, the sampler) in
+proportion to the rows, plus attention from its definition, 4·N·H per cached token read per layer.
+Collectives: the decode loop's per-step bytes (`aot.DecodeTraffic`, nested loops by their trips), in
+proportion to the rows. A step costs the slower of its FLOPs at the chip's peak and its bytes at the HBM
+bandwidth, plus its collectives at the ICI bandwidth; `floor_s` leaves the rest out (a bound from below).
 """
 
 from typing import NamedTuple

@@ -21,8 +21,10 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
              runs under `jax.shard_map`, each device on its rows, its queues' pages and its KV heads (no
              communication); the pool is passed whole, its (layer, queue, page) axes flattened into the
              kernel's page axis (a reshape, no copy) and the page ids offset to layer `layer`. It reads
-             keys and values in bfloat16 (`pltpu` rounds them as it loads); the tests run it in the Pallas
-             interpreter (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`).
+             keys and values in bfloat16 (`pltpu` rounds them as it loads). On a chip of two TensorCores
+             (v4, v5p) its grid is split over both (`megacore_mode`: by KV heads when a device holds an
+             even number, else by rows); elsewhere it runs on one. The tests run it in the Pallas
+             interpreter (`jax.experimental.pallas.tpu.force_tpu_interpret_mode`, both cores interpreted).
   gpu_kernel the Pallas GPU kernel `jax.experimental.pallas.ops.gpu.paged_attention` (`pallas_gpu.paged_decode`):
              split-K over each row's own pages, partitions past its length skipped; the same pool layout,
              page ids and `jax.shard_map` as the TPU kernel. The tests run it in the Pallas interpreter
@@ -149,8 +151,8 @@ def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, l
   found = sharding.context()
   devices = found[0].devices.flat if found is not None else jax.devices()
   kind = getattr(next(iter(devices)), "device_kind", "")
-  local = (functools.partial(local, block_pages=block_pages) if local is not None
-           else functools.partial(_kernel_local, block_pages=block_pages, device_kind=kind))
+  local = local or _kernel_local
+  local = functools.partial(local, block_pages=block_pages, **({"device_kind": kind} if local is _kernel_local else {}))
   layer = jnp.asarray(layer, jnp.int32)
   if found is None or found[0].size == 1:
     return local(q, keys, values, table, lengths, layer)
