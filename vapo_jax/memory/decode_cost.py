@@ -82,7 +82,8 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
   loop = program.walked.loop(common.DECODE_LOOP) if program.walked is not None else None
   step = program.bytes_accessed if loop is None else loop.iteration.bytes - loop.iteration.kernel_bytes
   rest = max(step - weights - xla_kv_tokens * token_bytes, 0.0)
-  return Prices(report.decode_rows, weights, rest, program.flops, program.decode.bytes if program.decode else 0.0,
+  flops = program.flops if loop is None else loop.iteration.flops
+  return Prices(report.decode_rows, weights, rest, flops, program.decode.bytes if program.decode else 0.0,
                 token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t,
                 loop.iteration.cycles if loop is not None else 0.0, read_cores)
 

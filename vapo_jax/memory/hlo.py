@@ -84,13 +84,16 @@ def _computations(text: str):
       current = m.group(2)
       computations[current] = []
       entry = current if m.group(1) else entry
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":
       current = None
     elif current is not None and (m := _INSTRUCTION.match(line)):
       type_text, body = _split_type(m.group(2))
       opcode = re.match(r"[\w\-]*", body).group(0)
       types[m.group(1)] = type_text
       computations[current].append((m.group(1), type_text, opcode, body))
+    elif current is not None and computations[current]:  # An attribute printed over lines (a kernel's config).
+      name, type_text, opcode, body = computations[current][-1]
+      computations[current][-1] = (name, type_text, opcode, body + "\n" + line)
   return entry, computations, types
 
 
@@ -123,8 +126,8 @@ def _start(found: dict, tuple_name: str, k: int) -> int:
 
 def trip_count(computations, found: dict, body: str, condition: str, operand: str) -> int | None:
   """A while instruction's trips: XLA's `known_trip_count` when printed, else from its condition
-  `counter < constant(N)` (`counter > ...` mirrored) with the counter's start (`_start`); None for any
-  other condition (a loop that runs until its state says stop). `found`: `by_name(computations)`."""
+  `counter < constant(N)` (`counter > ...` mirrored) with the counter's start (`_start`) and step (`_step`);
+  None for any other condition (a loop that runs until its state says stop). `found`: `by_name(computations)`."""
   if m := _TRIPS.search(body):
     return int(m.group(1))
   rows = computations.get(condition, [])
@@ -139,7 +142,28 @@ def trip_count(computations, found: dict, body: str, condition: str, operand: st
       or (n := _constant(local[limit][1])) is None:
     return None
   k = int(re.search(r"index=(\d+)", local[counter][1]).group(1))
-  return max(n - _start(found, operand, k), 0)
+  step = _step(computations, found, body, k)
+  return max(-(-(n - _start(found, operand, k)) // step), 0) if step > 0 else None
+
+
+def _step(computations, found: dict, while_body: str, k: int) -> int:
+  """What the loop's body adds to counter `k` each iteration (`counter + constant(c)`, through copies); 1 when
+  it is written otherwise (JAX's loops count by one; the TPU compiler's windowed einsums by two)."""
+  name = re.search(r"body=%([\w.\-]+)", while_body)
+  rows = computations.get(name.group(1), []) if name else []
+  if not rows or rows[-1][2] != "tuple":
+    return 1
+  value = _operands(rows[-1][3], "tuple")[k]
+  for _ in range(8):
+    _, op, text = found.get(value, (None, "", ""))
+    if op in ("copy", "bitcast"):
+      value = _operands(text, op)[0]
+    elif op == "add":
+      constants = [_constant(found.get(o, (None, "", ""))[2]) for o in _operands(text, "add")]
+      return next((c for c in constants if c is not None), 1)
+    else:
+      return 1
+  return 1
 
 
 def collectives(text: str) -> list[Collective]:

@@ -2,7 +2,7 @@
 instruction through its HLO text (`compiled.as_text()`), every loop body times its trip count.
 
   walked = hlo_walk.walk(compiled.as_text())
-  walked.bytes, walked.cycles, walked.kernel_bytes               # per device, one run of the program
+  walked.bytes, walked.flops, walked.cycles, walked.kernel_bytes # per device, one run of the program
   walked.loop("decode_loop")                                     # one iteration of the loop traced in that scope
 
 `cost_analysis` counts a loop body once and a buffer updated in place whole. This walk prices each
@@ -20,16 +20,24 @@ operands and results, except:
 - a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, and the same bytes
   are reported apart (`kernel_bytes`), for a caller that prices the kernel's reads itself.
 
+FLOPs are the matmuls' (dots, and convolutions, XLA's form of many sharded einsums: per output element its
+group's input features times the window taps that land inside the input, padded taps multiplying nothing),
+inside fusions too; elementwise work and Pallas kernels count none.
+
 A `while` runs its condition and body `trips` times: XLA's `known_trip_count` when printed, else read from
-the condition, `counter < constant(N)` (the counter's start traced through copies to a constant; a start
-it cannot trace is taken as 0, where JAX's scans and fori_loops start); a loop whose condition is anything
+the condition, `counter < constant(N)` (the counter's start traced through copies to a constant, its step
+read from the body, as the TPU compiler's windowed einsums count by two; a start it cannot trace is taken
+as 0, where JAX's scans and fori_loops start); a loop whose condition is anything
 else (the decode loop's) counts once, and `loops` keeps one iteration of every loop so that a caller prices
 it by its own count. A `conditional` counts its costliest branch. The compiler's `estimated_cycles`
 (in a fusion's `backend_config`) add up the same way: uncalibrated, but the compiler's own. Pure Python.
 """
 
 import dataclasses
+import math
 import re
+
+import numpy as np
 
 from vapo_jax.memory import hlo
 
@@ -48,11 +56,13 @@ class Cost:
   bytes: float = 0.0
   cycles: float = 0.0
   kernel_bytes: float = 0.0
+  flops: float = 0.0  # Of its matmuls (dots and convolutions, inside fusions too): 2 per multiply-add.
 
   def add(self, other: "Cost", times: float = 1.0) -> None:
     self.bytes += other.bytes * times
     self.cycles += other.cycles * times
     self.kernel_bytes += other.kernel_bytes * times
+    self.flops += other.flops * times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +82,7 @@ class Walked:
   cycles: float
   kernel_bytes: float
   loops: tuple[Loop, ...]
+  flops: float = 0.0
 
   def loop(self, scope: str) -> Loop | None:
     """The outermost loop traced under `jax.named_scope(scope)` (None: none)."""
@@ -111,6 +122,7 @@ class _Program:
     self.entry, self.computations, self.types = hlo._computations(text)
     self.by_name = hlo.by_name(self.computations)
     self.loops: list[Loop] = []
+    self.flops_memo: dict[str, float] = {}
 
   def _callees(self, body: str, key: str) -> list[str]:
     return [c for c in re.findall(key + r"=%([\w.\-]+)", body) if c in self.computations]
@@ -141,6 +153,28 @@ class _Program:
         total += inner
       return total if uses.get(value) else None
     return {number: t for name, number in params.items() if (t := taken(name)) is not None}
+
+  def matmul_flops(self, type_text: str, opcode: str, body: str, depth: int = 0) -> float:
+    """2 × multiply-adds of a dot or convolution, or of those inside a fusion (nested ones too)."""
+    if opcode == "fusion" and depth < 4:
+      return sum(self.fused_flops(c, depth + 1) for c in self._callees(body, "calls"))
+    if opcode not in ("dot", "convolution"):
+      return 0.0
+    out = sum(math.prod(shape) for _, shape, _ in hlo.arrays(type_text)[:1])
+    lhs = hlo.arrays(self.types.get(hlo._operands(body, opcode)[0], ""))
+    if not lhs:
+      return 0.0
+    shape = lhs[0][1]
+    if opcode == "dot":
+      dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", body)
+      contracted = math.prod(shape[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
+      return 2.0 * out * contracted
+    return 2.0 * _convolution_macs(body, shape, hlo.arrays(type_text)[0][1])
+
+  def fused_flops(self, comp: str, depth: int) -> float:
+    if comp not in self.flops_memo:
+      self.flops_memo[comp] = sum(self.matmul_flops(t, op, b, depth) for _, t, op, b in self.computations.get(comp, []))
+    return self.flops_memo[comp]
 
   def instruction(self, name: str, type_text: str, opcode: str, body: str, runs: float) -> Cost:
     cost = Cost(cycles=float(m.group(1)) if (m := _CYCLES.search(body)) else 0.0)
@@ -188,6 +222,7 @@ class _Program:
         result -= outputs[o] - min(written, outputs[o])  # The update lands in HBM wherever it was computed.
         sizes[i] = 0
     cost.bytes += sum(sizes) + result
+    cost.flops += self.matmul_flops(type_text, opcode, body)
     if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in body:
       cost.kernel_bytes += sum(sizes) + result
     return cost
@@ -197,6 +232,31 @@ class _Program:
     for row in self.computations.get(comp, []):
       total.add(self.instruction(*row, runs=runs))
     return total
+
+
+def _convolution_macs(body: str, lhs: tuple, out: tuple) -> float:
+  """Multiply-adds of a convolution (XLA writes many matmuls as one): for every output element, the input
+  features of its group times the window taps that land inside the input (a tap on padding multiplies
+  nothing), per spatial dimension counted exactly for the window's size, padding and stride."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", body)
+  if labels is None:
+    return 0.0
+  lhs_labels, out_labels = labels.group(1), labels.group(3)
+  groups = re.search(r"feature_group_count=(\d+)", body)
+  features = lhs[lhs_labels.index("f")] // (int(groups.group(1)) if groups else 1)
+  field = lambda key: (re.search(key + r"=([\d_x-]+)", body).group(1).split("x")
+                       if re.search(key + r"=([\d_x-]+)", body) else None)
+  sizes, pads, strides = field("size"), field("pad"), field("stride")
+  spatial = sorted(c for c in lhs_labels if c.isdigit())
+  macs = math.prod(d for d, c in zip(out, out_labels) if not c.isdigit()) * features
+  for k, digit in enumerate(spatial):
+    n, o = lhs[lhs_labels.index(digit)], out[out_labels.index(digit)]
+    taps = int(sizes[k]) if sizes else 1
+    low = int(pads[k].split("_")[0]) if pads else 0
+    stride = int(strides[k]) if strides else 1
+    index = np.arange(o)[:, None] * stride - low + np.arange(taps)[None, :]
+    macs *= int(np.count_nonzero((index >= 0) & (index < n)))
+  return float(macs)
 
 
 def _result_arrays(type_text: str) -> list[str]:
@@ -210,4 +270,4 @@ def walk(text: str) -> Walked:
   if program.entry is None:
     return Walked(0.0, 0.0, 0.0, ())
   total = program.computation(program.entry, 1.0)
-  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops))
+  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops)

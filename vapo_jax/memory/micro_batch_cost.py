@@ -54,6 +54,12 @@ def walked_cycles(program, run: float) -> float:
   return walked.cycles + sum(x.iteration.cycles * (run - x.runs * x.trips) for x in micro_loops(program).values())
 
 
+def walked_flops(program, run: float) -> float:
+  """The matmuls' FLOPs per chip of the program's runs in one step, walked, micro-batches as `walked_bytes`."""
+  walked = program.walked
+  return walked.flops + sum(x.iteration.flops * (run - x.runs * x.trips) for x in micro_loops(program).values())
+
+
 def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:
   """`[N]` each sequence's tokens under `profile`: its prompt's and its response's."""
   g = report.config.rollout.samples_per_prompt

@@ -205,29 +205,29 @@ def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, ch
   tokens = micro_batch_cost.sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
   flops = bytes_ = moved = cycles = 0.0
-  found = None
+  found, mb = None, micro_batch_cost
   for program in phase.programs:
     if program.decode is not None:
       found = decode(report, program, profile, engine, chip)
       f, b, m, k = found.flops, found.bytes, found.collective_bytes, found.cycles
     elif phase.name == "rollout":
-      f, m = program.flops, micro_batch_cost.collective_bytes(program, unknown=1)
+      f, m = (program.walked.flops if program.walked else program.flops), mb.collective_bytes(program, unknown=1)
       b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed, 0.0)
       f += _attention_forward(cfg, profile.prompts) / chips if "prefill" in program.name else 0.0
     else:
-      mb = micro_batch_cost
       trips = mb.trips(report, phase.name, profile)
       calls = c.updates_per_step if phase.name == "update" else 1  # One update program per mini-batch.
-      f = program.flops * trips
-      if program.walked is not None and mb.micro_loops(program):
-        b, k = mb.walked_bytes(program, trips), mb.walked_cycles(program, trips)
-        m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
-      else:
-        b, k, m = program.bytes_accessed * trips, 0.0, calls * mb.collective_bytes(program, unknown=trips / calls)
       attention = _attention_forward(cfg, tokens) / chips
-      f += attention * (models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs)
-      heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
-      f += _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads  # Actor's (reference's).
+      attention *= models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs
+      if program.walked is not None and mb.micro_loops(program):  # Every matmul walked, the vocabulary blocks too.
+        f, b, k = mb.walked_flops(program, trips), mb.walked_bytes(program, trips), mb.walked_cycles(program, trips)
+        m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
+        f += attention
+      else:
+        f, b, k = program.flops * trips, program.bytes_accessed * trips, 0.0
+        m = calls * mb.collective_bytes(program, unknown=trips / calls)
+        heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
+        f += attention + _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads
     flops, bytes_, moved, cycles = flops + f, bytes_ + b, moved + m, cycles + k
   return flops, bytes_, moved, cycles, found
 
