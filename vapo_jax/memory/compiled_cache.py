@@ -31,7 +31,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from vapo_jax import files
 
 PREFIX = "vapo-tpu-"
-FORMAT = 2  # Of the files: part of the key, so a file of another format is never read.
+FORMAT = 3  # Of the files: part of the key, so a file of another format is never read (3: op_names in the HLO
+# carry the named scopes the walk finds loops by, which the lowered text that keys a file does not show).
 _active: list = []  # [(directory, {device id: device}, key salt)] inside `keeping`.
 
 
