@@ -250,3 +250,15 @@ def test_initialize_is_a_no_op_for_one_process():
 
 if __name__ == "__main__":
   worker(sys.argv[2])
+
+
+def test_a_mesh_without_windowed_einsums_adds_libtpus_flags_once():
+  from vapo_jax.config import MeshConfig
+
+  environ = {"LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=98304"}
+  distributed.tpu_compiler_flags(MeshConfig(), environ)
+  assert environ == {"LIBTPU_INIT_ARGS": "--xla_tpu_scoped_vmem_limit_kib=98304"}
+  for _ in range(2):
+    distributed.tpu_compiler_flags(MeshConfig(windowed_einsum=False), environ)
+  assert environ["LIBTPU_INIT_ARGS"].split() == ["--xla_tpu_scoped_vmem_limit_kib=98304",
+                                                 *distributed.WINDOWED_EINSUM_OFF]

@@ -2,7 +2,8 @@
 a profile's lengths, the same number the trainer's packing plan runs (`packed_batch.plan_rows`) and a first-fit
 decreasing written here as a slow loop gives; the update's token fill is one minus the plan's
 `perf/padding_frac_update`; `fitting_micro_rows` is the largest micro-batch within the padding bound; and the
-shipped `aime` micro-batch meets that bound under the roofline's long-tailed profile (B)."""
+shipped `aime` micro-batch is the one that bound picks under the roofline's long-tailed profile (B); and the decode
+prices a cache read on one of a chip's two TensorCores at half its bandwidth."""
 
 import dataclasses
 from types import SimpleNamespace
@@ -68,3 +69,18 @@ def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_pr
   multiple = c.mesh.data * c.mesh.fsdp
   assert c.packing.micro_batch_rows == micro_batch_cost.fitting_micro_rows(c, tokens, multiple)
   assert micro_batch_cost.token_fill(c, tokens, c.packing.micro_batch_rows) >= 1 - micro_batch_cost.MAX_PADDING
+
+
+def test_a_cache_read_on_one_of_two_cores_takes_twice_the_reads_time():
+  """`decode_cost.cost`: the paged kernel without megacore reads the cache at half a v5p chip's bandwidth."""
+  from vapo_jax.memory import decode_cost, topologies
+
+  chip = topologies.CHIPS["TPU v5"]
+  load = schedule.Load(rows=np.full(3, 8), live=np.full(3, 8), read_tokens=np.full(3, 1e6), preemptions=0,
+                       recomputed_tokens=0, peak_pages=0)
+  prices = decode_cost.Prices(rows=8, weights=1e9, rest=0.0, flops=0.0, collectives=0.0, token_bytes=1e3,
+                              attention_flops=0.0)
+  both, one = (decode_cost.cost(load, prices._replace(read_cores=cores), chip, engine="paged", slots=8, copied_tokens=0)
+               for cores in (2, 1))
+  kv = 3 * 1e6 * 1e3 / chip.hbm_bandwidth
+  np.testing.assert_allclose(one.seconds - both.seconds, kv, rtol=1e-9)

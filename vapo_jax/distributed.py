@@ -86,6 +86,20 @@ def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeo
   return True
 
 
+WINDOWED_EINSUM_OFF = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+                       "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+
+
+def tpu_compiler_flags(mesh, environ=None) -> None:
+  """Adds the TPU compiler's flags a `MeshConfig` asks for to `LIBTPU_INIT_ARGS` (before libtpu starts: the
+  run's and the compile report's first step); flags already there are kept, none is added twice."""
+  environ = os.environ if environ is None else environ
+  if mesh.windowed_einsum:
+    return
+  present = environ.get("LIBTPU_INIT_ARGS", "").split()
+  environ["LIBTPU_INIT_ARGS"] = " ".join(present + [f for f in WINDOWED_EINSUM_OFF if f not in present])
+
+
 def is_main_process() -> bool:
   """Whether this process is the one that writes logs, metrics and exported files."""
   return jax.process_index() == 0

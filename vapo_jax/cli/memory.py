@@ -53,14 +53,16 @@ def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
 def _roofline(config, target, report, log, logged=None) -> str:
   """The roofline of one RL step (`memory/roofline.py`) under two response-length profiles (every response at
   the cap; a log-normal one, mean 0.3 of the cap) and, given `logged`, a run's logged lengths (`_logged`), for each
-  rollout engine; scanned layers compile the per-step programs a second time with two layers per scan
-  iteration, so that every layer is counted."""
+  rollout engine. Programs walked from their HLO count every layer; otherwise scanned layers compile the
+  per-step programs a second time with two layers per scan iteration, so that every layer is counted."""
   from vapo_jax.memory import roofline, schedule, xla_report
 
   layers = report.architecture.num_layers
   if report.layers:  # cost_analysis saw the programs of a shallower model.
     return f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)"
-  if config.model.scan_layers and layers > 1:
+  if roofline.walked_through(report):
+    log("roofline: every per-step program walked from its HLO (loops by their trips): no second compile")
+  elif config.model.scan_layers and layers > 1:
     if layers % 2:
       return f"roofline: not estimated ({layers} scanned layers: the per-layer count needs an even number)"
     log("roofline: the per-step programs again with two layers per scan iteration (model.scan_unroll=2)")
@@ -93,6 +95,8 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
 
   if layers and not (layers.isdigit() and int(layers) > 0):
     raise ConfigError(f"--layers takes a positive number of decoder layers, got {layers!r}")
+  from vapo_jax import distributed
+  distributed.tpu_compiler_flags(config.mesh)  # Before libtpu starts (compile-only devices too).
   target = topologies.named(topology) if topology else topologies.here(jax.devices())
   if mesh_text:
     sizes = mesh_sizes(mesh_text, ("data", "fsdp", "tensor"))

@@ -57,6 +57,7 @@ def _main(argv: list[str]) -> int:
   compile_cache.install()  # Before anything compiles: each kept program checked against its key.
   stopped_by = _stop_at_start()
   try:
+    distributed.tpu_compiler_flags(config.mesh)  # Before libtpu starts.
     distributed.initialize()  # Several processes (a pod, or VAPO_* variables): before any JAX computation.
     devices = preflight.check_backend()
     created = preflight.check_run_dir(run_dir)

@@ -116,6 +116,10 @@ class MeshConfig:
   device_memory_gib: float | None = None  # Memory per device the programs must fit; None: the device's own.
   check_memory: bool = True  # At start-up, refuse a run whose compiled programs exceed the memory.
   memory_margin: float = 0.08  # Share of the device memory kept free: a phase may need at most (1 - margin).
+  # The TPU compiler's windowed einsums: a weight's all-gather (or a result's reduce-scatter) split into steps
+  # that overlap the matmul, each step's partial result accumulated in HBM. False: libtpu's
+  # --xla_tpu_enable_windowed_einsum_for_{all_gather,reduce_scatter}=false (`distributed.tpu_compiler_flags`).
+  windowed_einsum: bool = True
 
   def __post_init__(self):
     if self.device_memory_gib is not None:

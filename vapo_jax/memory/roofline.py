@@ -7,32 +7,27 @@ collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`: J
   estimate = roofline.estimate(report, profile)  # needs a target with a known chip
   print(roofline.format_estimate(estimate, report.target.device_kind))
 
-HBM bytes are walked from each compiled program's HLO (`hlo_walk`): every loop body times its trip count
-(read from its condition where XLA prints none), a buffer updated in place as the update it writes, a
-gather as its rows, VMEM as nothing. The rollout's decode loop runs until its rows finish, so the walk
-gives one decode step; `decode_cost` prices the steps one by one on a schedule of the profile's lengths,
-the cache's reads from the schedule (the Pallas kernel's operands set apart: it reads each row's own
-blocks), at the bandwidth of the TensorCores the kernel runs on (`paged_attention.megacore_mode`).
+HBM bytes and the matmuls' FLOPs are walked from each compiled program's HLO (`hlo_walk`): every loop body
+times its trip count (read from its condition where XLA prints none), a buffer updated in place as the update
+it writes, a gather as its rows, VMEM as nothing. The rollout's decode loop runs until its rows finish, so
+the walk gives one decode step; `decode_cost` prices the steps one by one on a schedule of the profile's
+lengths, the cache's reads from the schedule (the Pallas kernel's operands set apart: it reads only each
+row's own blocks), at the bandwidth of the TensorCores the kernel runs on (`paged_attention.megacore_mode`).
 Scoring's and the update's loops over micro-batches are charged for the micro-batches that run on the
 profile's lengths (`micro_batch_cost.trips`: ⌈rows / m⌉ per pass, the compiled ones past it skipped).
+Attention runs in Pallas kernels (splash, the paged kernel) that the walk cannot see into, so it is added
+from its definition: per sequence of T tokens 2·N·H·T²·L FLOPs forward, backward twice that, remat one
+more forward; a decode step 4·N·H per cached token read. Collectives from the HLO (`hlo.collectives`):
+each moves the larger of its operands and result per chip, times the trips of the loops around it (the
+layer scan's L; micro-batch loops: those that run); the decode loop's per step (`aot.DecodeTraffic`) times
+the decode steps. Their time adds to the phase's (no overlap with compute assumed, and no latency per
+collective: bytes over bandwidth only). The compiler's own estimate, its `estimated_cycles` summed the
+same way at the core's clock, is printed beside the bounds (uncalibrated; kernels and gathers carry none).
 
-FLOPs come from `cost_analysis`, with what it cannot see added:
-- It counts a loop body once. Scanned decoder layers (`model.scan_layers`): `every_layer` counts the
-  layer loop's body L times from a second compile whose body holds two layers (`model.scan_unroll=2`):
-  with r1, r2 the two programs' figures, one layer is r2 − r1 and the program r1 + (L − 1)(r2 − r1)
-  (exact when 2 divides L: no iteration runs outside the loop). The decode program is one decode step,
-  scoring's and the update's one micro-batch (times the micro-batches that run).
-- The log-probs' vocabulary blocks are a `lax.scan` too: the output projection's blocks it leaves out
-  are added from the definition (`_head_flops`).
-- It sees little of attention (`chunked`'s block loops have dynamic trip counts, splash and the paged
-  kernel are kernels): causal attention is added from its definition, per sequence of T tokens 2·N·H·T²·L
-  FLOPs forward, backward twice that, remat one more forward; a decode step 4·N·H per cached token read.
-- Collectives from the HLO (`hlo.collectives`): each moves the larger of its operands and result per
-  chip, times the trips of the loops around it (the layer scan's L; micro-batch loops: those that run);
-  the decode loop's per step (`aot.DecodeTraffic`) times the decode steps. Their time adds to the
-  phase's (no overlap with compute assumed, and no latency per collective: bytes over bandwidth only).
-- The compiler's own estimate: its `estimated_cycles` summed the same way, at the core's clock, printed
-  beside the bounds (uncalibrated; Pallas kernels and gathers carry none).
+A program the walk cannot price (no HLO, or no micro-batch loop found: `walked_through`) falls back on
+`cost_analysis`, which counts a loop body once: scanned decoder layers are then counted by `every_layer`
+from a second compile with two layers per iteration (`model.scan_unroll=2`; r1 + (L − 1)(r2 − r1), exact
+when 2 divides L), and the log-probs' vocabulary blocks it leaves out are added from the definition.
 
 Model FLOPs for the MFU (useful work, remat not counted): 2·params per generated or scored token,
 6·params per trained token, plus attention by the same formula; params without the input embedding (a
@@ -122,6 +117,15 @@ def every_layer(scanned, twice):
                                                                                             - p.bytes_accessed))
   phases = tuple(dataclasses.replace(phase, programs=[count(p) for p in phase.programs]) for phase in scanned.phases)
   return dataclasses.replace(scanned, phases=phases)
+
+
+def walked_through(report) -> bool:
+  """Whether every per-step program's FLOPs and bytes come from its walked HLO (loops by their trips), so that
+  `every_layer`'s second compile adds nothing: each walked, scoring's and the update's micro-batch loops found."""
+  programs = [(phase.name, p) for phase in report.phases if phase.name in ("rollout", "scoring", "update")
+              for p in phase.programs]
+  return bool(programs) and all(p.walked is not None and (name == "rollout" or micro_batch_cost.micro_loops(p))
+                                for name, p in programs)
 
 
 def twice_unrolled(config):
