@@ -153,7 +153,7 @@ def test_a_packed_step_equals_the_padded_one(case):
       warnings.simplefilter("ignore")  # fsdp_tp replicates the 259-entry vocabulary (not divisible by 2).
       tensor = _run(_config(True, algo, packing | dict(micro_batch_rows=4), "fsdp_tp"), devices, tensor=2)
     _assert_same_step(tensor, padded)
-    assert tensor[2]["perf/micro_batches"] > packed[2]["perf/micro_batches"]
+    assert packed[2]["perf/micro_batches"] < tensor[2]["perf/micro_batches"] < tensor[2]["perf/micro_batches_compiled"]
     assert tensor[2]["perf/padding_frac_update"] < packed[2]["perf/padding_frac_update"]
 
 
