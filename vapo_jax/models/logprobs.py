@@ -63,13 +63,17 @@ def _block_logits(hidden, kernel, j, size: int, transposed: bool):
   ids = start + jnp.arange(size)
   spec = "BTD,VD->BTV" if transposed else "BTD,DV->BTV"
   logits = jnp.einsum(spec, hidden, _block(kernel, start, size, transposed), preferred_element_type=_F32)
+  # Split over the devices that split the vocabulary (tensor parallelism): each computes its share of the block's
+  # columns from the gathered kernel, and the reductions over them (max, sums) cross those devices.
+  logits = constrain(logits, ("batch", "seq", "act_vocab"))
   return logits, ids, ids >= j * size, start
 
 
 def _compute_kernel(kernel, hidden) -> jax.Array:
   """The kernel in the compute dtype, gathered whole on every device before the loop over its blocks
   (FSDP gathers it for the dense projection too; a vocabulary split by tensor parallelism is gathered
-  as well, since slicing a sharded axis inside the loop would gather it once per block)."""
+  as well, since slicing a sharded axis inside the loop would gather it once per block; each block's logits
+  are then split over those devices again, `_block_logits`)."""
   return constrain(kernel.astype(hidden.dtype), (None, None))
 
 
