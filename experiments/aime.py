@@ -86,7 +86,7 @@ def vapo() -> ExperimentConfig:
       # FSDP-only mesh); `micro_batch_cost.fitting_micro_rows` picks 32 from B's lengths (padding at most 15%).
       # Without the compiler's windowed einsums: with them, each of the FSDP gather's steps accumulates a
       # partial [tokens, width] result in HBM, and the update is bound by HBM (B: 422 s a step's update,
-      # against 298 s without; FSDP alone, 401 s; docs/pod.md).
+      # against 295 s without; FSDP alone, 401 s; docs/pod.md).
       mesh=MeshConfig(preset="fsdp_tp", data=1, fsdp=32, tensor=8, windowed_einsum=False),
       packing=PackingConfig(micro_batch_rows=32),
       data=DataConfig(train_path=DAPO_MATH_17K),
