@@ -282,3 +282,31 @@ def test_sum_norm_on_packed_rows_needs_norm_length():
   with pytest.raises(ValueError, match="needs norm_length"):
     losses.aggregate_loss(np.ones((1, 4)), np.ones((1, 4), bool), mode="seq-mean-token-sum-norm",
                           segment_ids=np.ones((1, 4), int))
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_truncated_importance_sampling_weights_each_token_by_the_capped_sampler_ratio(jitted):
+  """An injected sampler–trainer mismatch: each token's term times min(π_old / π_sampler, C), by hand."""
+  logp, old, a, mask = batch(7)
+  sampler = (old + np.random.default_rng(8).normal(scale=0.6, size=old.shape)).astype(np.float32)
+  cap = 1.5
+  fn = lambda *arrays: losses.ppo_policy_loss(*arrays[:4], eps_low=0.2, eps_high=0.28, mode="token-mean",
+                                              sampler_logprobs=arrays[4], tis_cap=cap)
+  loss, metrics = (jax.jit(fn) if jitted else fn)(logp, old, a, mask, sampler)
+  weights = np.minimum(np.exp(old.astype(np.float64) - sampler), cap)
+  tokens = np.vectorize(reference_ppo_token)(logp, old, a, 0.2, 0.28) * weights
+  np.testing.assert_allclose(loss, reference_aggregate(tokens, mask, "token-mean"), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(metrics["tis_weight_mean"], weights[mask].mean(), rtol=1e-5)
+  clipped = np.exp(old.astype(np.float64) - sampler) > cap
+  np.testing.assert_allclose(metrics["tis_clip_frac"], clipped[mask].mean(), atol=1e-6)
+  assert 0 < clipped[mask].mean() < 1  # Some capped, some not.
+
+
+def test_without_a_mismatch_or_a_cap_the_loss_is_bitwise_untouched():
+  logp, old, a, mask = batch(9)
+  plain, _ = losses.ppo_policy_loss(logp, old, a, mask, eps_low=0.2, eps_high=0.28)
+  off, metrics = losses.ppo_policy_loss(logp, old, a, mask, eps_low=0.2, eps_high=0.28, sampler_logprobs=old - 1.0)
+  same, _ = losses.ppo_policy_loss(logp, old, a, mask, eps_low=0.2, eps_high=0.28, sampler_logprobs=old, tis_cap=2.0)
+  assert "tis_weight_mean" not in metrics
+  np.testing.assert_array_equal(off, plain)
+  np.testing.assert_array_equal(same, plain)  # Weights of exactly 1.

@@ -120,8 +120,9 @@ def _assert_same_step(packed, padded, *, actor_trained: bool = True):
 
 
 CASES = {  # algo fields, packing fields, sharding preset, devices.
-    # VAPO: token-mean, decoupled and length-adaptive GAE, NLL; KL and entropy terms; 4 micro-batches of 2 rows.
-    "vapo": (dict(kl_coef=0.05, entropy_coef=0.01), dict(micro_batch_rows=2, row_tokens=20), "dp", 1),
+    # VAPO: token-mean, decoupled and length-adaptive GAE, NLL; KL and entropy terms; truncated importance
+    # sampling against the rollout's sampler log-probs; 4 micro-batches of 2 rows.
+    "vapo": (dict(kl_coef=0.05, entropy_coef=0.01, tis_cap=1.2), dict(micro_batch_rows=2, row_tokens=20), "dp", 1),
     # PPO's aggregation, λ_actor = λ_critic = 0.95; 2 epochs of 2 mini-batches, micro-batches of 3 rows.
     "seq-mean-token-mean": (dict(loss_agg="seq-mean-token-mean", decoupled_gae=False, length_adaptive_alpha=None,
                                  lam_actor=0.95, mini_batch_responses=8, ppo_epochs=2), dict(micro_batch_rows=3),
@@ -148,6 +149,7 @@ def test_a_packed_step_equals_the_padded_one(case):
   packed = _run(_config(True, algo, packing, preset_name), devices)
   _assert_same_step(packed, padded)
   assert packed[2]["perf/padding_frac_update"] < padded[2]["perf/padding_frac_update"]
+  assert ("actor/tis_clip_frac" in packed[2]) == (algo.get("tis_cap") is not None)
   if preset_name == "fsdp":  # Micro-batches of fewer rows than devices: FSDP over 4, tensor parallelism over 2.
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")  # fsdp_tp replicates the 259-entry vocabulary (not divisible by 2).

@@ -50,6 +50,10 @@ class AlgoConfig:
   eps_low: float = 0.2  # Lower PPO clip: ratio ≥ 1 − eps_low.
   eps_high: float = 0.28  # Technique 4 (clip-higher): ratio ≤ 1 + eps_high.
   dual_clip: float | None = None  # Dual-clip constant c > 1 for negative advantages; None: off.
+  # Truncated importance sampling (TIS): each token's policy-gradient term weighted by min(π_old / π_sampler, C),
+  # correcting for a sampler that differs from the trainer (bfloat16 rollout weights, a cache's precision,
+  # tokens sampled under older weights); C = tis_cap ≥ 1, None: off (the loss is untouched).
+  tis_cap: float | None = None
   loss_agg: LossAggregation = "token-mean"  # Technique 5: policy-loss aggregation.
   positive_nll_coef: float = 0.1  # Technique 6: μ, weight of the NLL on correct responses.
   whiten_advantages: bool = True  # Batch-wide whitening of GAE advantages over valid tokens.
@@ -88,6 +92,8 @@ class AlgoConfig:
     in_range(self, "eps_high", 0.0, 10.0)
     if self.dual_clip is not None:
       require(self.dual_clip > 1, self, "dual_clip", "must be > 1 or None", self.dual_clip)
+    if self.tis_cap is not None:
+      require(self.tis_cap >= 1, self, "tis_cap", "must be >= 1 or None", self.tis_cap)
     in_range(self, "positive_nll_coef", 0.0, 100.0)
     if self.value_clip is not None:
       require(self.value_clip > 0, self, "value_clip", "must be > 0 or None", self.value_clip)

@@ -88,6 +88,8 @@ def ppo_policy_loss(
     denominator: jax.Array | float | None = None,
     norm_length: int | None = None,
     segment_ids: jax.Array | None = None,
+    sampler_logprobs: jax.Array | None = None,
+    tis_cap: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped PPO surrogate with decoupled clip range ("clip-higher", DAPO / VAPO §4.3).
 
@@ -102,6 +104,10 @@ def ppo_policy_loss(
   zeroes the gradient), `clip_frac_high` (ratio above 1 + ε_high with Â > 0), `dual_clip_frac`,
   `approx_kl` (the k3 estimate of KL(π_old ‖ π)) and `ratio_mean`, all over valid tokens.
   `denominator`, `norm_length`, `segment_ids`: as in `aggregate_loss`.
+
+  Truncated importance sampling (`tis_cap` C with `sampler_logprobs`, the log-probs the tokens were sampled
+  with): ℓ_t is weighted by w_t = min(exp(log π_old − log π_sampler), C), a constant; metrics
+  `tis_weight_mean` and `tis_clip_frac` (tokens whose ratio exceeds C). Without them ℓ_t is untouched.
   """
   logprobs, old_logprobs, advantages = _f32(logprobs), _f32(old_logprobs), _f32(advantages)
   log_ratio = jnp.where(response_mask, logprobs - old_logprobs, 0.0)
@@ -115,6 +121,12 @@ def ppo_policy_loss(
     dual_active = (advantages < 0) & (token_losses > dual)
     token_losses = jnp.where(advantages < 0, jnp.minimum(token_losses, dual), token_losses)
     metrics["dual_clip_frac"] = masked.masked_mean(dual_active, response_mask)
+  if tis_cap is not None and sampler_logprobs is not None:
+    sampler_ratio = jnp.exp(jnp.where(response_mask, old_logprobs - _f32(sampler_logprobs), 0.0))
+    weights = jnp.minimum(sampler_ratio, tis_cap)
+    token_losses = token_losses * weights
+    metrics["tis_weight_mean"] = masked.masked_mean(weights, response_mask)
+    metrics["tis_clip_frac"] = masked.masked_mean(sampler_ratio > tis_cap, response_mask)
   loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator, norm_length=norm_length,
                         segment_ids=segment_ids)
   metrics |= {

@@ -197,8 +197,10 @@ def actor_loss(
     denominators: Denominators | None = None,
     segment_ids: jax.Array | None = None,
     norm_length: int | None = None,
+    sampler_logprobs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured).
+  """PPO clip-higher loss + μ·positive-example NLL (+ KL and entropy terms when configured; the policy term
+  weighted by truncated importance sampling with `algo.tis_cap` and `sampler_logprobs`).
 
   `denominators` (of the whole mini-batch) make this a micro-batch's share of the mini-batch
   loss; None normalises by this batch alone. Packed rows: per-token arrays `[R, L]` (verdicts too)
@@ -208,7 +210,8 @@ def actor_loss(
   agg = dict(mode=algo.loss_agg, denominator=d.policy, norm_length=norm_length, segment_ids=segment_ids)
   policy, metrics = losses.ppo_policy_loss(
       logprobs, old_logprobs, advantages, response_mask, eps_low=algo.eps_low,
-      eps_high=algo.eps_high, dual_clip=algo.dual_clip, **agg)
+      eps_high=algo.eps_high, dual_clip=algo.dual_clip, sampler_logprobs=sampler_logprobs, tis_cap=algo.tis_cap,
+      **agg)
   metrics = {f"actor/{k}": v for k, v in metrics.items()} | {"actor/pg_loss": policy}
   total = policy
   if algo.positive_nll_coef > 0:

@@ -114,6 +114,7 @@ class RowBatch(NamedTuple):
   advantages: jax.Array | None = None
   ref_logprobs: jax.Array | None = None
   value_mask: jax.Array | None = None  # bool: the value loss fits this column (None: every response column).
+  sampler_logprobs: jax.Array | None = None
 
 
 class PackedBatch(NamedTuple):
@@ -167,5 +168,5 @@ def mini_batch(batch, sequences, lengths: Lengths, row, offset, *, rows: int, mi
   at = lambda x: None if x is None else jnp.where(predicts, x.reshape(-1)[index], jnp.zeros((), x.dtype))
   packed = RowBatch(tokens, lay.segment_ids, lay.position, predicts, predicts & batch.is_positive[seq],
                     at(batch.returns), at(batch.old_values), at(batch.old_logprobs), at(batch.advantages),
-                    at(batch.ref_logprobs), at(batch.value_mask))
+                    at(batch.ref_logprobs), at(batch.value_mask), at(batch.sampler_logprobs))
   return PackedBatch(split_rows(packed, micro_rows), lengths.response[sequences], batch.is_positive[sequences])

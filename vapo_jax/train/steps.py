@@ -32,7 +32,7 @@ from vapo_jax import distributed
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.models import sharding
-from vapo_jax.rl import advantages, losses
+from vapo_jax.rl import advantages, losses, masked
 from vapo_jax.rollout.common import Rollout
 from vapo_jax.train import algorithm, packed_batch, packing
 from vapo_jax.train.packed_batch import PackedBatch
@@ -190,10 +190,14 @@ class Steps:
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
     stats |= algorithm.advantage_metrics(est, value, entropy, jnp.abs(out.policy_logprobs - old_logprobs), mask)
+    log_ratio = jnp.where(mask, old_logprobs - out.sampler_logprobs, 0.0)  # log π_old / π_sampler per token.
+    stats["rollout/sampler_kl"] = masked.masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)  # k3, ≥ 0.
     stats |= algorithm.position_metrics(
         est, value, None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
         mask)
-    return TrainBatch(tokens, attention, mask, est.returns, value, correct, old_logprobs, est.advantages, ref), stats
+    sampled = out.sampler_logprobs if algo.tis_cap is not None else None
+    return TrainBatch(tokens, attention, mask, est.returns, value, correct, old_logprobs, est.advantages, ref,
+                      sampler_logprobs=sampled), stats
 
   # ------------------------------------------------------------------------------ updates
   def _state_program(self, name, fn, state: TrainState):

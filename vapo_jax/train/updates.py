@@ -36,6 +36,7 @@ class TrainBatch(NamedTuple):
   advantages: jax.Array | None = None  # [B, Tr] (None: critic only).
   ref_logprobs: jax.Array | None = None  # [B, Tr] reference-policy log-probs (None without a KL term).
   value_mask: jax.Array | None = None  # [B, Tr] tokens of the value loss (None: response_mask).
+  sampler_logprobs: jax.Array | None = None  # [B, Tr] as sampled (None without truncated importance sampling).
 
 
 def join(prompt_tokens, prompt_mask, response_tokens, response_mask):
@@ -124,7 +125,8 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
     loss, metrics = algorithm.actor_loss(
         algo, logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, mb.is_positive,
         ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy, denominators=denominators,
-        segment_ids=mb.segment_ids if isinstance(mb, RowBatch) else None, norm_length=norm_length)
+        segment_ids=mb.segment_ids if isinstance(mb, RowBatch) else None, norm_length=norm_length,
+        sampler_logprobs=mb.sampler_logprobs)
     return loss, (loss, metrics)
 
   chunks = _chunks(batch, micro, shards)
