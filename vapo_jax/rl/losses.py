@@ -122,11 +122,8 @@ def ppo_policy_loss(
     token_losses = jnp.where(advantages < 0, jnp.minimum(token_losses, dual), token_losses)
     metrics["dual_clip_frac"] = masked.masked_mean(dual_active, response_mask)
   if tis_cap is not None and sampler_logprobs is not None:
-    sampler_ratio = jnp.exp(jnp.where(response_mask, old_logprobs - _f32(sampler_logprobs), 0.0))
-    weights = jnp.minimum(sampler_ratio, tis_cap)
-    token_losses = token_losses * weights
-    metrics["tis_weight_mean"] = masked.masked_mean(weights, response_mask)
-    metrics["tis_clip_frac"] = masked.masked_mean(sampler_ratio > tis_cap, response_mask)
+    weights, tis_metrics = truncated_importance_weights(old_logprobs, sampler_logprobs, response_mask, cap=tis_cap)
+    token_losses, metrics = token_losses * weights, metrics | tis_metrics
   loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator, norm_length=norm_length,
                         segment_ids=segment_ids)
   metrics |= {
@@ -136,6 +133,16 @@ def ppo_policy_loss(
       "ratio_mean": masked.masked_mean(ratio, response_mask),
   }
   return loss, metrics
+
+
+def truncated_importance_weights(old_logprobs: jax.Array, sampler_logprobs: jax.Array, response_mask: jax.Array, *,
+                                 cap: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """TIS weights w_t = min(exp(log π_old − log π_sampler), cap) `[B, T]` and their metrics: `tis_weight_mean`,
+  `tis_clip_frac` (tokens whose ratio exceeds the cap), over valid tokens."""
+  ratio = jnp.exp(jnp.where(response_mask, _f32(old_logprobs) - _f32(sampler_logprobs), 0.0))
+  weights = jnp.minimum(ratio, cap)
+  return weights, {"tis_weight_mean": masked.masked_mean(weights, response_mask),
+                   "tis_clip_frac": masked.masked_mean(ratio > cap, response_mask)}
 
 
 def value_loss(
