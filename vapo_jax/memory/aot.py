@@ -17,6 +17,7 @@ Inside `compiled_cache.keeping` (a compile report for a TPU topology), what the 
 on disk and loaded by a later compile of the same program.
 """
 
+import contextlib
 import hashlib
 import math
 import time
@@ -27,6 +28,19 @@ import jax
 from vapo_jax.memory import compiled_cache, hlo, hlo_walk, topologies
 from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
+
+_walking = [False]  # Inside `walking(True)`: programs are walked (`Program.walked`).
+
+
+@contextlib.contextmanager
+def walking(on: bool):
+  """Inside: `compile_program` walks each program's HLO (`hlo_walk`), which only the roofline reads (a compile
+  report for a chip it knows); elsewhere (the start-up check) it is not spent."""
+  before, _walking[0] = _walking[0], on
+  try:
+    yield
+  finally:
+    _walking[0] = before
 
 
 class Memory(NamedTuple):
@@ -82,7 +96,7 @@ class Program(NamedTuple):
   collectives: tuple[hlo.Collective, ...]
   fingerprint: str  # sha256 of the lowered module: equal fingerprints, the same program.
   kept: bool = False  # Loaded from what the compiler said before (`compiled_cache`), not compiled now.
-  walked: hlo_walk.Walked | None = None  # Its HBM bytes and cycles walked from its HLO, loops by their trips.
+  walked: hlo_walk.Walked | None = None  # Its HBM bytes, FLOPs, cycles walked from its HLO (inside `walking`).
 
   @property
   def needs(self) -> float:
@@ -149,7 +163,7 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   memory, found, traffic, walked = None, (), None, None
   if said.refusal is None:
     memory = Memory(*said.memory)
-    walked = hlo_walk.walk(said.text)
+    walked = hlo_walk.walk(said.text) if _walking[0] else None
     found = tuple(hlo.collectives(said.text))
     traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
   refused = topologies.refused_bytes(said.refusal) if said.refusal is not None else None
