@@ -332,6 +332,12 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
   for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
     lines.append(f"  profile {letter}: {step.profile}")
   lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
+  if report.refill and report.pool["implementation"] == "kernel" and report.target.chip is not None:
+    queues, tp = groups(report), report.config.rollout.tensor_parallel
+    mode = paged_attention.megacore_mode(chip, report.decode_rows // queues, report.architecture.num_kv_heads // tp)
+    cores = report.target.chip.cores
+    lines.append(f"  the paged kernel reads the cache on {cores if mode else 1} of the chip's {cores} TensorCore(s) "
+                 f"(megacore_mode={mode})")
   for label, step in estimates:
     lines.append(f"  {label:<16}{summary(step)}")
   by = dict(estimates)
