@@ -27,8 +27,8 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 if "PYTEST_XDIST_WORKER" not in os.environ:  # The controller, or a run without xdist: once per run.
-  from vapo_jax.cli import bound_compilation_cache  # noqa: E402  (imports no JAX)
-  bound_compilation_cache()
+  from vapo_jax import compile_cache  # noqa: E402  (imports no JAX)
+  compile_cache.bound()
 import jax  # noqa: E402  (must come after the environment is set)
 import pytest  # noqa: E402
 

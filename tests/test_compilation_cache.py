@@ -1,11 +1,12 @@
-"""`bound_compilation_cache`: the least recently used files go first, down to the bound, and nothing
-happens without both variables."""
+"""The cache directory's owner (`compile_cache`): `bound` deletes the least recently used files first, down to
+the bound, and nothing without both variables; a keyed file is read back only under its own key (a mismatched
+key, a damaged file, an unreadable or read-only directory: a miss, never an error); XLA's entries are sealed."""
 
 import os
 
 import pytest
 
-from vapo_jax.cli import bound_compilation_cache
+from vapo_jax import compile_cache
 
 MIB = 2**20
 
@@ -21,9 +22,9 @@ def _cache(tmp_path, sizes_mib):
 def test_the_least_recently_used_files_go_down_to_the_bound(tmp_path):
   _cache(tmp_path, [1, 1, 1, 1])
   environ = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path), "VAPO_JAX_CACHE_MAX_GIB": str(2.5 * MIB / 2**30)}
-  assert bound_compilation_cache(environ) == 2 * MIB
+  assert compile_cache.bound(environ) == 2 * MIB
   assert sorted(p.name for p in tmp_path.iterdir()) == ["entry2-cache", "entry3-cache"]
-  assert bound_compilation_cache(environ) == 0  # Within the bound: nothing more goes.
+  assert compile_cache.bound(environ) == 0  # Within the bound: nothing more goes.
 
 
 def test_nothing_happens_without_both_variables_or_a_directory(tmp_path):
@@ -31,8 +32,29 @@ def test_nothing_happens_without_both_variables_or_a_directory(tmp_path):
   tiny = str(1 / 2**30)
   for environ in ({"JAX_COMPILATION_CACHE_DIR": str(tmp_path)}, {"VAPO_JAX_CACHE_MAX_GIB": tiny},
                   {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "absent"), "VAPO_JAX_CACHE_MAX_GIB": tiny}):
-    assert bound_compilation_cache(environ) == 0
+    assert compile_cache.bound(environ) == 0
   assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
+def test_a_keyed_file_is_read_back_only_under_its_own_key(tmp_path):
+  environ = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+  assert compile_cache.store_keyed("vapo-x-", "k1", {"table": "t"}, environ)
+  assert compile_cache.load_keyed("vapo-x-", "k1", environ) == {"table": "t", "key": "k1"}
+  path = compile_cache.keyed_path("vapo-x-", "k1", environ)
+  os.replace(path, compile_cache.keyed_path("vapo-x-", "k2", environ))  # Another key's file under this name.
+  assert compile_cache.load_keyed("vapo-x-", "k2", environ) is None
+  with open(compile_cache.keyed_path("vapo-x-", "k2", environ), "w") as f:
+    f.write('{"key": "k2", "tab')  # Damaged: cut short.
+  assert compile_cache.load_keyed("vapo-x-", "k2", environ) is None
+  assert compile_cache.load_keyed("vapo-x-", "k3", environ) is None  # Absent.
+  assert compile_cache.load_keyed("vapo-x-", "k1", {}) is None  # No cache directory.
+  assert not compile_cache.store_keyed("vapo-x-", "k1", {}, {})
+
+
+def test_a_read_only_directory_stores_no_keyed_file_and_raises_nothing():
+  environ = {"JAX_COMPILATION_CACHE_DIR": "/proc/self"}  # Read-only for root too (the tests may run as root).
+  assert not compile_cache.store_keyed("vapo-x-", "k1", {"table": "t"}, environ)
+  assert compile_cache.load_keyed("vapo-x-", "k1", environ) is None
 
 
 def test_a_sealed_entry_that_does_not_match_its_key_is_evicted_and_replaced(tmp_path):

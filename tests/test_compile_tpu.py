@@ -18,14 +18,15 @@ from jax.sharding import NamedSharding
 
 from conftest import build_smoke_config
 from experiments import get_experiment
+from vapo_jax import compile_cache
 from vapo_jax.cli import memory
 from vapo_jax.memory import (
   aot,
-  compiled_cache,
   hlo,
   micro_batch_cost,
   roofline,
   topologies,
+  tpu_said,
   xla_report,
   xla_report_text,
 )
@@ -134,31 +135,31 @@ def test_a_second_compile_loads_what_the_tpu_compiler_said(smoke_report, monkeyp
   paths = set()
   for name, flags in ((TOPOLOGY, ""), (TOPOLOGY, " --xla_dump_to=/nonexistent"), ("v5p:2x2x2", "")):
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + flags)
-    with compiled_cache.keeping(topologies.named(name)):
-      paths.add(compiled_cache._path(compiled_cache._key("module @same {}")))
+    with tpu_said.keeping(topologies.named(name)):
+      paths.add(compile_cache.keyed_path(tpu_said.PREFIX, tpu_said._key("module @same {}")))
   assert len(paths) == 3 and None not in paths
 
 
 def test_an_unwritable_damaged_or_swapped_kept_file_costs_a_compile(tmp_path, monkeypatch):
-  said = compiled_cache.Said((1, 2, 3, 4), {"flops": 5.0}, "HloModule m", (), None)
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "absent"))
-  with compiled_cache.keeping(topologies.named(TOPOLOGY)):
-    compiled_cache.store("module @m {}", said)  # No directory: nothing kept, nothing raised.
-    assert compiled_cache.load("module @m {}") is None
+  said = tpu_said.Said((1, 2, 3, 4), {"flops": 5.0}, "HloModule m", (), None)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/proc/self")  # Read-only, for root too.
+  with tpu_said.keeping(topologies.named(TOPOLOGY)):
+    tpu_said.store("module @m {}", said)  # Unwritable: nothing kept, nothing raised.
+    assert tpu_said.load("module @m {}") is None
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
-  with compiled_cache.keeping(topologies.named(TOPOLOGY)):
-    compiled_cache.store("module @m {}", said)
-    assert compiled_cache.load("module @m {}") == said
-    path = lambda text: compiled_cache._path(compiled_cache._key(text))
+  with tpu_said.keeping(topologies.named(TOPOLOGY)):
+    tpu_said.store("module @m {}", said)
+    assert tpu_said.load("module @m {}") == said
+    path = lambda text: compile_cache.keyed_path(tpu_said.PREFIX, tpu_said._key(text))
     other = said._replace(cost={"flops": 6.0})
-    compiled_cache.store("module @other {}", other)
+    tpu_said.store("module @other {}", other)
     shutil.copyfile(path("module @other {}"), path("module @m {}"))  # Another program's file under m's name:
-    assert compiled_cache.load("module @m {}") is None  # a miss (its key is inside),
-    compiled_cache.store("module @m {}", said)  # which the compile that follows rewrites.
-    assert compiled_cache.load("module @m {}") == said and compiled_cache.load("module @other {}") == other
+    assert tpu_said.load("module @m {}") is None  # a miss (its key is inside),
+    tpu_said.store("module @m {}", said)  # which the compile that follows rewrites.
+    assert tpu_said.load("module @m {}") == said and tpu_said.load("module @other {}") == other
     with open(path("module @m {}"), "r+b") as f:
       f.truncate(20)  # A file cut short (a full disk, a killed process): read as absent.
-    assert compiled_cache.load("module @m {}") is None
+    assert tpu_said.load("module @m {}") is None
 
 
 def test_bad_topologies_are_user_errors(capsys):

@@ -1,6 +1,15 @@
-"""XLA's persistent compilation cache, checked: every entry bound to its key, a read-only directory said once.
+"""The compilation cache directory (`$JAX_COMPILATION_CACHE_DIR`), owned here: XLA's entries checked, the
+directory bounded, and the package's own keyed files in it.
 
+  compile_cache.bound()       # at a run's start: least recently used files out, down to VAPO_JAX_CACHE_MAX_GIB
   compile_cache.install()     # at a run's start, before anything compiles (make train, eval, memory; the tests)
+  compile_cache.store_keyed("vapo-memory-", key, {...}); compile_cache.load_keyed("vapo-memory-", key)
+
+Keyed files (`<prefix><key>.json`: the start-up verdict's `vapo-memory-`, the TPU compiler's reports'
+`vapo-tpu-`) each hold their key, compared at every load: a file whose key differs (another program's, copied
+over it), a damaged one or a directory that cannot be read is a miss, and a read-only or full directory
+stores nothing; either way it costs a compile, nothing else. A load marks the file as recently used, so that
+`bound` deletes it last.
 
 JAX keeps each compiled program in `$JAX_COMPILATION_CACHE_DIR/<key>-cache` and loads it back by the key alone:
 an entry that holds another program's executable (a file copied over it) is loaded and run, and a damaged one
@@ -19,11 +28,10 @@ per program.
 
 import errno
 import hashlib
+import json
 import os
 import sys
 import tempfile
-
-import jax
 
 from vapo_jax import files
 
@@ -48,6 +56,7 @@ def writable(directory: str) -> bool:
 def install(environ=os.environ, *, say=_say) -> str:
   """Checks and wraps JAX's persistent compilation cache (module docstring), once per process; returns what it
   did: "off" (no cache directory), "read-only" (the cache turned off) or "sealed"."""
+  import jax
   from jax._src import compilation_cache
 
   directory = environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
@@ -64,6 +73,67 @@ def install(environ=os.environ, *, say=_say) -> str:
   if compilation_cache._cache is not None and not isinstance(compilation_cache._cache, SealedCache):
     compilation_cache._cache = SealedCache(compilation_cache._cache, directory, say)
   return "sealed"
+
+
+def bound(environ=os.environ) -> int:
+  """Deletes the least recently used files of the cache directory (XLA's entries and the keyed files) until it
+  holds at most `VAPO_JAX_CACHE_MAX_GIB` GiB (both set by the Makefile; nothing happens without them); returns
+  the bytes deleted. Run once at the start of a run, not by JAX at every entry it writes: JAX's own bound
+  (`jax_compilation_cache_max_size`) lists the whole directory at each write, which made the suite's
+  thousands of small programs cost minutes."""
+  path, limit = environ.get("JAX_COMPILATION_CACHE_DIR"), environ.get("VAPO_JAX_CACHE_MAX_GIB")
+  if not path or not limit or not os.path.isdir(path):
+    return 0
+  entries = []
+  with os.scandir(path) as it:
+    for entry in it:
+      if entry.is_file(follow_symlinks=False):
+        stat = entry.stat(follow_symlinks=False)
+        entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
+  excess, deleted = sum(size for _, size, _ in entries) - float(limit) * 2**30, 0
+  for _, size, file in sorted(entries):
+    if excess - deleted <= 0:
+      break
+    try:
+      os.remove(file)
+      deleted += size
+    except OSError:  # Another process removed or is reading it: it stays for the next run.
+      pass
+  return deleted
+
+
+def keyed_path(prefix: str, key: str, environ=os.environ) -> str | None:
+  """Where the keyed file `<prefix><key>.json` lives (None without a cache directory)."""
+  directory = environ.get("JAX_COMPILATION_CACHE_DIR")
+  return os.path.join(directory, prefix + key + ".json") if directory else None
+
+
+def load_keyed(prefix: str, key: str, environ=os.environ) -> dict | None:
+  """The keyed file's contents (a dict holding `key`), or None: absent, unreadable, damaged or another key's."""
+  if (path := keyed_path(prefix, key, environ)) is None:
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+    if not isinstance(data, dict) or data.get("key") != key:
+      return None
+    os.utime(path)  # Recently used: `bound` deletes the least recently used first.
+    return data
+  except (OSError, ValueError):
+    return None
+
+
+def store_keyed(prefix: str, key: str, data: dict, environ=os.environ) -> bool:
+  """Writes `data` with its key to the keyed file, whole or not at all; False where it could not (no cache
+  directory, a read-only or full one)."""
+  if (path := keyed_path(prefix, key, environ)) is None:
+    return False
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    files.write_atomically(path, json.dumps(data | {"key": key}))
+    return True
+  except OSError:
+    return False
 
 
 class SealedCache:

@@ -12,7 +12,6 @@
 Every entry point parses its arguments with `ArgumentParser` before it imports JAX: `--help` prints its
 usage (exit 0) at once, and a bad argument is one line on stderr (exit 2).
 Importing the package sets JAX_PLATFORMS=cpu on a machine without accelerator devices (`cpu_only_platform`).
-`bound_compilation_cache` keeps XLA's persistent compilation cache under its size (`make train`, `make test`).
 `one_line_warnings` shows the package's own warnings as the entry points' other messages: one line each.
 `outlasting_output` keeps a run going when the pipe or terminal its output goes to is gone (a stop saves).
 """
@@ -45,33 +44,6 @@ def cpu_only_platform(environ=os.environ, *, files=ACCELERATOR_FILES) -> None:
   device file exists JAX chooses as it would."""
   if "JAX_PLATFORMS" not in environ and not any(glob.glob(pattern) for pattern in files):
     environ["JAX_PLATFORMS"] = "cpu"
-
-
-def bound_compilation_cache(environ=os.environ) -> int:
-  """Deletes the least recently used files of the compilation cache in `JAX_COMPILATION_CACHE_DIR` until
-  it holds at most `VAPO_JAX_CACHE_MAX_GIB` GiB (both set by the Makefile; nothing happens without
-  them); returns the bytes deleted. Run once at the start of a run, not by JAX at every entry it
-  writes: JAX's own bound (`jax_compilation_cache_max_size`) lists the whole directory at each write,
-  which made the suite's thousands of small programs cost minutes."""
-  path, limit = environ.get("JAX_COMPILATION_CACHE_DIR"), environ.get("VAPO_JAX_CACHE_MAX_GIB")
-  if not path or not limit or not os.path.isdir(path):
-    return 0
-  entries = []
-  with os.scandir(path) as it:
-    for entry in it:
-      if entry.is_file(follow_symlinks=False):
-        stat = entry.stat(follow_symlinks=False)
-        entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
-  excess, deleted = sum(size for _, size, _ in entries) - float(limit) * 2**30, 0
-  for _, size, file in sorted(entries):
-    if excess - deleted <= 0:
-      break
-    try:
-      os.remove(file)
-      deleted += size
-    except OSError:  # Another process removed or is reading it: it stays for the next run.
-      pass
-  return deleted
 
 
 # The package's own sources (vapo_jax/ and experiments/): the warnings raised from them are the run's messages.

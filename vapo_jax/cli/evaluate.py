@@ -232,8 +232,7 @@ def _evaluate(config, args) -> int:
                             (Path(responses).stem if responses else Path(args.ckpt).name))
   if responses is None:
     from vapo_jax import compile_cache
-    from vapo_jax.cli import bound_compilation_cache
-    bound_compilation_cache()
+    compile_cache.bound()
     compile_cache.install()  # Before anything compiles: each kept program checked against its key, as make train.
     responses = sample_from_checkpoint(config, args.ckpt, str(Path(out_dir) / "responses.jsonl"))
   start = time.perf_counter()

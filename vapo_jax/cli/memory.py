@@ -86,11 +86,9 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
   import jax
 
-  from vapo_jax.cli import bound_compilation_cache
-  from vapo_jax.memory import topologies, xla_report, xla_report_text
-
-  bound_compilation_cache()  # make memory's cache (what the compiler said before), at its size.
   from vapo_jax import compile_cache
+  from vapo_jax.memory import topologies, xla_report, xla_report_text
+  compile_cache.bound()  # make memory's cache (what the compiler said before), at its size.
   compile_cache.install()
 
   if layers and not (layers.isdigit() and int(layers) > 0):

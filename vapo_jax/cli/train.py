@@ -45,9 +45,9 @@ def _main(argv: list[str]) -> int:
   if args.help:
     print(resolve.usage(parser, config))
     return 0
-  from vapo_jax.cli import bound_compilation_cache
-  bound_compilation_cache()  # make train's cache, at its size before this run adds to it.
-  from vapo_jax import compile_cache, distributed  # Imports JAX: kept off the `--help` path.
+  from vapo_jax import compile_cache
+  compile_cache.bound()  # make train's cache, at its size before this run adds to it.
+  from vapo_jax import distributed  # Imports JAX: kept off the `--help` path.
   from vapo_jax.cli import preflight
   from vapo_jax.train import checkpoints
   from vapo_jax.train.experience import DynamicSamplingCapReached

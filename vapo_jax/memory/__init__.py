@@ -11,7 +11,7 @@ what to change is found by compiling again (`what_if`); no hand model of the mem
   topologies       what a compile report compiles for: a TPU topology's compile-only devices, CPUs, or the
                    devices a run has
   aot              one jitted program compiled ahead of time on abstract inputs, and XLA's figures for it
-  compiled_cache   what the TPU compiler said of a program, kept on disk for a later compile of the same one
+  tpu_said   what the TPU compiler said of a program, kept on disk for a later compile of the same one
   hlo              the collectives of a compiled program, read from its HLO text, each loop with its trips
   hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction
   xla_report       every program of a run compiled for a target: XLA's bytes per device of each phase

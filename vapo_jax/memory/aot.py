@@ -13,7 +13,7 @@ trips, in-place writes as their updates), the collectives of its decode loop (`d
 implementations traced into it, the lower and compile seconds, and the bytes of the arrays a run holds
 beside it (`resident`: live, but not its arguments). A program the TPU compiler refuses for memory
 keeps the compiler's figure instead (`refused_bytes`). The abstract outputs feed the next program.
-Inside `compiled_cache.keeping` (a compile report for a TPU topology), what the compiler said is kept
+Inside `tpu_said.keeping` (a compile report for a TPU topology), what the compiler said is kept
 on disk and loaded by a later compile of the same program.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from vapo_jax.memory import compiled_cache, hlo, hlo_walk, topologies
+from vapo_jax.memory import hlo, hlo_walk, topologies, tpu_said
 from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
 
@@ -95,7 +95,7 @@ class Program(NamedTuple):
   decode: DecodeTraffic | None  # Per-iteration collectives of its decode loop, if it has one.
   collectives: tuple[hlo.Collective, ...]
   fingerprint: str  # sha256 of the lowered module: equal fingerprints, the same program.
-  kept: bool = False  # Loaded from what the compiler said before (`compiled_cache`), not compiled now.
+  kept: bool = False  # Loaded from what the compiler said before (`tpu_said`), not compiled now.
   walked: hlo_walk.Walked | None = None  # Its HBM bytes, FLOPs, cycles walked from its HLO (inside `walking`).
 
   @property
@@ -133,18 +133,18 @@ def lowered_fingerprint(lowered, text: str | None = None) -> str:
   return hashlib.sha256((lowered.as_text() if text is None else text).encode()).hexdigest()[:16]
 
 
-def _compile(lowered, text: str) -> tuple[compiled_cache.Said, bool]:
-  """What the compiler says of `lowered`, and whether it was loaded (inside `compiled_cache.keeping`:
+def _compile(lowered, text: str) -> tuple[tpu_said.Said, bool]:
+  """What the compiler says of `lowered`, and whether it was loaded (inside `tpu_said.keeping`:
   kept, or loaded). A refusal for memory is recorded; any other compile error propagates."""
-  if (said := compiled_cache.load(text)) is not None:
+  if (said := tpu_said.load(text)) is not None:
     return said, True
   try:
-    said = compiled_cache.said_by(lowered.compile())
+    said = tpu_said.said_by(lowered.compile())
   except Exception as error:  # noqa: BLE001  (XLA's runtime error type is private)
     if topologies.refused_bytes(error) is None:
       raise
-    said = compiled_cache.refused(error)
-  compiled_cache.store(text, said)
+    said = tpu_said.refused(error)
+  tpu_said.store(text, said)
   return said, False
 
 

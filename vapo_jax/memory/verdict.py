@@ -27,7 +27,7 @@ import pathlib
 
 import jax
 
-from vapo_jax import files
+from vapo_jax import compile_cache
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies, xla_report, xla_report_text
 
@@ -57,33 +57,15 @@ def key(config, target: topologies.Topology) -> str:
   return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _path(digest: str) -> str | None:
-  directory = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  return os.path.join(directory, PREFIX + digest + ".json") if directory else None
-
-
 def _load(digest: str) -> str | None:
-  """The kept report's text of this key, or None (not kept, unreadable, another key's)."""
-  if (path := _path(digest)) is None:
-    return None
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    os.utime(path)  # Recently used: the cache's bound deletes the least recently used first.
-    table = data["table"] if data["key"] == digest else None
-  except (OSError, ValueError, KeyError, TypeError, IndexError):
-    return None
+  """The kept report's text of this key, or None (not kept, unreadable, another key's: `compile_cache.load_keyed`)."""
+  data = compile_cache.load_keyed(PREFIX, digest)
+  table = data.get("table") if data else None
   return table if isinstance(table, str) else None  # A file of another shape: compiled again, then replaced.
 
 
 def _store(digest: str, table: str) -> None:
-  if (path := _path(digest)) is None:
-    return
-  try:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    files.write_atomically(path, json.dumps({"key": digest, "table": table}))
-  except OSError:  # A full or read-only cache directory costs a compile at the next start, nothing else.
-    pass
+  compile_cache.store_keyed(PREFIX, digest, {"table": table})  # Unwritable: a compile at the next start.
 
 
 def check(config, devices: list, *, show: bool = True, log=None) -> str:
@@ -102,7 +84,7 @@ def check(config, devices: list, *, show: bool = True, log=None) -> str:
     return line
   digest = key(config, target)
   if (kept := _load(digest)) is not None:
-    say(kept + f"\n  (XLA's figures kept from an earlier start: {_path(digest)})")
+    say(kept + f"\n  (XLA's figures kept from an earlier start: {compile_cache.keyed_path(PREFIX, digest)})")
     return kept
   say(f"memory: compiling the run's programs on {target.name} for XLA's figures (kept for the next start)")
   report = xla_report.compile_run(config, target, log=log or say)

@@ -48,7 +48,7 @@ from flax import nnx
 from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory import aot, compiled_cache, topologies
+from vapo_jax.memory import aot, topologies, tpu_said
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
@@ -349,7 +349,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   if unknown:
     raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
   run, done = _Run(config, target, layers, tail), []
-  with topologies.persistent_cache_for(target), compiled_cache.keeping(target), aot.walking(target.chip is not None):
+  with topologies.persistent_cache_for(target), tpu_said.keeping(target), aot.walking(target.chip is not None):
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
     if "reshard" in phases and run.layout.tensor_parallel > 1:

@@ -6,7 +6,7 @@ What to change is found by compiling the run again with each setting that can lo
 (`what_if`): every fix is printed with the figure XLA gave it.
 """
 
-from vapo_jax.memory import compiled_cache, what_if
+from vapo_jax.memory import tpu_said, what_if
 from vapo_jax.memory.topologies import GIB, readable_bytes
 
 MIB = 2**20
@@ -60,7 +60,7 @@ def table(report) -> str:
   kept = sum(p.kept for phase in report.phases for p in phase.programs)
   if kept:
     lines.append(f"  {kept} program(s) loaded from what the compiler said before ($JAX_COMPILATION_CACHE_DIR/"
-                 f"{compiled_cache.PREFIX}*): their compile s is the load's")
+                 f"{tpu_said.PREFIX}*): their compile s is the load's")
   worst = max(report.phases, key=lambda phase: phase.needs)
   peak = f"  peak {readable_bytes(worst.needs)} per device ({worst.name}: {worst.worst.name})"
   if report.device_bytes is None:

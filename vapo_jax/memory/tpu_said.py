@@ -5,7 +5,7 @@ load one back without a TPU: `topologies.persistent_cache_for`), so each compile
 TPU program again: minutes a program at 64 layers. A report reads only a few things from a compiled
 program: its memory analysis, its cost analysis, its optimised HLO text and its output shardings, or
 the compiler's refusal. `Said` holds exactly those; `keeping(target)` stores each one in
-`$JAX_COMPILATION_CACHE_DIR/vapo-tpu-<key>.json` (bounded with XLA's files: `bound_compilation_cache`),
+`$JAX_COMPILATION_CACHE_DIR/vapo-tpu-<key>.json` (a keyed file of `compile_cache`, bounded with XLA's files),
 and a later compile of the same program loads it instead. Everything a report derives from them (the
 collectives, the decode loop's traffic, the refused bytes) is derived again at each load.
 
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from vapo_jax import files
+from vapo_jax import compile_cache
 
 PREFIX = "vapo-tpu-"
 FORMAT = 3  # Of the files: part of the key, so a file of another format is never read (3: op_names in the HLO
@@ -86,10 +86,6 @@ def _key(text: str) -> str | None:
   return hashlib.sha256((_active[-1][2] + "\n" + text).encode()).hexdigest()
 
 
-def _path(key: str) -> str:
-  return os.path.join(_active[-1][0], PREFIX + key + ".json")
-
-
 def _sharding(s: NamedSharding) -> dict:
   mesh = s.mesh
   return {"devices": [d.id for d in mesh.devices.flat], "shape": list(mesh.devices.shape),
@@ -105,33 +101,25 @@ def _named(data: dict, devices: dict) -> NamedSharding:
 
 
 def load(lowered_text: str) -> Said | None:
-  """What the compiler said of this lowered program before, or None (not kept, or unreadable)."""
-  if (key := _key(lowered_text)) is None:
+  """What the compiler said of this lowered program before, or None (not kept, unreadable, another key's)."""
+  if (key := _key(lowered_text)) is None or (data := compile_cache.load_keyed(PREFIX, key)) is None:
     return None
-  path = _path(key)
   try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-    if data["key"] != key:  # Another program's file under this name: a miss, rewritten by the compile.
-      return None
     shardings = None if data["refusal"] else tuple(_named(s, _active[-1][1]) for s in data["shardings"])
     text = zlib.decompress(base64.b64decode(data["text"])).decode()
-    os.utime(path)  # Recently used: `bound_compilation_cache` deletes the least recently used first.
     return Said(tuple(data["memory"]) if data["memory"] else None, data["cost"], text, shardings, data["refusal"])
-  except (OSError, ValueError, KeyError, TypeError):  # Absent, or written by another version: compile again.
+  except (ValueError, KeyError, TypeError, zlib.error):  # Written by another version: compile again.
     return None
 
 
 def store(lowered_text: str, said: Said) -> None:
-  """Keeps `said` for this lowered program (inside `keeping`; written whole or not at all)."""
+  """Keeps `said` for this lowered program (inside `keeping`; written whole or not at all: a full or read-only
+  cache directory costs a compile next time, nothing else)."""
   if (key := _key(lowered_text)) is None:
     return
   shardings = [_sharding(s) if isinstance(s, NamedSharding) else None for s in said.shardings or ()]
   if any(s is None or _named(s, _active[-1][1]) != original for s, original in zip(shardings, said.shardings or ())):
     return  # A sharding this file would not rebuild equal: such a program compiles each time.
-  data = {"key": key, "memory": said.memory, "cost": said.cost, "refusal": said.refusal,
-          "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(), "shardings": shardings}
-  try:
-    files.write_atomically(_path(key), json.dumps(data))
-  except OSError:  # A full or read-only cache directory costs a compile next time, nothing else.
-    pass
+  compile_cache.store_keyed(PREFIX, key, {"memory": said.memory, "cost": said.cost, "refusal": said.refusal,
+                                          "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(),
+                                          "shardings": shardings})
