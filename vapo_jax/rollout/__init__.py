@@ -194,7 +194,7 @@ def refill_settings(engine: Engine, *, prompts: int, group: int, prompt_tokens: 
   tg = paged["page_tokens"]
   lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
   common.check_pool(pages=paged["pages"], prompts=prompts // queues, max_new_tokens=max_new_tokens, page_tokens=tg,
-                    held=common.prompt_pages(lengths, queues=queues, page_tokens=tg), given=engine.pages_given)
+                    held=common.most_prompt_pages(lengths, queues=queues, page_tokens=tg), given=engine.pages_given)
   return dict(slots=min(engine.slots, -(-prompts * group // queues) * queues), queues=queues, **paged)
 
 

@@ -95,20 +95,6 @@ def _size(nbytes: int) -> str:
   return f"{nbytes} bytes"
 
 
-def slots_that_fit(model_cfg, *, sequences: int, prompt_tokens: int, max_new_tokens: int, budget_bytes: int,
-                   dtype=jnp.float32, devices: int = 1, tensor: int = 1) -> int:
-  """The most decode slots, a multiple of `devices` (data-parallel groups) and no more than `sequences`
-  need (rounded up to `devices`), whose KV cache (split by heads over `tensor` chips) fits
-  `budget_bytes` per device; raises when not one slot per group fits."""
-  per_sequence = cache_bytes(model_cfg, batch=1, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                             dtype=dtype, tensor=tensor)
-  per_device = min(-(-sequences // devices), budget_bytes // per_sequence)
-  if per_device < 1:
-    check_cache_fits(model_cfg, batch=devices, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                     budget_bytes=budget_bytes, dtype=dtype, devices=devices, tensor=tensor)
-  return per_device * devices
-
-
 def default_page_tokens(platform: str | None = None) -> int:
   """Tokens per page of the refill engine's pool on `platform` (default: the one traced for,
   `sharding.platform()`): 128 on TPU, 16 elsewhere."""
@@ -126,7 +112,7 @@ def table_pages(prompt_tokens: int, max_new_tokens: int, page_tokens: int, block
   return math.ceil(math.ceil((prompt_tokens + max_new_tokens) / page_tokens) / block_pages) * block_pages
 
 
-def prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
+def most_prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
   """The most pages any queue's prompts hold: `lengths` `[P]` real prompt tokens, queue q holding prompts
   [q·P/Q, (q+1)·P/Q), each prompt ⌈length / page_tokens⌉ pages."""
   held = -(-np.asarray(lengths, np.int64) // page_tokens)

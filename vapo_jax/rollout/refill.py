@@ -348,8 +348,9 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
     raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({count}) and min_slots "
                      f"({min_slots})")
   lengths = np.sum(np.asarray(prompt_mask), axis=-1) if prompt_lengths is None else prompt_lengths
-  common.check_pool(pages=pages, prompts=count // queues, max_new_tokens=sampling.max_new_tokens,
-                    held=common.prompt_pages(lengths, queues=queues, page_tokens=page_tokens), page_tokens=page_tokens)
+  held = common.most_prompt_pages(lengths, queues=queues, page_tokens=page_tokens)
+  common.check_pool(pages=pages, prompts=count // queues, max_new_tokens=sampling.max_new_tokens, held=held,
+                    page_tokens=page_tokens)
   settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, pages=pages, page_tokens=page_tokens,
                   block_pages=block_pages, implementation=implementation, steps_per_call=steps_per_call,
                   pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), min_slots=min_slots, jit=jit)
