@@ -42,22 +42,14 @@ def collective_bytes(program, *, unknown: float, run: float | None = None) -> fl
   return total
 
 
-def walked_bytes(program, run: float) -> float:
-  """HBM bytes per chip of the program's runs in one step, walked (`hlo_walk`), with its micro-batch loops
-  charged for the `run` micro-batches that run in all rather than the compiled ones."""
-  walked = program.walked
-  return walked.bytes + sum(x.iteration.bytes * (run - x.runs * x.trips) for x in micro_loops(program).values())
-
-
-def walked_cycles(program, run: float) -> float:
-  walked = program.walked
-  return walked.cycles + sum(x.iteration.cycles * (run - x.runs * x.trips) for x in micro_loops(program).values())
-
-
-def walked_flops(program, run: float) -> float:
-  """The matmuls' FLOPs per chip of the program's runs in one step, walked, micro-batches as `walked_bytes`."""
-  walked = program.walked
-  return walked.flops + sum(x.iteration.flops * (run - x.runs * x.trips) for x in micro_loops(program).values())
+def walked(program, run: float) -> hlo_walk.Cost:
+  """HBM bytes, matmul FLOPs and compiler cycles per chip of the program's runs in one step, walked (`hlo_walk`),
+  with its micro-batch loops charged for the `run` micro-batches that run in all rather than the compiled ones."""
+  w = program.walked
+  total = hlo_walk.Cost(bytes=w.bytes, cycles=w.cycles, kernel_bytes=w.kernel_bytes, flops=w.flops)
+  for loop in micro_loops(program).values():
+    total.add(loop.iteration, run - loop.runs * loop.trips)
+  return total
 
 
 def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:

@@ -145,6 +145,17 @@ def groups(report) -> int:
   return len(report.target.devices) // t if t > 1 else report.mesh_shape["data"] * report.mesh_shape["fsdp"]
 
 
+def read_cores(report, chip) -> tuple[int, str | None]:
+  """(TensorCores the refill engine's cache reads run on, the paged kernel's `megacore_mode`): XLA's reads (the
+  gather, the contiguous engine) use every core; the kernel both of a megacore chip, else one."""
+  if (report.pool or {}).get("implementation") != "kernel":
+    return chip.cores, None
+  rows = report.decode_rows // groups(report)
+  mode = paged_attention.megacore_mode(report.target.device_kind, rows,
+                                       report.architecture.num_kv_heads // report.config.rollout.tensor_parallel)
+  return (chip.cores if mode else 1), mode
+
+
 def decode(report, program, profile: schedule.Profile, engine: str, chip) -> decode_cost.DecodeCost:
   """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
   contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
@@ -161,12 +172,9 @@ def decode(report, program, profile: schedule.Profile, engine: str, chip) -> dec
                              flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
                              cycles=sum(x.cycles for x in costs),
                              collective_bytes=sum(x.collective_bytes for x in costs))
-  kernel = pool["implementation"] == "kernel"
-  counted = 0.0 if kernel else pool["page_tokens"] * pool["block_pages"]
-  cores = (chip.cores if paged_attention.megacore_mode(report.target.device_kind, report.decode_rows // queues,
-                                                       report.architecture.num_kv_heads // c.rollout.tensor_parallel)
-           else 1) if kernel else chip.cores
-  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted, read_cores=cores)
+  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
+  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
+                         read_cores=read_cores(report, chip)[0])
   p = p._replace(rows=report.decode_rows // queues)
   if engine == "paged":
     return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
@@ -224,7 +232,8 @@ def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, ch
       attention = _attention_forward(cfg, tokens) / chips
       attention *= models if phase.name == "scoring" else 4 * (1 + c.algo.uses_critic) * c.algo.ppo_epochs
       if program.walked is not None and mb.micro_loops(program):  # Every matmul walked, the vocabulary blocks too.
-        f, b, k = mb.walked_flops(program, trips), mb.walked_bytes(program, trips), mb.walked_cycles(program, trips)
+        cost = mb.walked(program, trips)
+        f, b, k = cost.flops, cost.bytes, cost.cycles
         m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
         f += attention
       else:
@@ -333,11 +342,9 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
     lines.append(f"  profile {letter}: {step.profile}")
   lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
   if report.refill and report.pool["implementation"] == "kernel" and report.target.chip is not None:
-    queues, tp = groups(report), report.config.rollout.tensor_parallel
-    mode = paged_attention.megacore_mode(chip, report.decode_rows // queues, report.architecture.num_kv_heads // tp)
-    cores = report.target.chip.cores
-    lines.append(f"  the paged kernel reads the cache on {cores if mode else 1} of the chip's {cores} TensorCore(s) "
-                 f"(megacore_mode={mode})")
+    cores, mode = read_cores(report, report.target.chip)
+    lines.append(f"  the paged kernel reads the cache on {cores} of the chip's {report.target.chip.cores} "
+                 f"TensorCore(s) (megacore_mode={mode})")
   for label, step in estimates:
     lines.append(f"  {label:<16}{summary(step)}")
   by = dict(estimates)
