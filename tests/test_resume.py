@@ -180,3 +180,26 @@ def test_saving_after_skipping_an_unreadable_checkpoint_continues_the_numbering(
   found.save(max(found.steps()) + 1, state, {"n": 3}, wait=True)  # What Trainer does.
   assert found.steps()[-1] == 3
   found.close()
+
+
+PARTIAL = ("rollout.decode_budget=8", "rollout.max_staleness=1", "algo.tis_cap=2")  # Smoke responses: ≤ 16 tokens.
+
+
+@pytest.mark.slow  # Three runs of the default experiment at one-layer size: ~2 min on 2 cores.
+def test_sigkill_with_carried_sequences_and_resume_trains_the_same_tokens(tmp_path):
+  """Partial rollouts: killed after an RL step that carried sequences over, the resumed run continues them from
+  the checkpoint and logs what the uninterrupted run logs (the trained tokens' lengths, rewards, losses)."""
+  reference_dir, resumed_dir = tmp_path / "reference", tmp_path / "resumed"
+  proc = _start(reference_dir, *PARTIAL)
+  assert proc.wait(timeout=600) == 0, proc.communicate()[0][-3000:]
+  reference = _records(reference_dir)
+  rl = [i for i, r in enumerate(reference) if r["stage"] == "rl"]
+  carried = [i for i in rl[:-1] if reference[i]["rollout/carried_sequences"] > 0]
+  assert carried and any(reference[i]["rollout/stale_token_frac"] > 0 for i in rl), [reference[i] for i in rl]
+  proc = _start(resumed_dir, *PARTIAL)
+  code, output = _stop_after(proc, resumed_dir, lambda r, n=carried[0] + 1: len(r) >= n, signal.SIGKILL)
+  assert code == -signal.SIGKILL, (code, output[-3000:])
+  proc = _start(resumed_dir, *PARTIAL)
+  output = proc.communicate(timeout=600)[0]
+  assert proc.returncode == 0 and "resumed from" in output, output[-3000:]
+  assert _comparable(_records(resumed_dir)) == _comparable(reference)

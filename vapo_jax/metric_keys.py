@@ -75,7 +75,12 @@ KEYS: dict[str, str] = {
     "rollout/pages": "pages of the paged engine's pool per data-parallel group",
     "rollout/pages_peak": "the most pages any group held at once",
     "rollout/pages_free_after": "the fewest free pages any group had at the end (all of them: nothing leaked)",
-    "rollout/sampling_rounds": "sampling rounds this step (1 without dynamic sampling)",
+    "rollout/sampling_rounds": "sampling rounds this step (1 without dynamic sampling or partial rollouts)",
+    "rollout/carried_sequences": ("partial rollouts: sequences still decoding when the step's rounds ended, "
+                                  "continued next step"),
+    "rollout/stale_token_frac": "partial rollouts: trained tokens sampled by an older policy version",
+    "rollout/restarted_sequences": ("partial rollouts: sequences restarted from the prompt, older than "
+                                    "rollout.max_staleness"),
     "rollout/mixed_group_frac": "dynamic sampling: fraction of the batch's groups with mixed verdicts",
     "rollout/unmixed_groups": "dynamic sampling: groups of all-equal verdicts that filled the batch at the round cap",
     # The verifier, over every response sampled this step (every round).

@@ -205,9 +205,30 @@ class RolloutConfig:
   # Chips per tensor-parallel group while decoding (rollout/layout.py): the weights split over the
   # group (heads, MLP, vocabulary; the KV cache by KV heads) stay still; 1: decode in the training layout.
   tensor_parallel: int = 1
+  # Partial rollouts (refill engine): a rollout round stops after this many decode steps; the sequences still
+  # decoding carry over into the next round and step, continued under the newer weights (rollout/partial.py).
+  # 0: off, every response ends in the step it started.
+  decode_budget: int = 0
+  # Partial rollouts: a carried sequence whose first token is more than this many policy versions old is
+  # restarted from its prompt, so no token trained on is older. (max_staleness + 1) × decode_budget must reach
+  # max_response_tokens, so that a restarted sequence can finish.
+  max_staleness: int = 1
 
   def __post_init__(self):
     positive_int(self, "prompts_per_step")
+    positive_int(self, "decode_budget", allow_zero=True)
+    positive_int(self, "max_staleness", allow_zero=True)
+    if self.decode_budget:
+      require(self.engine == "refill", self, "engine", "must be 'refill' with decode_budget > 0 (the static engine "
+              "cannot stop at a budget)", self.engine)
+      require(self.prompts_per_generation is None, self, "prompts_per_generation",
+              "must be None with decode_budget > 0 (the partial rollout has its own rounds)",
+              self.prompts_per_generation)
+      reach = (self.max_staleness + 1) * self.decode_budget
+      require(reach >= self.max_response_tokens, self, "decode_budget",
+              f"× (max_staleness + 1) = {reach} must reach max_response_tokens={self.max_response_tokens}, or a "
+              "response that long is restarted before it can finish: raise decode_budget or max_staleness",
+              self.decode_budget)
     if self.prompts_per_generation is not None:
       positive_int(self, "prompts_per_generation")
       require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
@@ -316,6 +337,10 @@ class ExperimentConfig:
       require(self.packing.row_tokens >= longest, self, "packing.row_tokens",
                f"must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
                self.packing.row_tokens)
+    if self.rollout.decode_budget:
+      require(not self.algo.dynamic_sampling, self, "algo.dynamic_sampling",
+               "must be false with rollout.decode_budget > 0 (partial rollouts train on the groups that complete)",
+               self.algo.dynamic_sampling)
     if self.algo.overlong_buffer_tokens:
       require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
                "algo.overlong_buffer_tokens",

@@ -69,6 +69,11 @@ class PromptIterator:
     batch, self.state = next_prompts(self.records, self.state, count=self.prompts_per_step, seed=self.seed)
     return batch
 
+  def take(self, count: int) -> list[Record]:
+    """The next `count` records (the batches after them continue where these end)."""
+    batch, self.state = next_prompts(self.records, self.state, count=count, seed=self.seed)
+    return batch
+
   def state_dict(self) -> dict[str, Any]:
     """The position, JSON-serialisable, with what identifies the data and the order."""
     return {"epoch": self.state.epoch, "position": self.state.position, "seed": self.seed,

@@ -10,12 +10,16 @@ The package, one module a part:
   common    what both engines share: `Sampling`, the `Rollout`, prompt buckets, KV-cache sizing,
             the prefill
   static    the static engine: every sequence of a round in one batch (the reference)
-  queues    what both refill engines share: queues of sequences in slots, outputs by sequence, the tail's shrink
+  queues    what both refill engines share: queues of sequences in slots, outputs by sequence, the tail's shrink,
+            the host loop (`drive`)
   pages     the pages of the refill engine's KV cache, handed out and taken back on the device
   refill    the refill engine: decode slots over a paged KV cache, refilled as sequences end, preempted
             and restarted when the pages run out
   contiguous  the refill engine over a contiguous KV cache (each slot owning prompt + cap tokens): the
             reference the benchmark and the roofline compare the paged one against
+  resumed   a partial rollout's call of the refill engine: the run's sequences it continues, and its budget
+  partial   partial rollouts: rounds stopped at `rollout.decode_budget`, the unfinished sequences carried over
+            (host state), complete groups handed to training, `rollout.max_staleness` enforced
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
   here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
 
@@ -174,15 +178,17 @@ def refills(engine: Engine, *, prompts: int, group: int, prompt_tokens: int, max
 
 
 def refill_settings(engine: Engine, *, prompts: int, group: int, prompt_tokens: int, max_new_tokens: int,
-                    head_dim: int, platform: str | None = None, prompt_lengths=None) -> dict | None:
+                    head_dim: int, platform: str | None = None, prompt_lengths=None,
+                    budgeted: bool = False) -> dict | None:
   """What `sample` runs for a call of `prompts` × `group` sequences of `prompt_tokens`-token (bucketed) prompts:
   None for the static engine; for the refill engine its slots, queues (the most dividing `engine.queues`, the
   prompts, the slots and `engine.min_slots`) and `paged_settings`. Raises `MemoryError` naming the setting to
   change, and a value that works, where slots do not split over the data-parallel groups or a queue's pool
   cannot hold its prompts (`prompt_lengths` `[P]` real tokens each; by default every prompt at the bucket) and
   one whole sequence (`common.check_pool`): the start-up check calls it for each rollout of the run before the
-  first step."""
-  if not refills(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens):
+  first step. `budgeted`: a partial rollout's round (`rollout/partial.py`), which only the refill engine runs."""
+  if not budgeted and not refills(engine, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+                                  max_new_tokens=max_new_tokens):
     return None
   if engine.slots % engine.queues:
     raise MemoryError(f"rollout.slots={engine.slots} does not split over the {engine.queues} data-parallel groups "

@@ -33,6 +33,7 @@ from vapo_jax.rollout import sampling as sampling_lib
 DECODE_LOOP = "decode_loop"  # `jax.named_scope` of the engines' decode loops: their op_name in compiled HLO.
 FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
 FINISH_LENGTH = 1  # Reached max_new_tokens (or the sequence's own length limit).
+FINISH_UNFINISHED = 2  # A partial rollout's call stopped at its budget before the sequence ended.
 
 
 class Sampling(NamedTuple):

@@ -46,10 +46,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from vapo_jax import distributed
 from vapo_jax.models.kv_cache import CACHE_AXES, KVCache
 from vapo_jax.models.sharding import constrain
 from vapo_jax.rollout import common
@@ -278,18 +276,8 @@ def generate_contiguous(model, prompt_tokens: jax.Array, prompt_mask: jax.Array,
   settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, steps_per_call=steps_per_call,
                   pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block, min_slots=min_slots,
                   jit=jit)
-  fns = programs(slots=slots, **settings)
-  prompts, state = fns.start(model, prompt_tokens, prompt_mask)
-  rows, steps, row_steps = slots, 0, 0
-  while True:
-    state, status = fns.decode(model, prompts, state, key, length_limits)
-    done, shrink, needed, total = np.asarray(distributed.to_host(status)).tolist()
-    row_steps, steps = row_steps + rows * (total - steps), total
-    if done:
-      break
-    if shrink:
-      rows = queues_lib.shrunk_slots(needed, min_slots)
-      state = compact(state, rows, jit=jit)
-      fns = programs(slots=rows, **settings)
+  fns, state, steps, row_steps = queues_lib.drive(
+      lambda rows: programs(slots=rows, **settings), lambda state, rows: compact(state, rows, jit=jit), model,
+      prompt_tokens, prompt_mask, key, length_limits, slots=slots, min_slots=min_slots)
   out = fns.finish(prompt_tokens, prompt_mask, state.tokens, state.sampler, state.policy, state.lengths, state.stopped)
   return out, steps, row_steps

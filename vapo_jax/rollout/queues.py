@@ -9,13 +9,19 @@ device, and writes its outputs by a scatter batched the same way (`scatter`).
 Outputs are written by sequence (`Outputs`: `[N, Tr]`, split over the batch axes), so a rollout has the
 static engine's row order whatever slot a sequence ran in. In the tail (queues empty), the slots shrink
 to min_slots·2^k (`shrink_threshold`, `shrunk_slots`), each queue keeping an equal share (`rows_needed`).
+
+`drive` is both engines' host loop: start, then decode `steps_per_call` iterations per call until the engine
+says it is done, compacting the rows when it says they can shrink.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from vapo_jax import distributed
 from vapo_jax.models.sharding import constrain
 
 
@@ -123,3 +129,24 @@ def kept_rows(live: jax.Array, rows: int, queues: int) -> jax.Array:
   queue's live ones first (slot order), rows / Q each."""
   kept = lambda part: jnp.argsort(~part, stable=True)[:rows // queues]
   return jax.vmap(kept)(by_queue(live, queues)).reshape(rows)
+
+
+def drive(programs: Callable, compact: Callable, model, prompt_tokens, prompt_mask, key, *decode_args, slots: int,
+          min_slots: int):
+  """Runs a refill engine: `programs(rows)` its (start, decode, finish) at `rows` slots, `compact(state, rows)` its
+  compaction; `decode(model, prompts, state, key, *decode_args)` returns the state and its status (finished or
+  stopped, can shrink, rows needed, iterations so far). Returns the last programs, the state, the decode
+  iterations and the rows decoded (Σ slots × iterations); the host reads four integers per call."""
+  fns = programs(slots)
+  prompts, state = fns.start(model, prompt_tokens, prompt_mask)
+  rows, steps, row_steps = slots, 0, 0
+  while True:
+    state, status = fns.decode(model, prompts, state, key, *decode_args)
+    done, shrink, needed, total = np.asarray(distributed.to_host(status)).tolist()
+    row_steps, steps = row_steps + rows * (total - steps), total
+    if done:
+      return fns, state, steps, row_steps
+    if shrink:
+      rows = shrunk_slots(needed, min_slots)
+      state = compact(state, rows)
+      fns = programs(rows)

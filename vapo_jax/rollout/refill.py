@@ -53,6 +53,7 @@ from vapo_jax.models.sharding import constrain
 from vapo_jax.rollout import common
 from vapo_jax.rollout import pages as pages_lib
 from vapo_jax.rollout import queues as q_lib
+from vapo_jax.rollout import resumed as resumed_lib
 
 
 class Prompts(NamedTuple):
@@ -236,11 +237,13 @@ def _finish_prompts(s: Slots, prompts: Prompts, ended: jax.Array, local: jax.Arr
   return s._replace(users=users, free=free)
 
 
-def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
-           sampling: common.Sampling, group: int, steps: int, shrink_at: int = 0) -> tuple[Slots, jax.Array]:
+def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits: jax.Array | None = None,
+           resumed: resumed_lib.Resumed | None = None, *, sampling: common.Sampling, group: int, steps: int,
+           shrink_at: int = 0) -> tuple[Slots, jax.Array]:
   """Up to `steps` iterations (module docstring, step 2), leaving early when every sequence has finished or the
-  slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0). Returns the state and its status
-  `[4]` int32: finished, can shrink, rows needed, decode iterations run so far."""
+  slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0), or at `resumed.budget`
+  iterations in all. Returns the state and its status `[4]` int32: finished, can shrink, rows needed, decode
+  iterations run so far."""
   n, max_new = state.outputs.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
@@ -251,9 +254,12 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
     s, blocked = preempt(s)
     s, taken = admit(prompts, s, blocked, group=group)
     s = allocate(prompts, s, taken, group=group)
-    keys = jax.vmap(lambda seq, t: jax.random.fold_in(jax.random.fold_in(key, seq), t))(s.sequence, s.step)
-    tokens, sampler, policy = common.sample_tokens(keys, s.logits, sampling)
     live, local = s.live, jnp.clip(s.sequence - first, 0, n // queues - 1)
+    ids, t = s.sequence, s.step
+    if resumed is not None:  # Sequence `ids[n]` continued at its token `offsets[n]`: its key and step as begun.
+      ids, t = q_lib.gather(resumed.ids, local, queues), t + q_lib.gather(resumed.offsets, local, queues)
+    keys = jax.vmap(lambda seq, t: jax.random.fold_in(jax.random.fold_in(key, seq), t))(ids, t)
+    tokens, sampler, policy = common.sample_tokens(keys, s.logits, sampling)
     tokens = jnp.where(live, tokens, 0)
     stop = live & jnp.isin(tokens, stop_ids)
     ended = live & (stop | (s.step + 1 >= q_lib.gather(limits, local, queues)))
@@ -268,12 +274,14 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
 
   def cond(carry):
     i, s = carry
-    return (i < steps) & ~finished(s) & ~can_shrink(s)
+    within = True if resumed is None else s.counters[0] < resumed.budget
+    return (i < steps) & ~finished(s) & ~can_shrink(s) & within
 
   with jax.named_scope(common.DECODE_LOOP):  # Names the loop in the HLO (the compile report reads its traffic).
     _, state = lax.while_loop(cond, lambda carry: (carry[0] + 1, one_step(carry[1])),
                               (jnp.zeros((), jnp.int32), state))
-  status = jnp.stack([finished(state).astype(jnp.int32), can_shrink(state).astype(jnp.int32),
+  ended = finished(state) if resumed is None else finished(state) | (state.counters[0] >= resumed.budget)
+  status = jnp.stack([ended.astype(jnp.int32), can_shrink(state).astype(jnp.int32),
                       q_lib.rows_needed(state.live, queues), state.counters[0]])
   return state, status
 
@@ -334,15 +342,17 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
                     sampling: common.Sampling, samples_per_prompt: int, slots: int, pages: int, page_tokens: int,
                     queues: int = 1, block_pages: int = 1, implementation: str = "gather", steps_per_call: int = 256,
                     pad_id: int = 0, cache_dtype=jnp.float32, min_slots: int = 0, jit: Callable = jax.jit,
-                    length_limits: jax.Array | None = None,
-                    prompt_lengths: np.ndarray | None = None) -> tuple[common.Rollout, int, int, dict[str, float]]:
+                    length_limits: jax.Array | None = None, prompt_lengths: np.ndarray | None = None,
+                    resumed: resumed_lib.Resumed | None = None) -> tuple[common.Rollout, int, int, dict[str, float]]:
   """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots over
   `pages` pages of `page_tokens` tokens per queue, in `queues` queues (dividing the slots, the prompts and
   `min_slots`); the decode iterations run, the rows decoded (Σ slots × iterations) and the pool's figures:
   `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/pages` (per queue), `rollout/pages_peak` (the
   most any queue held at once) and `rollout/pages_free_after` (the fewest any queue had free at the end).
   `prompt_lengths` `[P]` (host): the prompts' real tokens (default: read from `prompt_mask`), for the check
-  that a queue's pool holds its prompts and one whole sequence (`common.check_pool`)."""
+  that a queue's pool holds its prompts and one whole sequence (`common.check_pool`). `resumed`: a partial
+  rollout's call, which stops at its budget; a sequence still decoding or waiting then has the tokens it holds
+  (`progress`) as its length and `common.FINISH_UNFINISHED` as its finish reason."""
   count, prompt_len = prompt_tokens.shape
   if slots % queues or count % queues or min_slots % queues:
     raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({count}) and min_slots "
@@ -354,21 +364,14 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, pages=pages, page_tokens=page_tokens,
                   block_pages=block_pages, implementation=implementation, steps_per_call=steps_per_call,
                   pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), min_slots=min_slots, jit=jit)
-  fns = programs(slots=slots, **settings)
-  prompts, state = fns.start(model, prompt_tokens, prompt_mask)
-  rows, steps, row_steps = slots, 0, 0
-  while True:
-    state, status = fns.decode(model, prompts, state, key, length_limits)
-    done, shrink, needed, total = np.asarray(distributed.to_host(status)).tolist()
-    row_steps, steps = row_steps + rows * (total - steps), total
-    if done:
-      break
-    if shrink:
-      rows = q_lib.shrunk_slots(needed, min_slots)
-      state = compact(state, rows, jit=jit)
-      fns = programs(slots=rows, **settings)
+  fns, state, steps, row_steps = q_lib.drive(
+      lambda rows: programs(slots=rows, **settings), lambda state, rows: compact(state, rows, jit=jit), model,
+      prompt_tokens, prompt_mask, key, length_limits, resumed, slots=slots, min_slots=min_slots)
   o = state.outputs
-  out = fns.finish(prompt_tokens, prompt_mask, o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
+  held = o.lengths if resumed is None else resumed_lib.progress_program(jit)(state)
+  out = fns.finish(prompt_tokens, prompt_mask, o.tokens, o.sampler, o.policy, held, o.stopped)
+  if resumed is not None:
+    out = resumed_lib.unfinished_program(jit)(out, o.lengths)
   counters, free, peak = (np.asarray(x) for x in distributed.to_host((state.counters, state.free.count,
                                                                       state.free.peak)))
   figures = {"rollout/preemptions": float(counters[1]), "rollout/recomputed_tokens": float(counters[2]),

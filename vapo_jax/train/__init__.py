@@ -10,6 +10,7 @@
   packing        packed rows: sequences laid end to end in rows of a static token length
   packed_batch   a packed batch's plan (made on the host) and its rows (built on the device)
   experience     prompts → sampled responses → verifier rewards (training and evaluation)
+  partial_sampling  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation, export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption
   background_saves  Orbax's background saves: their noise after a failure silenced, their waits bounded

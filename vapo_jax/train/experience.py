@@ -33,6 +33,7 @@ from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.train.algorithm import PrefixLabels
+from vapo_jax.train.partial_sampling import PartialSampling
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps, TrainBatch
 
@@ -159,11 +160,21 @@ class Experience:
   def __init__(self, config: ExperimentConfig, *, steps: Steps, layout: RolloutLayout, model_cfg, tokenizer, pool):
     self.config, self.steps, self.layout = config, steps, layout
     self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
+    self.partial = PartialSampling(self) if config.rollout.decode_budget else None  # RL steps' rollouts.
 
   def policy(self, state: TrainState) -> nnx.Module:
     """The actor in the rollout layout: a resharded copy (with `rollout.tensor_parallel` > 1), to drop
     once generation is done."""
     return nnx.merge(self.steps.actor_def, self.layout.reshard(state.actor))
+
+  def engine_for(self, *, prompts: int, group: int, prompt_tokens: int) -> rollout.Engine:
+    """`engine` for a rollout call of this run (its data-parallel devices)."""
+    return engine(self.config, self.model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+                  devices=self.layout.data_devices)
+
+  def sampling_for(self, *, temperature: float, top_p: float, top_k: int = 0) -> common.Sampling:
+    return sampling(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature, top_p=top_p,
+                    top_k=top_k)
 
   def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int,
                          temperature: float, top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
@@ -182,8 +193,9 @@ class Experience:
     calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
         (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)]
     for prompts, group in dict.fromkeys(calls):
-      engine(self.config, self.model_cfg, prompts=prompts, group=group, devices=self.layout.data_devices,
-             prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+      self.engine_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+    if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
+      self.partial.settings()
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids
@@ -224,11 +236,15 @@ class Experience:
     return scored
 
   def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
-             prefix_step: int | None = None) -> Sampled:
+             prefix_step: int | None = None, version: int | None = None) -> Sampled:
     """A verified rollout of P prompts × G samples, the rewards and verdicts as global arrays. Under
     dynamic sampling, refilled with groups of mixed verdicts. `prefix_step`: a value-pretraining step (the
-    run's global step), whose "prefix" target (if it is the target) needs the prefix labels (`prefix_labels`)."""
+    run's global step), whose "prefix" target (if it is the target) needs the prefix labels (`prefix_labels`).
+    `version`: an RL step (the RL steps done), whose rollout is partial under `rollout.decode_budget`."""
     config, settings = self.config, self.config.rollout
+    if version is not None and self.partial is not None:
+      out, rewards, correct, stats, _ = self.partial.sample(state, prompts, version=version)
+      return Sampled(out, rewards, correct, stats)
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     rng = prefix_rng(config.seed, prefix_step) if (
         prefix_step is not None and config.algo.value_pretrain_target == "prefix") else None
@@ -236,7 +252,7 @@ class Experience:
     if not config.algo.dynamic_sampling:
       records, out, scored, generated = self._sample_round(policy, prompts, key)
       del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
-      rewards, correct = self._place_share(scored, out)
+      rewards, correct = self.place_share(scored, out)
       return Sampled(out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0},
                      labels(out, [x.answer for x in records for _ in range(group)]))
     kept, spare, parts, answers, rounds, rollout_s, verified = [], [], [], [], 0, 0.0, []
@@ -286,7 +302,7 @@ class Experience:
     scored = self.verify(out, [x.answer for x in records for _ in range(settings.samples_per_prompt)])
     return records, out, scored, generated
 
-  def _place_share(self, scored: reward_lib.RewardBatch, out: common.Rollout):
+  def place_share(self, scored: reward_lib.RewardBatch, out: common.Rollout):
     """This process's rewards and verdicts as global arrays laid out like the rollout's rows."""
     n = out.response_lengths.shape[0]
     place = lambda x: distributed.global_array_from_share(np.asarray(x), out.response_lengths.sharding, n)

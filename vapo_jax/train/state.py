@@ -65,6 +65,7 @@ class Progress:
   eval_before: dict | None = None  # Held-out evaluation before RL.
   eval_after: dict | None = None  # Held-out evaluation after RL.
   nonfinite_steps: int = 0  # Steps in a row with an update skipped for a non-finite loss or gradient.
+  carry: Any = None  # Partial rollouts' groups in flight (`rollout.partial.Carry`), or None.
 
   def __post_init__(self):
     if self.stage not in STAGES:
@@ -75,7 +76,8 @@ class Progress:
             "nonfinite_steps": self.nonfinite_steps,
             "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
             "eval_after": self.eval_after, "prompts": self.prompts.state_dict(),
-            "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict()}
+            "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(),
+            "carry": None if self.carry is None else self.carry.state_dict()}
 
   def load_json(self, saved: dict) -> None:
     for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best", "vp_since_best", "eval_before",
@@ -84,6 +86,8 @@ class Progress:
     self.prompts.load_state_dict(saved["prompts"])
     self.sft_rng.bit_generator.state = saved["sft_rng"]
     self.monitor.load_state_dict(saved["monitor"])
+    if self.carry is not None and saved.get("carry") is not None:
+      self.carry.load_state_dict(saved["carry"])
 
   def enter(self, stage: str) -> None:
     self.stage, self.stage_step = stage, 0

@@ -114,7 +114,8 @@ class Trainer:
     self.progress = Progress(stage=stage, prompts=PromptIterator(
         train, prompts_per_step=config.rollout.prompts_per_step, seed=config.data.seed),
         sft_rng=np.random.default_rng(config.seed), monitor=metrics_lib.CollapseMonitor(
-            length_frac=config.log.collapse_length_frac, min_entropy=config.log.collapse_entropy))
+            length_frac=config.log.collapse_length_frac, min_entropy=config.log.collapse_entropy),
+        carry=self.experience.partial and self.experience.partial.carry)
     self._resume(write_logs)
     self.preemption = checkpoints.PreemptionFlag()
     self.history: list[dict] = []
@@ -230,7 +231,8 @@ class Trainer:
     start = time.perf_counter()
     state, key = state.split_key()
     out, rewards, correct, stats, prefixes = self.experience.sample(
-        state, self.progress.prompts, key, prefix_step=self.progress.global_step if value_pretraining else None)
+        state, self.progress.prompts, key, prefix_step=self.progress.global_step if value_pretraining else None,
+        version=None if value_pretraining else self.progress.stage_step)
     sampled = time.perf_counter()
     plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
     batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan,

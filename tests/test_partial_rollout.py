@@ -1,0 +1,131 @@
+"""Partial rollouts (rollout/partial.py): a rollout stopped at a decode budget and continued is the rollout never
+stopped; trained groups are complete and no trained token is older than `max_staleness` versions."""
+
+import jax
+import numpy as np
+import pytest
+
+from model_utils import EOS, PROMPTS
+from vapo_jax.config import RolloutConfig
+from vapo_jax.errors import ConfigError
+from vapo_jax.rollout import common, partial
+from vapo_jax.rollout.static import make_generate
+
+GROUP, MAX_NEW = 3, 10
+
+
+def _carry(sequences: int, *, max_staleness: int = 1) -> partial.Carry:
+  width = partial.prompt_width(max(map(len, PROMPTS)), MAX_NEW)
+  return partial.Carry(group=GROUP, sequences=sequences, max_new_tokens=MAX_NEW, max_staleness=max_staleness,
+                       pad_id=0, prompt_width=width)
+
+
+def _drawer():
+  drawn = []
+
+  def draw(n):
+    out = [([str(len(drawn) + i)], PROMPTS[(len(drawn) + i) % len(PROMPTS)]) for i in range(n)]
+    drawn.extend(out)
+    return out
+  return draw
+
+
+@pytest.mark.parametrize("pages", [120, 32])  # 32: the pool runs short, the rounds preempt and restart.
+def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model, pages):
+  """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots: every
+  sequence of the 4 groups has the unbudgeted rollout's tokens, log-probs, length and finish reason."""
+  spec = common.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5, top_p=0.8)
+  tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
+  key = jax.random.key(3)
+  reference = make_generate(sampling=spec, samples_per_prompt=GROUP, pad_id=0)(model, tokens, mask, key)
+  carry, draw = _carry(len(PROMPTS) * GROUP), _drawer()
+  settings = dict(slots=8, pages=pages, page_tokens=4, steps_per_call=2, min_slots=1)
+  place = lambda tree: jax.tree.map(jax.numpy.asarray, tree)
+  rounds, preempted, carried = 0, 0.0, 0
+  while not all(g.complete for g in carry.groups[:len(PROMPTS)]) or rounds == 0:
+    call = carry.next_call(draw)
+    host, steps, _, figures = partial.decode_round(model, call, key, settings=settings, sampling=spec, budget=3,
+                                                   pad_id=0, cache_dtype=np.float32, jit=jax.jit, place=place)
+    assert steps <= 3
+    carry.record(call, *host, version=0)
+    rounds, preempted, carried = rounds + 1, preempted + figures["rollout/preemptions"], max(carried, carry.carried())
+  assert rounds >= 3 and carried > 0  # Responses up to 10 tokens at 3 a round: carried over at least twice.
+  assert (preempted > 0) == (pages == 32)
+  groups = carry.take_complete(len(PROMPTS))
+  assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]
+  got = partial.batch_arrays(groups, max_new_tokens=MAX_NEW, pad_id=0, version=0)
+  for field in ("response_tokens", "response_mask", "response_lengths", "finish_reason"):
+    np.testing.assert_array_equal(got[field], np.asarray(getattr(reference, field)), err_msg=field)
+  for field in ("sampler_logprobs", "policy_logprobs"):  # Prefilled against decoded: float32 rounding only.
+    np.testing.assert_allclose(got[field], np.asarray(getattr(reference, field)), atol=1e-5, err_msg=field)
+  assert np.all(got["stale"] == 0)
+  lengths = np.asarray(reference.response_lengths)
+  assert lengths.max() > 3 and 0 < np.mean(lengths < MAX_NEW) < 1
+
+
+def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, seed: int = 0):
+  """Partial rollouts over `steps` RL steps with a stand-in engine (each called sequence decodes up to `budget`
+  more of its drawn length): the trained groups of each step, the restarts and the carried sequences."""
+  rng = np.random.default_rng(seed)
+  carry, draw = _carry(prompts * GROUP, max_staleness=max_staleness), _drawer()
+  lengths = {}
+  trained, restarted = [], 0
+  for version in range(steps):
+    restarted += carry.restart_stale(version)
+    while (groups := carry.take_complete(prompts)) is None:
+      call = carry.next_call(draw)
+      n = len(call.members)
+      target = np.asarray([lengths.setdefault(int(i), int(rng.integers(1, MAX_NEW + 1))) for i in call.ids])
+      held = np.minimum(target - call.offsets, budget)
+      ended = call.offsets + held == target
+      tokens = call.ids[:, None] * 100 + call.offsets[:, None] + np.arange(MAX_NEW)[None]  # Token t of sequence i.
+      finish = np.where(ended, common.FINISH_STOP, common.FINISH_UNFINISHED)
+      carry.record(call, tokens, np.zeros((n, MAX_NEW)), np.zeros((n, MAX_NEW)), held, finish, version=version)
+    trained.append((version, groups))
+  return trained, restarted, lengths
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+def test_trained_groups_are_complete_and_no_token_is_older_than_max_staleness(max_staleness):
+  budget = -(-MAX_NEW // (max_staleness + 1))  # The smallest budget the config allows.
+  trained, restarted, lengths = _simulate(steps=12, budget=budget, max_staleness=max_staleness)
+  seen = set()
+  for version, groups in trained:
+    assert len(groups) == 3 and all(len(g.members) == GROUP for g in groups)
+    for g in groups:
+      assert g.complete
+      for m in g.members:
+        assert m.id not in seen  # Trained once.
+        seen.add(m.id)
+        assert len(m.tokens) == lengths[m.id] == len(m.versions)  # Whole: every token, none twice.
+        assert m.tokens == [m.id * 100 + t for t in range(len(m.tokens))]
+        assert all(0 <= version - u <= max_staleness for u in m.versions)
+    arrays = partial.batch_arrays(groups, max_new_tokens=MAX_NEW, pad_id=0, version=version)
+    assert arrays["stale"].tolist() == [sum(u < version for u in m.versions) for g in groups for m in g.members]
+  stale = sum(u < v for v, groups in trained for g in groups for m in g.members for u in m.versions)
+  assert (stale > 0) == (max_staleness > 0)  # Tokens do carry over, when allowed.
+  if max_staleness == 1:
+    assert restarted > 0  # Budget 5, lengths up to 10: some sequences start late in a round and age out.
+
+
+def test_the_carry_round_trips_through_json():
+  import json
+  trained, _, _ = _simulate(steps=3, budget=4, max_staleness=2)
+  carry, draw = _carry(3 * GROUP, max_staleness=2), _drawer()
+  call = carry.next_call(draw)
+  carry.record(call, np.ones((len(call.members), MAX_NEW), np.int32), np.full((9, MAX_NEW), -0.1, np.float32),
+               np.full((9, MAX_NEW), -0.2, np.float32), np.arange(9) % 4, np.full(9, common.FINISH_UNFINISHED), 0)
+  copy = _carry(3 * GROUP, max_staleness=2)
+  copy.load_state_dict(json.loads(json.dumps(carry.state_dict())))
+  assert copy.state_dict() == carry.state_dict() and copy.next_id == 9 and copy.carried() == carry.carried() > 0
+  again = copy.next_call(draw)
+  np.testing.assert_array_equal(again.prompt_tokens, carry.next_call(draw).prompt_tokens)
+  assert np.float32(copy.groups[0].members[1].sampler[0]) == np.float32(-0.1)
+
+
+def test_a_budget_that_cannot_finish_a_restarted_response_is_refused():
+  with pytest.raises(ConfigError, match=r"decode_budget × \(max_staleness \+ 1\) = 40 must reach max_response_tokens"):
+    RolloutConfig(max_response_tokens=64, decode_budget=20, max_staleness=1)
+  with pytest.raises(ConfigError, match="engine must be 'refill'"):
+    RolloutConfig(max_response_tokens=64, decode_budget=32, engine="static")
+  RolloutConfig(max_response_tokens=64, decode_budget=32, max_staleness=1)
