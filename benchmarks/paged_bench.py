@@ -4,8 +4,8 @@
 
 The `small` preset (random weights, float32), 32 prompts of 8-32 tokens × 4 samples, response lengths forced
 from a long tail (a log-normal, σ 0.8, numpy seed 4, scaled to a maximum of 256: mean/max about 0.2), sampled at
-temperature 1. The contiguous engine (`rollout/contiguous.py`, each slot owning the 32-token prompt bucket + 256
-tokens) gets `slots` slots; the paged engine (`rollout/refill.py`) the same bytes as a pool of 16-token pages and
+temperature 1. The contiguous engine (`rollout/refill/contiguous.py`, each slot owning the 32-token prompt bucket + 256
+tokens) gets `slots` slots; the paged engine (`rollout/refill/engine.py`) the same bytes as a pool of 16-token pages and
 `paged_factor` times the slots, which the pool holds at the tail's live lengths (preempting when it does not).
 Printed for each: time (median of runs, compilation excluded), useful tokens/s, decode steps, slot use, pages at
 their peak, preemptions; then one summary line per shape:
@@ -31,7 +31,8 @@ from vapo_jax import rollout
 from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
-from vapo_jax.rollout import common, contiguous
+from vapo_jax.rollout import common
+from vapo_jax.rollout.refill import contiguous
 
 PROMPTS, GROUP, CAP, PAGE_TOKENS = 32, 4, 256, 16
 

@@ -42,8 +42,9 @@ from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.memory import topologies, xla_report  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
 from vapo_jax.models.transformer import CausalLM  # noqa: E402
-from vapo_jax.rollout import common, refill  # noqa: E402
+from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for  # noqa: E402
+from vapo_jax.rollout.refill import engine as refill  # noqa: E402
 from vapo_jax.train import build  # noqa: E402
 
 

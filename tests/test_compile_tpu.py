@@ -20,17 +20,11 @@ from conftest import build_smoke_config
 from experiments import get_experiment
 from vapo_jax import compile_cache
 from vapo_jax.cli import memory
-from vapo_jax.memory import (
-  aot,
-  hlo,
-  micro_batch_cost,
-  roofline,
-  topologies,
-  tpu_said,
-  xla_report,
-  xla_report_text,
-)
+from vapo_jax.memory import aot, hlo, topologies, tpu_said, xla_report, xla_report_text
 from vapo_jax.models import attention, sharding
+from vapo_jax.roofline import micro_batch_cost
+from vapo_jax.roofline import step as roofline
+from vapo_jax.roofline import text as roofline_text
 from vapo_jax.train import packed_batch
 
 pytestmark = pytest.mark.skipif(topologies.libtpu_missing() is not None, reason=str(topologies.libtpu_missing()))
@@ -241,14 +235,14 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert 0 < d.floor_s <= d.seconds  # The rest left out: a bound from below.
   assert step.decode_steps >= c.rollout.max_response_tokens and 0 < step.mfu < 1 and 0 < step.rollout_share < 1
   assert step.model_flops == sum(p.model_flops for p in step.phases)
-  text = roofline.format_estimate(step, "TPU v5")
+  text = roofline_text.format_estimate(step, "TPU v5")
   assert f"{step.rollout_share:.0%} of it" in text
   assert f"one program: {step.phase_mfu('update'):.1%})" in text
   assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert micro_batch_cost.trips(smoke_report, "scoring") == -(-c.rollout.responses_per_step // m)  # A row each.
-  assert f"MFU {step.mfu:.1%}" in roofline.format_estimate(step, "TPU v5")
+  assert f"MFU {step.mfu:.1%}" in roofline_text.format_estimate(step, "TPU v5")
 
 
 @pytest.mark.slow  # make test-slow: the smoke run compiled again, with the paged refill engine.
@@ -256,22 +250,32 @@ def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path
   """A smoke run whose pool holds fewer sequences than it decodes compiles the paged engine; the roofline prices
   both engines at the same KV bytes under two profiles, each decode itemised, its bound without the rest below
   it, and says the paged rollout's speed against the contiguous one's."""
-  from vapo_jax.memory import schedule
+  from vapo_jax.roofline import profiles
 
   config = build_smoke_config(tmp_path, QUICK | {"rollout.slots": 8, "rollout.page_tokens": 8, "rollout.pages": 24})
   report = xla_report.compile_run(config, topologies.named(TOPOLOGY))
   assert report.refill and report.pool["pages"] == 24 and roofline.engines(report) == ("paged", "contiguous")
-  prompts, where = schedule.prompt_lengths(config)
-  estimates = roofline.compare(report, [schedule.at_cap(config, prompts, where),
-                                        schedule.log_normal(config, prompts, where)])
+  prompts, where = profiles.prompt_lengths(config)
+  estimates = roofline.compare(report, [profiles.at_cap(config, prompts, where),
+                                        profiles.log_normal(config, prompts, where)])
   assert [label for label, _ in estimates] == ["A, paged", "A, contiguous", "B, paged", "B, contiguous"]
   for label, step in estimates:
     d = step.decode
     assert d.engine == label.split(", ")[1] and 0 < d.floor_s <= d.seconds and d.steps > 0, label
     assert d.bytes >= d.steps * (d.weights + d.kv_written), label
-  text = roofline.format_comparison(report, estimates)
+  # Partial rollouts on profile B: rounds of half the cap, each round's carried tokens prefilled again.
+  cap = config.rollout.max_response_tokens
+  budgeted = roofline.estimate(report, profiles.log_normal(config, prompts, where), "paged", (cap // 2, 1))
+  replay, whole = budgeted.partial, dict(estimates)["B, paged"]
+  assert replay.rounds >= replay.steps and replay.load.steps == budgeted.decode_steps * replay.steps
+  assert budgeted.decode_steps <= replay.rounds / replay.steps * cap // 2
+  assert budgeted.phase("rollout").flops > whole.phase("rollout").flops - whole.decode.flops + budgeted.decode.flops
+  assert budgeted.phase("update").flops == whole.phase("update").flops
+  estimates.append((f"B, paged, budget {cap // 2}", budgeted))
+  text = roofline_text.format_comparison(report, estimates)
   for letter in "AB":
     assert f"profile {letter}: the paged rollout is " in text and "with the decode's rest left out" in text
+  assert f"rounds of {cap // 2}" in text and "of the trained tokens stale" in text
 
 
 @pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.
@@ -292,7 +296,7 @@ def test_the_shipped_aime_rollout_fits_a_v5p_pod_within_the_margin():
 
 def test_the_paged_kernel_is_opaque_to_cost_analysis():
   """What `cost_analysis` counts of the Pallas paged kernel does not grow with the pool (it sees none of the
-  pages a row reads: memory/decode_cost.py counts them from the schedule), while the gather's does: one
+  pages a row reads: roofline/decode_cost.py counts them from the schedule), while the gather's does: one
   chip of the topology, a head dim of 128, pools of 256 and 1,024 pages."""
   from vapo_jax.models import paged_attention
 
@@ -319,7 +323,7 @@ def test_what_cost_analysis_counts_of_a_decode_step(capsys):
   whole cache slice, for the contiguous cache and the paged pool alike (the in-place write of one token a row is
   counted as the cache it updates), and nothing of the pages the kernel reads. So the corrected figure of the
   scanned program (`roofline.every_layer`) already held about 2x the cache per step, which the roofline before
-  `memory/decode_cost.py` then counted again as the whole-cache read; `decode_cost` counts the reads from the
+  `roofline/decode_cost.py` then counted again as the whole-cache read; `decode_cost` counts the reads from the
   schedule, the writes as one token a row, and takes the rest from the program at a pool that does not
   change it (the decode loop of the refill engine: tests/test_compile_tpu.py's opaque kernel, docs/pod.md)."""
   from flax import nnx

@@ -1,5 +1,5 @@
 """Reports stay exact when the decoder layers are a scan (`model.scan_layers`), on a model small enough
-that its unrolled program compiles too: the roofline's FLOPs count every layer (`roofline.every_layer`
+that its unrolled program compiles too: the roofline's FLOPs count every layer (`step.every_layer`
 equals the unrolled program's `cost_analysis`), and the compile report's largest reshard program writes the
 largest rollout shard, a stacked `[L, ...]` parameter's, L layers of it, as the real rollout copy holds.
 (The weight-collective check under scan needs TPU devices: `tests/test_compile_tpu.py`.)"""
@@ -10,11 +10,12 @@ from flax import nnx
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
 from vapo_jax.config.sections import MeshConfig, ModelConfig
-from vapo_jax.memory import roofline, topologies, xla_report
+from vapo_jax.memory import topologies, xla_report
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.roofline import step
 
 SMALL = {"eval.path": None, "sft.steps": 0, "model.preset": "small"}  # 4 decoder layers.
 
@@ -26,9 +27,9 @@ def test_every_layer_counts_the_scan_as_the_unrolled_program_does(smoke_config):
   compile_run = lambda **model: xla_report.compile_run(
       smoke_config(SMALL | {f"model.{k}": v for k, v in model.items()}), target, phases=("scoring",))
   scanned, unrolled = compile_run(scan_layers=True), compile_run(scan_layers=False)
-  twice = xla_report.compile_run(roofline.twice_unrolled(scanned.config), target, phases=("scoring",))
+  twice = xla_report.compile_run(step.twice_unrolled(scanned.config), target, phases=("scoring",))
   assert scanned.architecture.num_layers == 4 and twice.config.model.scan_unroll == 2
-  counted = roofline.every_layer(scanned, twice)
+  counted = step.every_layer(scanned, twice)
   for name in ("generate", "score"):
     want = unrolled.program(name).flops
     assert abs(counted.program(name).flops - want) <= 0.01 * want, (name, counted.program(name).flops, want)

@@ -20,6 +20,7 @@ TIERS = (
     ("rollout, data, rewards", (("vapo_jax.rollout",), ("vapo_jax.data",), ("vapo_jax.rewards",))),
     ("train", (("vapo_jax.train",),)),
     ("memory", (("vapo_jax.memory",),)),
+    ("roofline", (("vapo_jax.roofline",),)),
     ("experiments", (("experiments",),)),
     ("cli", (("vapo_jax.cli",),)),
 )

@@ -22,8 +22,9 @@ from vapo_jax.memory import hlo
 from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
-from vapo_jax.rollout import common, refill
+from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.refill import engine as refill
 
 IS_VARIABLE = lambda x: isinstance(x, nnx.Variable)
 

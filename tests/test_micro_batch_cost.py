@@ -1,4 +1,4 @@
-"""What the roofline charges scoring and the update (`memory/micro_batch_cost.py`): the micro-batches that run on
+"""What the roofline charges scoring and the update (`roofline/micro_batch_cost.py`): the micro-batches that run on
 a profile's lengths, the same number the trainer's packing plan runs (`packed_batch.plan_rows`) and a first-fit
 decreasing written here as a slow loop gives; the update's token fill is one minus the plan's
 `perf/padding_frac_update`; `fitting_micro_rows` is the largest micro-batch within the padding bound; and the
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from experiments import get_experiment
-from vapo_jax.memory import micro_batch_cost, schedule
+from vapo_jax.rollout.refill import replay
+from vapo_jax.roofline import micro_batch_cost, profiles
 from vapo_jax.train import packed_batch
 
 GROUP = 16
@@ -44,7 +45,7 @@ def test_the_micro_batches_charged_are_those_that_run():
   responses = np.clip(rng.lognormal(np.log(4000), 1.0, 512), 1, 20480).astype(np.int64)
   prompts = rng.integers(50, 400, 32)
   report = SimpleNamespace(config=c, mesh_shape={"data": 1, "fsdp": 8})
-  profile = schedule.Profile("", responses, prompts)
+  profile = profiles.Profile("", responses, prompts)
   tokens = np.repeat(prompts, GROUP) + responses
   m, row_tokens = 8, packed_batch.row_tokens(c)
   parts = micro_batch_cost.update_parts(c)
@@ -63,8 +64,8 @@ def test_the_micro_batches_charged_are_those_that_run():
 
 def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_profile_b():
   c = get_experiment("aime")
-  prompts, where = schedule.prompt_lengths(c)
-  b = schedule.log_normal(c, prompts, where)
+  prompts, where = profiles.prompt_lengths(c)
+  b = profiles.log_normal(c, prompts, where)
   tokens = np.repeat(b.prompts, c.rollout.samples_per_prompt) + b.responses
   multiple = c.mesh.data * c.mesh.fsdp
   assert c.packing.micro_batch_rows == micro_batch_cost.fitting_micro_rows(c, tokens, multiple)
@@ -73,10 +74,11 @@ def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_pr
 
 def test_a_cache_read_on_one_of_two_cores_takes_twice_the_reads_time():
   """`decode_cost.cost`: the paged kernel without megacore reads the cache at half a v5p chip's bandwidth."""
-  from vapo_jax.memory import decode_cost, topologies
+  from vapo_jax.memory import topologies
+  from vapo_jax.roofline import decode_cost
 
   chip = topologies.CHIPS["TPU v5"]
-  load = schedule.Load(rows=np.full(3, 8), live=np.full(3, 8), read_tokens=np.full(3, 1e6), preemptions=0,
+  load = replay.Load(rows=np.full(3, 8), live=np.full(3, 8), read_tokens=np.full(3, 1e6), preemptions=0,
                        recomputed_tokens=0, peak_pages=0)
   prices = decode_cost.Prices(rows=8, weights=1e9, rest=0.0, flops=0.0, collectives=0.0, token_bytes=1e3,
                               attention_flops=0.0)

@@ -83,11 +83,13 @@ def test_gather_on_a_mesh_equals_one_device():
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_read_bytes_counts_each_rows_own_blocks():
+def test_read_tokens_counts_each_rows_own_blocks():
   # Blocks of 2 pages of 4 tokens: ⌈9/8⌉ + ⌈16/8⌉ + 0 + ⌈13/8⌉ + ⌈1/8⌉ + ⌈4/8⌉ = 2 + 2 + 0 + 2 + 1 + 1 = 8 blocks.
-  assert paged_attention.read_bytes(LENGTHS, page_tokens=4, block_pages=2, token_bytes=10.0) == 8 * 8 * 10.0
-  # The contiguous layout reads every row up to the longest: 6 rows × 16 slots (blocks of 8).
-  assert decode_attention.read_bytes(LENGTHS - 1, rows=6, block=8, slots=16, token_bytes=10.0) == 6 * 16 * 10.0
+  assert paged_attention.read_tokens(LENGTHS, page_tokens=4, block_pages=2) == 8 * 8
+  # The contiguous layout reads every row up to the longest: 6 rows × 16 slots (blocks of 8), at most the cache.
+  assert decode_attention.read_tokens(LENGTHS - 1, rows=6, block=8, slots=16) == 6 * 16
+  assert decode_attention.read_tokens(LENGTHS - 1, rows=6, block=12, slots=16) == 6 * 16
+  assert decode_attention.read_tokens(LENGTHS - 1, rows=6, block=12) == 6 * 24
 
 
 # Blocks of 2 pages in make test; of 1 in make test-slow (the interpreter: 4 s each).

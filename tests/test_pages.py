@@ -9,7 +9,9 @@ import pytest
 from model_utils import EOS, PROMPTS
 from test_refill import assert_same, queue_steps, sample
 from vapo_jax import rollout
-from vapo_jax.rollout import common, contiguous, pages, refill
+from vapo_jax.rollout import common
+from vapo_jax.rollout.refill import contiguous, pages
+from vapo_jax.rollout.refill import engine as refill
 
 SAMPLING = dict(temperature=1.3, top_k=5, top_p=0.8)  # EOS stops some sequences early: lengths 1..10.
 
@@ -58,7 +60,7 @@ def test_preemption_restarts_sequences_with_the_same_tokens(model):
   assert metrics["rollout/preemptions"] >= 2 and metrics["rollout/recomputed_tokens"] > 0
   assert metrics["rollout/pages_free_after"] == 10 and metrics["rollout/pages_peak"] == 10
   roomy, roomy_metrics = sample(model, PROMPTS, tight._replace(pages=0), group=3, key=3, **SAMPLING)
-  assert_same(roomy, static)  # Pages for every slot at the cap: nothing preempted, and the queue's own schedule.
+  assert_same(roomy, static)  # Pages for every slot at the cap: nothing preempted, and the queue's own replay.
   assert roomy_metrics["rollout/preemptions"] == 0 and roomy_metrics["rollout/recomputed_tokens"] == 0
   lengths = np.asarray(static.response_lengths)
   assert roomy_metrics["rollout/decode_steps"] == queue_steps(lengths, 6) < metrics["rollout/decode_steps"]
@@ -84,17 +86,17 @@ def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
 
 
 def test_the_roofline_schedule_replays_the_engine(model):
-  """`memory/schedule.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
+  """`memory/replay.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
   steps, preemptions, recomputed tokens and peak pages on the engine's own lengths, with and without preemption."""
-  from vapo_jax.memory import schedule
+  from vapo_jax.rollout.refill import replay
 
   static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
   lengths = np.asarray(static.response_lengths)
   for pool in (10, 0):
     engine = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
     _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
-    load = schedule.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
-                             paged=schedule.Paged(int(metrics["rollout/pages"]), 4, 2))
+    load = replay.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
+                             paged=replay.Paged(int(metrics["rollout/pages"]), 4, 2))
     assert load.steps == metrics["rollout/decode_steps"], pool
     assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pool
     assert (load.preemptions, load.recomputed_tokens, load.peak_pages) == (

@@ -14,8 +14,9 @@ from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
 from vapo_jax.models import sharding
 from vapo_jax.models.transformer import positions_from_mask
-from vapo_jax.rollout import common, refill
+from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.refill import engine as refill
 from vapo_jax.rollout.static import make_generate
 
 

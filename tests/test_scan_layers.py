@@ -23,8 +23,9 @@ from vapo_jax.models import huggingface, safetensors_io, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
-from vapo_jax.rollout import common, refill, static
+from vapo_jax.rollout import common, static
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.refill import engine as refill
 
 PER_LAYER_RUN = pathlib.Path(__file__).parent / "fixtures" / "per_layer_run"
 

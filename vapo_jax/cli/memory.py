@@ -51,35 +51,40 @@ def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
 
 
 def _roofline(config, target, report, log, logged=None) -> str:
-  """The roofline of one RL step (`memory/roofline.py`) under two response-length profiles (every response at
+  """The roofline of one RL step (`memory/step.py`) under two response-length profiles (every response at
   the cap; a log-normal one, mean 0.3 of the cap) and, given `logged`, a run's logged lengths (`_logged`), for each
   rollout engine. Programs walked from their HLO count every layer; otherwise scanned layers compile the
   per-step programs a second time with two layers per scan iteration, so that every layer is counted."""
-  from vapo_jax.memory import roofline, schedule, xla_report
+  from vapo_jax.memory import xla_report
+  from vapo_jax.roofline import profiles, step, text
 
   layers = report.architecture.num_layers
   if report.layers:  # cost_analysis saw the programs of a shallower model.
     return f"roofline: not estimated (only {report.layers} decoder layers compiled; it needs the run's programs)"
-  if roofline.walked_through(report):
+  if step.walked_through(report):
     log("roofline: every per-step program walked from its HLO (loops by their trips): no second compile")
   elif config.model.scan_layers and layers > 1:
     if layers % 2:
       return f"roofline: not estimated ({layers} scanned layers: the per-layer count needs an even number)"
     log("roofline: the per-step programs again with two layers per scan iteration (model.scan_unroll=2)")
-    twice = xla_report.compile_run(roofline.twice_unrolled(config), target, phases=("update",), log=log)
-    report = roofline.every_layer(report, twice)
-  prompts, where = schedule.prompt_lengths(config)
-  profiles = [schedule.at_cap(config, prompts, where), schedule.log_normal(config, prompts, where)]
-  return roofline.format_comparison(report, roofline.compare(report, profiles + [logged] * (logged is not None)))
+    twice = xla_report.compile_run(step.twice_unrolled(config), target, phases=("update",), log=log)
+    report = step.every_layer(report, twice)
+  prompts, where = profiles.prompt_lengths(config)
+  profiles = [profiles.at_cap(config, prompts, where), profiles.log_normal(config, prompts, where)]
+  estimates = step.compare(report, profiles + [logged] * (logged is not None))
+  if report.refill:  # Profile B under partial rollouts: the config's budget, or a third of the cap.
+    budget = step.partial_budget(config)
+    estimates.append((f"B, paged, budget {budget[0]}", step.estimate(report, profiles[1], "paged", budget)))
+  return text.format_comparison(report, estimates)
 
 
 def _logged(config, profile_run: str):
   """`--profile`'s run read now, before anything compiles: a mistake there is one line at once."""
-  from vapo_jax.memory import schedule
+  from vapo_jax.roofline import profiles
   if not profile_run:
     return None
-  prompts, where = schedule.prompt_lengths(config)
-  return schedule.from_run(config, prompts, where, profile_run)
+  prompts, where = profiles.prompt_lengths(config)
+  return profiles.from_run(config, prompts, where, profile_run)
 
 
 def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "") -> int:

@@ -1,4 +1,4 @@
-"""A run's memory per device, as XLA compiles its programs; and the roofline of one step.
+"""A run's memory per device, as XLA compiles its programs.
 
 XLA's own `compiled.memory_analysis()` of the programs a run executes is the run's memory, whatever the
 target: the run's own devices at start-up (`verdict`, `make train`), a TPU topology's compile-only devices
@@ -11,14 +11,11 @@ what to change is found by compiling again (`what_if`); no hand model of the mem
   topologies       what a compile report compiles for: a TPU topology's compile-only devices, CPUs, or the
                    devices a run has
   aot              one jitted program compiled ahead of time on abstract inputs, and XLA's figures for it
-  tpu_said   what the TPU compiler said of a program, kept on disk for a later compile of the same one
+  tpu_said         what the TPU compiler said of a program, kept on disk for a later compile of the same one
   hlo              the collectives of a compiled program, read from its HLO text, each loop with its trips
   hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction
   xla_report       every program of a run compiled for a target: XLA's bytes per device of each phase
   xla_report_text  the compile report as a table, and its refusal naming what to change
-  roofline         a roofline estimate of one RL step from the compile report's FLOPs and bytes, per rollout
-                   engine and response-length profile
-  schedule         the refill engine's schedule replayed on the host from a response-length profile
-  decode_cost      a decode step's bytes per chip, itemised (weights, KV read, KV written, the rest), priced
-  micro_batch_cost scoring's and the update's micro-batches that run on a profile, and the update's token fill
+
+The roofline of one step, which prices these programs, is the tier above (`vapo_jax.roofline`).
 """

@@ -52,9 +52,10 @@ from vapo_jax.memory import aot, topologies, tpu_said
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
-from vapo_jax.rollout import common, refill, static
-from vapo_jax.rollout import queues as queues_lib
+from vapo_jax.rollout import common, static
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.refill import engine as refill
+from vapo_jax.rollout.refill import queues as queues_lib
 from vapo_jax.train import build, experience
 from vapo_jax.train.steps import Steps, TrainBatch
 

@@ -22,6 +22,7 @@ the "full-cache" baseline of the benchmark. Pure JAX; no flax, no config.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -109,9 +110,10 @@ def finish(carry, dtype) -> jax.Array:
   return out.reshape(b, k * g, h).astype(dtype)
 
 
-def read_bytes(query_slots, *, rows: int, block: int, slots: int, token_bytes: float) -> float:
-  """Bytes of keys and values `attend_one` reads in one decode step of `rows` rows: every row the blocks up
-  to the batch's longest (`query_slots`: each live row's query slot), `token_bytes` a slot's keys and
-  values at every layer (per chip)."""
-  longest = max(query_slots, default=-1)
-  return rows * min(-(-(longest + 1) // block) * block, slots) * token_bytes
+def read_tokens(query_slots, *, rows: int, block: int, slots: int | None = None) -> int:
+  """Cache slots `attend_one` reads in one decode step of `rows` rows: every row the blocks up to the batch's
+  longest (`query_slots`: each live row's query slot), at most the cache's `slots`; × a slot's keys and values
+  at every layer: its bytes."""
+  longest = int(np.max(query_slots, initial=-1))
+  read = -(-(longest + 1) // block) * block
+  return rows * (read if slots is None else min(read, slots))

@@ -17,7 +17,7 @@ KV heads, each chip's share keeps (slots, head dim) as its minor dimensions), a 
 the slots written, one length for the call or `[B]` (one length per row, one token per call: what lets
 the refill engines put a new sequence into a row whose sequence has ended). Row b's tokens sit at its
 own slots, padding and all: the prefill's cache, the static engine's, and the contiguous refill
-engine's (`rollout/contiguous.py`, the reference). A one-token call reads blocks of slots up to the
+engine's (`rollout/refill/contiguous.py`, the reference). A one-token call reads blocks of slots up to the
 batch's longest row (`decode_attention.attend_one`), or every slot with `decode_block` 0 (the dense
 oracle).
 
@@ -28,7 +28,7 @@ page id local to the row's queue, rows [q·R/Q, (q+1)·R/Q) being queue q's), ea
 and which rows hold a sequence `[R]`. Tokens are stored compactly from logical slot 0 (no padding), so
 a row's keys are exactly its first `lengths[r]` tokens and a query reads only those
 (`paged_attention`: the Pallas kernels on TPU and GPU, a gather over pages elsewhere, a dense gather as
-the oracle). Pages are handed out by the rollout (`rollout/pages.py`); the cache only reads and writes
+the oracle). Pages are handed out by the rollout (`rollout/refill/pages.py`); the cache only reads and writes
 them. A row that holds no sequence writes nothing and reads nothing.
 
 Pure JAX; no flax modules.

@@ -33,7 +33,7 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
 `default_implementation` chooses per platform: the kernel on TPU, the GPU kernel on GPU, each where its shape
 rules hold; the gather elsewhere.
 
-`read_bytes` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
+`read_tokens` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
 """
 
 import functools
@@ -42,6 +42,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -243,9 +244,8 @@ def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset:
   return jax.lax.scatter(pool, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
-def read_bytes(lengths, *, page_tokens: int, block_pages: int, token_bytes: float) -> float:
-  """Bytes of keys and values the kernel reads in one decode step: each row the blocks of `block_pages` pages
-  up to its own `lengths[r]` (the tokens its query sees), `token_bytes` a token's keys and values at every
-  layer (per chip)."""
+def read_tokens(lengths, *, page_tokens: int, block_pages: int) -> int:
+  """Cached tokens the kernel reads in one decode step: each row the blocks of `block_pages` pages up to its own
+  `lengths[r]` (the tokens its query sees); × a token's keys and values at every layer: its bytes."""
   block = page_tokens * block_pages
-  return sum(-(-int(n) // block) for n in lengths) * block * token_bytes
+  return int(np.sum(-(-np.asarray(lengths, np.int64) // block)) * block)

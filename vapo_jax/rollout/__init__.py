@@ -10,14 +10,9 @@ The package, one module a part:
   common    what both engines share: `Sampling`, the `Rollout`, prompt buckets, KV-cache sizing,
             the prefill
   static    the static engine: every sequence of a round in one batch (the reference)
-  queues    what both refill engines share: queues of sequences in slots, outputs by sequence, the tail's shrink,
-            the host loop (`drive`)
-  pages     the pages of the refill engine's KV cache, handed out and taken back on the device
-  refill    the refill engine: decode slots over a paged KV cache, refilled as sequences end, preempted
-            and restarted when the pages run out
-  contiguous  the refill engine over a contiguous KV cache (each slot owning prompt + cap tokens): the
-            reference the benchmark and the roofline compare the paged one against
-  resumed   a partial rollout's call of the refill engine: the run's sequences it continues, and its budget
+  refill    the refill engine (a folder): decode slots over a paged KV cache, refilled as sequences end,
+            preempted and restarted when the pages run out; its contiguous reference, its host loop, its
+            pages and queues, partial rollouts' calls, and its replay on the host
   partial   partial rollouts: rounds stopped at `rollout.decode_budget`, the unfinished sequences carried over
             (host state), complete groups handed to training, `rollout.max_staleness` enforced
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
@@ -51,7 +46,8 @@ import numpy as np
 from vapo_jax import distributed
 from vapo_jax.kinds import RolloutEngine
 from vapo_jax.models import paged_attention, sharding
-from vapo_jax.rollout import common, refill, static
+from vapo_jax.rollout import common, static
+from vapo_jax.rollout.refill import engine as refill
 
 
 class Engine(NamedTuple):

@@ -5,18 +5,19 @@ Under a long-tailed length profile the rollout lasts as long as its longest resp
 carried: its tokens so far (with their log-probs and the policy version that sampled each) stay on the host,
 and the next round continues it from there.
 
-  carry = Carry(group=G, sequences=P·G, max_new_tokens=Tr, max_staleness=k)
+  carry = Carry(group=G, sequences=2·P·G, max_new_tokens=Tr, max_staleness=k, pad_id=0, prompt_width=Tp')
   carry.restart_stale(version)                      # once per RL step, before its rounds
   calls = carry.next_call(draw_groups)              # the round's sequences: carried ones first, then new groups
   carry.record(calls, tokens, sampler, policy, held, finish, version)
   trained = carry.take_complete(P)                  # P complete groups, oldest first (None: another round)
 
-- **A round** decodes P·G sequences (`next_call`): the carried ones first, then the members of new groups
-  drawn whole from the prompts. A carried sequence's prompt is its problem's prompt followed by its tokens so
-  far: the round prefills it under the current weights (its keys and values are the current policy's) and
-  decodes on from there. Sequence `i` of the run samples its token t with `fold_in(fold_in(key, i), t)`
-  (`resumed.Resumed`), so with the weights unchanged a sequence stopped and continued gives the tokens of one
-  never stopped.
+- **A round** decodes `OVERPROVISION` × P·G sequences (`next_call`) in the slots of P·G: the carried ones first,
+  then the members of new groups drawn whole from the prompts; a slot freed before the budget takes the next
+  sequence, so the slots stay full to the budget (the ones not reached wait, with no tokens, for the next round).
+  A carried sequence's prompt is its problem's prompt followed by its tokens so far: the round prefills it under
+  the current weights (its keys and values are the current policy's) and decodes on from there. Sequence `i` of
+  the run samples its token t with `fold_in(fold_in(key, i), t)` (`resumed.Resumed`), so with the weights
+  unchanged a sequence stopped and continued gives the tokens of one never stopped.
 - **Complete groups only** are trained on: group baselines, the values' returns and the verifier need every
   member. A step trains on exactly P groups, the P oldest complete ones; it runs rounds, under its one set of
   weights, until P are complete (the batch keeps the size of an unbudgeted step: P prompts × G). Complete groups
@@ -37,8 +38,11 @@ import jax
 import numpy as np
 
 from vapo_jax import distributed
-from vapo_jax.rollout import common, refill
-from vapo_jax.rollout import resumed as resumed_lib
+from vapo_jax.rollout import common
+from vapo_jax.rollout.refill import engine as refill
+from vapo_jax.rollout.refill import resumed as resumed_lib
+
+OVERPROVISION = 2  # A round's sequences per slot of an unbudgeted step's P·G.
 
 
 @dataclasses.dataclass

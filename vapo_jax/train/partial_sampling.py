@@ -34,17 +34,22 @@ class PartialSampling:
     self.experience = experience
     config, r = experience.config, experience.config.rollout
     self.width = partial.prompt_width(r.max_prompt_tokens, r.max_response_tokens)
-    self.carry = partial.Carry(group=r.samples_per_prompt, sequences=r.responses_per_step,
+    self.carry = partial.Carry(group=r.samples_per_prompt, sequences=partial.OVERPROVISION * r.responses_per_step,
                                max_new_tokens=r.max_response_tokens, max_staleness=r.max_staleness,
                                pad_id=experience.tokenizer.pad_token_id, prompt_width=self.width)
     self.key = distributed.replicate_local(jax.random.fold_in(jax.random.key(config.seed), PARTIAL_STREAM),
                                            experience.steps.mesh)
 
   def settings(self) -> dict:
-    """The refill engine's settings for a round (`rollout.refill_settings`; a `ConfigError` when they cannot run)."""
+    """The refill engine's settings for a round (`rollout.refill_settings`; a `ConfigError` when they cannot run):
+    the call's sequences (`partial.OVERPROVISION` × P·G) in the slots a P·G call has, so that a slot freed
+    before the budget takes the next sequence."""
     x, r = self.experience, self.experience.config.rollout
-    engine = x.engine_for(prompts=r.responses_per_step, group=1, prompt_tokens=self.width)
-    return rollout.refill_settings(engine, prompts=r.responses_per_step, group=1, prompt_tokens=self.width,
+    call = self.carry.sequences
+    slots = x.engine_for(prompts=r.responses_per_step, group=1, prompt_tokens=self.width).slots
+    engine = x.engine_for(prompts=call, group=1, prompt_tokens=self.width)
+    engine = engine._replace(slots=min(engine.slots, slots))
+    return rollout.refill_settings(engine, prompts=call, group=1, prompt_tokens=self.width,
                                    max_new_tokens=r.max_response_tokens, head_dim=x.model_cfg.head_dim, budgeted=True)
 
   def sample(self, state: TrainState, prompts, *, version: int):

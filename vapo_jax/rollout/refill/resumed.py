@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from vapo_jax.rollout import common
-from vapo_jax.rollout import queues as q_lib
+from vapo_jax.rollout.refill import queues as q_lib
 
 
 class Resumed(NamedTuple):

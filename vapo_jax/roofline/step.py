@@ -3,9 +3,9 @@ the chip's peak bfloat16 FLOP/s and HBM bandwidth, the slower of the two, plus t
 collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`: JAX's chip table, v5p
 459 TFLOP/s and 2.46e12 B/s over two TensorCores; 600 GB/s ICI into a chip).
 
-  report = roofline.every_layer(report, twice)   # scanned layers: `twice` compiled with model.scan_unroll=2
-  estimate = roofline.estimate(report, profile)  # needs a target with a known chip
-  print(roofline.format_estimate(estimate, report.target.device_kind))
+  report = step.every_layer(report, twice)   # scanned layers: `twice` compiled with model.scan_unroll=2
+  estimate = step.estimate(report, profile)  # needs a target with a known chip
+  print(text.format_estimate(estimate, report.target.device_kind))
 
 HBM bytes and the matmuls' FLOPs are walked from each compiled program's HLO (`hlo_walk`): every loop body
 times its trip count (read from its condition where XLA prints none), a buffer updated in place as the update
@@ -39,9 +39,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vapo_jax.memory import decode_cost, micro_batch_cost, schedule
 from vapo_jax.models import decode_attention, logprobs, paged_attention
 from vapo_jax.rollout import common
+from vapo_jax.rollout.refill import replay as replay_lib
+from vapo_jax.roofline import decode_cost, micro_batch_cost, profiles
 from vapo_jax.train import packed_batch
 
 MFU_FLOOR = 0.40  # Below it, the estimate says what bounds the update.
@@ -76,6 +77,8 @@ class StepEstimate(NamedTuple):
   decode: "decode_cost.DecodeCost | None" = None
   update_fill: float | None = None  # Real tokens over the update's token slots run (packed rows), else None.
   micro_rows: int = 0  # Rows per micro-batch (packed).
+  partial: "replay_lib.PartialLoad | None" = None  # Partial rollouts' replay, per queue.
+  budget: tuple[int, int] | None = None  # Partial rollouts: (decode steps a round, max_staleness).
 
   @property
   def seconds(self) -> float:
@@ -156,7 +159,7 @@ def read_cores(report, chip) -> tuple[int, str | None]:
   return (chip.cores if mode else 1), mode
 
 
-def decode(report, program, profile: schedule.Profile, engine: str, chip) -> decode_cost.DecodeCost:
+def decode(report, program, profile: profiles.Profile, engine: str, chip) -> decode_cost.DecodeCost:
   """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
   contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
   c, queues, pool = report.config, groups(report), report.pool
@@ -165,23 +168,61 @@ def decode(report, program, profile: schedule.Profile, engine: str, chip) -> dec
     p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
         report.target.platform), read_cores=chip.cores)
     rounds = c.rollout.responses_per_step // report.decode_rows
-    costs = [decode_cost.contiguous(report, schedule.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
+    costs = [decode_cost.contiguous(report, profiles.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
                                     // queues, queues=queues, min_slots=0)
              for r in np.split(profile.responses, rounds)]
     return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs), seconds=sum(x.seconds for x in costs),
                              flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
                              cycles=sum(x.cycles for x in costs),
                              collective_bytes=sum(x.collective_bytes for x in costs))
-  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
-  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
-                         read_cores=read_cores(report, chip)[0])
-  p = p._replace(rows=report.decode_rows // queues)
+  p = _paged_prices(report, program, chip)
   if engine == "paged":
     return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
                              min_slots=min_slots, pages=pool["pages"], page_tokens=pool["page_tokens"],
                              block_pages=pool["block_pages"])
   slots = decode_cost.contiguous_slots(report, pool["pages"] * pool["page_tokens"] * p.token_bytes)
   return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues, min_slots=min_slots)
+
+
+def _paged_prices(report, program, chip) -> decode_cost.Prices:
+  """The compiled refill engine's decode step, per queue's rows."""
+  queues, pool = groups(report), report.pool
+  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
+  p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
+                         read_cores=read_cores(report, chip)[0])
+  return p._replace(rows=report.decode_rows // queues)
+
+
+def decode_partial(report, program, profile: profiles.Profile, chip, budget: tuple[int, int]):
+  """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness): (its cost per RL
+  step, the replay `replay_lib.PartialLoad`)."""
+  pool = report.pool
+  return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip,
+                             slots=report.decode_rows // groups(report), queues=groups(report),
+                             min_slots=1 if report.config.rollout.shrink_slots else 0, pages=pool["pages"],
+                             page_tokens=pool["page_tokens"], block_pages=pool["block_pages"], budget=budget[0],
+                             max_staleness=budget[1])
+
+
+def partial_budget(config) -> tuple[int, int]:
+  """(decode steps a round, max_staleness) of the roofline's partial rollouts: `rollout.decode_budget` and
+  `rollout.max_staleness` when set; else 0.3 of the cap in whole pages of 128 (the log-normal profile's mean),
+  with the least staleness that lets a response at the cap finish."""
+  r = config.rollout
+  if r.decode_budget:
+    return r.decode_budget, r.max_staleness
+  budget = max(128, round(0.3 * r.max_response_tokens / 128) * 128)
+  return budget, -(-r.max_response_tokens // budget) - 1
+
+
+def _reprefill_flops(report, replay: replay_lib.PartialLoad, chips: int) -> float:
+  """FLOPs per chip and RL step of the partial rollouts' prefills: every round's prompts with their carried
+  tokens, all queues (the replay's queue standing for each)."""
+  cfg = report.architecture
+  embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+  flops = 2.0 * (report.parameters[0] - embedding) * float(replay.prefill.sum()) + _attention_forward(
+      cfg, replay.prefill)
+  return flops * groups(report) / replay.steps / chips
 
 
 def _head_flops(report, chips: int, tokens: float) -> float:
@@ -194,7 +235,7 @@ def _head_flops(report, chips: int, tokens: float) -> float:
   return (1 - 1 / blocks) * 2.0 * cfg.vocab_size * cfg.hidden_size * tokens / chips
 
 
-def _model_flops(report, profile: schedule.Profile) -> dict[str, float]:
+def _model_flops(report, profile: profiles.Profile) -> dict[str, float]:
   """Useful FLOPs of each phase on all chips under `profile` (module docstring); the input embedding is a
   lookup, not a matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
   c, cfg = report.config, report.architecture
@@ -210,22 +251,28 @@ def _model_flops(report, profile: schedule.Profile) -> dict[str, float]:
           * c.algo.ppo_epochs}
 
 
-def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, chip):
-  """(FLOPs, bytes, collective bytes, compiler cycles, the decode loop's cost or None) of one phase per chip in
-  one RL step."""
+def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, chip, budget=None):
+  """(FLOPs, bytes, collective bytes, compiler cycles, the decode loop's cost or None, the partial rollouts'
+  replay or None) of one phase per chip in one RL step; `budget`: partial rollouts (`decode_partial`)."""
   c, cfg = report.config, report.architecture
   tokens = micro_batch_cost.sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
   flops = bytes_ = moved = cycles = 0.0
-  found, mb = None, micro_batch_cost
+  found, replay, mb = None, None, micro_batch_cost
+  if budget is not None and phase.name == "rollout":
+    found, replay = decode_partial(report, next(p for p in phase.programs if p.decode is not None), profile, chip,
+                                   budget)
   for program in phase.programs:
     if program.decode is not None:
-      found = decode(report, program, profile, engine, chip)
+      found = found or decode(report, program, profile, engine, chip)
       f, b, m, k = found.flops, found.bytes, found.collective_bytes, found.cycles
     elif phase.name == "rollout":
       f, m = (program.walked.flops if program.walked else program.flops), mb.collective_bytes(program, unknown=1)
       b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed, 0.0)
       f += _attention_forward(cfg, profile.prompts) / chips if "prefill" in program.name else 0.0
+      if replay is not None and "prefill" in program.name:  # Each round's, its prompts with their carried tokens.
+        rounds = replay.rounds / replay.steps
+        f, b, m, k = _reprefill_flops(report, replay, chips), b * rounds, m * rounds, k * rounds
     else:
       trips = mb.trips(report, phase.name, profile)
       calls = c.updates_per_step if phase.name == "update" else 1  # One update program per mini-batch.
@@ -242,7 +289,7 @@ def _phase(report, phase, chips: int, profile: schedule.Profile, engine: str, ch
         heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
         f += attention + _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads
     flops, bytes_, moved, cycles = flops + f, bytes_ + b, moved + m, cycles + k
-  return flops, bytes_, moved, cycles, found
+  return flops, bytes_, moved, cycles, found, replay
 
 
 def engines(report) -> tuple[str, ...]:
@@ -251,18 +298,22 @@ def engines(report) -> tuple[str, ...]:
   return ("paged", "contiguous") if report.refill else ("static",)
 
 
-def estimate(report, profile: schedule.Profile | None = None, engine: str | None = None) -> StepEstimate:
+def estimate(report, profile: profiles.Profile | None = None, engine: str | None = None,
+             budget: tuple[int, int] | None = None) -> StepEstimate:
   """One RL step's phases (rollout, scoring, update; value pretraining and the warm start are not per-step
   work) at the roofline of `report.target`'s chip under `profile` (default: every response at the cap, every
-  prompt at the bucket length), the rollout decoded by `engine` (default: the compiled one, `engines`)."""
+  prompt at the bucket length), the rollout decoded by `engine` (default: the compiled one, `engines`);
+  `budget` = (rollout.decode_budget, rollout.max_staleness): the paged engine's partial rollouts, in steady
+  state (`replay_lib.partial_rounds`)."""
   chip, chips = report.target.chip, len(report.target.devices)
   c = report.config
-  profile = profile or schedule.at_cap(c, np.full(c.rollout.prompts_per_step, common.prompt_bucket(
+  profile = profile or profiles.at_cap(c, np.full(c.rollout.prompts_per_step, common.prompt_bucket(
       c.rollout.max_prompt_tokens)), "every prompt at the bucket length")
   engine = engine or engines(report)[0]
-  useful, found, decoded = _model_flops(report, profile), [], None
+  useful, found, decoded, replay = _model_flops(report, profile), [], None, None
   for phase in (p for p in report.phases if p.name in ("rollout", "scoring", "update")):
-    flops, bytes_, moved, cycles, cost = _phase(report, phase, chips, profile, engine, chip)
+    flops, bytes_, moved, cycles, cost, replayed = _phase(report, phase, chips, profile, engine, chip, budget)
+    replay = replay or replayed
     priced = None
     if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
       decoded = cost
@@ -276,86 +327,10 @@ def estimate(report, profile: schedule.Profile | None = None, engine: str | None
     m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
     fill = micro_batch_cost.token_fill(c, micro_batch_cost.sequence_tokens(report, profile), m)
   return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine, profile.name,
-                      decoded, fill, m)
+                      decoded, fill, m, replay, budget)
 
 
-def update_bound(step: StepEstimate) -> str | None:
-  """What bounds the update when its MFU is under `MFU_FLOOR`, and which setting would move it (None: above)."""
-  mfu = step.phase_mfu("update")
-  if mfu >= MFU_FLOOR:
-    return None
-  p = step.phase("update")
-  per_chip = p.model_flops / step.chips
-  terms = {"compute": p.compute_s, "HBM bandwidth": p.memory_s, "collectives": p.collective_s}
-  bound = max(terms, key=terms.get)
-  why = {"compute": (f"the compiled FLOPs are {p.flops / per_chip:.2f}x the model FLOPs (remat's second forward, "
-                     "attention's masked blocks): model.remat=false where the memory allows it"),
-         "HBM bandwidth": ("its bytes per FLOP: larger micro-batches (packing.micro_batch_rows) reuse each gathered "
-                           "weight over more rows"),
-         "collectives": ("FSDP gathers every weight and reduces every gradient once per micro-batch: larger "
-                         "micro-batches (packing.micro_batch_rows) or a smaller mesh.fsdp with mesh.data > 1 move "
-                         "fewer bytes")}[bound]
-  share = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in terms.items())
-  return f"update MFU {mfu:.1%} < {MFU_FLOOR:.0%}: bound by {bound} ({share}); {why}"
-
-
-def format_estimate(step: StepEstimate, chip_name: str) -> str:
-  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU."""
-  lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
-           f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
-           f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
-           f"{'cycles s':>10}{'estimate s':>12}{'MFU':>8}"]
-  lines += [f"  {p.phase:<12}{p.flops / 1e12:10.1f}{p.bytes / 1e9:10.1f}{p.collective_bytes / 1e9:10.1f}"
-            f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.cycles_s:10.1f}{p.seconds:12.1f}"
-            f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
-  lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their updates; "
-               "cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, kernels and gathers "
-               "counting none)")
-  lines.append(f"  {summary(step)}")
-  if bound := update_bound(step):
-    lines.append(f"  {bound}")
-  return "\n".join(lines)
-
-
-def summary(step: StepEstimate) -> str:
-  rollout = step.phase("rollout").seconds
-  return (f"one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout {rollout:.0f} s, "
-          f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
-          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
-          + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
-             f"micro-batches of {step.micro_rows} rows"))
-
-
-def compare(report, profiles: list[schedule.Profile]) -> list[tuple[str, StepEstimate]]:
+def compare(report, profiles: list[profiles.Profile]) -> list[tuple[str, StepEstimate]]:
   """The step estimate of each engine (`engines`) under each profile, labelled "<profile letter>, <engine>"."""
   return [(f"{chr(65 + i)}, {engine}", estimate(report, profile, engine))
           for i, profile in enumerate(profiles) for engine in engines(report)]
-
-
-def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
-  """The profiles, the itemised decode bytes per chip and step of each (profile, engine), each step's phases,
-  and the rollout's speed-up of the paged engine over the contiguous one under each profile."""
-  chip = report.target.device_kind
-  names = dict.fromkeys(label.split(",")[0] for label, _ in estimates)
-  lines = [f"roofline of one RL step per chip ({chip}), by response-length profile and rollout engine:"]
-  for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
-    lines.append(f"  profile {letter}: {step.profile}")
-  lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
-  if report.refill and report.pool["implementation"] == "kernel" and report.target.chip is not None:
-    cores, mode = read_cores(report, report.target.chip)
-    lines.append(f"  the paged kernel reads the cache on {cores} of the chip's {report.target.chip.cores} "
-                 f"TensorCore(s) (megacore_mode={mode})")
-  for label, step in estimates:
-    lines.append(f"  {label:<16}{summary(step)}")
-  by = dict(estimates)
-  for letter in names:
-    if f"{letter}, paged" in by and f"{letter}, contiguous" in by:
-      paged, contiguous = by[f"{letter}, paged"], by[f"{letter}, contiguous"]
-      ratio = contiguous.phase("rollout").seconds / paged.phase("rollout").seconds
-      floor = ((contiguous.phase("rollout").seconds - contiguous.decode.seconds + contiguous.decode.floor_s)
-               / (paged.phase("rollout").seconds - paged.decode.seconds + paged.decode.floor_s))
-      lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
-                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
-                   f"{floor:.2f}x with the decode's rest left out)")
-  lines += [format_estimate(step, f"{chip} ({label})") for label, step in estimates]
-  return "\n".join(lines)

@@ -1,6 +1,6 @@
 """The pages of a paged KV cache (`models/kv_cache.PagedKVCache`), handed out and taken back on the device.
 
-Each queue (`rollout/queues.py`) owns Pq pages of the pool; its free pages are a stack `[Q, Pq]` with a
+Each queue (`rollout/refill/queues.py`) owns Pq pages of the pool; its free pages are a stack `[Q, Pq]` with a
 depth `[Q]`, updated inside the decode loop with no host round trip:
 
   free = initial(queues, pages, used)           # pages [used_q, Pq) of queue q free (the prompts hold the rest)
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vapo_jax.rollout import queues as q_lib
+from vapo_jax.rollout.refill import queues as q_lib
 
 
 class FreePages(NamedTuple):

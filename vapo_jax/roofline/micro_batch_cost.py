@@ -12,8 +12,9 @@ import math
 
 import numpy as np
 
-from vapo_jax.memory import hlo_walk, schedule
+from vapo_jax.memory import hlo_walk
 from vapo_jax.rollout import common
+from vapo_jax.roofline import profiles
 from vapo_jax.train import micro_batches, packed_batch, packing
 
 MAX_PADDING = 0.15  # Of the update's token slots: `fitting_micro_rows`'s bound.
@@ -52,13 +53,13 @@ def walked(program, run: float) -> hlo_walk.Cost:
   return total
 
 
-def sequence_tokens(report, profile: schedule.Profile) -> np.ndarray:
+def sequence_tokens(report, profile: profiles.Profile) -> np.ndarray:
   """`[N]` each sequence's tokens under `profile`: its prompt's and its response's."""
   g = report.config.rollout.samples_per_prompt
   return np.repeat(profile.prompts, g)[:len(profile.responses)] + profile.responses
 
 
-def trips(report, phase_name: str, profile: schedule.Profile | None = None) -> float:
+def trips(report, phase_name: str, profile: profiles.Profile | None = None) -> float:
   """How many times the loop bodies cost_analysis counted once run in one RL step: micro-batches of
   sequences, or packed, of `packing.micro_batch_rows` rows: those that run (⌈rows / m⌉, the rest skipped)
   for the rows first-fit decreasing packs `profile`'s sequences into (default: every response at the cap,

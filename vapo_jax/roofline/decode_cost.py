@@ -1,4 +1,5 @@
-"""The decode loop's cost per chip, step by step: a schedule (`schedule.py`) priced with the compiled decode step.
+"""The decode loop's cost per chip, step by step: the engine's replay (`rollout/refill/replay.py`) priced with the
+compiled decode step.
 
 Itemised per decode step and chip (`DecodeCost`, means over the steps):
 
@@ -28,10 +29,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vapo_jax.memory import schedule
 from vapo_jax.models import decode_attention
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.rollout import common
+from vapo_jax.rollout.refill import replay
+from vapo_jax.roofline import profiles
 
 
 class DecodeCost(NamedTuple):
@@ -88,7 +90,7 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
                 loop.iteration.cycles if loop is not None else 0.0, read_cores)
 
 
-def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:
+def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:
   """The schedule `load` at prices `p` on `chip` (`topologies.Chip`); `copied_tokens`: tokens a refill copies
   in all (written, and read)."""
   scale = load.rows / p.rows
@@ -112,7 +114,7 @@ def cost(load: schedule.Load, p: Prices, chip, *, engine: str, slots: int, copie
                     float(floor.sum() + copy / chip.hbm_bandwidth), float(p.cycles * np.sum(scale)))
 
 
-def queue_share(profile: schedule.Profile, queues: int) -> tuple[np.ndarray, np.ndarray]:
+def queue_share(profile: profiles.Profile, queues: int) -> tuple[np.ndarray, np.ndarray]:
   """Queue 0's sequences and prompts (every queue serves an equal contiguous share; the profile's lengths are
   drawn independently, so queue 0 stands for each)."""
   return profile.responses[:len(profile.responses) // queues], profile.prompts[:len(profile.prompts) // queues]
@@ -128,24 +130,43 @@ def contiguous_slots(report, pool_bytes: float) -> int:
 
 
 def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int) -> DecodeCost:
-  """The contiguous refill engine (`rollout/contiguous.py`) on `profile`: `slots` rows per queue reading up to
+  """The contiguous refill engine (`rollout/refill/contiguous.py`) on `profile`: `slots` rows per queue reading up to
   the longest live row's slot in blocks of `attend_one`'s TPU block; each refill copies the prompt bucket."""
   c = report.config
   responses, prompts = queue_share(profile, queues)
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  load = schedule.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots, min_slots=min_slots,
+  load = replay.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots, min_slots=min_slots,
                            prompt_slots=tp, block=decode_attention.default_block("tpu"))
   return cost(load, p, chip, engine="contiguous", slots=slots * queues, copied_tokens=len(responses) * tp)
 
 
 def paged(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int, pages: int,
           page_tokens: int, block_pages: int) -> DecodeCost:
-  """The paged refill engine (`rollout/refill.py`) on `profile`: `slots` rows and `pages` pages per queue, each
+  """The paged refill engine (`rollout/refill/engine.py`) on `profile`: `slots` rows and `pages` pages per queue, each
   live row reading its own tokens; each refill copies one page (the prompt's last, partly filled one)."""
   responses, prompts = queue_share(profile, queues)
-  load = schedule.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt, slots=slots,
-                           min_slots=min_slots, paged=schedule.Paged(pages, page_tokens, block_pages))
+  load = replay.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt, slots=slots,
+                           min_slots=min_slots, paged=replay.Paged(pages, page_tokens, block_pages))
   return cost(load, p, chip, engine="paged", slots=slots * queues, copied_tokens=len(responses) * page_tokens)
+
+
+def partial(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int, pages: int,
+            page_tokens: int, block_pages: int, budget: int, max_staleness: int):
+  """The paged refill engine under partial rollouts (`replay.partial_rounds`: rounds of `budget` decode steps,
+  the carried sequences prefilled again each round): (the decode's cost per RL step, the replay)."""
+  c = report.config
+  rounds = replay.partial_rounds(profile.responses, profile.prompts, group=c.rollout.samples_per_prompt,
+                                 queues=queues, slots=slots, min_slots=min_slots,
+                                 paged=replay.Paged(pages, page_tokens, block_pages), budget=budget,
+                                 max_staleness=max_staleness, cap=c.rollout.max_response_tokens)
+  total = cost(rounds.load, p, chip, engine="paged", slots=slots * queues,
+               copied_tokens=len(rounds.prefill) * page_tokens)
+  per = lambda x: x / rounds.steps
+  return total._replace(
+      steps=round(per(total.steps)), flops=per(total.flops), bytes=per(total.bytes),
+      collective_bytes=per(total.collective_bytes), seconds=per(total.seconds), floor_s=per(total.floor_s),
+      cycles=per(total.cycles), preemptions=round(per(total.preemptions)),
+      recomputed_tokens=round(per(total.recomputed_tokens))), rounds
 
 
 def format_costs(costs: list[tuple[str, DecodeCost]]) -> list[str]:

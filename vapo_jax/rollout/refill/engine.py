@@ -1,8 +1,8 @@
 """The refill engine: decode slots over a paged KV cache, refilled as sequences end (continuous batching).
 
 Response lengths in long chain-of-thought RL are long-tailed: most responses end early, a few run to the
-cap. R decode slots (rows) run the N = P·G sequences of a step as Q queues (`rollout/queues.py`), and their
-keys and values live in a pool of pages (`models/kv_cache.PagedKVCache`, `rollout/pages.py`), so memory
+cap. R decode slots (rows) run the N = P·G sequences of a step as Q queues (`rollout/refill/queues.py`), and their
+keys and values live in a pool of pages (`models/kv_cache.PagedKVCache`, `rollout/refill/pages.py`), so memory
 follows the live tokens rather than R × the longest possible sequence, and each row's attention reads
 only its own pages (`models/paged_attention.py`: the Pallas kernel on TPU):
 
@@ -51,9 +51,9 @@ from vapo_jax import distributed
 from vapo_jax.models.kv_cache import PagedKVCache
 from vapo_jax.models.sharding import constrain
 from vapo_jax.rollout import common
-from vapo_jax.rollout import pages as pages_lib
-from vapo_jax.rollout import queues as q_lib
-from vapo_jax.rollout import resumed as resumed_lib
+from vapo_jax.rollout.refill import pages as pages_lib
+from vapo_jax.rollout.refill import queues as q_lib
+from vapo_jax.rollout.refill import resumed as resumed_lib
 
 
 class Prompts(NamedTuple):

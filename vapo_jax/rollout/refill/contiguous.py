@@ -51,7 +51,7 @@ from jax import lax
 from vapo_jax.models.kv_cache import CACHE_AXES, KVCache
 from vapo_jax.models.sharding import constrain
 from vapo_jax.rollout import common
-from vapo_jax.rollout import queues as queues_lib
+from vapo_jax.rollout.refill import queues as queues_lib
 
 
 class Prompts(NamedTuple):

@@ -1,0 +1,86 @@
+"""The roofline as text: one step's phases, a comparison of engines and profiles, what bounds the update."""
+
+from vapo_jax.roofline import decode_cost
+from vapo_jax.roofline.step import MFU_FLOOR, StepEstimate, read_cores
+
+
+def update_bound(step: StepEstimate) -> str | None:
+  """What bounds the update when its MFU is under `MFU_FLOOR`, and which setting would move it (None: above)."""
+  mfu = step.phase_mfu("update")
+  if mfu >= MFU_FLOOR:
+    return None
+  p = step.phase("update")
+  per_chip = p.model_flops / step.chips
+  terms = {"compute": p.compute_s, "HBM bandwidth": p.memory_s, "collectives": p.collective_s}
+  bound = max(terms, key=terms.get)
+  why = {"compute": (f"the compiled FLOPs are {p.flops / per_chip:.2f}x the model FLOPs (remat's second forward, "
+                     "attention's masked blocks): model.remat=false where the memory allows it"),
+         "HBM bandwidth": ("its bytes per FLOP: larger micro-batches (packing.micro_batch_rows) reuse each gathered "
+                           "weight over more rows"),
+         "collectives": ("FSDP gathers every weight and reduces every gradient once per micro-batch: larger "
+                         "micro-batches (packing.micro_batch_rows) or a smaller mesh.fsdp with mesh.data > 1 move "
+                         "fewer bytes")}[bound]
+  share = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in terms.items())
+  return f"update MFU {mfu:.1%} < {MFU_FLOOR:.0%}: bound by {bound} ({share}); {why}"
+
+
+def format_estimate(step: StepEstimate, chip_name: str) -> str:
+  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU."""
+  lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
+           f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
+           f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
+           f"{'cycles s':>10}{'estimate s':>12}{'MFU':>8}"]
+  lines += [f"  {p.phase:<12}{p.flops / 1e12:10.1f}{p.bytes / 1e9:10.1f}{p.collective_bytes / 1e9:10.1f}"
+            f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.cycles_s:10.1f}{p.seconds:12.1f}"
+            f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
+  lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their updates; "
+               "cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, kernels and gathers "
+               "counting none)")
+  lines.append(f"  {summary(step)}")
+  if bound := update_bound(step):
+    lines.append(f"  {bound}")
+  return "\n".join(lines)
+
+
+def summary(step: StepEstimate) -> str:
+  rollout = step.phase("rollout").seconds
+  return (f"one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout {rollout:.0f} s, "
+          f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
+          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
+          + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
+             f"micro-batches of {step.micro_rows} rows")
+          + ("" if step.partial is None else f"; {step.decode_steps} decode steps in "
+             f"{step.partial.rounds / step.partial.steps:.2f} rounds of {step.budget[0]}, "
+             f"a queue carrying {step.partial.carried:.0f} sequences, restarting "
+             f"{step.partial.restarted / step.partial.steps:.0f} and prefilling "
+             f"{step.partial.prefill.sum() / step.partial.steps / 1e6:.2f}M tokens a step; "
+             f"{step.partial.stale_frac:.0%} of the trained tokens stale"))
+
+
+def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
+  """The profiles, the itemised decode bytes per chip and step of each (profile, engine), each step's phases,
+  and the rollout's speed-up of the paged engine over the contiguous one under each profile."""
+  chip = report.target.device_kind
+  names = dict.fromkeys(label.split(",")[0] for label, _ in estimates)
+  lines = [f"roofline of one RL step per chip ({chip}), by response-length profile and rollout engine:"]
+  for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
+    lines.append(f"  profile {letter}: {step.profile}")
+  lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
+  if report.refill and report.pool["implementation"] == "kernel" and report.target.chip is not None:
+    cores, mode = read_cores(report, report.target.chip)
+    lines.append(f"  the paged kernel reads the cache on {cores} of the chip's {report.target.chip.cores} "
+                 f"TensorCore(s) (megacore_mode={mode})")
+  for label, step in estimates:
+    lines.append(f"  {label:<16}{summary(step)}")
+  by = dict(estimates)
+  for letter in names:
+    if f"{letter}, paged" in by and f"{letter}, contiguous" in by:
+      paged, contiguous = by[f"{letter}, paged"], by[f"{letter}, contiguous"]
+      ratio = contiguous.phase("rollout").seconds / paged.phase("rollout").seconds
+      floor = ((contiguous.phase("rollout").seconds - contiguous.decode.seconds + contiguous.decode.floor_s)
+               / (paged.phase("rollout").seconds - paged.decode.seconds + paged.decode.floor_s))
+      lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
+                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
+                   f"{floor:.2f}x with the decode's rest left out)")
+  lines += [format_estimate(step, f"{chip} ({label})") for label, step in estimates]
+  return "\n".join(lines)
