@@ -158,6 +158,7 @@ def decode(quick: bool) -> list[str]:
 
   from benchmarks.rollout_bench import timed
   from vapo_jax import rollout
+  from vapo_jax.config import RolloutConfig
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM
   from vapo_jax.rollout import common
@@ -171,14 +172,16 @@ def decode(quick: bool) -> list[str]:
   drawn = rng.lognormal(0.0, 0.8, size=prompts * group)
   limits = np.clip(np.round(drawn / drawn.max() * cap), 1, cap).astype(np.int32)
   pages = slots * (common.sequence_pages(cap, page_tokens) + -(-tokens.shape[1] // page_tokens))
-  spec = common.Sampling(max_new_tokens=cap, stop_token_ids=(), temperature=1.0)
+  spec = common.Sampling(max_response_tokens=cap, stop_token_ids=(), temperature=1.0)
   results = {}
   for impl in ("gpu_kernel", "gather"):
-    engine = rollout.Engine(kind="refill", slots=slots, steps_per_call=256, pages=pages, page_tokens=page_tokens,
-                            attention=impl)
-    run = lambda i, engine=engine: rollout.sample(model, tokens, mask, jax.random.key(0), sampling=spec,
-                                                  samples_per_prompt=group, engine=engine, length_limits=limits,
-                                                  cache_dtype=jax.numpy.bfloat16)
+    config = RolloutConfig(slots=slots, decode_steps_per_call=256, pages=pages, page_tokens=page_tokens,
+                           max_response_tokens=cap)
+    plan = dataclasses.replace(rollout.plan_rollout(config, model.cfg, prompts=prompts, group=group,
+                                                    prompt_tokens=tokens.shape[1], dtype=jax.numpy.bfloat16,
+                                                    devices=1), attention=impl)
+    run = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(0), sampling=spec, plan=plan,
+                                              length_limits=limits, cache_dtype=jax.numpy.bfloat16)
     run(0)  # Compiles.
     seconds, runs, (out, _) = timed(run, repeats=2, budget_s=60)
     results[impl] = seconds, runs, np.asarray(out.response_tokens)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from benchmarks.rollout_bench import timed
 from vapo_jax import rollout
+from vapo_jax.config import RolloutConfig
 from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
@@ -50,13 +51,15 @@ def prompts(vocab: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
 def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats: int):
   """One shape: the contiguous engine in `slots` slots, the paged one in `paged_factor` × as many over the same
   KV bytes. Returns the summary line."""
-  spec = common.Sampling(max_new_tokens=CAP, stop_token_ids=(), temperature=1.0)
+  spec = common.Sampling(max_response_tokens=CAP, stop_token_ids=(), temperature=1.0)
   prompt_len = tokens.shape[1]
   token_bytes = KVCache.bytes_per_token(model.cfg, np.float32)
   kv_bytes = slots * (prompt_len + CAP) * token_bytes  # The contiguous engine's cache (its slot mask aside).
   pages = int(kv_bytes // (PAGE_TOKENS * token_bytes))
-  paged = rollout.Engine(kind="refill", slots=slots * paged_factor, steps_per_call=64, pages=pages,
-                         page_tokens=PAGE_TOKENS)
+  paged = rollout.plan_rollout(
+      RolloutConfig(slots=slots * paged_factor, decode_steps_per_call=64, pages=pages, page_tokens=PAGE_TOKENS,
+                    max_response_tokens=CAP), model.cfg, prompts=tokens.shape[0], group=GROUP,
+      prompt_tokens=prompt_len, dtype=np.float32, devices=1)
   place = lambda x: jax.device_put(x)
 
   def run_contiguous(i):
@@ -68,8 +71,8 @@ def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats
                  "rollout/pages_peak": 0.0, "rollout/preemptions": 0.0}
 
   def run_paged(i):
-    return rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec, samples_per_prompt=GROUP,
-                          engine=paged, length_limits=limits)
+    return rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec, plan=paged,
+                          length_limits=limits)
 
   results = {}
   for name, run in (("contiguous", run_contiguous), ("paged", run_paged)):

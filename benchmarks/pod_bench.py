@@ -22,6 +22,7 @@ average, at the start and the end: timings are only comparable on an idle machin
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -42,9 +43,8 @@ from vapo_jax.config import overrides  # noqa: E402
 from vapo_jax.memory import topologies, xla_report  # noqa: E402
 from vapo_jax.models import sharding  # noqa: E402
 from vapo_jax.models.transformer import CausalLM  # noqa: E402
-from vapo_jax.rollout import common
+from vapo_jax.rollout import common  # noqa: E402
 from vapo_jax.rollout.layout import layout_for  # noqa: E402
-from vapo_jax.rollout.refill import engine as refill  # noqa: E402
 from vapo_jax.train import build  # noqa: E402
 
 
@@ -82,14 +82,11 @@ def _rollout_state(config, layout, cfg):
   actor = sharding.create_sharded(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)), mesh, rules)
   graphdef, params = nnx.split(actor)
   r = config.rollout
-  sampling = common.Sampling(max_new_tokens=r.max_response_tokens, stop_token_ids=(-1,), temperature=1.0)
-  engine = rollout.engine_for(r, cfg, sequences=r.responses_per_step, prompt_tokens=16,
-                             dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices)
-  fns = refill.programs(sampling=sampling, group=r.samples_per_prompt, slots=r.slots, queues=layout.data_devices,
-                        steps_per_call=1, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), min_slots=0,
-                        jit=layout.jit, **rollout.paged_settings(
-                            engine, queues=layout.data_devices, prompts=r.prompts_per_step, prompt_tokens=16,
-                            max_new_tokens=r.max_response_tokens, head_dim=cfg.head_dim))
+  sampling = common.Sampling(max_response_tokens=r.max_response_tokens, stop_token_ids=(-1,), temperature=1.0)
+  plan = rollout.plan_rollout(r, cfg, prompts=r.prompts_per_step, group=r.samples_per_prompt, prompt_tokens=16,
+                              dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices, budgeted=True)
+  plan = dataclasses.replace(plan, steps_per_call=1, min_slots=0)
+  fns = plan.programs(sampling=sampling, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), jit=layout.jit)
   rng = np.random.default_rng(0)
   tokens = rng.integers(3, cfg.vocab_size, (r.prompts_per_step, 16)).astype(np.int32)
   prompts_tokens, mask = layout.place((tokens, np.ones_like(tokens, bool)))

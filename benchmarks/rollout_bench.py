@@ -26,6 +26,7 @@ would flatter vapo_jax. Torch slows down far more than XLA when other work share
 comparison is only meaningful on an idle machine (see the load average).
 """
 
+import dataclasses
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Read when torch loads libgomp: set before importing it.
@@ -40,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from vapo_jax import rollout
+from vapo_jax.config import RolloutConfig
 from vapo_jax.models import decode_attention, huggingface
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.kv_cache import KVCache
@@ -56,6 +58,14 @@ LONG_TAIL = (55, 34, 36, 9, 171, 108, 39, 83, 59, 33, 96, 39, 39, 28, 67, 45, 71
 SMALL_QWEN2 = dict(model_type="qwen2", vocab_size=32000, hidden_size=256, intermediate_size=768,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096)
+
+
+def one_device_plan(config: RolloutConfig, model, tokens, *, group: int,
+                    max_response_tokens: int) -> rollout.RolloutPlan:
+  """`config`'s rollout plan for the prompts `tokens` × `group` on one device."""
+  return rollout.plan_rollout(dataclasses.replace(config, max_response_tokens=max_response_tokens), model.cfg,
+                              prompts=tokens.shape[0], group=group, prompt_tokens=tokens.shape[1], dtype=jnp.float32,
+                              devices=1)
 
 
 def timed(run: Callable[[int], object], *, repeats: int, budget_s: float) -> tuple[float, int, object]:
@@ -126,14 +136,14 @@ def long_tail(repeats: int):
   model = CausalLM(TransformerConfig.from_hf(SMALL_QWEN2), rngs=nnx.Rngs(0))
   tokens, mask = random_prompts(model.cfg.vocab_size, 16, 32, seed=3)
   limits = np.asarray(LONG_TAIL, np.int32)
-  spec = common.Sampling(max_new_tokens=max(LONG_TAIL), stop_token_ids=(), temperature=1.0)
-  engines = {"static, batch 64": rollout.Engine(kind="static"),
-             "refill, 16 slots": rollout.Engine(kind="refill", slots=16),
-             "(without shrink)": rollout.Engine(kind="refill", slots=16, min_slots=0)}
+  spec = common.Sampling(max_response_tokens=max(LONG_TAIL), stop_token_ids=(), temperature=1.0)
+  engines = {"static, batch 64": RolloutConfig(engine="static"), "refill, 16 slots": RolloutConfig(slots=16),
+             "(without shrink)": RolloutConfig(slots=16, shrink_slots=False)}
   results = {}
   for name, engine in engines.items():
-    call = lambda i, engine=engine: rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec,
-                                                   samples_per_prompt=4, engine=engine, length_limits=limits)
+    plan = one_device_plan(engine, model, tokens, group=4, max_response_tokens=spec.max_response_tokens)
+    call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec, plan=plan,
+                                               length_limits=limits)
     call(0)  # Compiles.
     seconds, runs, (_, metrics) = timed(call, repeats=repeats, budget_s=40)
     results[name] = seconds, runs, call(0)[0], metrics  # Both engines' tokens from the same key (key 0).
@@ -193,8 +203,9 @@ def versus_transformers(quick: bool, repeats: int, budget_s: float):
       cfg = preset("qwen2.5-0.5b") if hf_config is None else TransformerConfig.from_hf(hf_config)
       model = CausalLM(cfg, rngs=nnx.Rngs(0))
       tokens, mask = random_prompts(cfg.vocab_size, batch, prompt_len, seed=1)
-      spec = common.Sampling(max_new_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
-      call = lambda i: rollout.sample(model, tokens, mask, jax.random.key(i), sampling=spec, samples_per_prompt=1)
+      spec = common.Sampling(max_response_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
+      plan = one_device_plan(RolloutConfig(), model, tokens, group=1, max_response_tokens=new_tokens)
+      call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i), sampling=spec, plan=plan)
       call(0)  # Compiles.
       ours, runs, (out, _) = timed(call, repeats=repeats, budget_s=budget_s / 2)
       hf, torch = load_transformers(model, os.path.join(directory, f"{name}-{prompt_len}"))

@@ -254,7 +254,8 @@ def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path
 
   config = build_smoke_config(tmp_path, QUICK | {"rollout.slots": 8, "rollout.page_tokens": 8, "rollout.pages": 24})
   report = xla_report.compile_run(config, topologies.named(TOPOLOGY))
-  assert report.refill and report.pool["pages"] == 24 and roofline.engines(report) == ("paged", "contiguous")
+  assert report.refill and report.plan.pages == report.plan.queue_pages == 24
+  assert roofline.engines(report) == ("paged", "contiguous")
   prompts, where = profiles.prompt_lengths(config)
   estimates = roofline.compare(report, [profiles.at_cap(config, prompts, where),
                                         profiles.log_normal(config, prompts, where)])

@@ -1,14 +1,16 @@
 """The refill engine's pages: a group's prompt is stored once, every page comes back, and a pool too small for the
 slots preempts and restarts sequences without changing a token."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from model_utils import EOS, PROMPTS
-from test_refill import assert_same, queue_steps, sample
-from vapo_jax import rollout
+from test_refill import STATIC, assert_same, queue_steps, sample
+from vapo_jax.config import RolloutConfig
 from vapo_jax.rollout import common
 from vapo_jax.rollout.refill import contiguous, pages
 from vapo_jax.rollout.refill import engine as refill
@@ -33,8 +35,8 @@ def test_a_groups_prompt_is_stored_once(model):
   """After the prefill, the pages in use are the prompts' (⌈length / page⌉ each), not G times that, and they
   hold each prompt's real tokens from slot 0: the prefill's keys and values, padding dropped."""
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
-  spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,))
-  fns = refill.programs(sampling=spec, group=3, slots=6, queues=2, pages=12, page_tokens=4, block_pages=1,
+  spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,))
+  fns = refill.programs(sampling=spec, group=3, slots=6, queues=2, queue_pages=12, page_tokens=4, block_pages=1,
                         implementation="gather", steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32))
   prompts, state = fns.start(model, tokens, mask)
   held = [-(-len(p) // 4) for p in PROMPTS]  # 1, 2, 1, 1 pages: queue 0 holds prompts 0-1, queue 1 prompts 2-3.
@@ -53,13 +55,13 @@ def test_preemption_restarts_sequences_with_the_same_tokens(model):
   """6 slots over 10 pages of 4 tokens (the 4 prompts hold 5; one sequence needs at most 4 more, 6 would need 24):
   the engine preempts the latest-started sequences again and again, restarts them from their prompts, and
   samples the static engine's tokens, log-probs and lengths; every page is free at the end."""
-  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
-  tight = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=10, page_tokens=4, block_pages=2)
+  static, _ = sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)
+  tight = RolloutConfig(slots=6, decode_steps_per_call=3, pages=10, page_tokens=4, block_pages=2)
   refilled, metrics = sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
   assert_same(refilled, static)
   assert metrics["rollout/preemptions"] >= 2 and metrics["rollout/recomputed_tokens"] > 0
   assert metrics["rollout/pages_free_after"] == 10 and metrics["rollout/pages_peak"] == 10
-  roomy, roomy_metrics = sample(model, PROMPTS, tight._replace(pages=0), group=3, key=3, **SAMPLING)
+  roomy, roomy_metrics = sample(model, PROMPTS, dataclasses.replace(tight, pages=None), group=3, key=3, **SAMPLING)
   assert_same(roomy, static)  # Pages for every slot at the cap: nothing preempted, and the queue's own replay.
   assert roomy_metrics["rollout/preemptions"] == 0 and roomy_metrics["rollout/recomputed_tokens"] == 0
   lengths = np.asarray(static.response_lengths)
@@ -68,17 +70,17 @@ def test_preemption_restarts_sequences_with_the_same_tokens(model):
 
 
 def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_the_setting(model):
-  tight = rollout.Engine(kind="refill", slots=6, pages=8, page_tokens=4)  # The prompts' 5 + 4 for one sequence.
+  tight = RolloutConfig(slots=6, pages=8, page_tokens=4)  # The prompts' 5 + 4 for one sequence.
   with pytest.raises(MemoryError, match=r"pool of 8 pages of 4 tokens .* 4 prompts \(5 pages\) and one 10-token "
-                                        r"response \(9 pages in all\): raise rollout.kv_cache_budget_gib"):
+                                        r"response \(9 pages in all\): set rollout.pages=9 or more"):
     sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
 
 
 def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
   """The contiguous refill engine (each slot owning prompt + cap tokens), the benchmark's baseline."""
-  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
+  static, _ = sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
-  spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,), **SAMPLING)
+  spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,), **SAMPLING)
   out, steps, _ = contiguous.generate_contiguous(model, tokens, mask, jax.random.key(3), sampling=spec,
                                                  samples_per_prompt=3, slots=5, steps_per_call=3, min_slots=1)
   assert_same(out, static)
@@ -86,14 +88,14 @@ def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
 
 
 def test_the_roofline_schedule_replays_the_engine(model):
-  """`memory/replay.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
+  """`rollout/refill/replay.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
   steps, preemptions, recomputed tokens and peak pages on the engine's own lengths, with and without preemption."""
   from vapo_jax.rollout.refill import replay
 
-  static, _ = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **SAMPLING)
+  static, _ = sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)
   lengths = np.asarray(static.response_lengths)
-  for pool in (10, 0):
-    engine = rollout.Engine(kind="refill", slots=6, steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
+  for pool in (10, None):
+    engine = RolloutConfig(slots=6, decode_steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
     _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
     load = replay.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
                              paged=replay.Paged(int(metrics["rollout/pages"]), 4, 2))

@@ -8,7 +8,7 @@ import pytest
 from model_utils import EOS, PROMPTS
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.rollout import common, partial
+from vapo_jax.rollout import RolloutPlan, common, partial
 from vapo_jax.rollout.static import make_generate
 
 GROUP, MAX_NEW = 3, 10
@@ -16,7 +16,7 @@ GROUP, MAX_NEW = 3, 10
 
 def _carry(sequences: int, *, max_staleness: int = 1) -> partial.Carry:
   width = partial.prompt_width(max(map(len, PROMPTS)), MAX_NEW)
-  return partial.Carry(group=GROUP, sequences=sequences, max_new_tokens=MAX_NEW, max_staleness=max_staleness,
+  return partial.Carry(group=GROUP, sequences=sequences, max_response_tokens=MAX_NEW, max_staleness=max_staleness,
                        pad_id=0, prompt_width=width)
 
 
@@ -34,17 +34,19 @@ def _drawer():
 def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model, pages):
   """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots: every
   sequence of the 4 groups has the unbudgeted rollout's tokens, log-probs, length and finish reason."""
-  spec = common.Sampling(max_new_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5, top_p=0.8)
+  spec = common.Sampling(max_response_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5, top_p=0.8)
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
   key = jax.random.key(3)
   reference = make_generate(sampling=spec, samples_per_prompt=GROUP, pad_id=0)(model, tokens, mask, key)
   carry, draw = _carry(len(PROMPTS) * GROUP), _drawer()
-  settings = dict(slots=8, pages=pages, page_tokens=4, steps_per_call=2, min_slots=1)
+  plan = RolloutPlan(engine="refill", prompts=carry.sequences, group=1, prompt_tokens=carry.prompt_width,
+                     max_response_tokens=MAX_NEW, devices=1, prompts_per_round=carry.sequences, slots=8, min_slots=1,
+                     steps_per_call=2, pages=pages, queue_pages=pages, page_tokens=4, block_pages=1, attention="gather")
   place = lambda tree: jax.tree.map(jax.numpy.asarray, tree)
   rounds, preempted, carried = 0, 0.0, 0
   while not all(g.complete for g in carry.groups[:len(PROMPTS)]) or rounds == 0:
     call = carry.next_call(draw)
-    host, steps, _, figures = partial.decode_round(model, call, key, settings=settings, sampling=spec, budget=3,
+    host, steps, _, figures = partial.decode_round(model, call, key, plan=plan, sampling=spec, budget=3,
                                                    pad_id=0, cache_dtype=np.float32, jit=jax.jit, place=place)
     assert steps <= 3
     carry.record(call, *host, version=0)
@@ -53,7 +55,7 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
   assert (preempted > 0) == (pages == 32)
   groups = carry.take_complete(len(PROMPTS))
   assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]
-  got = partial.batch_arrays(groups, max_new_tokens=MAX_NEW, pad_id=0, version=0)
+  got = partial.batch_arrays(groups, max_response_tokens=MAX_NEW, pad_id=0, version=0)
   for field in ("response_tokens", "response_mask", "response_lengths", "finish_reason"):
     np.testing.assert_array_equal(got[field], np.asarray(getattr(reference, field)), err_msg=field)
   for field in ("sampler_logprobs", "policy_logprobs"):  # Prefilled against decoded: float32 rounding only.
@@ -100,7 +102,7 @@ def test_trained_groups_are_complete_and_no_token_is_older_than_max_staleness(ma
         assert len(m.tokens) == lengths[m.id] == len(m.versions)  # Whole: every token, none twice.
         assert m.tokens == [m.id * 100 + t for t in range(len(m.tokens))]
         assert all(0 <= version - u <= max_staleness for u in m.versions)
-    arrays = partial.batch_arrays(groups, max_new_tokens=MAX_NEW, pad_id=0, version=version)
+    arrays = partial.batch_arrays(groups, max_response_tokens=MAX_NEW, pad_id=0, version=version)
     assert arrays["stale"].tolist() == [sum(u < version for u in m.versions) for g in groups for m in g.members]
   stale = sum(u < v for v, groups in trained for g in groups for m in g.members for u in m.versions)
   assert (stale > 0) == (max_staleness > 0)  # Tokens do carry over, when allowed.

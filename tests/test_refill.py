@@ -1,5 +1,6 @@
 """The refill engine samples exactly what the static engine samples, sequence by sequence."""
 
+import dataclasses
 import heapq
 import warnings
 
@@ -19,12 +20,25 @@ from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.refill import engine as refill
 from vapo_jax.rollout.static import make_generate
 
+STATIC = RolloutConfig(engine="static")
 
-def sample(model, prompts, engine, *, group, key=0, limits=None, **settings):
-  spec = common.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | settings))
+
+def plan(model, prompts, config: RolloutConfig, *, group: int, max_response_tokens: int = 10, devices: int = 1):
+  """`config`'s plan for `prompts` (token lists) × `group` at this length cap on `devices` data-parallel groups, its
+  pool checked against the prompts' own lengths (as `experience.generate_responses` plans)."""
+  config = dataclasses.replace(config, max_response_tokens=max_response_tokens)
+  return rollout.plan_rollout(config, model.cfg, prompts=len(prompts), group=group, dtype=jnp.float32, devices=devices,
+                              prompt_tokens=common.prompt_bucket(max(map(len, prompts))),
+                              prompt_lengths=np.array([len(p) for p in prompts]))
+
+
+def sample(model, prompts, config: RolloutConfig, *, group, key=0, limits=None, devices: int = 1, **settings):
+  """`rollout.sample` with `config`'s plan (`plan`), the sampler's `settings`; (rollout, metrics)."""
+  spec = common.Sampling(**({"max_response_tokens": 10, "stop_token_ids": (EOS,)} | settings))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
-  return rollout.sample(model, tokens, mask, jax.random.key(key), sampling=spec, samples_per_prompt=group,
-                        engine=engine, pad_id=0, length_limits=limits)
+  chosen = plan(model, prompts, config, group=group, max_response_tokens=spec.max_response_tokens, devices=devices)
+  return rollout.sample(model, tokens, mask, jax.random.key(key), sampling=spec, plan=chosen, pad_id=0,
+                        length_limits=limits)
 
 
 def assert_same(refilled: common.Rollout, static: common.Rollout, *, rtol: float = 0.0):
@@ -85,8 +99,8 @@ def test_refill_equals_static(model, case):
   if case.startswith("greedy"):
     tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
     settings["stop_token_ids"] = (EOS, int(_first_greedy_token(model, tokens, mask)[1]))
-  static, static_metrics = sample(model, PROMPTS, rollout.Engine(kind="static"), group=3, key=3, **settings)
-  engine = rollout.Engine(kind="refill", slots=5, steps_per_call=3)  # 12 sequences; several host calls.
+  static, static_metrics = sample(model, PROMPTS, STATIC, group=3, key=3, **settings)
+  engine = RolloutConfig(slots=5, decode_steps_per_call=3)  # 12 sequences; several host calls.
   refilled, metrics = sample(model, PROMPTS, engine, group=3, key=3, **settings)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
@@ -101,7 +115,8 @@ def test_refill_equals_static(model, case):
   row_steps = queue_row_steps(lengths, 5, 1)
   assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)
   assert row_steps < 5 * queue_steps(lengths, 5) or np.all(lengths == lengths[0])
-  fixed, fixed_metrics = sample(model, PROMPTS, engine._replace(min_slots=0), group=3, key=3, **settings)
+  fixed, fixed_metrics = sample(model, PROMPTS, dataclasses.replace(engine, shrink_slots=False), group=3, key=3,
+                                **settings)
   assert_same(fixed, static)
   assert fixed_metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (5 * queue_steps(lengths, 5)))
   for name in ("rollout/response_len_p50", "rollout/response_len_p90", "rollout/finish_stop_frac"):
@@ -111,13 +126,13 @@ def test_refill_equals_static(model, case):
 @pytest.mark.slow  # For time (half a minute).
 def test_fewer_sequences_than_slots_and_length_limits(model):
   """4 sequences in 6 slots (2 never used), with per-sequence length limits 3, 10, 1, 7."""
-  spec = common.Sampling(max_new_tokens=10, stop_token_ids=(EOS,), temperature=1.0)
+  spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,), temperature=1.0)
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
   refilled, steps, row_steps, figures = refill.generate_refill(
-      model, tokens, mask, jax.random.key(9), sampling=spec, samples_per_prompt=1, slots=6, pages=40, page_tokens=4,
+      model, tokens, mask, jax.random.key(9), sampling=spec, group=1, slots=6, queue_pages=40, page_tokens=4,
       steps_per_call=4, min_slots=1, length_limits=limits)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
@@ -131,14 +146,18 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
 
 @pytest.mark.parametrize("slots", [pytest.param(8, marks=pytest.mark.slow), 16])
 def test_sharded_refill_equals_unsharded(model, slots):
-  """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking
-  to 8 in the tail."""
+  """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking to 8 in the
+  tail: 8 data-parallel groups, a queue each, on one device and split over 8; the static engine's tokens."""
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]] + [[4, 5], [6]] * (4 if slots == 16 else 0)
   limits = None if slots == 8 else np.arange(2 * len(prompts), dtype=np.int32) % 8 + 1
-  engine = rollout.Engine(kind="refill", slots=slots, steps_per_call=4, min_slots=8)
-  expected, metrics = sample(model, prompts, engine, group=2, key=5, max_new_tokens=8, limits=limits)
+  engine = RolloutConfig(slots=slots, decode_steps_per_call=4)
+  chosen = plan(model, prompts, engine, group=2, max_response_tokens=8, devices=8)
+  assert (chosen.engine, chosen.queues, chosen.min_slots) == ("refill", 8, 8)
+  static, _ = sample(model, prompts, STATIC, group=2, key=5, max_response_tokens=8, limits=limits)
+  expected, metrics = sample(model, prompts, engine, group=2, key=5, max_response_tokens=8, limits=limits, devices=8)
+  assert_same(expected, static)
   lengths = np.asarray(expected.response_lengths)
-  row_steps = queue_row_steps(lengths, slots, 8)
+  row_steps = queue_row_steps(lengths, slots, 8, queues=8)
   assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)
   assert (row_steps < slots * metrics["rollout/decode_steps"]) == (slots == 16)  # 16 slots shrink to 8.
   mesh = sharding.make_mesh(data=8)
@@ -146,51 +165,73 @@ def test_sharded_refill_equals_unsharded(model, slots):
   sharded_model = place_module(model, mesh, rules)
   rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
   place = lambda tree: jax.tree.map(lambda x: jax.device_put(x, rows), tree)
-  spec = common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,))
+  spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     out, sharded_metrics = rollout.sample(
-        sharded_model, tokens, mask, jax.random.key(5), sampling=spec, samples_per_prompt=2, engine=engine, pad_id=0,
+        sharded_model, tokens, mask, jax.random.key(5), sampling=spec, plan=chosen, pad_id=0,
         jit=lambda fn, **kw: sharding.jit(fn, mesh, rules, **kw), place=place, length_limits=limits)
   assert len(out.response_tokens.sharding.device_set) == 8
   assert_same(out, expected)
   assert sharded_metrics["rollout/slot_utilization"] == metrics["rollout/slot_utilization"]
 
 
-def test_engine_from_config_fits_slots_and_pages_to_the_budget():
+def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(model):
+  """2 prompts over 4 data-parallel groups: 2 queues (the most dividing the groups and the prompts), each holding
+  half of a group's pages (the pool is replicated over the groups); the engine allocates what the plan says, the
+  pool runs short and preempts, and the rollout is the static engine's."""
+  prompts = PROMPTS[:2]
+  least = plan(model, prompts, RolloutConfig(slots=4, pages=1000, page_tokens=4), group=3, devices=4).least_pages
+  config = RolloutConfig(slots=4, pages=2 * least, page_tokens=4, decode_steps_per_call=3)
+  chosen = plan(model, prompts, config, group=3, devices=4)
+  assert (chosen.engine, chosen.queues, chosen.pages, chosen.queue_pages) == ("refill", 2, 2 * least, least)
+  tokens, mask = common.pad_prompts(prompts, pad_id=0)
+  spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,), temperature=1.3, top_k=5)
+  fns = chosen.programs(sampling=spec, pad_id=0, cache_dtype=jnp.float32, jit=jax.jit)
+  _, state = fns.start(model, tokens, mask)
+  assert state.cache.keys.shape[2:4] == (2, least) and state.free.stack.shape == (2, least)
+  out, metrics = sample(model, prompts, config, group=3, key=4, devices=4, temperature=1.3, top_k=5)
+  static, _ = sample(model, prompts, STATIC, group=3, key=4, temperature=1.3, top_k=5)
+  assert_same(out, static)
+  assert metrics["rollout/pages"] == 2 * least and metrics["rollout/pages_peak"] <= least
+  assert metrics["rollout/preemptions"] > 0
+
+
+def test_the_plan_fits_slots_and_pages_to_the_budget():
   """The pool per data-parallel group is what `kv_cache_budget_gib` holds per chip (pages of 128 tokens split by KV
   heads over a group's chips), the default slots what it holds with every response at the cap beside the group's
   prompts; the pages shrink to what the slots need when every sequence has a slot."""
-  from vapo_jax.config import RolloutConfig
   from vapo_jax.models.config import preset
   from vapo_jax.models.kv_cache import KVCache
 
   cfg = preset("qwen2.5-32b")
   page_bytes = 128 * KVCache.bytes_per_token(cfg, jnp.bfloat16) // 8  # A group of 8 chips splits the KV heads.
   r = RolloutConfig(max_response_tokens=20480, kv_cache_budget_gib=40.0, tensor_parallel=8, page_tokens=128)
-  engine = rollout.engine_for(r, cfg, sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
+  on = lambda config, prompts=512, group=16, devices=32: rollout.plan_rollout(
+      config, cfg, prompts=prompts, group=group, prompt_tokens=1024, dtype=jnp.bfloat16, devices=devices)
+  chosen = on(r)
   pages = 40 * 2**30 // page_bytes
   per_sequence, prompt_pages = 20480 // 128 + 1, 16 * 1024 // 128  # 16 prompts per group of 8 chips.
-  assert engine.kind == "refill" and engine.queues == 32 and engine.page_tokens == 128
+  assert chosen.engine == "refill" and chosen.queues == 32 and chosen.page_tokens == 128
   per_group = (pages - prompt_pages) // per_sequence
-  assert engine.slots == 32 * per_group  # The pages those slots need at the cap, and no more:
-  assert engine.pages == prompt_pages + per_group * per_sequence <= pages
-  small = rollout.engine_for(r, cfg, sequences=300, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
-  assert small.slots == 320  # Every sequence fits: 10 per group (300 rounded up), nothing to refill...
-  assert small.pages == 10 * per_sequence + 1024 // 128  # ...and only their pages (19 prompts: 1 per group).
-  fixed = rollout.engine_for(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64), cfg,
-                             sequences=8192, prompt_tokens=1024, dtype=jnp.bfloat16, devices=32)
-  assert fixed == rollout.Engine(kind="refill", slots=64, steps_per_call=32, min_slots=32, queues=32, pages=5000,
-                                 page_tokens=64, pages_given=True)
-  assert rollout.engine_for(RolloutConfig(slots=64, shrink_slots=False), cfg, sequences=8192, prompt_tokens=1024,
-                            dtype=jnp.bfloat16, devices=32).min_slots == 0
-  static = rollout.engine_for(RolloutConfig(engine="static", prompts_per_generation=8), cfg, sequences=8192,
-                              prompt_tokens=1024, dtype=jnp.bfloat16, devices=256)
-  assert static == rollout.Engine(kind="static", prompts_per_round=8)
+  assert chosen.slots == 32 * per_group  # The pages those slots need at the cap, and no more:
+  assert chosen.pages == chosen.queue_pages == prompt_pages + per_group * per_sequence <= pages
+  assert chosen.least_pages == prompt_pages + per_sequence
+  small = on(r, prompts=20, group=15)  # 300 sequences: every one fits, 10 per group (rounded up), nothing to refill...
+  assert small.pages == 10 * per_sequence + 1024 // 128  # ...and only their pages (20 prompts: 1 per group);
+  assert small.queues == 4 and small.queue_pages == small.pages // 4  # 4 queues share the groups' pool.
+  assert small.slots == 300 and small.engine == "refill"  # A queue's quarter cannot hold its 75 at the cap.
+  fixed = on(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64))
+  assert (fixed.slots, fixed.steps_per_call, fixed.min_slots, fixed.queues, fixed.pages, fixed.queue_pages,
+          fixed.page_tokens) == (64, 32, 32, 32, 5000, 5000, 64)
+  assert on(RolloutConfig(slots=64, shrink_slots=False)).min_slots == 0
+  static = on(RolloutConfig(engine="static", prompts_per_generation=8), devices=256)
+  assert (static.engine, static.prompts_per_round, static.rounds, static.decode_rows) == ("static", 8, 64, 128)
   with pytest.raises(MemoryError, match="pool of .* cannot hold .* raise rollout.kv_cache_budget_gib"):
-    rollout.engine_for(RolloutConfig(kv_cache_budget_gib=1.0), cfg, sequences=8192, prompt_tokens=1024,
-                       dtype=jnp.bfloat16, devices=256)
+    on(RolloutConfig(kv_cache_budget_gib=1.0), devices=256)
+  with pytest.raises(MemoryError, match="rollout.slots=60 does not split over the 32 .* set rollout.slots=64"):
+    on(RolloutConfig(slots=60))
 
 
 def test_tensor_parallel_layout_equals_static():
@@ -201,22 +242,22 @@ def test_tensor_parallel_layout_equals_static():
   config = RolloutConfig(tensor_parallel=4, slots=8, decode_steps_per_call=4, max_response_tokens=8,
                          samples_per_prompt=2, prompts_per_step=8)
   layout = layout_for(config, mesh, compute_dtype="float32", training_rules=rules)
-  engine = rollout.engine_for(config, model.cfg, sequences=16, prompt_tokens=16, dtype=jnp.float32,
-                              devices=layout.data_devices)
+  engine = rollout.plan_rollout(config, model.cfg, prompts=8, group=2, prompt_tokens=16, dtype=jnp.float32,
+                                devices=layout.data_devices)
   per_group = 4 * 1 + 4 * 2  # 4 prompts of one page; 4 slots of a response page and the last prompt page's copy.
-  assert engine == rollout.Engine(kind="refill", slots=8, steps_per_call=4, min_slots=2, queues=2, pages=per_group)
+  assert (engine.engine, engine.slots, engine.steps_per_call, engine.min_slots, engine.queues, engine.pages,
+          engine.queue_pages) == ("refill", 8, 4, 2, 2, per_group, per_group)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
   limits = (np.arange(16, dtype=np.int32) * 5) % 8 + 1
-  expected, _ = sample(model, prompts, rollout.Engine(kind="static"), group=2, key=5, temperature=0.0,
-                       max_new_tokens=8, limits=limits)
+  expected, _ = sample(model, prompts, STATIC, group=2, key=5, temperature=0.0, max_response_tokens=8, limits=limits)
   graphdef, state = nnx.split(trained)
-  spec = common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,), temperature=0.0)
+  spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,), temperature=0.0)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     out, metrics = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5),
-                                  sampling=spec, samples_per_prompt=2, engine=engine, pad_id=0, jit=layout.jit,
-                                  place=layout.place, length_limits=limits)
+                                  sampling=spec, plan=engine, pad_id=0, jit=layout.jit, place=layout.place,
+                                  length_limits=limits)
   assert out.response_tokens.sharding.shard_shape(out.response_tokens.shape) == (8, 8)  # Split over the groups.
   assert_same(out, expected, rtol=1e-5)
   lengths = np.asarray(expected.response_lengths)

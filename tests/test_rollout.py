@@ -1,6 +1,7 @@
 """Static rollout engine: greedy = uncached argmax, log-probs, group sampling, padding, stops, sharding,
 metrics. (The refill engine is checked against it in test_refill.py.)"""
 
+import dataclasses
 import warnings
 
 import jax
@@ -20,12 +21,18 @@ from vapo_jax.rollout import common, sampling, static
 from vapo_jax.rollout.layout import layout_for
 
 
-def run(model, prompts, *, key=0, group=1, engine=rollout.Engine(kind="static"), metrics=False, **sampling):
-  sampling = common.Sampling(**({"max_new_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
+def run(model, prompts, *, key=0, group=1, engine=RolloutConfig(engine="static"), metrics=False, **sampling):
+  sampling = common.Sampling(**({"max_response_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
-  out, stats = rollout.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, samples_per_prompt=group,
-                              engine=engine, pad_id=0)
+  plan = static_plan(model, engine, tokens, group, sampling.max_response_tokens)
+  out, stats = rollout.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, plan=plan, pad_id=0)
   return (out, stats) if metrics else out
+
+
+def static_plan(model, engine: RolloutConfig, tokens, group: int, max_response_tokens: int) -> rollout.RolloutPlan:
+  return rollout.plan_rollout(dataclasses.replace(engine, max_response_tokens=max_response_tokens), model.cfg,
+                              prompts=tokens.shape[0], group=group, prompt_tokens=tokens.shape[1], dtype=jnp.float32,
+                              devices=1)
 
 
 @jax.jit
@@ -42,7 +49,7 @@ def full_logits(model, sequence, length=32):
 
 
 def test_greedy_equals_uncached_argmax(model):
-  out = run(model, PROMPTS, temperature=0.0, max_new_tokens=12)
+  out = run(model, PROMPTS, temperature=0.0, max_response_tokens=12)
   compared = 0
   for b, prompt in enumerate(PROMPTS):
     sequence = list(prompt)
@@ -132,7 +139,7 @@ def test_stop_at_first_step_and_length_limit(model):
 
 
 def test_stops_early_when_all_done(model):
-  out = run(model, [PROMPTS[1]], temperature=0.0, max_new_tokens=50, stop_token_ids=tuple(range(97)))
+  out = run(model, [PROMPTS[1]], temperature=0.0, max_response_tokens=50, stop_token_ids=tuple(range(97)))
   assert int(out.response_lengths[0]) == 1 and out.response_tokens.shape == (1, 50)
 
 
@@ -140,7 +147,7 @@ def test_stops_early_when_all_done(model):
                                                     ("fsdp_tp", dict(data=2, fsdp=2, tensor=2))])
 def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
-  expected = run(model, prompts, key=5, max_new_tokens=8)
+  expected = run(model, prompts, key=5, max_response_tokens=8)
   mesh = sharding.make_mesh(**mesh_shape)
   rules = sharding.PRESETS[preset_name]
   with warnings.catch_warnings():
@@ -148,7 +155,7 @@ def test_sharded_equals_unsharded(model, preset_name, mesh_shape):
     sharded_model = place_module(model, mesh, rules)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   data = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
-  fn = static.make_generate(sampling=common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,)),
+  fn = static.make_generate(sampling=common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,)),
                              samples_per_prompt=1, pad_id=0)
   with sharding.use_rules(mesh, rules), warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -170,13 +177,13 @@ def test_tensor_parallel_layout_equals_unsharded(settings):
   model, trained, mesh, rules = training_layout_model()
   layout = layout_for(RolloutConfig(tensor_parallel=4), mesh, compute_dtype="float32", training_rules=rules)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
-  expected = run(model, prompts, key=5, group=2, max_new_tokens=8, **settings)
+  expected = run(model, prompts, key=5, group=2, max_response_tokens=8, **settings)
   graphdef, state = nnx.split(trained)
-  spec = common.Sampling(max_new_tokens=8, stop_token_ids=(EOS,), **settings)
+  spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,), **settings)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   out, _ = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5), sampling=spec,
-                          samples_per_prompt=2, engine=rollout.Engine(kind="static"), pad_id=0, jit=layout.jit,
-                          place=layout.place)
+                          plan=static_plan(model, RolloutConfig(engine="static"), tokens, 2, 8), pad_id=0,
+                          jit=layout.jit, place=layout.place)
   assert (out.response_tokens.sharding.mesh.shape == layout.mesh.shape
           and len(out.response_tokens.sharding.device_set) == 8)
   np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
@@ -200,21 +207,21 @@ def test_metrics(model):
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_rounds_sample_like_one_call(model):
   whole = run(model, PROMPTS, group=3, key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
-  rounds = run(model, PROMPTS, group=3, key=7, engine=rollout.Engine(kind="static", prompts_per_round=2))
+  rounds = run(model, PROMPTS, group=3, key=7, engine=RolloutConfig(engine="static", prompts_per_generation=2))
   np.testing.assert_array_equal(rounds.response_tokens, whole.response_tokens)
   np.testing.assert_allclose(rounds.policy_logprobs, whole.policy_logprobs, atol=1e-5)
 
 
 def test_cache_memory_is_reported_and_refused():
   cfg = preset("qwen2.5-32b")
-  needed = common.cache_bytes(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+  needed = common.cache_bytes(cfg, batch=8192, prompt_tokens=1024, max_response_tokens=20480,
                                dtype=jnp.bfloat16, devices=256)
   # 2 (k, v) · 64 layers · 32 rows · 21504 slots · 8 kv heads · 128 dims · 2 bytes, plus the slot mask.
   assert needed == 2 * 64 * 32 * 21504 * 8 * 128 * 2 + 32 * 21504
   with pytest.raises(MemoryError, match=r"needs 168\.\d\d GiB per device .* lower rollout.prompts_per_step"):
-    common.check_cache_fits(cfg, batch=8192, prompt_tokens=1024, max_new_tokens=20480,
+    common.check_cache_fits(cfg, batch=8192, prompt_tokens=1024, max_response_tokens=20480,
                              budget_bytes=40 * 2**30, dtype=jnp.bfloat16, devices=256)
   tiny = preset("tiny")
   cache = jax.eval_shape(lambda: KVCache.zeros(tiny, 4, 48, jnp.float32))
   allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) - 4  # minus the length scalar
-  assert common.cache_bytes(tiny, batch=4, prompt_tokens=16, max_new_tokens=32) == allocated
+  assert common.cache_bytes(tiny, batch=4, prompt_tokens=16, max_response_tokens=32) == allocated

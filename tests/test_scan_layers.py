@@ -168,13 +168,13 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
   tokens, mask = layout.place((tokens, mask))
-  sampling = common.Sampling(max_new_tokens=6, stop_token_ids=(2,), temperature=0.0)
+  sampling = common.Sampling(max_response_tokens=6, stop_token_ids=(2,), temperature=0.0)
   key = jax.random.key(0)
   outputs = []
   for m in (model, unrolled(model)):
     fn = static.make_generate(sampling=sampling, samples_per_prompt=2, pad_id=0, jit=layout.jit)
-    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, samples_per_prompt=2, slots=8,
-                                               queues=2, steps_per_call=3, min_slots=2, jit=layout.jit, pages=12,
+    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, group=2, slots=8,
+                                               queues=2, steps_per_call=3, min_slots=2, jit=layout.jit, queue_pages=12,
                                                page_tokens=16)
     outputs.append((fn(m, tokens, mask, key), refilled))
   for a, b in zip(outputs[0], outputs[1]):
@@ -237,9 +237,9 @@ def test_the_compiled_update_is_the_same_size_at_four_and_eight_layers():
 def test_no_cache_sized_copy_in_the_decode_loop(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
-  fns = refill.programs(sampling=common.Sampling(max_new_tokens=4, stop_token_ids=(2,)), group=2, slots=8, queues=2,
-                        steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), pages=12, page_tokens=16,
-                        block_pages=1, implementation="gather", min_slots=2, jit=layout.jit)
+  fns = refill.programs(sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), group=2, slots=8,
+                        queues=2, steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), queue_pages=12,
+                        page_tokens=16, block_pages=1, implementation="gather", min_slots=2, jit=layout.jit)
   prompts, state = fns.start(model, *layout.place((tokens, mask)))
   text = fns.decode.lower(model, prompts, state, jax.random.key(0), None).compile().as_text()
   pool = state.cache.keys.addressable_shards[0].data.shape  # [K, L, Q, Pq, Tg, H] on one device.

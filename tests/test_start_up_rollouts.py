@@ -18,14 +18,14 @@ def test_the_evaluations_pool_is_sized_for_its_own_prompts(smoke_config):
   evaluation 16 problems × 2 samples a call (2 prompts a group): 3 pages a group hold the first, not the second."""
   config = smoke_config({"rollout.pages": 3})
   assert experience.evaluation_calls(config, 40) == [16, 16, 8]
-  assert experience.engine(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).kind == "refill"
+  assert experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).engine == "refill"
   with pytest.raises(ConfigError, match=r"cannot hold its 2 prompts \(2 pages\).*\(4 pages in all\): set "
                                         r"rollout\.pages=4 or more"):
-    experience.engine(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8)
-  experience.engine(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=16,
+    experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8)
+  experience.plan(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=16,
                     devices=8)
   with pytest.raises(ConfigError, match=r"raise rollout\.kv_cache_budget_gib"):  # No pages given: the budget's.
-    experience.engine(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
+    experience.plan(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
                       prompt_tokens=16, devices=8)
 
 
@@ -33,8 +33,8 @@ def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that
   config = smoke_config({"rollout.slots": 3})
   with pytest.raises(ConfigError, match=r"^rollout\.slots=3 does not split over the 2 data-parallel groups .*: set "
                                         r"rollout\.slots=4, a multiple of 2$"):
-    experience.engine(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=2)
-  assert experience.engine(smoke_config({"rollout.slots": 4}), preset("micro"), prompts=8, group=4, prompt_tokens=16,
+    experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=2)
+  assert experience.plan(smoke_config({"rollout.slots": 4}), preset("micro"), prompts=8, group=4, prompt_tokens=16,
                            devices=2).slots == 4
 
 

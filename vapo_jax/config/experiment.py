@@ -196,6 +196,7 @@ class RolloutConfig:
   slots: int | None = None
   pages: int | None = None  # refill: pages of the pool per data-parallel group; None: kv_cache_budget_gib's.
   page_tokens: int | None = None  # refill: tokens per page; None: 128 on TPU, 16 elsewhere.
+  block_pages: int | None = None  # refill: pages read per block of paged attention; None: per platform.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
   # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
   # while at most half are live, so stragglers decode in a small batch (one program per size).
@@ -233,7 +234,7 @@ class RolloutConfig:
       positive_int(self, "prompts_per_generation")
       require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
                f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
-    for name in ("slots", "pages", "page_tokens"):
+    for name in ("slots", "pages", "page_tokens", "block_pages"):
       if getattr(self, name) is not None:
         positive_int(self, name)
     positive_int(self, "decode_steps_per_call")

@@ -39,9 +39,9 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
   setting that can lower `phase` of `report`."""
   c, shape = report.config, report.mesh_shape
   r, found = c.rollout, []
-  if phase == "rollout" and report.refill and report.pool:
-    pages = report.pool["pages"]
-    found.append(("rollout.pages", pages, range(pages - 1, report.pool["least"] - 1, -1)))
+  if phase == "rollout" and report.refill:  # Pages per data-parallel group, as rollout.pages counts them.
+    pages = report.plan.pages
+    found.append(("rollout.pages", pages, range(pages - 1, report.plan.least_pages - 1, -1)))
   elif phase == "rollout" and report.refill is False and r.engine == "static":
     now = report.decode_rows // r.samples_per_prompt
     found.append(("rollout.prompts_per_generation", now, _divisors_below(r.prompts_per_step, now)))

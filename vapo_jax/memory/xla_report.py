@@ -38,24 +38,22 @@ the runtime, fragmentation and the collectives' buffers, which no compiled figur
 """
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from vapo_jax import rollout
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import aot, topologies, tpu_said
 from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
-from vapo_jax.rollout import common, static
+from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.plan import RolloutPlan
 from vapo_jax.rollout.refill import engine as refill
-from vapo_jax.rollout.refill import queues as queues_lib
 from vapo_jax.train import build, experience
 from vapo_jax.train.steps import Steps, TrainBatch
 
@@ -93,9 +91,17 @@ class Report:
   parameters: tuple[int, int]  # Of the policy and the critic, as compiled.
   architecture: object  # The policy's `TransformerConfig` as compiled (`layers` applied).
   layers: int | None  # Compiled with only this many decoder layers (None: all).
-  refill: bool | None  # The rollout's engine: refill (True) or static (False); None: not compiled.
-  decode_rows: int  # Rows its decode loop runs at first: the refill slots, or a static round's sequences.
-  pool: dict | None = None  # The refill engine's pages per queue, page_tokens, block_pages, implementation, least.
+  plan: RolloutPlan | None = None  # The training rollout's plan, as compiled (None: not compiled).
+
+  @property
+  def refill(self) -> bool | None:
+    """The rollout's engine: refill (True) or static (False); None: not compiled."""
+    return None if self.plan is None else self.plan.engine == "refill"
+
+  @property
+  def decode_rows(self) -> int:
+    """Rows its decode loop runs at first: the refill slots, or a static round's sequences."""
+    return 0 if self.plan is None else self.plan.decode_rows
 
   @property
   def weight_bytes(self) -> int:
@@ -122,7 +128,7 @@ class _Run:
   def __init__(self, config: ExperimentConfig, target: Topology, layers: int | None, tail: bool):
     m = config.mesh
     self.config, self.target, self.tail = config, target, tail
-    self.refill, self.decode_rows, self.pool = None, 0, None  # Set by the rollout.
+    self.plan = None  # Set by the rollout.
     devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     self.rules = sharding.PRESETS[m.preset]
@@ -209,14 +215,14 @@ def _reshard(run: _Run, log) -> CompiledPhase:
 
 
 def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
-  """The configured engine's programs for one training rollout, as `Experience.sample` calls them: the
-  actor's rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
+  """The programs of the training rollout's plan (`plan.programs`), as `Experience.sample` calls them: the actor's
+  rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
   c, layout = run.config, run.layout
   prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
   with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
-    engine = experience.engine(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
-                               devices=layout.data_devices)
+    run.plan = plan = experience.plan(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
+                                      devices=layout.data_devices)
   sampling = experience.sampling(c, _stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                  top_k=c.rollout.top_k)
   actor_def, _, state = run.states["rl"]
@@ -225,33 +231,26 @@ def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
   beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
   key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                              sharding=jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec()))
-  settings = dict(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype), jit=layout.jit,
-                  decode_block=engine.decode_block)
-  if rollout.refills(engine, prompts=prompts, group=group, prompt_tokens=tp, max_new_tokens=sampling.max_new_tokens):
-    queues = math.gcd(engine.queues, prompts, engine.slots, engine.min_slots)  # As rollout.sample chooses them.
-    engine = engine._replace(slots=min(engine.slots, -(-prompts * group // queues) * queues))
-    run.refill, run.decode_rows = True, engine.slots
-    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {engine.slots} slots, "
-                             f"{queues} queue(s), tensor_parallel={layout.tensor_parallel}")
+  programs = lambda **slots: plan.programs(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype),
+                                           jit=layout.jit, **slots)
+  if plan.engine == "refill":
+    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {plan.slots} slots, "
+                             f"{plan.queues} queue(s), tensor_parallel={layout.tensor_parallel}, {plan.queue_pages} "
+                             f"pages of {plan.page_tokens} tokens per queue ({plan.attention})")
     tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
-    out = _refill(run, phase, log, engine, dict(settings, queues=queues), model, tokens, key, beside)
+    out = _refill(run, phase, log, plan, programs, model, tokens, key, beside)
   else:
-    out = _static(run, phase := CompiledPhase("rollout", ""), log, engine, settings, model, key, beside)
+    out = _static(run, phase := CompiledPhase("rollout", ""), log, plan, programs(), model, key, beside)
   return phase, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.training(x.shape)), out) \
       if layout.tensor_parallel > 1 else out  # RolloutLayout.to_training.
 
 
-def _static(run: _Run, phase: CompiledPhase, log, engine, settings, model, key, beside: int) -> common.Rollout:
+def _static(run: _Run, phase: CompiledPhase, log, plan: RolloutPlan, fn, model, key, beside: int) -> common.Rollout:
   """The static engine's generate: the first round's program, and the later rounds' (their offset passed)."""
-  c = run.config
-  prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
-  tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  rounds = prompts // min(engine.prompts_per_round or prompts, prompts) if engine.kind == "static" else 1
-  run.refill, run.decode_rows = False, prompts // rounds * group
-  phase.detail = (f"static engine, {rounds} round(s) of {prompts // rounds} prompts x {group} samples, "
+  per_round, rounds, group, tp = plan.prompts_per_round, plan.rounds, plan.group, plan.prompt_tokens
+  phase.detail = (f"static engine, {rounds} round(s) of {per_round} prompts x {group} samples, "
                   f"tensor_parallel={run.layout.tensor_parallel}")
-  fn = static.make_generate(samples_per_prompt=group, **settings)
-  tokens = tuple(run.rows((prompts // rounds, tp), dtype, rollout=True) for dtype in (jnp.int32, jnp.bool_))
+  tokens = tuple(run.rows((per_round, tp), dtype, rollout=True) for dtype in (jnp.int32, jnp.bool_))
   out = _add(phase, log, "generate", fn, (model, *tokens, key), resident=beside, fallback=run.decoding)
   if rounds > 1:  # Earlier rounds' rollouts are held until the last round ends.
     out = _add(phase, log, "generate (later rounds)", fn, (model, *tokens, key, run.rows((), jnp.int32, rollout=True)),
@@ -260,39 +259,29 @@ def _static(run: _Run, phase: CompiledPhase, log, engine, settings, model, key, 
   return out
 
 
-def _refill(run: _Run, phase: CompiledPhase, log, engine, settings, model, tokens, key, beside: int) -> common.Rollout:
-  """`refill.generate_refill`'s programs: start (the prefill written into pages), decode, compaction (and with
-  `tail`, decode at every slot count it shrinks through), finish."""
-  c = run.config
-  settings = {k: v for k, v in settings.items() if k != "decode_block"}
-  paged = rollout.paged_settings(engine, queues=settings["queues"], prompts=c.rollout.prompts_per_step,
-                                 prompt_tokens=tokens[0].shape[1], max_new_tokens=c.rollout.max_response_tokens,
-                                 head_dim=run.full_cfg.head_dim, platform=run.layout.mesh.devices.flat[0].platform)
-  shared = dict(group=c.rollout.samples_per_prompt, steps_per_call=engine.steps_per_call, min_slots=engine.min_slots,
-                **paged, **settings)
-  phase.detail += f", {paged['pages']} pages of {paged['page_tokens']} tokens per queue ({paged['implementation']})"
-  run.pool = paged | {"least": common.least_pages(  # The smallest pool `rollout.pages` may ask for.
-      prompts=c.rollout.prompts_per_step, devices=run.layout.data_devices, prompt_tokens=tokens[0].shape[1],
-      max_new_tokens=c.rollout.max_response_tokens, page_tokens=paged["page_tokens"])}
-  fns = refill.programs(slots=engine.slots, **shared)
+def _refill(run: _Run, phase: CompiledPhase, log, plan: RolloutPlan, programs, model, tokens, key,
+            beside: int) -> common.Rollout:
+  """The refill engine's programs: start (the prefill written into pages), decode, compaction (and with `tail`,
+  decode at every slot count it shrinks through), finish."""
+  fns = programs()
   prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
                         fallback=run.decoding)
   held = beside + chip_bytes(tokens)
-  slots, _ = _add(phase, log, f"decode ({engine.slots} slots)", fns.decode, (model, prompts, slots, key, None),
+  slots, _ = _add(phase, log, f"decode ({plan.slots} slots)", fns.decode, (model, prompts, slots, key, None),
                   resident=held, fallback=run.decoding)
-  rows, sizes = engine.slots, queues_lib.shrink_sizes(engine.slots, engine.min_slots)
+  rows, sizes = plan.slots, plan.shrink_sizes
   for smaller in sizes if run.tail else sizes[:1]:
     slots = _add(phase, log, f"compaction ({rows} -> {smaller} slots)",
-                 refill.compaction(smaller, settings["queues"], run.layout.jit), (slots,),
+                 refill.compaction(smaller, plan.queues, run.layout.jit), (slots,),
                  resident=held + chip_bytes(prompts), fallback=run.decoding)
     if not run.tail:
       break
-    fns, rows = refill.programs(slots=smaller, **shared), smaller
+    fns, rows = programs(slots=smaller), smaller
     slots, _ = _add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, prompts, slots, key, None),
                     resident=held, fallback=run.decoding)
   if sizes and not run.tail:
     phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots: not compiled (the tail; fewer slots than "
-                     f"decode ({engine.slots} slots), the same program otherwise; tail=True / --tail compiles them)")
+                     f"decode ({plan.slots} slots), the same program otherwise; tail=True / --tail compiles them)")
   o = slots.outputs
   outputs = (o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
   return _add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
@@ -362,7 +351,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
   return Report(config, target, dict(run.mesh.shape), device_bytes(config, target), tuple(done),
                 weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
-                architecture, layers, run.refill, run.decode_rows, run.pool)
+                architecture, layers, run.plan)
 
 
 def _micro_batches(run: _Run, size: int) -> str:

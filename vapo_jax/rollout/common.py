@@ -4,7 +4,7 @@ padding to bucket lengths, KV-cache sizing, the prefill and the finishing of a b
 Generation runs in-process with the model being trained. The P prompts are prefilled once
 (logits of the last position only), each prompt's cache shared by its G samples (prefill cost
 divided by G). Shapes are static: prompts are left-padded to a bucket length (`prompt_bucket`),
-responses are `max_new_tokens` long (masked after the stop).
+responses are `max_response_tokens` long (masked after the stop).
 
 Log-probabilities. `sampler_logprobs` are under the distribution actually sampled from: logits
 divided by the temperature, then top-k, then top-p filtered and renormalised (0 for greedy, which
@@ -32,14 +32,14 @@ from vapo_jax.rollout import sampling as sampling_lib
 
 DECODE_LOOP = "decode_loop"  # `jax.named_scope` of the engines' decode loops: their op_name in compiled HLO.
 FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
-FINISH_LENGTH = 1  # Reached max_new_tokens (or the sequence's own length limit).
+FINISH_LENGTH = 1  # Reached max_response_tokens (or the sequence's own length limit).
 FINISH_UNFINISHED = 2  # A partial rollout's call stopped at its budget before the sequence ended.
 
 
 class Sampling(NamedTuple):
   """How to sample (static: a change compiles a new program)."""
 
-  max_new_tokens: int  # Response length limit.
+  max_response_tokens: int  # Response length limit.
   stop_token_ids: tuple[int, ...]  # EOS and other stop tokens.
   temperature: float = 1.0  # 0: greedy.
   top_p: float = 1.0  # Nucleus mass (1: off).
@@ -64,23 +64,23 @@ def prompt_bucket(length: int, *, minimum: int = 16) -> int:
   return max(minimum, 1 << max(0, math.ceil(math.log2(max(length, 1)))))
 
 
-def cache_bytes(model_cfg, *, batch: int, prompt_tokens: int, max_new_tokens: int, dtype=jnp.float32,
+def cache_bytes(model_cfg, *, batch: int, prompt_tokens: int, max_response_tokens: int, dtype=jnp.float32,
                 devices: int = 1, tensor: int = 1) -> int:
   """Per-device memory of the KV cache for a rollout batch split over `devices` (data-parallel groups),
   its keys and values split by KV heads over the `tensor` chips of each group, before allocating."""
-  per_device, slots = math.ceil(batch / devices), prompt_tokens + max_new_tokens
+  per_device, slots = math.ceil(batch / devices), prompt_tokens + max_response_tokens
   mask = per_device * slots  # [B, S] bool, not split by heads.
   return (KVCache.bytes(model_cfg, per_device, slots, dtype) - mask) // tensor + mask
 
 
-def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_new_tokens, budget_bytes, dtype=jnp.float32,
+def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_response_tokens, budget_bytes, dtype=jnp.float32,
                      devices=1, tensor=1) -> int:
   """Raises with what to change when the KV cache will not fit `budget_bytes` per device."""
-  needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+  needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens, max_response_tokens=max_response_tokens,
                        dtype=dtype, devices=devices, tensor=tensor)
   if needed > budget_bytes:
     raise MemoryError(
-        f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_new_tokens} new tokens needs "
+        f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_response_tokens} new tokens needs "
         f"{_size(needed)} per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), over the budget "
         f"of {_size(budget_bytes)} (rollout.kv_cache_budget_gib): raise "
         "rollout.kv_cache_budget_gib if the devices have the memory, lower rollout.prompts_per_step or "
@@ -102,15 +102,15 @@ def default_page_tokens(platform: str | None = None) -> int:
   return 128 if (platform or sharding.platform()) == "tpu" else 16
 
 
-def sequence_pages(max_new_tokens: int, page_tokens: int) -> int:
+def sequence_pages(max_response_tokens: int, page_tokens: int) -> int:
   """Pages one sequence holds at most besides its prompt's full pages: its copy of the prompt's last, partly
   filled page and its response."""
-  return -(-max_new_tokens // page_tokens) + 1
+  return -(-max_response_tokens // page_tokens) + 1
 
 
-def table_pages(prompt_tokens: int, max_new_tokens: int, page_tokens: int, block_pages: int) -> int:
+def table_pages(prompt_tokens: int, max_response_tokens: int, page_tokens: int, block_pages: int) -> int:
   """The page table's width W: a prompt and a response, in whole blocks of pages."""
-  return math.ceil(math.ceil((prompt_tokens + max_new_tokens) / page_tokens) / block_pages) * block_pages
+  return math.ceil(math.ceil((prompt_tokens + max_response_tokens) / page_tokens) / block_pages) * block_pages
 
 
 def most_prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
@@ -120,52 +120,19 @@ def most_prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
   return int(held.reshape(queues, -1).sum(axis=1).max())
 
 
-def least_pages(*, prompts: int, devices: int, prompt_tokens: int, max_new_tokens: int, page_tokens: int) -> int:
-  """The fewest pages a data-parallel group's pool may have: its share of `prompts` prompts' pages and one
-  whole sequence's (`check_pool`'s bound)."""
-  return -(-prompts // devices) * -(-prompt_tokens // page_tokens) + sequence_pages(max_new_tokens, page_tokens)
-
-
-def check_pool(*, pages: int, prompts: int, held: int, max_new_tokens: int, page_tokens: int,
+def check_pool(*, pages: int, prompts: int, held: int, max_response_tokens: int, page_tokens: int,
                given: bool = False) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its `prompts` prompts
   (`held` pages) and one whole sequence: the one shortage no preemption can resolve. `given`: the pages are
   `rollout.pages` as set (the message names it and the value that works), else `kv_cache_budget_gib`'s."""
-  needed = held + sequence_pages(max_new_tokens, page_tokens)
+  needed = held + sequence_pages(max_response_tokens, page_tokens)
   if pages < needed:
     raise MemoryError(
         f"the KV cache's pool of {pages} pages of {page_tokens} tokens per data-parallel group cannot hold its "
-        f"{prompts} prompts ({held} pages) and one {max_new_tokens}-token response ({needed} pages in all): "
+        f"{prompts} prompts ({held} pages) and one {max_response_tokens}-token response ({needed} pages in all): "
         + (f"set rollout.pages={needed} or more" if given else "raise rollout.kv_cache_budget_gib") +
         " if the devices have the memory, or lower rollout.max_response_tokens or rollout.prompts_per_step, or use "
         "more data-parallel devices")
-
-
-class PagePool(NamedTuple):
-  """The refill engine's pool: tokens per page, pages per data-parallel group, and its default slots (all groups)."""
-
-  page_tokens: int
-  pages: int
-  slots: int
-
-
-def page_pool(model_cfg, rollout_config, *, sequences: int, prompts: int, prompt_tokens: int, dtype,
-              devices: int) -> PagePool:
-  """The pool of a `RolloutConfig` for `sequences` sequences of `prompts` `prompt_tokens`-token prompts over
-  `devices` data-parallel groups (each of `rollout.tensor_parallel` chips, which split the pages by KV heads):
-  its slots, `rollout.slots` or as many as `kv_cache_budget_gib` holds per chip with every response at the cap
-  beside the group's prompts (a multiple of `devices`, no more than the sequences need); and its pages per group,
-  `rollout.pages`, or as many as `kv_cache_budget_gib` holds but no more than those slots need at the cap. A
-  `MemoryError` naming the settings when not one sequence fits."""
-  r = rollout_config
-  tg = r.page_tokens or default_page_tokens()
-  in_budget = int(r.kv_cache_budget_gib * 2**30 // (tg * KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel))
-  per_group, per_sequence = -(-prompts // devices), sequence_pages(r.max_response_tokens, tg)
-  prompt_pages = per_group * -(-prompt_tokens // tg)
-  check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages, max_new_tokens=r.max_response_tokens,
-             page_tokens=tg, given=bool(r.pages))
-  slots = r.slots or min(-(-sequences // devices), ((r.pages or in_budget) - prompt_pages) // per_sequence) * devices
-  return PagePool(tg, r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence), slots)
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):

@@ -5,7 +5,7 @@ Under a long-tailed length profile the rollout lasts as long as its longest resp
 carried: its tokens so far (with their log-probs and the policy version that sampled each) stay on the host,
 and the next round continues it from there.
 
-  carry = Carry(group=G, sequences=2·P·G, max_new_tokens=Tr, max_staleness=k, pad_id=0, prompt_width=Tp')
+  carry = Carry(group=G, sequences=2·P·G, max_response_tokens=Tr, max_staleness=k, pad_id=0, prompt_width=Tp')
   carry.restart_stale(version)                      # once per RL step, before its rounds
   calls = carry.next_call(draw_groups)              # the round's sequences: carried ones first, then new groups
   carry.record(calls, tokens, sampler, policy, held, finish, version)
@@ -92,9 +92,9 @@ class Call:
 class Carry:
   """The groups in flight between rounds and steps (module docstring)."""
 
-  def __init__(self, *, group: int, sequences: int, max_new_tokens: int, max_staleness: int, pad_id: int,
+  def __init__(self, *, group: int, sequences: int, max_response_tokens: int, max_staleness: int, pad_id: int,
                prompt_width: int):
-    self.group, self.sequences, self.max_new_tokens = group, sequences, max_new_tokens
+    self.group, self.sequences, self.max_response_tokens = group, sequences, max_response_tokens
     self.max_staleness, self.pad_id, self.prompt_width = max_staleness, pad_id, prompt_width
     self.groups: list[Group] = []
     self.next_id = 0  # The next new sequence's number.
@@ -140,7 +140,7 @@ class Carry:
         raise ValueError(f"sequence {m.id}: {len(row)} prompt and carried tokens over the call's width {width}")
       tokens[n, width - len(row):], mask[n, width - len(row):] = row, True
       ids[n], offsets[n] = m.id, len(m.tokens)
-    return Call(members, tokens, mask, ids, offsets, (self.max_new_tokens - offsets).astype(np.int32))
+    return Call(members, tokens, mask, ids, offsets, (self.max_response_tokens - offsets).astype(np.int32))
 
   def record(self, call: Call, tokens: np.ndarray, sampler: np.ndarray, policy: np.ndarray, held: np.ndarray,
              finish: np.ndarray, version: int) -> None:
@@ -182,11 +182,11 @@ class Carry:
                    for g in state["groups"]]
 
 
-def batch_arrays(groups: list[Group], *, max_new_tokens: int, pad_id: int, version: int) -> dict[str, np.ndarray]:
+def batch_arrays(groups: list[Group], *, max_response_tokens: int, pad_id: int, version: int) -> dict[str, np.ndarray]:
   """The trained rows of complete `groups` (B = groups × G, each group's members contiguous) as host arrays: the
   fields of a `common.Rollout` and `stale` `[B]`, each row's tokens sampled before `version`."""
   members = [(g, m) for g in groups for m in g.members]
-  b, tr = len(members), max_new_tokens
+  b, tr = len(members), max_response_tokens
   prompts, prompt_mask = common.pad_prompts([g.prompt for g, _ in members], pad_id=pad_id)
   tokens = np.full((b, tr), pad_id, np.int32)
   sampler, policy = np.zeros((b, tr), np.float32), np.zeros((b, tr), np.float32)
@@ -202,26 +202,26 @@ def batch_arrays(groups: list[Group], *, max_new_tokens: int, pad_id: int, versi
               stale=stale)
 
 
-def decode_round(model, call: Call, key: jax.Array, *, settings: dict, sampling: common.Sampling, budget: int,
-                 pad_id: int, cache_dtype, jit: Callable, place: Callable):
-  """One round on the devices: the refill engine (`settings`: `rollout.refill_settings`' for the call, one
-  sequence per prompt) over `call`'s sequences, stopped at `budget` decode steps. Returns the host arrays
-  (tokens, sampler, policy `[N, Tr]`; held, finish `[N]`), the decode steps and the rows decoded (Σ slots ×
-  steps), and the engine's figures."""
+def decode_round(model, call: Call, key: jax.Array, *, plan, sampling: common.Sampling, budget: int, pad_id: int,
+                 cache_dtype, jit: Callable, place: Callable):
+  """One round on the devices: the refill engine as `plan` (a budgeted `RolloutPlan` of the call, one sequence per
+  prompt) says, over `call`'s sequences, stopped at `budget` decode steps. Returns the host arrays (tokens,
+  sampler, policy `[N, Tr]`; held, finish `[N]`), the decode steps and the rows decoded (Σ slots × steps), and
+  the engine's figures."""
   resumed = resumed_lib.Resumed(*place((call.ids, call.offsets, np.asarray(budget, np.int32))))
   tokens, mask = place((call.prompt_tokens, call.prompt_mask))
   out, steps, row_steps, figures = refill.generate_refill(
-      model, tokens, mask, key, sampling=sampling, samples_per_prompt=1, pad_id=pad_id, cache_dtype=cache_dtype,
+      model, tokens, mask, key, sampling=sampling, slots=plan.slots, pad_id=pad_id, cache_dtype=cache_dtype,
       jit=jit, length_limits=place(call.limits), prompt_lengths=call.prompt_mask.sum(axis=1), resumed=resumed,
-      **settings)
+      **plan.refill_settings())
   host = distributed.to_host((out.response_tokens, out.sampler_logprobs, out.policy_logprobs, out.response_lengths,
                               out.finish_reason))
   return tuple(np.asarray(x) for x in host), steps, row_steps, figures
 
 
-def prompt_width(max_prompt_tokens: int, max_new_tokens: int) -> int:
+def prompt_width(max_prompt_tokens: int, max_response_tokens: int) -> int:
   """The prompt bucket of every round: a prompt and up to Tr − 1 carried tokens (one program for the run)."""
-  return common.prompt_bucket(max_prompt_tokens + max_new_tokens - 1)
+  return common.prompt_bucket(max_prompt_tokens + max_response_tokens - 1)
 
 
 def stale_token_frac(stale: np.ndarray, lengths: np.ndarray) -> float:

@@ -39,11 +39,11 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
 
   Jit it with the keyword arguments static except `first_sequence` and `length_limits` (see
   `make_generate`). Row b = p·G + g of the output is sample g of prompt p, sequence
-  `first_sequence + b` of the key. `length_limits` `[B]` (≤ max_new_tokens) ends row b at its own
-  length (finish reason "length"); None: max_new_tokens for every row.
+  `first_sequence + b` of the key. `length_limits` `[B]` (≤ max_response_tokens) ends row b at its own
+  length (finish reason "length"); None: max_response_tokens for every row.
   """
   prompts, prompt_len = prompt_tokens.shape
-  group, steps = samples_per_prompt, sampling.max_new_tokens
+  group, steps = samples_per_prompt, sampling.max_response_tokens
   batch = prompts * group
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,

@@ -124,7 +124,7 @@ def contiguous_slots(report, pool_bytes: float) -> int:
   """Slots per queue the contiguous engine holds in `pool_bytes` per chip: each prompt bucket + cap tokens."""
   c = report.config
   per_slot = common.cache_bytes(report.architecture, batch=1, prompt_tokens=common.prompt_bucket(
-      c.rollout.max_prompt_tokens), max_new_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
+      c.rollout.max_prompt_tokens), max_response_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
                                 tensor=c.rollout.tensor_parallel)
   return max(1, int(pool_bytes // per_slot))
 
@@ -158,7 +158,7 @@ def partial(report, profile, p: Prices, chip, *, slots: int, queues: int, min_sl
   rounds = replay.partial_rounds(profile.responses, profile.prompts, group=c.rollout.samples_per_prompt,
                                  queues=queues, slots=slots, min_slots=min_slots,
                                  paged=replay.Paged(pages, page_tokens, block_pages), budget=budget,
-                                 max_staleness=max_staleness, cap=c.rollout.max_response_tokens)
+                                 max_staleness=max_staleness, max_response_tokens=c.rollout.max_response_tokens)
   total = cost(rounds.load, p, chip, engine="paged", slots=slots * queues,
                copied_tokens=len(rounds.prefill) * page_tokens)
   per = lambda x: x / rounds.steps

@@ -142,8 +142,10 @@ def _attention_forward(cfg, tokens) -> float:
 
 
 def groups(report) -> int:
-  """The rollout's data-parallel groups (its queues): the chips over `rollout.tensor_parallel`, or the mesh's
-  batch devices in the training layout."""
+  """The rollout's queues: the refill plan's; else its data-parallel groups (the chips over
+  `rollout.tensor_parallel`, or the mesh's batch devices in the training layout)."""
+  if report.refill:
+    return report.plan.queues
   t = report.config.rollout.tensor_parallel
   return len(report.target.devices) // t if t > 1 else report.mesh_shape["data"] * report.mesh_shape["fsdp"]
 
@@ -151,7 +153,7 @@ def groups(report) -> int:
 def read_cores(report, chip) -> tuple[int, str | None]:
   """(TensorCores the refill engine's cache reads run on, the paged kernel's `megacore_mode`): XLA's reads (the
   gather, the contiguous engine) use every core; the kernel both of a megacore chip, else one."""
-  if (report.pool or {}).get("implementation") != "kernel":
+  if report.plan is None or report.plan.attention != "kernel":
     return chip.cores, None
   rows = report.decode_rows // groups(report)
   mode = paged_attention.megacore_mode(report.target.device_kind, rows,
@@ -162,7 +164,7 @@ def read_cores(report, chip) -> tuple[int, str | None]:
 def decode(report, program, profile: profiles.Profile, engine: str, chip) -> decode_cost.DecodeCost:
   """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
   contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
-  c, queues, pool = report.config, groups(report), report.pool
+  c, queues, plan = report.config, groups(report), report.plan
   min_slots = 1 if c.rollout.shrink_slots else 0
   if engine == "static":
     p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
@@ -178,16 +180,16 @@ def decode(report, program, profile: profiles.Profile, engine: str, chip) -> dec
   p = _paged_prices(report, program, chip)
   if engine == "paged":
     return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
-                             min_slots=min_slots, pages=pool["pages"], page_tokens=pool["page_tokens"],
-                             block_pages=pool["block_pages"])
-  slots = decode_cost.contiguous_slots(report, pool["pages"] * pool["page_tokens"] * p.token_bytes)
+                             min_slots=min_slots, pages=plan.queue_pages, page_tokens=plan.page_tokens,
+                             block_pages=plan.block_pages)
+  slots = decode_cost.contiguous_slots(report, plan.queue_pages * plan.page_tokens * p.token_bytes)
   return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues, min_slots=min_slots)
 
 
 def _paged_prices(report, program, chip) -> decode_cost.Prices:
   """The compiled refill engine's decode step, per queue's rows."""
-  queues, pool = groups(report), report.pool
-  counted = 0.0 if pool["implementation"] == "kernel" else pool["page_tokens"] * pool["block_pages"]
+  queues, plan = groups(report), report.plan
+  counted = 0.0 if plan.attention == "kernel" else plan.page_tokens * plan.block_pages
   p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
                          read_cores=read_cores(report, chip)[0])
   return p._replace(rows=report.decode_rows // queues)
@@ -196,23 +198,24 @@ def _paged_prices(report, program, chip) -> decode_cost.Prices:
 def decode_partial(report, program, profile: profiles.Profile, chip, budget: tuple[int, int]):
   """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness): (its cost per RL
   step, the replay `replay_lib.PartialLoad`)."""
-  pool = report.pool
+  plan = report.plan
   return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip,
                              slots=report.decode_rows // groups(report), queues=groups(report),
-                             min_slots=1 if report.config.rollout.shrink_slots else 0, pages=pool["pages"],
-                             page_tokens=pool["page_tokens"], block_pages=pool["block_pages"], budget=budget[0],
+                             min_slots=1 if report.config.rollout.shrink_slots else 0, pages=plan.queue_pages,
+                             page_tokens=plan.page_tokens, block_pages=plan.block_pages, budget=budget[0],
                              max_staleness=budget[1])
 
 
 def partial_budget(config) -> tuple[int, int]:
   """(decode steps a round, max_staleness) of the roofline's partial rollouts: `rollout.decode_budget` and
   `rollout.max_staleness` when set; else 0.3 of the cap in whole pages of 128 (the log-normal profile's mean),
-  with the least staleness that lets a response at the cap finish."""
+  and a staleness one version above the least that lets a response at the cap finish: a sequence that starts
+  late in a round needs a round more."""
   r = config.rollout
   if r.decode_budget:
     return r.decode_budget, r.max_staleness
   budget = max(128, round(0.3 * r.max_response_tokens / 128) * 128)
-  return budget, -(-r.max_response_tokens // budget) - 1
+  return budget, -(-r.max_response_tokens // budget)
 
 
 def _reprefill_flops(report, replay: replay_lib.PartialLoad, chips: int) -> float:

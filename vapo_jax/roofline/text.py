@@ -66,12 +66,13 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
   for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
     lines.append(f"  profile {letter}: {step.profile}")
   lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
-  if report.refill and report.pool["implementation"] == "kernel" and report.target.chip is not None:
+  if report.refill and report.plan.attention == "kernel" and report.target.chip is not None:
     cores, mode = read_cores(report, report.target.chip)
     lines.append(f"  the paged kernel reads the cache on {cores} of the chip's {report.target.chip.cores} "
                  f"TensorCore(s) (megacore_mode={mode})")
+  width = max(len(label) for label, _ in estimates) + 2
   for label, step in estimates:
-    lines.append(f"  {label:<16}{summary(step)}")
+    lines.append(f"  {label:<{width}}{summary(step)}")
   by = dict(estimates)
   for letter in names:
     if f"{letter}, paged" in by and f"{letter}, contiguous" in by:

@@ -73,25 +73,17 @@ def stop_ids(config: ExperimentConfig, tokenizer) -> tuple[int, ...]:
   return tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
 
 
-def engine(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, prompt_tokens: int,
-           devices: int) -> rollout.Engine:
-  """The rollout engine for `prompts` × `group` sequences of `prompt_tokens`-token prompts split over
-  `devices` data-parallel devices; a KV cache over `rollout.kv_cache_budget_gib` per device is a
-  `ConfigError` naming what to change."""
-  settings, dtype = config.rollout, jnp.dtype(config.model.dtype)
+def plan(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, prompt_tokens: int, devices: int,
+         **options) -> rollout.RolloutPlan:
+  """The rollout plan (`rollout.plan_rollout`) for `prompts` × `group` sequences of `prompt_tokens`-token prompts
+  split over `devices` data-parallel devices; a KV cache that does not fit `rollout.kv_cache_budget_gib` per
+  device is a `ConfigError` naming what to change. `options`: `plan_rollout`'s (`prompt_lengths`, `budgeted`,
+  `slot_sequences`)."""
   try:
-    chosen = rollout.engine_for(settings, model_cfg, sequences=prompts * group, prompt_tokens=prompt_tokens,
-                                dtype=dtype, devices=devices, prompts=prompts)
-    rollout.refill_settings(chosen, prompts=prompts, group=group, prompt_tokens=prompt_tokens,  # What `sample` runs.
-                            max_new_tokens=settings.max_response_tokens, head_dim=model_cfg.head_dim)
-    if chosen.kind == "static":
-      common.check_cache_fits(model_cfg, batch=min(settings.prompts_per_generation or prompts, prompts) * group,
-                              prompt_tokens=prompt_tokens, max_new_tokens=settings.max_response_tokens, dtype=dtype,
-                              devices=devices, tensor=settings.tensor_parallel,
-                              budget_bytes=int(settings.kv_cache_budget_gib * 2**30))
+    return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+                                dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
   except MemoryError as e:
     raise ConfigError(str(e)) from None
-  return chosen
 
 
 def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
@@ -103,16 +95,17 @@ def generate_responses(model, records: list[Record], key: jax.Array, *, config: 
   the defaults run on the default device."""
   tokens, mask = common.pad_prompts([problems.encode_prompt(x, tokenizer, config) for x in records],
                                     pad_id=tokenizer.pad_token_id)
-  chosen = engine(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1], devices=devices)
+  chosen = plan(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1], devices=devices,
+                prompt_lengths=mask.sum(axis=1))
   how = sampling(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
-  return rollout.sample(model, tokens, mask, key, sampling=how, samples_per_prompt=group, engine=chosen,
-                        pad_id=tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
+  return rollout.sample(model, tokens, mask, key, sampling=how, plan=chosen, pad_id=tokenizer.pad_token_id,
+                        cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
 
 
 def sampling(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
              top_k: int = 0) -> common.Sampling:
   """How a rollout of the run samples (`stop_ids`: the tokens that end a response)."""
-  return common.Sampling(max_new_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_token_ids,
+  return common.Sampling(max_response_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_token_ids,
                          temperature=temperature, top_p=top_p, top_k=top_k)
 
 
@@ -167,10 +160,10 @@ class Experience:
     once generation is done."""
     return nnx.merge(self.steps.actor_def, self.layout.reshard(state.actor))
 
-  def engine_for(self, *, prompts: int, group: int, prompt_tokens: int) -> rollout.Engine:
-    """`engine` for a rollout call of this run (its data-parallel devices)."""
-    return engine(self.config, self.model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
-                  devices=self.layout.data_devices)
+  def plan_for(self, *, prompts: int, group: int, prompt_tokens: int, **options) -> rollout.RolloutPlan:
+    """`plan` for a rollout call of this run (its data-parallel devices)."""
+    return plan(self.config, self.model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+                devices=self.layout.data_devices, **options)
 
   def sampling_for(self, *, temperature: float, top_p: float, top_k: int = 0) -> common.Sampling:
     return sampling(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature, top_p=top_p,
@@ -193,9 +186,9 @@ class Experience:
     calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
         (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)]
     for prompts, group in dict.fromkeys(calls):
-      self.engine_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+      self.plan_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
     if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
-      self.partial.settings()
+      self.partial.plan()
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids

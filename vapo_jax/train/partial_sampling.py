@@ -35,22 +35,17 @@ class PartialSampling:
     config, r = experience.config, experience.config.rollout
     self.width = partial.prompt_width(r.max_prompt_tokens, r.max_response_tokens)
     self.carry = partial.Carry(group=r.samples_per_prompt, sequences=partial.OVERPROVISION * r.responses_per_step,
-                               max_new_tokens=r.max_response_tokens, max_staleness=r.max_staleness,
+                               max_response_tokens=r.max_response_tokens, max_staleness=r.max_staleness,
                                pad_id=experience.tokenizer.pad_token_id, prompt_width=self.width)
     self.key = distributed.replicate_local(jax.random.fold_in(jax.random.key(config.seed), PARTIAL_STREAM),
                                            experience.steps.mesh)
 
-  def settings(self) -> dict:
-    """The refill engine's settings for a round (`rollout.refill_settings`; a `ConfigError` when they cannot run):
-    the call's sequences (`partial.OVERPROVISION` × P·G) in the slots a P·G call has, so that a slot freed
-    before the budget takes the next sequence."""
-    x, r = self.experience, self.experience.config.rollout
-    call = self.carry.sequences
-    slots = x.engine_for(prompts=r.responses_per_step, group=1, prompt_tokens=self.width).slots
-    engine = x.engine_for(prompts=call, group=1, prompt_tokens=self.width)
-    engine = engine._replace(slots=min(engine.slots, slots))
-    return rollout.refill_settings(engine, prompts=call, group=1, prompt_tokens=self.width,
-                                   max_new_tokens=r.max_response_tokens, head_dim=x.model_cfg.head_dim, budgeted=True)
+  def plan(self) -> rollout.RolloutPlan:
+    """A round's plan (a `ConfigError` when it cannot run): the call's sequences (`partial.OVERPROVISION` × P·G,
+    one per prompt) in the slots a P·G call has, so that a slot freed before the budget takes the next sequence."""
+    r = self.experience.config.rollout
+    return self.experience.plan_for(prompts=self.carry.sequences, group=1, prompt_tokens=self.width, budgeted=True,
+                                    slot_sequences=r.responses_per_step)
 
   def sample(self, state: TrainState, prompts, *, version: int):
     """The `Sampled` of P complete groups at policy version `version` (the RL steps done)."""
@@ -59,13 +54,13 @@ class PartialSampling:
     restarted = self.carry.restart_stale(version)
     draw = lambda n: [(record, problems.encode_prompt(record, x.tokenizer, config)) for record in prompts.take(n)]
     how = x.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    settings, policy = self.settings(), x.policy(state)
+    plan, policy = self.plan(), x.policy(state)
     rounds, steps, row_steps, seconds, figures = 0, 0, 0, 0.0, {}
     while (groups := self.carry.take_complete(r.prompts_per_step)) is None:
       call = self.carry.next_call(draw)
       start = time.perf_counter()
       host, s, rs, f = partial.decode_round(
-          policy, call, self.key, settings=settings, sampling=how, budget=r.decode_budget,
+          policy, call, self.key, plan=plan, sampling=how, budget=r.decode_budget,
           pad_id=x.tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype), jit=x.layout.jit,
           place=x.layout.place)
       seconds += time.perf_counter() - start
@@ -73,7 +68,7 @@ class PartialSampling:
       rounds, steps, row_steps = rounds + 1, steps + s, row_steps + rs
       figures = {k: figures.get(k, 0.0) + v if k in SUMMED else max(figures.get(k, 0.0), v) for k, v in f.items()}
     del policy
-    arrays = partial.batch_arrays(groups, max_new_tokens=r.max_response_tokens, pad_id=x.tokenizer.pad_token_id,
+    arrays = partial.batch_arrays(groups, max_response_tokens=r.max_response_tokens, pad_id=x.tokenizer.pad_token_id,
                                   version=version)
     stale = arrays.pop("stale")
     out = x.steps.place(common.Rollout(**arrays))
@@ -82,7 +77,8 @@ class PartialSampling:
     scored = x.verify(out, answers)
     rewards, correct = x.place_share(scored, out)
     stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"], seconds=seconds,
-                                    decode_steps=steps, rows=settings["slots"], row_steps=row_steps) | figures | {
+                                    decode_steps=steps, rows=plan.slots, row_steps=row_steps) | figures | {
+        "rollout/pages": float(plan.pages),
         "rollout/sampling_rounds": float(rounds), "rollout/carried_sequences": float(self.carry.carried()),
         "rollout/stale_token_frac": partial.stale_token_frac(stale, arrays["response_lengths"]),
         "rollout/restarted_sequences": float(restarted)}

@@ -82,14 +82,14 @@ class Slots(NamedTuple):
 
 
 def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
-          max_new_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> tuple[Prompts, Slots]:
+          max_response_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> tuple[Prompts, Slots]:
   """Prefills the prompts and builds R empty slots with room for a prompt and a response."""
   prompt_mask = prompt_mask.astype(bool)
   logits, cache = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
   prompts = Prompts(cache.keys, cache.values, prompt_mask, logits, jnp.sum(prompt_mask, -1).astype(jnp.int32))
   cfg, (count, prompt_len) = model.cfg, prompt_tokens.shape
-  n, width = count * group, prompt_len + max_new_tokens
+  n, width = count * group, prompt_len + max_response_tokens
   rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
   shape = (cfg.num_layers, slots, cfg.num_kv_heads, width, cfg.head_dim)
   slot_cache = KVCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype), jnp.zeros((slots, width), bool),
@@ -98,8 +98,8 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   queued = jnp.arange(queues, dtype=jnp.int32) * (n // queues)
   return prompts, Slots(slot_cache, slot_logits, rows((slots,), jnp.int32), rows((slots,), jnp.int32),
                         rows((slots,), bool), queued, jnp.zeros((), jnp.int32),
-                        rows((n, max_new_tokens), jnp.int32, pad_id), rows((n, max_new_tokens), jnp.float32),
-                        rows((n, max_new_tokens), jnp.float32), rows((n,), jnp.int32), rows((n,), bool))
+                        rows((n, max_response_tokens), jnp.int32, pad_id), rows((n, max_response_tokens), jnp.float32),
+                        rows((n, max_response_tokens), jnp.float32), rows((n,), jnp.int32), rows((n,), bool))
 
 
 def finished(s: Slots) -> jax.Array:
@@ -153,10 +153,10 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
   when every sequence has finished or the slots can shrink (the queues are empty and `rows_needed`
   ≤ `shrink_at` > 0). Returns the state and its status `[4]` int32: finished, can shrink, rows
   needed, decode iterations run so far."""
-  n, max_new = state.tokens.shape
+  n, max_response_tokens = state.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  limits = jnp.full((n,), max_new, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
+  limits = jnp.full((n,), max_response_tokens, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
   first = queues_lib.first_sequence(rows, n, queues)
 
   def one_step(s: Slots) -> Slots:
@@ -254,7 +254,7 @@ def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int =
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
       start=jit(functools.partial(start, group=group, slots=slots, queues=queues, pad_id=pad_id,
-                                  cache_dtype=cache_dtype, max_new_tokens=sampling.max_new_tokens,
+                                  cache_dtype=cache_dtype, max_response_tokens=sampling.max_response_tokens,
                                   decode_block=decode_block)),
       decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id,
                                    shrink_at=queues_lib.shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
@@ -269,7 +269,7 @@ def generate_contiguous(model, prompt_tokens: jax.Array, prompt_mask: jax.Array,
   """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode
   slots in `queues` queues (dividing the slots, the prompts and `min_slots`), the decode iterations run and the
   rows decoded (Σ slots × iterations). `min_slots` > 0: shrink the slots in the tail down to this many
-  (a multiple of the data-parallel devices); 0: never. `length_limits` `[P·G]`, in [1, max_new_tokens]."""
+  (a multiple of the data-parallel devices); 0: never. `length_limits` `[P·G]`, in [1, max_response_tokens]."""
   if slots % queues or prompt_tokens.shape[0] % queues or min_slots % queues:
     raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({prompt_tokens.shape[0]}) "
                      f"and min_slots ({min_slots})")

@@ -26,8 +26,8 @@ only its own pages (`models/paged_attention.py`: the Pallas kernel on TPU):
      half the slots live) the rows shrink to `min_slots`·2^k (a gather of each row's table and state:
      the pool does not move) so stragglers decode in a small batch.
 
-Slots (concurrent sequences) and pages (memory) are separate settings: `Engine.slots`, `Engine.pages`
-(per queue) and `Engine.page_tokens`. A sequence that cannot fit a queue's pool even alone (with its
+Slots (concurrent sequences) and pages (memory) are separate settings (`rollout/plan.py`: `slots`, `queue_pages`
+and `page_tokens`). A sequence that cannot fit a queue's pool even alone (with its
 queue's prompts) is refused before anything runs (`common.check_pool`).
 
 Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving early
@@ -83,17 +83,17 @@ class Slots(NamedTuple):
   outputs: q_lib.Outputs
 
 
-def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int, pages: int,
-          page_tokens: int, block_pages: int, implementation: str, max_new_tokens: int, pad_id: int,
-          cache_dtype) -> tuple[Prompts, Slots]:
-  """Prefills the prompts into pages of their queues and builds R empty slots."""
+def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
+          queue_pages: int, page_tokens: int, block_pages: int, implementation: str, max_response_tokens: int,
+          pad_id: int, cache_dtype) -> tuple[Prompts, Slots]:
+  """Prefills the prompts into pages of their queues (`queue_pages` each) and builds R empty slots."""
   prompt_mask = prompt_mask.astype(bool)
   logits, prefilled = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype, decode_block=None)
   lengths = jnp.sum(prompt_mask, -1).astype(jnp.int32)
   count, prompt_len = prompt_tokens.shape
-  width = common.table_pages(prompt_len, max_new_tokens, page_tokens, block_pages)
-  table, used = pages_lib.prompt_pages(lengths, queues, pages, page_tokens, -(-prompt_len // page_tokens))
-  cache = PagedKVCache.zeros(model.cfg, rows=slots, queues=queues, pages=pages, page_tokens=page_tokens,
+  width = common.table_pages(prompt_len, max_response_tokens, page_tokens, block_pages)
+  table, used = pages_lib.prompt_pages(lengths, queues, queue_pages, page_tokens, -(-prompt_len // page_tokens))
+  cache = PagedKVCache.zeros(model.cfg, rows=slots, queues=queues, pages=queue_pages, page_tokens=page_tokens,
                              table_pages=width, dtype=cache_dtype, implementation=implementation,
                              block_pages=block_pages)
   cache = cache.replace(keys=pages_lib.write_prompts(cache.keys, prefilled.keys, lengths, table),
@@ -102,8 +102,9 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   zeros = lambda shape: jnp.zeros(shape, jnp.int32)
   state = Slots(cache, q_lib.rows((slots, logits.shape[-1]), jnp.float32), rows(jnp.int32), rows(jnp.int32),
                 rows(bool), rows(jnp.int32), rows(jnp.int32), jnp.arange(queues, dtype=jnp.int32) * (n // queues),
-                q_lib.rows((queues, n // queues), jnp.int32), zeros((queues,)), pages_lib.initial(queues, pages, used),
-                jnp.full((count,), group, jnp.int32), zeros((3,)), q_lib.empty_outputs(n, max_new_tokens, pad_id))
+                q_lib.rows((queues, n // queues), jnp.int32), zeros((queues,)),
+                pages_lib.initial(queues, queue_pages, used), jnp.full((count,), group, jnp.int32), zeros((3,)),
+                q_lib.empty_outputs(n, max_response_tokens, pad_id))
   return Prompts(table, lengths, logits), state
 
 
@@ -244,10 +245,10 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
   slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0), or at `resumed.budget`
   iterations in all. Returns the state and its status `[4]` int32: finished, can shrink, rows needed, decode
   iterations run so far."""
-  n, max_new = state.outputs.tokens.shape
+  n, max_response_tokens = state.outputs.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  limits = jnp.full((n,), max_new, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
+  limits = jnp.full((n,), max_response_tokens, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
   first = q_lib.first_sequence(rows, n, queues)
 
   def one_step(s: Slots) -> Slots:
@@ -325,30 +326,31 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int, pages: int, page_tokens: int,
+def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int, queue_pages: int, page_tokens: int,
              block_pages: int, implementation: str, steps_per_call: int, pad_id: int, cache_dtype, min_slots: int = 0,
              jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
-      start=jit(functools.partial(start, group=group, slots=slots, queues=queues, pages=pages, pad_id=pad_id,
-                                  page_tokens=page_tokens, block_pages=block_pages, implementation=implementation,
-                                  max_new_tokens=sampling.max_new_tokens, cache_dtype=cache_dtype)),
+      start=jit(functools.partial(start, group=group, slots=slots, queues=queues, queue_pages=queue_pages,
+                                  pad_id=pad_id, page_tokens=page_tokens, block_pages=block_pages,
+                                  implementation=implementation,
+                                  max_response_tokens=sampling.max_response_tokens, cache_dtype=cache_dtype)),
       decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call,
                                    shrink_at=q_lib.shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
       finish=jit(functools.partial(common.finished_rollout, group=group, pad_id=pad_id)))
 
 
 def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
-                    sampling: common.Sampling, samples_per_prompt: int, slots: int, pages: int, page_tokens: int,
+                    sampling: common.Sampling, group: int, slots: int, queue_pages: int, page_tokens: int,
                     queues: int = 1, block_pages: int = 1, implementation: str = "gather", steps_per_call: int = 256,
                     pad_id: int = 0, cache_dtype=jnp.float32, min_slots: int = 0, jit: Callable = jax.jit,
                     length_limits: jax.Array | None = None, prompt_lengths: np.ndarray | None = None,
                     resumed: resumed_lib.Resumed | None = None) -> tuple[common.Rollout, int, int, dict[str, float]]:
   """`static.generate_static`'s `Rollout` (the same tokens and log-probs) from `slots` refilled decode slots over
-  `pages` pages of `page_tokens` tokens per queue, in `queues` queues (dividing the slots, the prompts and
-  `min_slots`); the decode iterations run, the rows decoded (Σ slots × iterations) and the pool's figures:
-  `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/pages` (per queue), `rollout/pages_peak` (the
-  most any queue held at once) and `rollout/pages_free_after` (the fewest any queue had free at the end).
+  `queue_pages` pages of `page_tokens` tokens per queue, in `queues` queues (dividing the slots, the prompts and
+  `min_slots`), `group` samples per prompt; the decode iterations run, the rows decoded (Σ slots × iterations) and
+  the pool's figures: `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/pages_peak` (the most any queue
+  held at once) and `rollout/pages_free_after` (the fewest any queue had free at the end).
   `prompt_lengths` `[P]` (host): the prompts' real tokens (default: read from `prompt_mask`), for the check
   that a queue's pool holds its prompts and one whole sequence (`common.check_pool`). `resumed`: a partial
   rollout's call, which stops at its budget; a sequence still decoding or waiting then has the tokens it holds
@@ -359,9 +361,9 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
                      f"({min_slots})")
   lengths = np.sum(np.asarray(prompt_mask), axis=-1) if prompt_lengths is None else prompt_lengths
   held = common.most_prompt_pages(lengths, queues=queues, page_tokens=page_tokens)
-  common.check_pool(pages=pages, prompts=count // queues, max_new_tokens=sampling.max_new_tokens, held=held,
-                    page_tokens=page_tokens)
-  settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, pages=pages, page_tokens=page_tokens,
+  common.check_pool(pages=queue_pages, prompts=count // queues, max_response_tokens=sampling.max_response_tokens,
+                    held=held, page_tokens=page_tokens)
+  settings = dict(sampling=sampling, group=group, queues=queues, queue_pages=queue_pages, page_tokens=page_tokens,
                   block_pages=block_pages, implementation=implementation, steps_per_call=steps_per_call,
                   pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), min_slots=min_slots, jit=jit)
   fns, state, steps, row_steps = q_lib.drive(
@@ -375,6 +377,6 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   counters, free, peak = (np.asarray(x) for x in distributed.to_host((state.counters, state.free.count,
                                                                       state.free.peak)))
   figures = {"rollout/preemptions": float(counters[1]), "rollout/recomputed_tokens": float(counters[2]),
-             "rollout/pages": float(pages), "rollout/pages_peak": float(peak.max()),
+             "rollout/pages_peak": float(peak.max()),
              "rollout/pages_free_after": float(free.min())}
   return out, steps, row_steps, figures

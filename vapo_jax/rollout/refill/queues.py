@@ -44,8 +44,8 @@ def rows(shape, dtype, fill=0) -> jax.Array:
   return constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
 
 
-def empty_outputs(sequences: int, max_new_tokens: int, pad_id: int) -> Outputs:
-  n, tr = sequences, max_new_tokens
+def empty_outputs(sequences: int, max_response_tokens: int, pad_id: int) -> Outputs:
+  n, tr = sequences, max_response_tokens
   return Outputs(rows((n, tr), jnp.int32, pad_id), rows((n, tr), jnp.float32), rows((n, tr), jnp.float32),
                  rows((n,), jnp.int32), rows((n,), bool))
 

@@ -2,7 +2,7 @@
 attention reads, from the sequences' lengths (the roofline's model of the decode loop, `vapo_jax/roofline`).
 
   load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4))
-  replay = partial_rounds(profile, group=G, queues=Q, slots=R, ..., budget=D, max_staleness=k, cap=Tr)
+  replay = partial_rounds(profile, group=G, queues=Q, slots=R, ..., budget=D, max_staleness=k, max_response_tokens=Tr)
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
 the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the fewest
@@ -175,8 +175,8 @@ class PartialLoad(NamedTuple):
 
 
 def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, queues: int, slots: int,
-                   min_slots: int, paged: Paged | None, budget: int, max_staleness: int, cap: int, warm: int = 4,
-                   measured: int = 4) -> PartialLoad:
+                   min_slots: int, paged: Paged | None, budget: int, max_staleness: int, max_response_tokens: int,
+                   warm: int = 4, measured: int = 4) -> PartialLoad:
   """One queue's partial rollouts (`rollout/partial.py`) replayed with the engine's own carry: each RL step
   restarts the stale, then runs rounds of `budget` decode steps (`simulate`, one sequence per prompt: a prompt
   with its carried tokens) until its share of groups is complete. Groups come from one step's `responses` `[N]`
@@ -185,8 +185,9 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, qu
   from vapo_jax.rollout import partial  # The carry itself: the replay follows the engine's rules.
 
   per_step, sequences = len(prompts) // queues, partial.OVERPROVISION * len(responses) // queues
-  carry = partial.Carry(group=group, sequences=sequences, max_new_tokens=cap, max_staleness=max_staleness, pad_id=0,
-                        prompt_width=partial.prompt_width(int(prompts.max()), cap))
+  carry = partial.Carry(group=group, sequences=sequences, max_response_tokens=max_response_tokens,
+                        max_staleness=max_staleness, pad_id=0,
+                        prompt_width=partial.prompt_width(int(prompts.max()), max_response_tokens))
   drawn = [0]
 
   def draw(n):

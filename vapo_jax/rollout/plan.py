@@ -1,0 +1,143 @@
+"""The rollout's plan: what one rollout call runs, decided once, from the config, the model, the call and the devices.
+
+  plan = plan_rollout(config.rollout, model_cfg, prompts=P, group=G, prompt_tokens=Tp, dtype=..., devices=D)
+  out, metrics = rollout.sample(model, tokens, mask, key, sampling=..., plan=plan, ...)
+  fns = plan.programs(sampling=..., pad_id=..., cache_dtype=..., jit=...)   # what `sample` and `make memory` run
+
+`plan_rollout` is the one place that decides the engine and sizes it, and the one place that raises the KV
+cache's `MemoryError` (naming the setting to change and a value that works):
+
+- **static** (`rollout.engine="static"`): rounds of `rollout.prompts_per_generation` prompts, each one batch
+  until its longest response ends; its KV cache must fit `rollout.kv_cache_budget_gib`.
+- **refill** (`rollout.engine="refill"`): `slots` decode rows over a pool of pages. The pool is sized per
+  data-parallel group (`pages`, `rollout.pages`' meaning, or as many as `kv_cache_budget_gib` holds but no more
+  than the slots need at the cap); the slots are `rollout.slots`, or as many as that pool holds with every
+  response at the cap. The sequences run in `queues` queues: the most dividing the groups, the prompts, the
+  slots and `min_slots`, so each queue is a group's with its own devices; with fewer queues than groups a
+  queue's pool is replicated over groups, and holds `pages / queues` (`queue_pages`). When every sequence has
+  a slot and its queue's pool holds them all at the cap, nothing would be refilled or paged: the static batch
+  runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which only the
+  refill engine can stop.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+from vapo_jax.kinds import RolloutEngine
+from vapo_jax.models import paged_attention, sharding
+from vapo_jax.models.kv_cache import KVCache
+from vapo_jax.rollout import common, static
+from vapo_jax.rollout.refill import engine as refill
+from vapo_jax.rollout.refill import queues as queues_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutPlan:
+  """One rollout call's engine and sizes (a change compiles new programs)."""
+
+  engine: RolloutEngine  # What runs: "static" or "refill".
+  prompts: int  # P.
+  group: int  # G samples per prompt.
+  prompt_tokens: int  # Tp: the prompt bucket.
+  max_response_tokens: int  # Tr: the length cap.
+  devices: int  # Data-parallel groups of the rollout layout.
+  prompts_per_round: int  # static: prompts a round (P: one round).
+  decode_block: int | None = None  # static: KV-cache slots per block of decode attention (None: per platform).
+  slots: int = 0  # refill: decode rows, all queues.
+  queues: int = 1  # refill: queues, each with its share of the slots, prompts, outputs and pages.
+  min_slots: int = 0  # refill: in the tail the rows shrink to min_slots·2^k (0: never).
+  steps_per_call: int = 256  # refill: decode iterations on the device per host call, at most.
+  pages: int = 0  # refill: pages of the pool per data-parallel group.
+  queue_pages: int = 0  # refill: pages each queue holds.
+  page_tokens: int = 0  # refill: tokens per page.
+  block_pages: int = 0  # refill: pages read per block of paged attention.
+  attention: str = ""  # refill: paged attention's implementation (`paged_attention.IMPLEMENTATIONS`).
+  least_pages: int = 0  # refill: the fewest pages per group `rollout.pages` may ask for (`common.check_pool`).
+
+  @property
+  def sequences(self) -> int:
+    return self.prompts * self.group
+
+  @property
+  def rounds(self) -> int:
+    """Static rounds (1 for the refill engine)."""
+    return self.prompts // self.prompts_per_round if self.engine == "static" else 1
+
+  @property
+  def decode_rows(self) -> int:
+    """Rows the decode loop runs at first: the slots, or a static round's sequences."""
+    return self.slots if self.engine == "refill" else self.prompts_per_round * self.group
+
+  @property
+  def shrink_sizes(self) -> list[int]:
+    """refill: the slot counts the tail shrinks through."""
+    return queues_lib.shrink_sizes(self.slots, self.min_slots) if self.engine == "refill" else []
+
+  def refill_settings(self) -> dict:
+    """The refill engine's settings but the slots (`engine.programs`, `engine.generate_refill`)."""
+    return dict(group=self.group, queues=self.queues, queue_pages=self.queue_pages, page_tokens=self.page_tokens,
+                block_pages=self.block_pages, implementation=self.attention, steps_per_call=self.steps_per_call,
+                min_slots=self.min_slots)
+
+  def programs(self, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit, slots: int | None = None):
+    """The programs the engine runs: refill, `engine.Programs` (start, decode, finish) at `slots` rows (default:
+    `self.slots`; `shrink_sizes` the others; `engine.compaction` moves between them); static, its generate."""
+    if self.engine == "static":
+      return static.make_generate(sampling=sampling, samples_per_prompt=self.group, pad_id=pad_id,
+                                  cache_dtype=cache_dtype, decode_block=self.decode_block, jit=jit)
+    return refill.programs(sampling=sampling, slots=slots or self.slots, pad_id=pad_id, cache_dtype=cache_dtype,
+                           jit=jit, **self.refill_settings())
+
+
+def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, dtype, devices: int,
+                 platform: str | None = None, prompt_lengths=None, budgeted: bool = False,
+                 slot_sequences: int | None = None) -> RolloutPlan:
+  """The plan of a call of `prompts` × `group` sequences of `prompt_tokens`-token (bucketed) prompts under the
+  `RolloutConfig` `r`, split over `devices` data-parallel groups (each of `r.tensor_parallel` chips, which split
+  the KV cache by heads), on `platform` (default: the one traced for, `sharding.platform()`). `prompt_lengths`
+  `[P]`: the prompts' real tokens (default: every prompt at the bucket), which their queue's pages must hold.
+  `budgeted`: a partial rollout's round (the refill engine, whatever the sizes); `slot_sequences`: the sequences
+  the slots are sized for (default: the call's). A `MemoryError` names what to change."""
+  cap, sequences = r.max_response_tokens, prompts * group
+  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_response_tokens=cap, devices=devices,
+              decode_block=r.decode_block)
+  if r.engine == "static":
+    per_round = min(r.prompts_per_generation or prompts, prompts)
+    common.check_cache_fits(model_cfg, batch=per_round * group, prompt_tokens=prompt_tokens, max_response_tokens=cap,
+                            dtype=dtype, devices=devices, tensor=r.tensor_parallel,
+                            budget_bytes=int(r.kv_cache_budget_gib * 2**30))
+    return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
+  platform = platform or sharding.platform()
+  tg = r.page_tokens or common.default_page_tokens(platform)
+  token_bytes = KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel
+  in_budget = int(r.kv_cache_budget_gib * 2**30 // (tg * token_bytes))
+  per_group, per_sequence = -(-prompts // devices), common.sequence_pages(cap, tg)
+  prompt_pages = per_group * -(-prompt_tokens // tg)
+  if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below, per queue.
+    common.check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages, max_response_tokens=cap,
+                      page_tokens=tg, given=bool(r.pages))
+  slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices),
+                                ((r.pages or in_budget) - prompt_pages) // per_sequence)) * devices
+  pages = r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence)
+  if slots % devices:
+    raise MemoryError(f"rollout.slots={slots} does not split over the {devices} data-parallel groups (each decodes "
+                      f"its own slots from its own pages): set rollout.slots={-(-slots // devices) * devices}, a "
+                      f"multiple of {devices}")
+  min_slots = devices if r.shrink_slots else 0
+  queues = math.gcd(devices, prompts, slots, min_slots)
+  queue_pages = pages if queues == devices else pages // queues
+  slots = min(slots, -(-sequences // queues) * queues)
+  whole = prompts // queues * -(-prompt_tokens // tg) + sequences // queues * per_sequence
+  if not budgeted and slots >= sequences and queue_pages >= whole:  # Nothing to refill or page.
+    return RolloutPlan(engine="static", prompts_per_round=prompts, **base)
+  lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
+  common.check_pool(pages=queue_pages, prompts=prompts // queues, max_response_tokens=cap, page_tokens=tg,
+                    held=common.most_prompt_pages(lengths, queues=queues, page_tokens=tg), given=bool(r.pages))
+  return RolloutPlan(
+      engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,
+      steps_per_call=r.decode_steps_per_call, pages=pages, queue_pages=queue_pages, page_tokens=tg,
+      block_pages=r.block_pages or paged_attention.default_block_pages(tg, platform),
+      attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg),
+      least_pages=prompt_pages + per_sequence, **base)
