@@ -14,7 +14,7 @@ runs once before it is timed). Five measurements, each a ratio measured side by 
      slots (shrinking in the tail, and without) against the static batch of 64; useful tokens/s,
      target ≥ 2×, identical tokens;
   3. top-p 0.7 on `[16, 151936]` float32 logits: threshold bisection against the sort, target ≥ 3×;
-  4. against transformers' `generate` on the same weights (`huggingface.export`): a small Qwen2
+  4. against transformers' `generate` on the same weights (`hf_export.export`): a small Qwen2
      (4 layers, width 256, 32k vocabulary), batch 16, greedy, no stop tokens, at 64→256 (target
      ≥ 2×) and 512→512 (target ≥ 1.2×); and the Qwen2.5-0.5B shape at 4 × 32→32 (target ≥ 1×;
      skipped by --quick);
@@ -42,7 +42,7 @@ from flax import nnx
 
 from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
-from vapo_jax.models import decode_attention, huggingface
+from vapo_jax.models import decode_attention, hf_export
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
@@ -185,7 +185,7 @@ def load_transformers(model, directory: str):
   torch.set_num_threads(2)
   transformers.logging.set_verbosity_error()
   transformers.utils.logging.disable_progress_bar()
-  huggingface.export(model, directory)
+  hf_export.export(model, directory)
   hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
   return hf, torch
 

@@ -4,6 +4,7 @@
   make sweep SWEEP=<sweep> SEEDS=0,1,2          (every member of a sweep × seed: vapo_jax/cli/sweep.py)
 """
 
+import sys
 from collections.abc import Callable
 
 from experiments import aime, tiny, toy
@@ -30,8 +31,10 @@ SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_ablations": aime.ablations,
     "toy": toy.table,
     "toy_mechanism": toy.mechanism,
-    "toy_mechanism_v3": toy.mechanism_v3,
+    "toy_mechanism_prefix_critic": toy.mechanism_prefix_critic,
 }
+# Former sweep names, each still accepted (with a note) until the next release: `sweep_name`.
+RENAMED_SWEEPS = {"toy_mechanism_v3": "toy_mechanism_prefix_critic"}
 
 
 @frozen
@@ -55,11 +58,20 @@ WARM_START = SharedStage(experiment="toy_warm_start", output="export", field="mo
                          overrides=("sft.steps=0",))
 TOY_STAGES = (WARM_START,
               SharedStage(experiment="toy_reward_model", output="critic_pretrained", field="model.critic_checkpoint"))
-# toy_mechanism_v3: the critics from the reward model fitted on prefixes too (the paper's bias).
+# toy_mechanism_prefix_critic: the critics from the reward model fitted on prefixes too (the paper's bias).
 TOY_PREFIX_STAGES = (WARM_START, SharedStage(experiment="toy_reward_model_prefix", output="critic_pretrained",
                                              field="model.critic_checkpoint"))
 SHARED_STAGES: dict[str, tuple[SharedStage, ...]] = {"toy": TOY_STAGES, "toy_mechanism": TOY_STAGES,
-                                                     "toy_mechanism_v3": TOY_PREFIX_STAGES}
+                                                     "toy_mechanism_prefix_critic": TOY_PREFIX_STAGES}
+
+
+def sweep_name(name: str) -> str:
+  """The registered name of sweep `name`: itself, or what a former name (`RENAMED_SWEEPS`) is now called, with a
+  note on stderr."""
+  if name in RENAMED_SWEEPS:
+    print(f"note: sweep {name!r} is now {RENAMED_SWEEPS[name]!r}; the old name works until the next release",
+          file=sys.stderr)
+  return RENAMED_SWEEPS.get(name, name)
 
 
 def get_experiment(name: str) -> ExperimentConfig:

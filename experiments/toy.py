@@ -2,7 +2,7 @@
 length of the response varies over 10× within a batch and the reward is a sparse ±1 at the end.
 
   make sweep SWEEP=toy_mechanism SEEDS=0,1 JOBS=2   (the mechanism check: 4 members × 2 seeds)
-  make sweep SWEEP=toy_mechanism_v3 SEEDS=0,1,2     (the check with the paper's bias: 3 members × 3 seeds)
+  make sweep SWEEP=toy_mechanism_prefix_critic SEEDS=0,1,2   (the check with the paper's bias: 3 × 3 seeds)
   make sweep SWEEP=toy SEEDS=0,1,2 JOBS=2           (the table: 11 members × 3 seeds → runs/sweeps/toy/)
   make train EXP=toy                                (one VAPO run, its critic from its own policy)
 
@@ -20,7 +20,7 @@ Shared stages (`experiments/__init__.py` SHARED_STAGES, run once by `make sweep`
                      ablations pretrain it away first (VAPO §4.1).
   `toy_reward_model_prefix`  the same, fitted on prefixes too (each labelled with its verdict read as a
                      finished response), so it scores unfinished responses low, as the paper's does;
-                     `toy_mechanism_v3` starts its critics from it instead.
+                     `toy_mechanism_prefix_critic` starts its critics from it instead.
 
 Evaluation: avg@4 on 256 held-out problems at 5 points of a run (before RL, every quarter, at the
 end), none of them among the training or demonstration problems (`data.drop_eval_overlap`, from `tiny`;
@@ -111,11 +111,11 @@ def reward_model_prefix() -> ExperimentConfig:
   """`reward_model()` that has also learned "unfinished is not correct": the same warm start, samples
   (seed 0's keys), steps and learning rate, the loss also on `algo.value_pretrain_prefixes` (4) prefixes
   of each response, uniform over its length, each labelled with the reward it gets read as a finished
-  response (no answer yet: −1). The critic of `mechanism_v3`'s members."""
+  response (no answer yet: −1). The critic of `mechanism_prefix_critic`'s members."""
   return variants.reward_model(vapo(), name="toy_reward_model_prefix", steps=40, lr=1e-3, target="prefix")
 
 
-def mechanism_v3() -> dict[str, ExperimentConfig]:
+def mechanism_prefix_critic() -> dict[str, ExperimentConfig]:
   """The mechanism check with the paper's bias: PPO, VAPO without value pretraining and VAPO, every critic
   from `toy_reward_model_prefix` (VAPO's value pretraining starts from it too), the v2 settings otherwise.
   Does a critic that under-estimates the first tokens turn early advantages positive and collapse

@@ -192,10 +192,10 @@ def test_cli(tmp_path, capsys):
 def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
   from flax import nnx
 
-  from vapo_jax.models import huggingface
+  from vapo_jax.models import hf_export
   from vapo_jax.models.config import preset
   from vapo_jax.models.transformer import CausalLM
-  huggingface.export(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)), str(tmp_path / "ckpt"))
+  hf_export.export(CausalLM(preset("tiny"), rngs=nnx.Rngs(0)), str(tmp_path / "ckpt"))
   args = ["--exp", "tiny", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o"),
           "eval.max_problems=3", "eval.samples_per_problem=2", "rollout.max_response_tokens=6"]
   assert evaluate.main(args) == 0

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from model_utils import FIXTURES, PARITY_MODELS, reference
-from vapo_jax.models import huggingface, safetensors_io, sharding
+from vapo_jax.models import hf_export, huggingface, safetensors_io, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 
@@ -29,7 +29,7 @@ def assert_same_params(a, b):
 @pytest.mark.parametrize("name", PARITY_MODELS)
 def test_export_then_reload_is_exact(tmp_path, name):
   model = huggingface.load_causal_lm(str(FIXTURES / name))
-  files = huggingface.export(model, str(tmp_path))
+  files = hf_export.export(model, str(tmp_path))
   assert files == ["model.safetensors", "config.json"]
   assert_same_params(model, huggingface.load_causal_lm(str(tmp_path)))
   saved = set(safetensors_io.SafetensorsFile(str(tmp_path / "model.safetensors")).keys())
@@ -40,7 +40,7 @@ def test_export_then_reload_is_exact(tmp_path, name):
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_sharded_export_with_index(tmp_path):
   model = CausalLM(preset("tiny"), rngs=nnx.Rngs(1))
-  files = huggingface.export(model, str(tmp_path), max_shard_bytes=40_000)
+  files = hf_export.export(model, str(tmp_path), max_shard_bytes=40_000)
   assert "model.safetensors.index.json" in files and len(files) > 3
   index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
   assert set(index["weight_map"].values()) == {f for f in files if f.endswith(".safetensors")}
@@ -50,13 +50,13 @@ def test_sharded_export_with_index(tmp_path):
 def test_value_model_round_trip(tmp_path):
   critic = ValueModel(preset("tiny"), rngs=nnx.Rngs(2))
   critic.value_head[...] = jax.random.normal(jax.random.key(0), critic.value_head[...].shape)
-  huggingface.export(critic, str(tmp_path))
+  hf_export.export(critic, str(tmp_path))
   assert_same_params(critic, huggingface.load_value_model(str(tmp_path), from_policy=False))
 
 
 def test_bfloat16_checkpoint_loads_into_float32(tmp_path):
   model = huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
-  huggingface.export(model, str(tmp_path), dtype="bfloat16")
+  hf_export.export(model, str(tmp_path), dtype="bfloat16")
   assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
   reloaded = huggingface.load_causal_lm(str(tmp_path))
   for key, value in params(reloaded).items():
@@ -70,7 +70,7 @@ def test_transformers_loads_export(tmp_path):
   for name in PARITY_MODELS:
     model = huggingface.load_causal_lm(str(FIXTURES / name))
     out = tmp_path / name
-    huggingface.export(model, str(out), max_shard_bytes=60_000)  # Sharded, to test the index too.
+    hf_export.export(model, str(out), max_shard_bytes=60_000)  # Sharded, to test the index too.
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     ref = reference(name)
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_export_copies_the_tokenizer_files_beside_the_weights(tmp_path):
   from vapo_jax.paths import DATA_DIR
   qwen = DATA_DIR / "qwen2.5_tokenizer"
   model = huggingface.load_causal_lm(str(FIXTURES / PARITY_MODELS[0]))
-  files = huggingface.export(model, str(tmp_path), tokenizer_dir=str(qwen))
+  files = hf_export.export(model, str(tmp_path), tokenizer_dir=str(qwen))
   assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(files)
   assert_same_params(model, huggingface.load_causal_lm(str(tmp_path)))
   text = "Find $x$ if $x^2 = 4$. <|im_end|>"

@@ -208,8 +208,8 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
   cfg = preset("qwen2.5-32b")
   page_bytes = 128 * KVCache.bytes_per_token(cfg, jnp.bfloat16) // 8  # A group of 8 chips splits the KV heads.
   r = RolloutConfig(max_response_tokens=20480, kv_cache_budget_gib=40.0, tensor_parallel=8, page_tokens=128)
-  on = lambda config, prompts=512, group=16, devices=32: rollout.plan_rollout(
-      config, cfg, prompts=prompts, group=group, prompt_tokens=1024, dtype=jnp.bfloat16, devices=devices)
+  on = lambda config, prompts=512, group=16, devices=32, **options: rollout.plan_rollout(
+      config, cfg, prompts=prompts, group=group, prompt_tokens=1024, dtype=jnp.bfloat16, devices=devices, **options)
   chosen = on(r)
   pages = 40 * 2**30 // page_bytes
   per_sequence, prompt_pages = 20480 // 128 + 1, 16 * 1024 // 128  # 16 prompts per group of 8 chips.
@@ -218,10 +218,12 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
   assert chosen.slots == 32 * per_group  # The pages those slots need at the cap, and no more:
   assert chosen.pages == chosen.queue_pages == prompt_pages + per_group * per_sequence <= pages
   assert chosen.least_pages == prompt_pages + per_sequence
-  small = on(r, prompts=20, group=15)  # 300 sequences: every one fits, 10 per group (rounded up), nothing to refill...
-  assert small.pages == 10 * per_sequence + 1024 // 128  # ...and only their pages (20 prompts: 1 per group);
-  assert small.queues == 4 and small.queue_pages == small.pages // 4  # 4 queues share the groups' pool.
-  assert small.slots == 300 and small.engine == "refill"  # A queue's quarter cannot hold its 75 at the cap.
+  fits = lambda **call: on(r, prompts=32, group=8, **call)  # 256 sequences: 8 a group, each with a slot...
+  assert fits().engine == "static"  # ...and the pool holds them all at the cap: nothing to refill or page.
+  assert fits(budgeted=True).pages == 8 * per_sequence + 1024 // 128  # Refilled anyway: only their pages.
+  small = on(r, prompts=20, group=15)  # 300 sequences of 20 prompts: 4 queues (dividing the prompts and the groups).
+  assert (small.queues, small.slots, small.engine) == (4, 300, "refill")
+  assert small.queue_pages == pages // 4 and small.pages == 4 * (pages // 4)  # Each device holds the 4 pools.
   fixed = on(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64))
   assert (fixed.slots, fixed.steps_per_call, fixed.min_slots, fixed.queues, fixed.pages, fixed.queue_pages,
           fixed.page_tokens) == (64, 32, 32, 32, 5000, 5000, 64)

@@ -19,7 +19,7 @@ from model_utils import FIXTURES, TP_CFG, training_layout_model
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import hlo
-from vapo_jax.models import huggingface, safetensors_io, sharding
+from vapo_jax.models import hf_export, huggingface, safetensors_io, sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
@@ -185,7 +185,7 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
 def test_hugging_face_load_export_load_is_byte_equal(tmp_path):
   source = FIXTURES / "qwen2_untied"
   model = huggingface.load_causal_lm(str(source))
-  huggingface.export(model, str(tmp_path))
+  hf_export.export(model, str(tmp_path))
   original, written = (safetensors_io.SafetensorsFile(str(d / "model.safetensors")) for d in (source, tmp_path))
   assert set(written.keys()) == set(original.keys())  # Per-layer names, as transformers writes them.
   for name in original.keys():

@@ -153,6 +153,13 @@ def test_print_commands_and_bad_arguments(tmp_path, capsys):
                             "run_dir=runs/sweeps/toy --smoke'\n")
   assert lines[-1].startswith("make train EXP=toy_vapo_no_group_sampling ARGS='seed=2 ")
   assert sweep.main(["no_such_sweep"]) == 2
+  capsys.readouterr()
+  for name in ("toy_mechanism_v3", "toy_mechanism_prefix_critic"):  # A former name: the same runs, in its directory.
+    out = io.StringIO()
+    assert sweep.main([name, "--seeds", "0", "--root", "runs/sweeps", "--print-commands"], stream=out) == 0
+    assert len(out.getvalue().splitlines()) == 2 + 3 and f"run_dir=runs/sweeps/{name} " in out.getvalue()
+    assert "toy_reward_model_prefix" in out.getvalue().splitlines()[1]
+    assert ("is now 'toy_mechanism_prefix_critic'" in capsys.readouterr().err) == (name == "toy_mechanism_v3")
   assert sweep.main(["toy", "--members", "toy_vapo,nope"]) == 2
   assert "nope" in capsys.readouterr().err
   with pytest.raises(SystemExit):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from vapo_jax.errors import CheckpointError, UserError
-from vapo_jax.models import huggingface
+from vapo_jax.models import hf_export
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.train import runlock
@@ -26,7 +26,7 @@ from vapo_jax.train.trainer import Diverged, Trainer
 def test_a_checkpoint_with_nan_weights_is_refused_at_start(tmp_path, smoke_config):
   model = CausalLM(preset("micro"), rngs=nnx.Rngs(0))
   model.model.norm.weight[...] = model.model.norm.weight[...].at[3].set(jnp.nan)
-  huggingface.export(model, str(tmp_path / "ckpt"))
+  hf_export.export(model, str(tmp_path / "ckpt"))
   config = smoke_config({"model.checkpoint": str(tmp_path / "ckpt"), "model.random_init": False})
   with pytest.raises(CheckpointError, match=r"(?s)ckpt.*NaN or infinite.*norm"):
     Trainer(config, verbose=False)

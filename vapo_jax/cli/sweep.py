@@ -286,7 +286,7 @@ def _seeds(text: str) -> list[int]:
   return seeds
 
 
-def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
+def _parser() -> ArgumentParser:
   parser = ArgumentParser(prog="python -m vapo_jax.cli.sweep", description=__doc__.split("\n\n")[0])
   parser.add_argument("sweep", help="a registered sweep (experiments.SWEEPS), e.g. toy")
   parser.add_argument("overrides", nargs="*", help="field.path=value overrides for every run")
@@ -300,7 +300,12 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
                            "its policy")
   parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; run nothing")
   parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
-  args = parser.parse_intermixed_args(argv)  # Overrides may come before or after the options.
+  return parser
+
+
+def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
+  args = _parser().parse_intermixed_args(argv)  # Overrides may come before or after the options.
+  given, args.sweep = args.sweep, experiments.sweep_name(args.sweep)  # A former name runs in its old directory.
   try:
     members = members_of(args.sweep)
   except KeyError as e:
@@ -319,7 +324,7 @@ def main(argv: Sequence[str], *, stream=sys.stdout) -> int:
   if bad := [o for o in args.overrides if "=" not in o]:
     print(f"error: overrides look like field.path=value, got {', '.join(bad)}", file=sys.stderr)
     return 2
-  sweep_dir = os.path.join(args.root, args.sweep)
+  sweep_dir = os.path.join(args.root, given)
   extra = ["--smoke"] * args.smoke + args.overrides
   stages = () if args.no_shared_stages else experiments.SHARED_STAGES.get(args.sweep, ())
   if args.print_commands:  # In order: the shared stages before the members.

@@ -10,6 +10,7 @@
   pallas_gpu        the Pallas GPU kernels JAX ships, in this package's layouts: paged decode, packed rows
   logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
   sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation
-  huggingface       Hugging Face checkpoints in and out: config.json + safetensors
+  huggingface       Hugging Face checkpoints in: config.json + safetensors, the tensor names both ways
+  hf_export         Hugging Face checkpoints out: the export, sharded, with the tokenizer's files
   safetensors_io    the safetensors format, read and written one tensor at a time
 """

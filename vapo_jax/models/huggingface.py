@@ -1,10 +1,10 @@
-"""Hugging Face checkpoints in and out: config.json + safetensors (single file or sharded).
+"""Hugging Face checkpoints in: config.json + safetensors (single file or sharded), and the names both ways.
 
 Loading reads one tensor at a time from memory-mapped files and places it directly in the target
 parameter's sharding (`jax.make_array_from_callback` asks only for the slices this process's
 devices hold), so the host never needs the whole model in memory; a decoder layer's tensor is
-written into its stacked parameter `[L, ...]` in place. Export unstacks to the per-layer names.
-Errors name the Hugging Face tensor.
+written into its stacked parameter `[L, ...]` in place. Errors name the Hugging Face tensor.
+Out: `hf_export.py`, which unstacks to the per-layer names with `ours_to_hf`.
 """
 
 import functools
@@ -20,8 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from vapo_jax import files
-from vapo_jax.errors import CheckpointError, MissingFileError, SetupError
+from vapo_jax.errors import CheckpointError, MissingFileError
 from vapo_jax.models import safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
@@ -161,7 +160,7 @@ def read_config(directory: str) -> TransformerConfig:
   return cfg
 
 
-def _param_paths(state: nnx.State) -> dict[str, nnx.Variable]:
+def param_paths(state: nnx.State) -> dict[str, nnx.Variable]:
   return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)
           if isinstance(v, nnx.Param)}
 
@@ -193,7 +192,7 @@ def _zeros(shape: tuple[int, ...], dtype, placement: NamedSharding | None) -> Ca
 
 _set_layer = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
                      donate_argnums=0)
-_layer_of = jax.jit(lambda stack, i: jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False))
+layer_of = jax.jit(lambda stack, i: jax.lax.dynamic_index_in_dim(stack, i, 0, keepdims=False))
 
 
 def _placed(array: np.ndarray, dtype, shape, sharding) -> jax.Array:
@@ -246,7 +245,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
   """
   tensors = _open_tensors(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(factory))
-  params, cfg = _param_paths(abstract), TransformerConfig.from_pretrained(directory)
+  params, cfg = param_paths(abstract), TransformerConfig.from_pretrained(directory)
   _check_vocab_size(directory, cfg, tensors)
   loaded, found, unexpected = {}, set(), []
   for name, file in tensors.items():
@@ -275,106 +274,11 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
                           f"{' ...' if len(unexpected) > 10 else ''} (no parameter of the model maps to them)")
   _check_complete(directory, params, found, allow_missing)
   if set(params) - set(loaded):  # Allowed-missing parameters keep their initial value.
-    initial = _param_paths(nnx.state(factory()))
+    initial = param_paths(nnx.state(factory()))
     loaded |= {p: initial[p].get_value() for p in set(params) - set(loaded)}
   state = nnx.from_flat_state([(path, v.replace(loaded[".".join(map(str, path))]))
                                for path, v in nnx.to_flat_state(abstract)])
   return nnx.merge(graphdef, state)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
-                   "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
-
-
-def _tensors_of(state: nnx.State) -> list[tuple[str, nnx.Variable, int | None]]:
-  """(per-layer path, parameter, layer or None) for every tensor an export writes: a stacked decoder-layer
-  parameter is L tensors, `model.layers.{i}.{name}`."""
-  return [(name, v, stacked_path(name)[1]) for path, v in _param_paths(state).items()
-          for name in per_layer_paths(path, v)]
-
-
-def _shard_plan(tensors, out_dtype, max_shard_bytes: int) -> list[list]:
-  """The tensors grouped into safetensors files of at most `max_shard_bytes`, from shapes alone."""
-  shards, current, size = [], [], 0
-  for path, variable, layer in tensors:
-    shape = variable.get_value().shape
-    nbytes = int(np.prod(shape if layer is None else shape[1:])) * out_dtype(variable).itemsize
-    if current and size + nbytes > max_shard_bytes:
-      shards.append(current)
-      current, size = [], 0
-    current.append((path, variable, layer))
-    size += nbytes
-  shards.append(current)
-  return shards
-
-
-def _attempt(write: Callable[[], object]) -> Exception | None:
-  """Runs a write; its error, if it fails (the export goes on gathering with the other processes)."""
-  try:
-    write()
-  except Exception as e:  # noqa: BLE001  Raised once every process has left the gathers.
-    return e
-  return None
-
-
-def _finish_export(directory: str, hf_config: dict, index: dict | None, tokenizer_dir: str | None,
-                   written: list[str]) -> None:
-  """The index, the tokenizer's files and, last, config.json (without it the directory is no
-  checkpoint), each name added to `written` as its file is begun."""
-  copies = [name for name in TOKENIZER_FILES if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, name))]
-  for name in (["model.safetensors.index.json"] if index is not None else []) + copies + ["config.json"]:
-    written.append(name)
-    if name in copies:
-      with open(os.path.join(tokenizer_dir, name), "rb") as f:
-        data = f.read()
-    else:
-      data = json.dumps(index if name.endswith("index.json") else hf_config, indent=2)
-    files.write_atomically(os.path.join(directory, name), data)
-
-
-def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**30, dtype: str | None = None,
-           tokenizer_dir: str | None = None) -> list[str]:
-  """Writes config.json and safetensors (sharded above `max_shard_bytes`) that transformers loads.
-
-  `dtype` ("float32" / "bfloat16") converts the tensors; None keeps the parameter dtype. The
-  tokenizer's files found in `tokenizer_dir` are copied alongside. Tensors are fetched one shard
-  file at a time (a 32B model never sits whole in host memory); with several processes every
-  process takes part in the gathers and process 0 writes. Returns the files written.
-
-  config.json is removed first and written last, so that the directory is a loadable checkpoint only
-  once complete; a failed export (a full disk: a `SetupError` naming the directory, on every process)
-  removes the files it wrote.
-  """
-  from vapo_jax import distributed  # Imported here: the model package does not need it otherwise.
-
-  main = distributed.is_main_process()
-  tensors_out = _tensors_of(nnx.state(module))
-  out_dtype = lambda v: jnp.dtype(dtype) if dtype is not None else jnp.dtype(v.get_value().dtype)
-  hf_config = module.cfg.to_hf() | {"torch_dtype": str(out_dtype(tensors_out[0][1]))}
-  shards = _shard_plan(tensors_out, out_dtype, max_shard_bytes)
-  value = lambda v, layer: v.get_value() if layer is None else _layer_of(v.get_value(), layer)
-  names = (["model.safetensors"] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  begin = lambda: (os.makedirs(directory, exist_ok=True), files.remove_quietly(os.path.join(directory, "config.json")))
-  failure = _attempt(begin) if main else None
-  weight_map, total, written = {}, 0, []
-  for name, shard in zip(names, shards):
-    tensors = [ours_to_hf(path, distributed.to_host(value(v, layer)).astype(out_dtype(v))) for path, v, layer in shard]
-    if main and failure is None:
-      written.append(name)
-      failure = _attempt(lambda: safetensors_io.write(os.path.join(directory, name), tensors))
-    weight_map |= {tensor: name for tensor, _ in tensors}
-    total += sum(a.nbytes for _, a in tensors)
-  index = {"metadata": {"total_size": total}, "weight_map": weight_map} if len(shards) > 1 else None
-  if main and failure is None:
-    failure = _attempt(lambda: _finish_export(directory, hf_config, index, tokenizer_dir, written))
-  if distributed.any_process(failure is not None):
-    for name in written if main else ():
-      files.remove_quietly(os.path.join(directory, name))
-    what = "exporting the model" if main else "exporting the model (process 0 could not write it)"
-    with files.reporting_write_failures(directory, what):
-      raise failure or SetupError(f"{what} to {directory}: see process 0's error")
-  return written if main else names + ["config.json"]
 
 
 def load_causal_lm(directory: str, *, mesh=None, rules=None, **model_kwargs) -> CausalLM:

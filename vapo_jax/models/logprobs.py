@@ -43,7 +43,7 @@ from vapo_jax.models.transformer import positions_from_mask
 _F32 = jnp.float32
 
 
-def _blocks(vocab: int, tokens: int, chunk: int) -> int:
+def blocks(vocab: int, tokens: int, chunk: int) -> int:
   """Vocabulary block size Vb: B·T·Vb logits hold no more than B·chunk·V (at least one column)."""
   return min(vocab, max(1, -(-vocab * min(chunk, tokens) // tokens)))
 
@@ -82,7 +82,7 @@ def _forward(hidden, kernel, tokens, chunk: int, entropy: bool, transposed: bool
   logsumexp over vocabulary blocks (running max m, Σ e^(z−m), Σ e^(z−m)·z and the token's logit)."""
   compute = _compute_kernel(kernel, hidden)
   vocab = kernel.shape[0 if transposed else 1]
-  size = _blocks(vocab, hidden.shape[1], chunk)
+  size = blocks(vocab, hidden.shape[1], chunk)
   tokens = tokens.astype(jnp.int32)[..., None]
 
   def body(carry, j):
@@ -124,7 +124,7 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
   lse, ent, tokens = lse[..., None], ent[..., None], tokens.astype(jnp.int32)[..., None]
   compute = _compute_kernel(kernel, hidden)
   vocab = kernel.shape[0 if transposed else 1]
-  size = _blocks(vocab, hidden.shape[1], chunk)
+  size = blocks(vocab, hidden.shape[1], chunk)
 
   def body(carry, j):
     g_hidden, g_kernel = carry

@@ -186,17 +186,17 @@ def batch_arrays(groups: list[Group], *, max_response_tokens: int, pad_id: int, 
   """The trained rows of complete `groups` (B = groups × G, each group's members contiguous) as host arrays: the
   fields of a `common.Rollout` and `stale` `[B]`, each row's tokens sampled before `version`."""
   members = [(g, m) for g in groups for m in g.members]
-  b, tr = len(members), max_response_tokens
+  b, max_response_tokens = len(members), max_response_tokens
   prompts, prompt_mask = common.pad_prompts([g.prompt for g, _ in members], pad_id=pad_id)
-  tokens = np.full((b, tr), pad_id, np.int32)
-  sampler, policy = np.zeros((b, tr), np.float32), np.zeros((b, tr), np.float32)
+  tokens = np.full((b, max_response_tokens), pad_id, np.int32)
+  sampler, policy = np.zeros((b, max_response_tokens), np.float32), np.zeros((b, max_response_tokens), np.float32)
   lengths, finish, stale = np.zeros(b, np.int32), np.zeros(b, np.int32), np.zeros(b, np.int32)
   for n, (_, m) in enumerate(members):
     k = len(m.tokens)
     tokens[n, :k], sampler[n, :k], policy[n, :k] = m.tokens, m.sampler, m.policy
     lengths[n], finish[n] = k, m.finish
     stale[n] = sum(u < version for u in m.versions)
-  mask = np.arange(tr)[None] < lengths[:, None]
+  mask = np.arange(max_response_tokens)[None] < lengths[:, None]
   return dict(prompt_tokens=prompts, prompt_mask=prompt_mask, response_tokens=tokens, response_mask=mask,
               response_lengths=lengths, finish_reason=finish, sampler_logprobs=sampler, policy_logprobs=policy,
               stale=stale)

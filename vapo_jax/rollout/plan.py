@@ -13,11 +13,11 @@ cache's `MemoryError` (naming the setting to change and a value that works):
   data-parallel group (`pages`, `rollout.pages`' meaning, or as many as `kv_cache_budget_gib` holds but no more
   than the slots need at the cap); the slots are `rollout.slots`, or as many as that pool holds with every
   response at the cap. The sequences run in `queues` queues: the most dividing the groups, the prompts, the
-  slots and `min_slots`, so each queue is a group's with its own devices; with fewer queues than groups a
-  queue's pool is replicated over groups, and holds `pages / queues` (`queue_pages`). When every sequence has
-  a slot and its queue's pool holds them all at the cap, nothing would be refilled or paged: the static batch
-  runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which only the
-  refill engine can stop.
+  slots and `min_slots`, so each queue is a group's with its own devices; with fewer queues than groups every
+  device holds every queue's pool (replicated), so a queue holds `pages / queues` (`queue_pages`). When every
+  sequence has a slot and its queue's pool holds them all at the cap, nothing would be refilled or paged: the
+  static batch runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which
+  only the refill engine can stop.
 """
 
 import dataclasses
@@ -49,7 +49,7 @@ class RolloutPlan:
   queues: int = 1  # refill: queues, each with its share of the slots, prompts, outputs and pages.
   min_slots: int = 0  # refill: in the tail the rows shrink to min_slots·2^k (0: never).
   steps_per_call: int = 256  # refill: decode iterations on the device per host call, at most.
-  pages: int = 0  # refill: pages of the pool per data-parallel group.
+  pages: int = 0  # refill: pages of the pool per data-parallel group (per device: every queue's share it holds).
   queue_pages: int = 0  # refill: pages each queue holds.
   page_tokens: int = 0  # refill: tokens per page.
   block_pages: int = 0  # refill: pages read per block of paged attention.
@@ -98,26 +98,28 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   `RolloutConfig` `r`, split over `devices` data-parallel groups (each of `r.tensor_parallel` chips, which split
   the KV cache by heads), on `platform` (default: the one traced for, `sharding.platform()`). `prompt_lengths`
   `[P]`: the prompts' real tokens (default: every prompt at the bucket), which their queue's pages must hold.
+  With fewer queues than groups, every device holds every queue's pool: `rollout.pages` is split over the
+  queues, else each queue's pool holds its own slots at the cap, within the budget.
   `budgeted`: a partial rollout's round (the refill engine, whatever the sizes); `slot_sequences`: the sequences
   the slots are sized for (default: the call's). A `MemoryError` names what to change."""
-  cap, sequences = r.max_response_tokens, prompts * group
-  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_response_tokens=cap, devices=devices,
-              decode_block=r.decode_block)
+  max_response_tokens, sequences = r.max_response_tokens, prompts * group
+  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_response_tokens=max_response_tokens,
+              devices=devices, decode_block=r.decode_block)
   if r.engine == "static":
     per_round = min(r.prompts_per_generation or prompts, prompts)
-    common.check_cache_fits(model_cfg, batch=per_round * group, prompt_tokens=prompt_tokens, max_response_tokens=cap,
-                            dtype=dtype, devices=devices, tensor=r.tensor_parallel,
-                            budget_bytes=int(r.kv_cache_budget_gib * 2**30))
+    common.check_cache_fits(model_cfg, batch=per_round * group, prompt_tokens=prompt_tokens,
+                            max_response_tokens=max_response_tokens, dtype=dtype, devices=devices,
+                            tensor=r.tensor_parallel, budget_bytes=int(r.kv_cache_budget_gib * 2**30))
     return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
   platform = platform or sharding.platform()
   tg = r.page_tokens or common.default_page_tokens(platform)
   token_bytes = KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel
   in_budget = int(r.kv_cache_budget_gib * 2**30 // (tg * token_bytes))
-  per_group, per_sequence = -(-prompts // devices), common.sequence_pages(cap, tg)
+  per_group, per_sequence = -(-prompts // devices), common.sequence_pages(max_response_tokens, tg)
   prompt_pages = per_group * -(-prompt_tokens // tg)
   if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below, per queue.
-    common.check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages, max_response_tokens=cap,
-                      page_tokens=tg, given=bool(r.pages))
+    common.check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages,
+                      max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages))
   slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices),
                                 ((r.pages or in_budget) - prompt_pages) // per_sequence)) * devices
   pages = r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence)
@@ -127,13 +129,19 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
                       f"multiple of {devices}")
   min_slots = devices if r.shrink_slots else 0
   queues = math.gcd(devices, prompts, slots, min_slots)
-  queue_pages = pages if queues == devices else pages // queues
   slots = min(slots, -(-sequences // queues) * queues)
   whole = prompts // queues * -(-prompt_tokens // tg) + sequences // queues * per_sequence
+  if queues < devices:  # Every device holds all Q queues' pools (replicated): a group's memory is Q shares.
+    queue_pages = r.pages // queues if r.pages else min(in_budget // queues, prompts // queues * -(
+        -prompt_tokens // tg) + slots // queues * per_sequence)
+    pages = queue_pages * queues
+  else:
+    queue_pages = pages
   if not budgeted and slots >= sequences and queue_pages >= whole:  # Nothing to refill or page.
     return RolloutPlan(engine="static", prompts_per_round=prompts, **base)
   lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
-  common.check_pool(pages=queue_pages, prompts=prompts // queues, max_response_tokens=cap, page_tokens=tg,
+  common.check_pool(pages=queue_pages, prompts=prompts // queues, max_response_tokens=max_response_tokens,
+                    page_tokens=tg,
                     held=common.most_prompt_pages(lengths, queues=queues, page_tokens=tg), given=bool(r.pages))
   return RolloutPlan(
       engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,

@@ -43,7 +43,7 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   length (finish reason "length"); None: max_response_tokens for every row.
   """
   prompts, prompt_len = prompt_tokens.shape
-  group, steps = samples_per_prompt, sampling.max_response_tokens
+  group, max_response_tokens = samples_per_prompt, sampling.max_response_tokens
   batch = prompts * group
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
@@ -52,13 +52,14 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   # stacked keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
   expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
   pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, group, axis=rows),
-                                            [(0, steps * (i == axis)) for i in range(x.ndim)])
+                                            [(0, max_response_tokens * (i == axis)) for i in range(x.ndim)])
   cache = KVCache(pad_slots(prefill_cache.keys, 1, 3), pad_slots(prefill_cache.values, 1, 3),
                   pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block).constrained()
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  limits = jnp.full((batch,), steps, jnp.int32) if length_limits is None else jnp.asarray(length_limits, jnp.int32)
+  limits = (jnp.full((batch,), max_response_tokens, jnp.int32) if length_limits is None
+            else jnp.asarray(length_limits, jnp.int32))
 
   def body(s: Loop) -> Loop:
     step_keys = jax.vmap(lambda k: jax.random.fold_in(k, s.step))(row_keys)
@@ -74,17 +75,18 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
                 write(s.sampler, sampler), write(s.policy, policy))
 
   def cond(s: Loop):
-    return (s.step < steps) & ~jnp.all(s.done)
+    return (s.step < max_response_tokens) & ~jnp.all(s.done)
 
   next_logits = constrain(jnp.repeat(logits, group, axis=0), ("batch", "act_vocab"))
   init = Loop(jnp.zeros((), jnp.int32), cache, next_logits, jnp.zeros((batch,), bool),
-              jnp.full((batch, steps), pad_id, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
-              jnp.zeros((batch, steps), jnp.float32))
+              jnp.full((batch, max_response_tokens), pad_id, jnp.int32),
+              jnp.zeros((batch, max_response_tokens), jnp.float32),
+              jnp.zeros((batch, max_response_tokens), jnp.float32))
   with jax.named_scope(DECODE_LOOP):  # Names the loop in the HLO (the compile report reads its traffic).
     final = jax.lax.while_loop(cond, body, init)
   # A row is valid up to and including its first stop token, and at most up to its limit.
-  is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(steps)[None] < limits[:, None])
-  first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), steps)
+  is_stop = jnp.isin(final.tokens, stop_ids) & (jnp.arange(max_response_tokens)[None] < limits[:, None])
+  first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), max_response_tokens)
   lengths = jnp.minimum(first_stop + 1, limits)
   return finished_rollout(prompt_tokens, prompt_mask, final.tokens, final.sampler, final.policy, lengths,
                           first_stop < limits, group=group, pad_id=pad_id)

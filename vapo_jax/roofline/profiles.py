@@ -61,11 +61,12 @@ def log_normal(config, prompts: np.ndarray, where: str, *, mean_frac: float = 0.
   """A long tail: log-normal response lengths whose mean is `mean_frac` of the cap (before the cap clips them),
   log-standard deviation `sigma`, clipped to [1, cap]."""
   r = config.rollout
-  cap = r.max_response_tokens
-  mu = math.log(mean_frac * cap) - sigma**2 / 2
-  lengths = _draw(mu, sigma, r.responses_per_step, cap, seed)
+  max_response_tokens = r.max_response_tokens
+  mu = math.log(mean_frac * max_response_tokens) - sigma**2 / 2
+  lengths = _draw(mu, sigma, r.responses_per_step, max_response_tokens, seed)
   return Profile(f"log-normal response lengths, mean {mean_frac:g} of the cap before clipping (σ {sigma:g}; "
-                 f"drawn mean {lengths.mean():.0f} tokens, {np.mean(lengths >= cap):.1%} at the cap); {where}",
+                 f"drawn mean {lengths.mean():.0f} tokens, {np.mean(lengths >= max_response_tokens):.1%} at the cap); "
+                 f"{where}",
                  lengths, _prompts(prompts, r.prompts_per_step))
 
 
@@ -92,9 +93,9 @@ def from_run(config, prompts: np.ndarray, where: str, run_dir: str, *, last: int
                  lengths, _prompts(prompts, r.prompts_per_step))
 
 
-def _draw(mu: float, sigma: float, n: int, cap: int, seed: int) -> np.ndarray:
+def _draw(mu: float, sigma: float, n: int, max_response_tokens: int, seed: int) -> np.ndarray:
   drawn = np.random.default_rng(seed).lognormal(mu, sigma, size=n)
-  return np.clip(np.round(drawn), 1, cap).astype(np.int64)
+  return np.clip(np.round(drawn), 1, max_response_tokens).astype(np.int64)
 
 
 def _prompts(prompts: np.ndarray, count: int) -> np.ndarray:

@@ -10,9 +10,12 @@ collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`: J
 HBM bytes and the matmuls' FLOPs are walked from each compiled program's HLO (`hlo_walk`): every loop body
 times its trip count (read from its condition where XLA prints none), a buffer updated in place as the update
 it writes, a gather as its rows, VMEM as nothing. The rollout's decode loop runs until its rows finish, so
-the walk gives one decode step; `decode_cost` prices the steps one by one on a schedule of the profile's
-lengths, the cache's reads from the schedule (the Pallas kernel's operands set apart: it reads only each
-row's own blocks), at the bandwidth of the TensorCores the kernel runs on (`paged_attention.megacore_mode`).
+the walk gives one decode step; `decode_cost` prices the steps one by one on the engine's replay of the
+profile's lengths (`rollout/refill/replay.py`, under the report's `RolloutPlan`), the cache's reads from the
+replay (the Pallas kernel's operands set apart: it reads only each row's own blocks), at the bandwidth of the
+TensorCores the kernel runs on (`paged_attention.megacore_mode`). Partial rollouts (`estimate(..., budget=)`)
+are priced in steady state: the replay runs RL steps of budgeted rounds with the engine's own carry
+(`replay.partial_rounds`), and each round's prefill of the carried tokens adds its FLOPs.
 Scoring's and the update's loops over micro-batches are charged for the micro-batches that run on the
 profile's lengths (`micro_batch_cost.trips`: ⌈rows / m⌉ per pass, the compiled ones past it skipped).
 Attention runs in Pallas kernels (splash, the paged kernel) that the walk cannot see into, so it is added
@@ -234,7 +237,7 @@ def _head_flops(report, chips: int, tokens: float) -> float:
   of the output projection's 2·V·D per token is added (forward; its backward twice that)."""
   c, cfg = report.config, report.architecture
   row = common.prompt_bucket(c.rollout.max_prompt_tokens) + c.rollout.max_response_tokens
-  blocks = -(-cfg.vocab_size // logprobs._blocks(cfg.vocab_size, row, c.model.logits_chunk))
+  blocks = -(-cfg.vocab_size // logprobs.blocks(cfg.vocab_size, row, c.model.logits_chunk))
   return (1 - 1 / blocks) * 2.0 * cfg.vocab_size * cfg.hidden_size * tokens / chips
 
 

@@ -11,7 +11,8 @@
   packed_batch   a packed batch's plan (made on the host) and its rows (built on the device)
   experience     prompts → sampled responses → verifier rewards (training and evaluation)
   partial_sampling  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
-  trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation, export
+  trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation
+  saving         the trainer's checkpoints, resume, stop on a signal and export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption
   background_saves  Orbax's background saves: their noise after a failure silenced, their waits bounded
   metrics        metrics.jsonl, TensorBoard, W&B, the progress line, collapse warnings

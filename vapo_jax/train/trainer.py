@@ -12,11 +12,10 @@ GRPO and DAPO (the math: `algorithm`, `advantages`, `losses`). The critic starts
 
 A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
 boundary; a new Trainer on the same run directory continues from the newest complete one, and
-SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Preempted`.
+SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Preempted` (`saving.py`).
 """
 
 import contextlib
-import dataclasses
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ from vapo_jax.data import problems
 from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.data.prompt_iterator import PromptIterator
 from vapo_jax.errors import ConfigError, DataError
-from vapo_jax.models import huggingface, sharding
+from vapo_jax.models import hf_export, huggingface, sharding
 from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
@@ -41,7 +40,8 @@ from vapo_jax.rollout.layout import layout_for
 from vapo_jax.train import algorithm, build, checkpoints, optim, runlock
 from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train.experience import Experience, demonstrations
-from vapo_jax.train.state import Progress, TrainState, from_checkpoint, to_checkpoint
+from vapo_jax.train.saving import Saving
+from vapo_jax.train.state import Progress, TrainState
 from vapo_jax.train.steps import Steps
 
 
@@ -53,7 +53,7 @@ PROGRESS_KEYS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "le
                  "entropy": "actor/entropy", "EV": "critic/explained_variance"}
 
 
-class Trainer:
+class Trainer(Saving):
   """A run's models, data, verifier and programs; `state` and `progress` are all that changes."""
 
   def __init__(self, config: ExperimentConfig, *, devices=None, write_logs: bool = True, verbose: bool = True):
@@ -120,38 +120,7 @@ class Trainer:
     self.preemption = checkpoints.PreemptionFlag()
     self.history: list[dict] = []
 
-  def _resume(self, write_logs: bool):
-    """Continues from the newest readable checkpoint, if any, and opens the logs where it left them."""
-    config = self.config
-    restored = self.checkpoints.restore_latest(self._restore_target) if self.checkpoints else None
-    if restored:
-      self.state = from_checkpoint(restored[1], jax.random.key_impl(self.state.key))
-      self.progress.load_json(restored[2]["progress"])
-      self.log(f"resumed from {self.checkpoints.directory}/{restored[0]}: stage {self.progress.stage}, "
-               f"step {self.progress.stage_step}")
-    self.saves = max(self.checkpoints.steps(), default=0) if self.checkpoints else 0  # Numbered after every one.
-    logs = write_logs and distributed.is_main_process()
-    self.writer = metrics_lib.MetricsWriter(
-        self.run_dir, enabled=logs, keep_bytes=restored[2]["metrics_bytes"] if restored else 0,
-        purge_step=self.progress.global_step, wandb=metrics_lib.wandb_init_args(
-            config.log, name=config.name, config=dataclasses.asdict(config)) if logs else None)
-    for name, result in (("eval_before_rl", self.progress.eval_before), ("eval_after_rl", self.progress.eval_after)):
-      if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
-        self.writer.write(0, name, result, global_step=self.progress.global_step, jsonl=False)
-
   # ----------------------------------------------------------------------------------- setup
-  def _open_checkpoints(self) -> checkpoints.RunCheckpoints:
-    directory = os.path.join(self.run_dir, "checkpoints")
-    found = checkpoints.RunCheckpoints(directory, self.config.checkpoint)
-    latest = found.latest_meta()
-    if latest and not self.config.checkpoint.resume:
-      raise ConfigError(f"{directory} holds checkpoints of an earlier run (newest: step {latest[0]}) and "
-                        "checkpoint.resume=false: choose another name= or run_dir=, or delete the directory")
-    if latest:
-      checkpoints.check_layer_layout(latest[1], directory)
-      checkpoints.check_resumable(self.config, latest[1]["config"], directory)
-    return found
-
   def _build_models(self, rules) -> tuple[CausalLM, ValueModel]:
     model, kwargs = self.config.model, build.model_kwargs(self.config)
     if model.checkpoint:
@@ -178,51 +147,6 @@ class Trainer:
   def log(self, message: str):
     if self.verbose and distributed.is_main_process():
       print(message, flush=True)
-
-  # ----------------------------------------------------------------------------- checkpoints
-  def _restore_target(self, meta: dict):
-    checkpoints.check_layer_layout(meta, self.checkpoints.directory)
-    checkpoints.check_resumable(self.config, meta["config"], self.checkpoints.directory)
-    saved = meta["progress"]
-    target = self.state._replace(sft_opt=self.state.sft_opt if saved["stage"] == "sft" else None,
-                                 ref=self.state.actor if meta["has_ref"] else None)
-    return checkpoints.abstract(to_checkpoint(target), self.mesh)
-
-  def save(self, *, wait: bool = False):
-    """A checkpoint of (state, progress); Orbax numbers checkpoints by a save counter."""
-    if self.checkpoints is not None:
-      self.saves += 1
-      meta = {"progress": self.progress.to_json(), "metrics_bytes": self.writer.size(),
-              "has_ref": self.state.ref is not None, "config": dataclasses.asdict(self.config),
-              "layer_layout": checkpoints.LAYER_LAYOUT}
-      self.checkpoints.save(self.saves, to_checkpoint(self.state), meta, wait=wait)
-
-  def _after_step(self, *, last: bool):
-    """Counts a finished step; saves every N steps; on SIGTERM saves and stops."""
-    self.progress.step_done()
-    every = self.config.checkpoint.every_steps
-    periodic = bool(every and not last and self.progress.stage_step % every == 0)
-    self._save_or_stop(f"after {self.progress.stage} step {self.progress.stage_step}", periodic=periodic)
-
-  def _enter(self, stage: str, *, save: bool = True):
-    self.progress.enter(stage)
-    if save:  # Entering "done" too: a SIGTERM in the final export exits 75.
-      self._save_or_stop(f"on entering {stage}", periodic=bool(self.config.checkpoint.every_steps))
-
-  def _save_or_stop(self, where: str, *, periodic: bool):
-    """Saves when `periodic`; after SIGTERM or Ctrl-C, that checkpoint finished (else one saved now), then
-    `checkpoints.Preempted` saying `where` the run stopped."""
-    if periodic:
-      self.save()
-    if not self.preemption.is_set():
-      return
-    if not periodic:
-      self.save(wait=True)
-    elif self.checkpoints is not None:
-      self.checkpoints.wait()
-    directory = self.checkpoints and self.checkpoints.directory
-    raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} {where}; checkpoint saved in {directory}",
-                                exit_code=self.preemption.exit_code)
 
   # ------------------------------------------------------------------------------------ steps
   def step(self, state: TrainState, *, value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
@@ -320,7 +244,7 @@ class Trainer:
       self._after_step(last=converged or step == steps - 1)
     if steps and self.checkpoints is not None:
       path = os.path.join(self.run_dir, "critic_pretrained")
-      huggingface.export(nnx.merge(self.steps.critic_def, self.state.critic), path)
+      hf_export.export(nnx.merge(self.steps.critic_def, self.state.critic), path)
       self.log(f"pretrained critic saved to {path}")
 
   def rl_stage(self):
@@ -339,11 +263,6 @@ class Trainer:
   def evaluate(self, rl_steps_done: int) -> dict[str, float]:
     """avg@k on the held-out problems with the eval sampling settings, after `rl_steps_done` RL steps."""
     return self.experience.evaluate(self.state, self.eval_rows, rl_steps_done=rl_steps_done) if self.eval_rows else {}
-
-  def export(self, directory: str) -> None:
-    """The current policy as a Hugging Face directory, with the tokenizer's files beside it."""
-    huggingface.export(nnx.merge(self.steps.actor_def, self.state.actor), directory,
-                      tokenizer_dir=getattr(self.tokenizer, "directory", None))
 
   def run(self) -> dict:
     """SFT warm start → value pretraining → RL, with held-out evaluation before and after RL."""

@@ -45,8 +45,9 @@ def rows(shape, dtype, fill=0) -> jax.Array:
 
 
 def empty_outputs(sequences: int, max_response_tokens: int, pad_id: int) -> Outputs:
-  n, tr = sequences, max_response_tokens
-  return Outputs(rows((n, tr), jnp.int32, pad_id), rows((n, tr), jnp.float32), rows((n, tr), jnp.float32),
+  n, max_response_tokens = sequences, max_response_tokens
+  shape = (n, max_response_tokens)
+  return Outputs(rows(shape, jnp.int32, pad_id), rows(shape, jnp.float32), rows(shape, jnp.float32),
                  rows((n,), jnp.int32), rows((n,), bool))
 
 
