@@ -203,3 +203,10 @@ def test_sigkill_with_carried_sequences_and_resume_trains_the_same_tokens(tmp_pa
   output = proc.communicate(timeout=600)[0]
   assert proc.returncode == 0 and "resumed from" in output, output[-3000:]
   assert _comparable(_records(resumed_dir)) == _comparable(reference)
+  carried = []  # The sequences in flight at the end, token by token, are the uninterrupted run's.
+  for directory in (reference_dir, resumed_dir):
+    found = checkpoints.RunCheckpoints(str(directory / "resume" / "checkpoints"),
+                                       resolve.resolve(TINY_ARGS)[0].checkpoint)
+    carried.append(found.latest_meta()[1]["progress"]["carry"])
+    found.close()
+  assert carried[0] == carried[1] and carried[0]["groups"], carried[0]
