@@ -30,7 +30,8 @@ def _drawer():
   return draw
 
 
-@pytest.mark.parametrize("pages", [120, 32])  # 32: the pool runs short, the rounds preempt and restart.
+# 32: the pool runs short, the rounds preempt and restart (make test); 120: none do (make test-slow, for time).
+@pytest.mark.parametrize("pages", [pytest.param(120, marks=pytest.mark.slow), 32])
 def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model, pages):
   """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots: every
   sequence of the 4 groups has the unbudgeted rollout's tokens, log-probs, length and finish reason."""
