@@ -15,6 +15,8 @@ what to change is found by compiling again (`what_if`); no hand model of the mem
   hlo              the collectives of a compiled program, read from its HLO text, each loop with its trips
   hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction
   xla_report       every program of a run compiled for a target: XLA's bytes per device of each phase
+  phases           a compile report's phase: its programs, each compiled with what the run holds beside it
+  rollout_phases   the reshard, the training rollout as its plan runs it, and a partial rollout's round
   xla_report_text  the compile report as a table, and its refusal naming what to change
 
 The roofline of one step, which prices these programs, is the tier above (`vapo_jax.roofline`).

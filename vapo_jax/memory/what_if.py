@@ -45,6 +45,9 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
   elif phase == "rollout" and report.refill is False and r.engine == "static":
     now = report.decode_rows // r.samples_per_prompt
     found.append(("rollout.prompts_per_generation", now, _divisors_below(r.prompts_per_step, now)))
+  elif phase == "partial rollout":  # A round's prompts carry up to a response: fewer rounds' sequences, or shorter.
+    found.append(("rollout.prompts_per_step", r.prompts_per_step, _divisors_below(r.prompts_per_step,
+                                                                                 r.prompts_per_step)))
   elif phase not in ("rollout", "reshard"):
     if not c.model.remat:
       found.append(("model.remat", False, [True]))

@@ -12,12 +12,15 @@ compiles, in the order of a run, the very programs the trainer calls (`aot.compi
   supervised warm start  `Steps.sft_program` (when `sft.steps` and `sft.path` are set)
   reshard                `RolloutLayout.reshard_programs`: the actor into the rollout layout, cast to
                          the compute dtype, one program per kind of array (`rollout.tensor_parallel` > 1)
-  rollout                the configured engine's programs as `rollout.sample` runs them on the rollout
-                         mesh (`rollout/layout.py`; the training mesh with tensor_parallel 1): the static
-                         engine's generate (the first round's, and the later rounds'), or the refill
-                         engine's start (the prefill written into the pool's pages), its decode loop
+  rollout                the programs of the training rollout's `RolloutPlan` as `rollout.sample` runs them
+                         on the rollout mesh (`rollout/layout.py`; the training mesh with tensor_parallel 1):
+                         the static engine's generate (the first round's, and the later rounds'), or the
+                         refill engine's start (the prefill written into the pool's pages), its decode loop
                          over the paged KV cache, the compaction to fewer slots in the tail (and with
                          `tail=True` the decode loop at every slot count it shrinks through) and finish
+  partial rollout        with `rollout.decode_budget`: a round's refill engine over its sequences, each a
+                         prompt with its carried tokens, the decode stopped at the budget
+                         (`rollout_phases.partial_round`)
   value pretraining      `Steps.score_program(critic_only=True)`, then `Steps.ppo_program` of the
                          critic alone (when the algorithm has a critic and `value_pretrain_steps`)
   scoring, update        `Steps.score_program`, `Steps.ppo_program` (critic and actor in one program)
@@ -46,36 +49,16 @@ from flax import nnx
 
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.memory import aot, topologies, tpu_said
-from vapo_jax.memory.aot import Program, chip_bytes, compile_program, weight_elements
+from vapo_jax.memory import aot, rollout_phases, topologies, tpu_said
+from vapo_jax.memory.aot import Program, chip_bytes, weight_elements
+from vapo_jax.memory.phases import CompiledPhase, add
 from vapo_jax.memory.topologies import GIB, Topology
 from vapo_jax.models import sharding
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.plan import RolloutPlan
-from vapo_jax.rollout.refill import engine as refill
-from vapo_jax.train import build, experience
+from vapo_jax.train import build
 from vapo_jax.train.steps import Steps, TrainBatch
-
-PAD_ID = 0  # A constant of the rollout programs: the tokenizer's pad id changes nothing compiled.
-
-
-@dataclasses.dataclass
-class CompiledPhase:
-  """Programs that run one after another; a device needs the largest of them."""
-
-  name: str  # "rollout", "scoring", ...
-  detail: str  # What it processes, in words.
-  programs: list[Program] = dataclasses.field(default_factory=list)
-  skipped: str = ""  # Programs of the phase not compiled, and why.
-
-  @property
-  def needs(self) -> float:
-    return max((p.needs for p in self.programs), default=0.0)
-
-  @property
-  def worst(self) -> Program:
-    return max(self.programs, key=lambda p: p.needs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,20 +141,6 @@ class _Run:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=(self.decoding if rollout else self.training)(shape))
 
 
-def _add(phase: CompiledPhase, log: Callable, name: str, fn, args: tuple, *, resident: int = 0, fallback=None,
-         outputs_resident: bool = False):
-  """Compiles one program into `phase`; its outputs (abstract), counted once if `outputs_resident`."""
-  program, outputs = compile_program(name, fn, args, resident=resident, fallback=fallback)
-  if outputs_resident and program.memory:
-    program = program._replace(resident=program.resident - program.memory.outputs)
-  phase.programs.append(program)
-  own = (f"{program.memory.total / GIB:.2f} GiB own ({program.memory.temporaries / GIB:.2f} temporaries)"
-         if program.memory else f"refused by the compiler: {program.refused_bytes / GIB:.2f} GiB")
-  log(f"  {phase.name}: {name} {'loaded (compiled before)' if program.kept else 'compiled'} in "
-      f"{program.lower_s + program.compile_s:.1f} s: needs {program.needs / GIB:.2f} GiB per device, {own}")
-  return outputs
-
-
 def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, jax.ShapeDtypeStruct | None]:
   """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `group` sequences
   (one sequence a row: every response at the cap; `packing.bucket_rows` of that) and the placement
@@ -187,105 +156,8 @@ def _supervised(run: _Run, log) -> CompiledPhase:
                      run.rows((b, tr), jnp.bool_), None, None, run.rows((b,), jnp.bool_))
   phase = CompiledPhase("supervised warm start", f"{b} demonstrations of {tp} + {tr} tokens")
   rows, placement = _packed(run, b, 2, b)
-  _add(phase, log, "sft update", run.steps.sft_program(state, b, rows=rows), (state, batch, placement))
+  add(phase, log, "sft update", run.steps.sft_program(state, b, rows=rows), (state, batch, placement))
   return phase
-
-
-def _stop_ids(config: ExperimentConfig) -> tuple[int, ...]:
-  """`experience.stop_ids` (the tokenizer's EOS when the config names a tokenizer; a constant of the
-  programs, not a size)."""
-  from vapo_jax.data import tokenizer as tok_lib
-  name = config.model.tokenizer or config.model.checkpoint
-  return experience.stop_ids(config, tok_lib.load(name)) if name else tuple(sorted(set(config.rollout.stop_token_ids)))
-
-
-def _reshard(run: _Run, log) -> CompiledPhase:
-  """`RolloutLayout.reshard`'s programs, one per kind of array: at the last, the training state and the
-  whole rollout copy are held, with one array in flight."""
-  state = run.state("rl")
-  copy, kinds = run.layout.abstract_copy(state.actor), run.layout.reshard_programs(state.actor)
-  phase = CompiledPhase("reshard", f"the actor's {len(jax.tree.leaves(state.actor))} arrays into the rollout layout "
-                           f"(tensor_parallel={run.layout.tensor_parallel}, {run.layout.compute_dtype.name}) by "
-                           f"{len(kinds)} programs")
-  held = chip_bytes(state) + chip_bytes(copy)
-  for program, x in kinds:
-    _add(phase, log, f"reshard {x.dtype.name}{list(x.shape)}", program, (x,), resident=held - chip_bytes(x),
-         fallback=run.decoding, outputs_resident=True)  # Its output is one of the copy's arrays.
-  return phase
-
-
-def _rollout(run: _Run, log) -> tuple[CompiledPhase, common.Rollout]:
-  """The programs of the training rollout's plan (`plan.programs`), as `Experience.sample` calls them: the actor's
-  rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
-  c, layout = run.config, run.layout
-  prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
-  tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
-    run.plan = plan = experience.plan(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
-                                      devices=layout.data_devices)
-  sampling = experience.sampling(c, _stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                                 top_k=c.rollout.top_k)
-  actor_def, _, state = run.states["rl"]
-  copy = layout.abstract_copy(state.actor)
-  model = nnx.merge(actor_def, copy)
-  beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
-  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                             sharding=jax.sharding.NamedSharding(layout.mesh, jax.sharding.PartitionSpec()))
-  programs = lambda **slots: plan.programs(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype),
-                                           jit=layout.jit, **slots)
-  if plan.engine == "refill":
-    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {plan.slots} slots, "
-                             f"{plan.queues} queue(s), tensor_parallel={layout.tensor_parallel}, {plan.queue_pages} "
-                             f"pages of {plan.page_tokens} tokens per queue ({plan.attention})")
-    tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
-    out = _refill(run, phase, log, plan, programs, model, tokens, key, beside)
-  else:
-    out = _static(run, phase := CompiledPhase("rollout", ""), log, plan, programs(), model, key, beside)
-  return phase, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.training(x.shape)), out) \
-      if layout.tensor_parallel > 1 else out  # RolloutLayout.to_training.
-
-
-def _static(run: _Run, phase: CompiledPhase, log, plan: RolloutPlan, fn, model, key, beside: int) -> common.Rollout:
-  """The static engine's generate: the first round's program, and the later rounds' (their offset passed)."""
-  per_round, rounds, group, tp = plan.prompts_per_round, plan.rounds, plan.group, plan.prompt_tokens
-  phase.detail = (f"static engine, {rounds} round(s) of {per_round} prompts x {group} samples, "
-                  f"tensor_parallel={run.layout.tensor_parallel}")
-  tokens = tuple(run.rows((per_round, tp), dtype, rollout=True) for dtype in (jnp.int32, jnp.bool_))
-  out = _add(phase, log, "generate", fn, (model, *tokens, key), resident=beside, fallback=run.decoding)
-  if rounds > 1:  # Earlier rounds' rollouts are held until the last round ends.
-    out = _add(phase, log, "generate (later rounds)", fn, (model, *tokens, key, run.rows((), jnp.int32, rollout=True)),
-               resident=beside + (rounds - 1) * chip_bytes(out), fallback=run.decoding)
-    out = jax.tree.map(lambda x: run.rows((x.shape[0] * rounds,) + x.shape[1:], x.dtype, rollout=True), out)
-  return out
-
-
-def _refill(run: _Run, phase: CompiledPhase, log, plan: RolloutPlan, programs, model, tokens, key,
-            beside: int) -> common.Rollout:
-  """The refill engine's programs: start (the prefill written into pages), decode, compaction (and with `tail`,
-  decode at every slot count it shrinks through), finish."""
-  fns = programs()
-  prompts, slots = _add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
-                        fallback=run.decoding)
-  held = beside + chip_bytes(tokens)
-  slots, _ = _add(phase, log, f"decode ({plan.slots} slots)", fns.decode, (model, prompts, slots, key, None),
-                  resident=held, fallback=run.decoding)
-  rows, sizes = plan.slots, plan.shrink_sizes
-  for smaller in sizes if run.tail else sizes[:1]:
-    slots = _add(phase, log, f"compaction ({rows} -> {smaller} slots)",
-                 refill.compaction(smaller, plan.queues, run.layout.jit), (slots,),
-                 resident=held + chip_bytes(prompts), fallback=run.decoding)
-    if not run.tail:
-      break
-    fns, rows = programs(slots=smaller), smaller
-    slots, _ = _add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, prompts, slots, key, None),
-                    resident=held, fallback=run.decoding)
-  if sizes and not run.tail:
-    phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots: not compiled (the tail; fewer slots than "
-                     f"decode ({plan.slots} slots), the same program otherwise; tail=True / --tail compiles them)")
-  o = slots.outputs
-  outputs = (o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
-  return _add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
-              resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))
 
 
 def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
@@ -293,7 +165,7 @@ def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, cr
   name = "score (critic only)" if critic_only else "score"
   size = verified[1].shape[0]
   rows, placement = _packed(run, size, 1 + run.config.algo.ppo_epochs, size)
-  batch, _ = _add(phase, log, name, run.steps.score_program(critic_only=critic_only, rows=rows),
+  batch, _ = add(phase, log, name, run.steps.score_program(critic_only=critic_only, rows=rows),
                   (state, *verified, placement), fallback=run.training)
   return batch
 
@@ -304,7 +176,7 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
   name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
   size, algo = batch.response_mask.shape[0], run.config.algo
   rows, placement = _packed(run, size, 1 + algo.ppo_epochs, min(algo.mini_batch_responses, size))
-  _add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
+  add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
        (state, batch, placement), resident=held)
 
 
@@ -324,7 +196,7 @@ def allowed_bytes(device_bytes: int | None, margin: float) -> int | None:
 
 
 # In a run's order; the reshard only with rollout.tensor_parallel > 1.
-PHASES = ("supervised warm start", "reshard", "rollout", "value pretraining", "scoring", "update")
+PHASES = ("supervised warm start", "reshard", "rollout", "partial rollout", "value pretraining", "scoring", "update")
 
 
 def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | None = None, phases=PHASES,
@@ -343,7 +215,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
     if "reshard" in phases and run.layout.tensor_parallel > 1:
-      done.append(_reshard(run, log))
+      done.append(rollout_phases.reshard(run, log))
     if set(phases) & set(PHASES[2:]):
       done += _rollout_onwards(run, log, phases)
   state = run.state("rl")
@@ -366,8 +238,10 @@ def _micro_batches(run: _Run, size: int) -> str:
 def _rollout_onwards(run: _Run, log, phases) -> list[CompiledPhase]:
   """The rollout, value pretraining, scoring and the update, each compiled when asked for or needed."""
   config = run.config
-  rollout_phase, out = _rollout(run, log)
+  rollout_phase, out = rollout_phases.rollout(run, log)
   done = [rollout_phase]
+  if "partial rollout" in phases and config.rollout.decode_budget:
+    done.append(rollout_phases.partial_round(run, log))
   lengths = out.response_lengths  # The verifier's rewards and verdicts are placed like the rollout's rows.
   verified = (out, *(jax.ShapeDtypeStruct(lengths.shape, t, sharding=lengths.sharding) for t in (jnp.float32, bool)))
   if "value pretraining" in phases and config.algo.uses_critic and config.algo.value_pretrain_steps:
