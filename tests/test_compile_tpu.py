@@ -280,6 +280,7 @@ def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path
   assert f"rounds of {cap // 2}" in text and "of the trained tokens stale" in text
 
 
+@pytest.mark.slow  # make test-slow, for time (make test's start-up checks plan the round: test_start_up_rollouts).
 def test_a_partial_rollouts_round_is_compiled_and_checked(tmp_path):
   """With `rollout.decode_budget` the report also compiles a round: 2 × P·G sequences, one per prompt, each
   prompt a problem's with up to a response's carried tokens, in the slots of P·G, the decode taking the

@@ -55,3 +55,15 @@ def test_the_warm_start_is_saved_before_the_first_evaluation(smoke_config, monke
   step, meta = found.latest_meta()
   found.close()
   assert meta["progress"]["stage"] == "value_pretrain" and meta["progress"]["eval_before"] is None, meta["progress"]
+
+
+def test_a_partial_round_that_cannot_fit_is_refused_naming_the_budget(smoke_config):
+  """8 prompts × 4 a step over 8 groups: a group's 6 pages hold its training rollout (1 prompt page + 2 for a
+  response), not a partial round's 8 sequences of up to 32 prompt and carried tokens (2 pages each + 2)."""
+  config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.pages": 6})
+  experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8)
+  with pytest.raises(ConfigError, match=r"^a partial rollout's round \(rollout\.decode_budget=8\) holds 64 sequences, "
+                                        r".*\(32-token prompts\): .*set rollout\.pages=18 or more.*or set "
+                                        r"rollout\.decode_budget=0$"):
+    experience.plan(config, preset("micro"), prompts=64, group=1, prompt_tokens=32, devices=8, budgeted=True,
+                    slot_sequences=32)

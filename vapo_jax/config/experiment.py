@@ -222,9 +222,6 @@ class RolloutConfig:
     if self.decode_budget:
       require(self.engine == "refill", self, "engine", "must be 'refill' with decode_budget > 0 (the static engine "
               "cannot stop at a budget)", self.engine)
-      require(self.prompts_per_generation is None, self, "prompts_per_generation",
-              "must be None with decode_budget > 0 (the partial rollout has its own rounds)",
-              self.prompts_per_generation)
       reach = (self.max_staleness + 1) * self.decode_budget
       require(reach >= self.max_response_tokens, self, "decode_budget",
               f"× (max_staleness + 1) = {reach} must reach max_response_tokens={self.max_response_tokens}, or a "

@@ -83,7 +83,12 @@ def plan(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, promp
     return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
                                 dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
   except MemoryError as e:
-    raise ConfigError(str(e)) from None
+    if not options.get("budgeted"):
+      raise ConfigError(str(e)) from None
+    r = config.rollout
+    raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) holds {prompts} "
+                      f"sequences, each a prompt with up to a response's carried tokens ({prompt_tokens}-token "
+                      f"prompts): {e}; or set rollout.decode_budget=0") from None
 
 
 def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
