@@ -22,7 +22,6 @@ from vapo_jax import compile_cache
 from vapo_jax.cli import memory
 from vapo_jax.memory import aot, hlo, topologies, tpu_said, xla_report, xla_report_text
 from vapo_jax.models import attention, sharding
-from vapo_jax.rollout import common
 from vapo_jax.roofline import micro_batch_cost
 from vapo_jax.roofline import step as roofline
 from vapo_jax.roofline import text as roofline_text
@@ -278,23 +277,6 @@ def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path
   for letter in "AB":
     assert f"profile {letter}: the paged rollout is " in text and "with the decode's rest left out" in text
   assert f"rounds of {cap // 2}" in text and "of the trained tokens stale" in text
-
-
-@pytest.mark.slow  # make test-slow, for time (make test's start-up checks plan the round: test_start_up_rollouts).
-def test_a_partial_rollouts_round_is_compiled_and_checked(tmp_path):
-  """With `rollout.decode_budget` the report also compiles a round: 2 × P·G sequences, one per prompt, each
-  prompt a problem's with up to a response's carried tokens, in the slots of P·G, the decode taking the
-  round's sequence numbers, offsets and budget; the run's verdict covers it."""
-  config = build_smoke_config(tmp_path, QUICK | {"rollout.decode_budget": 8, "rollout.max_staleness": 1})
-  report = xla_report.compile_run(config, topologies.named(TOPOLOGY), phases=("rollout", "partial rollout"))
-  assert [p.name for p in report.phases] == ["rollout", "partial rollout"] and not report.over()
-  phase = report.phases[1]
-  r = config.rollout
-  width = common.prompt_bucket(r.max_prompt_tokens + r.max_response_tokens - 1)
-  assert f"a round of {2 * r.responses_per_step} sequences of up to {width} prompt" in phase.detail
-  assert [p.name.split(" (")[0] for p in phase.programs] == ["start", "decode", "compaction", "finish"]
-  assert all(p.memory is not None and p.needs > 0 for p in phase.programs)
-  assert "partial rollout" in xla_report_text.table(report)
 
 
 @pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.

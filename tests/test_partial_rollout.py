@@ -5,9 +5,11 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import build_smoke_config
 from model_utils import EOS, PROMPTS
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
+from vapo_jax.memory import topologies, xla_report, xla_report_text
 from vapo_jax.rollout import RolloutPlan, common, partial
 from vapo_jax.rollout.static import make_generate
 
@@ -132,3 +134,20 @@ def test_a_budget_that_cannot_finish_a_restarted_response_is_refused():
   with pytest.raises(ConfigError, match="engine must be 'refill'"):
     RolloutConfig(max_response_tokens=64, decode_budget=32, engine="static")
   RolloutConfig(max_response_tokens=64, decode_budget=32, max_staleness=1)
+
+
+@pytest.mark.slow  # make test-slow, for time (make test's start-up checks plan the round: test_start_up_rollouts).
+def test_a_partial_rollouts_round_is_compiled_and_checked(tmp_path):
+  """With `rollout.decode_budget` the report also compiles a round: 2 × P·G sequences, one per prompt, each
+  prompt a problem's with up to a response's carried tokens, in the slots of P·G, the decode taking the
+  round's sequence numbers, offsets and budget; the run's verdict covers it."""
+  config = build_smoke_config(tmp_path, {"eval.path": None, "rollout.decode_budget": 8, "rollout.max_staleness": 1})
+  report = xla_report.compile_run(config, topologies.named("v5p:2x2x1"), phases=("rollout", "partial rollout"))
+  assert [p.name for p in report.phases] == ["rollout", "partial rollout"] and not report.over()
+  phase = report.phases[1]
+  r = config.rollout
+  width = common.prompt_bucket(r.max_prompt_tokens + r.max_response_tokens - 1)
+  assert f"a round of {2 * r.responses_per_step} sequences of up to {width} prompt" in phase.detail
+  assert [p.name.split(" (")[0] for p in phase.programs] == ["start", "decode", "compaction", "finish"]
+  assert all(p.memory is not None and p.needs > 0 for p in phase.programs)
+  assert "partial rollout" in xla_report_text.table(report)
