@@ -26,15 +26,13 @@ only its own pages (`models/paged_attention.py`: the Pallas kernel on TPU):
      half the slots live) the rows shrink to `min_slots`·2^k (a gather of each row's table and state:
      the pool does not move) so stragglers decode in a small batch.
 
-Slots (concurrent sequences) and pages (memory) are separate settings (`rollout/plan.py`: `slots`, `queue_pages`
-and `page_tokens`). A sequence that cannot fit a queue's pool even alone (with its
-queue's prompts) is refused before anything runs (`common.check_pool`).
+Slots and pages are separate settings (`rollout/plan.py`); a sequence that cannot fit a queue's pool even
+alone beside its queue's prompts is refused before anything runs (`common.check_pool`).
 
 Iterations run on the device, `steps_per_call` of them per host call (`lax.while_loop`, leaving early
-when everything has finished or the slots can shrink); the host reads four integers per call. Outputs
-are written by sequence (`[N, Tr]`, split over the batch axes): the `Rollout` has the static engine's
-row order. `contiguous.py` is the same engine over a contiguous cache (each slot owning prompt + cap
-tokens): the reference the benchmark compares against.
+when everything has finished or the slots can shrink; `queues.drive` is the host loop). Outputs are
+written by sequence (`[N, Tr]`, split over the batch axes): the `Rollout` has the static engine's row
+order. `contiguous.py` is the same engine over a contiguous cache: the reference.
 """
 
 import functools
@@ -325,10 +323,15 @@ class Programs(NamedTuple):
   finish: Callable
 
 
+def programs(*, cache_dtype, **settings) -> Programs:
+  """The three jitted programs of one setting (`_programs`), one set whatever order the settings come in."""
+  return _programs(cache_dtype=jnp.dtype(cache_dtype), **dict(sorted(settings.items())))
+
+
 @functools.lru_cache(maxsize=32)
-def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int, queue_pages: int, page_tokens: int,
-             block_pages: int, implementation: str, steps_per_call: int, pad_id: int, cache_dtype, min_slots: int = 0,
-             jit: Callable = jax.jit) -> Programs:
+def _programs(*, sampling: common.Sampling, group: int, slots: int, queues: int, queue_pages: int, page_tokens: int,
+              block_pages: int, implementation: str, steps_per_call: int, pad_id: int, cache_dtype, min_slots: int = 0,
+              jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
       start=jit(functools.partial(start, group=group, slots=slots, queues=queues, queue_pages=queue_pages,
