@@ -75,18 +75,20 @@ def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, 
   carry, draw = _carry(prompts * GROUP, max_staleness=max_staleness), _drawer()
   lengths = {}
   trained, restarted = [], 0
+
+  def decode(call):
+    n = len(call.members)
+    target = np.asarray([lengths.setdefault(int(i), int(rng.integers(1, MAX_NEW + 1))) for i in call.ids])
+    held = np.minimum(target - call.offsets, budget)
+    ended = call.offsets + held == target
+    tokens = call.ids[:, None] * 100 + call.offsets[:, None] + np.arange(MAX_NEW)[None]  # Token t of sequence i.
+    finish = np.where(ended, common.FINISH_STOP, common.FINISH_UNFINISHED)
+    return tokens, np.zeros((n, MAX_NEW)), np.zeros((n, MAX_NEW)), held, finish
+
   for version in range(steps):
-    restarted += carry.restart_stale(version)
-    while (groups := carry.take_complete(prompts)) is None:
-      call = carry.next_call(draw)
-      n = len(call.members)
-      target = np.asarray([lengths.setdefault(int(i), int(rng.integers(1, MAX_NEW + 1))) for i in call.ids])
-      held = np.minimum(target - call.offsets, budget)
-      ended = call.offsets + held == target
-      tokens = call.ids[:, None] * 100 + call.offsets[:, None] + np.arange(MAX_NEW)[None]  # Token t of sequence i.
-      finish = np.where(ended, common.FINISH_STOP, common.FINISH_UNFINISHED)
-      carry.record(call, tokens, np.zeros((n, MAX_NEW)), np.zeros((n, MAX_NEW)), held, finish, version=version)
+    groups, restarts, _ = carry.step(version, prompts, draw, decode)
     trained.append((version, groups))
+    restarted += restarts
   return trained, restarted, lengths
 
 

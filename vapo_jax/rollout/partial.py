@@ -6,10 +6,8 @@ carried: its tokens so far (with their log-probs and the policy version that sam
 and the next round continues it from there.
 
   carry = Carry(group=G, sequences=2·P·G, max_response_tokens=Tr, max_staleness=k, pad_id=0, prompt_width=Tp')
-  carry.restart_stale(version)                      # once per RL step, before its rounds
-  calls = carry.next_call(draw_groups)              # the round's sequences: carried ones first, then new groups
-  carry.record(calls, tokens, sampler, policy, held, finish, version)
-  trained = carry.take_complete(P)                  # P complete groups, oldest first (None: another round)
+  groups, restarted, rounds = carry.step(version, P, draw, decode)   # an RL step's rounds, P complete groups
+    # each round: call = carry.next_call(draw); carry.record(call, *decode(call), version=version)
 
 - **A round** decodes `OVERPROVISION` × P·G sequences (`next_call`) in the slots of P·G: the carried ones first,
   then the members of new groups drawn whole from the prompts; a slot freed before the budget takes the next
@@ -166,6 +164,17 @@ class Carry:
     taken = [self.groups[i] for i in done]
     self.groups = [g for i, g in enumerate(self.groups) if i not in set(done)]
     return taken
+
+  def step(self, version: int, count: int, draw: Callable, decode: Callable) -> tuple[list[Group], int, int]:
+    """One RL step at policy version `version`: the stale restarted, then rounds (`next_call` with `draw`;
+    `decode(call)` → the round's (tokens, sampler, policy, held, finish), `record`ed) until `count` groups are
+    complete. Returns (those groups, the sequences restarted, the rounds run)."""
+    restarted, rounds = self.restart_stale(version), 0
+    while (groups := self.take_complete(count)) is None:
+      call = self.next_call(draw)
+      self.record(call, *decode(call), version=version)
+      rounds += 1
+    return groups, restarted, rounds
 
   def carried(self) -> int:
     """Sequences holding tokens that have not ended: what the next step continues."""

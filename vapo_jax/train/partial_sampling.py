@@ -51,23 +51,25 @@ class PartialSampling:
     """The `Sampled` of P complete groups at policy version `version` (the RL steps done)."""
     x = self.experience
     config, r = x.config, x.config.rollout
-    restarted = self.carry.restart_stale(version)
     draw = lambda n: [(record, problems.encode_prompt(record, x.tokenizer, config)) for record in prompts.take(n)]
     how = x.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     plan, policy = self.plan(), x.policy(state)
-    rounds, steps, row_steps, seconds, figures = 0, 0, 0, 0.0, {}
-    while (groups := self.carry.take_complete(r.prompts_per_step)) is None:
-      call = self.carry.next_call(draw)
+    total = {"steps": 0, "row_steps": 0, "seconds": 0.0}
+    figures = {}
+
+    def decode(call):
       start = time.perf_counter()
-      host, s, rs, f = partial.decode_round(
+      host, steps, row_steps, f = partial.decode_round(
           policy, call, self.key, plan=plan, sampling=how, budget=r.decode_budget,
           pad_id=x.tokenizer.pad_token_id, cache_dtype=jnp.dtype(config.model.dtype), jit=x.layout.jit,
           place=x.layout.place)
-      seconds += time.perf_counter() - start
-      self.carry.record(call, *host, version=version)
-      rounds, steps, row_steps = rounds + 1, steps + s, row_steps + rs
-      figures = {k: figures.get(k, 0.0) + v if k in SUMMED else max(figures.get(k, 0.0), v) for k, v in f.items()}
-    del policy
+      for name, value in (("steps", steps), ("row_steps", row_steps), ("seconds", time.perf_counter() - start)):
+        total[name] += value
+      figures.update({k: figures.get(k, 0.0) + v if k in SUMMED else max(figures.get(k, 0.0), v) for k, v in f.items()})
+      return host
+
+    groups, restarted, rounds = self.carry.step(version, r.prompts_per_step, draw, decode)
+    policy = None  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
     arrays = partial.batch_arrays(groups, max_response_tokens=r.max_response_tokens, pad_id=x.tokenizer.pad_token_id,
                                   version=version)
     stale = arrays.pop("stale")
@@ -76,8 +78,9 @@ class PartialSampling:
     answers = [record[1] for record in records for _ in range(r.samples_per_prompt)]
     scored = x.verify(out, answers)
     rewards, correct = x.place_share(scored, out)
-    stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"], seconds=seconds,
-                                    decode_steps=steps, rows=plan.slots, row_steps=row_steps) | figures | {
+    stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"], seconds=total["seconds"],
+                                    decode_steps=total["steps"], rows=plan.slots,
+                                    row_steps=total["row_steps"]) | figures | {
         "rollout/pages": float(plan.pages),
         "rollout/sampling_rounds": float(rounds), "rollout/carried_sequences": float(self.carry.carried()),
         "rollout/stale_token_frac": partial.stale_token_frac(stale, arrays["response_lengths"]),

@@ -198,24 +198,27 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, qu
     drawn[0] += n
     return out
 
-  loads, prefill, rounds, restarted, carried, stale, trained = [], [], 0, 0, 0, 0, 0
+  loads, prefill = [], []
+
+  def decode(call):  # The round in the replay: each sequence decodes on towards its drawn length.
+    target = np.asarray([carry.groups[g].record[j] for g, j in call.members])
+    held = call.prompt_mask.sum(axis=1)
+    load = simulate(target - call.offsets, held, group=1, slots=slots, min_slots=min_slots, paged=paged,
+                    budget=budget)
+    loads.append(load)
+    prefill.append(held)
+    zeros = np.zeros((len(target), max(int(load.held.max()), 1)))
+    finish = np.where(call.offsets + load.held >= target, common.FINISH_STOP, common.FINISH_UNFINISHED)
+    return zeros.astype(np.int32), zeros, zeros, load.held, finish
+
+  rounds, restarted, carried, stale, trained = 0, 0, 0, 0, 0
   for version in range(warm + measured):
-    counted = version >= warm
-    restarted += carry.restart_stale(version) * counted
-    while (groups := carry.take_complete(per_step)) is None:
-      call = carry.next_call(draw)
-      target = np.asarray([carry.groups[g].record[j] for g, j in call.members])
-      held = call.prompt_mask.sum(axis=1)
-      load = simulate(target - call.offsets, held, group=1, slots=slots, min_slots=min_slots, paged=paged,
-                      budget=budget)
-      finish = np.where(call.offsets + load.held >= target, common.FINISH_STOP, common.FINISH_UNFINISHED)
-      zeros = np.zeros((len(target), max(int(load.held.max()), 1)))
-      carry.record(call, zeros.astype(np.int32), zeros, zeros, load.held, finish, version)
-      if counted:
-        loads, prefill, rounds = loads + [load], prefill + [held], rounds + 1
-    if counted:
-      carried += carry.carried()
+    if version == warm:  # The pipeline is full: count from here.
+      del loads[:], prefill[:]
+    groups, restarts, ran = carry.step(version, per_step, draw, decode)
+    if version >= warm:
       versions = [u for g in groups for m in g.members for u in m.versions]
+      rounds, restarted, carried = rounds + ran, restarted + restarts, carried + carry.carried()
       stale, trained = stale + sum(u < version for u in versions), trained + len(versions)
   joined = Load(*(np.concatenate([getattr(x, f) for x in loads]) for f in ("rows", "live", "read_tokens")),
                 sum(x.preemptions for x in loads), sum(x.recomputed_tokens for x in loads),
