@@ -87,7 +87,6 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
   figures = {}
-  fns = plan.programs(sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
   if plan.engine == "refill":
     out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, slots=plan.slots, pad_id=pad_id,
@@ -95,6 +94,7 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
         prompt_lengths=np.sum(prompt_mask, axis=-1), **plan.refill_settings())
     figures["rollout/pages"] = float(plan.pages)
   else:
+    fns = plan.programs(sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
     parts, per_round = [], plan.prompts_per_round
     for first in range(0, prompts, per_round):
       seqs = slice(first * group, (first + per_round) * group)
