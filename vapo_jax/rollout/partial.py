@@ -153,9 +153,6 @@ class Carry:
       if finish[n] != common.FINISH_UNFINISHED:
         m.finish = int(finish[n])
 
-  def complete(self) -> int:
-    return sum(g.complete for g in self.groups)
-
   def take_complete(self, count: int) -> list[Group] | None:
     """The `count` oldest complete groups, removed from the carry; None while fewer are complete."""
     done = [i for i, g in enumerate(self.groups) if g.complete][:count]
