@@ -48,7 +48,8 @@ class PartialSampling:
                                     slot_sequences=r.responses_per_step)
 
   def sample(self, state: TrainState, prompts, *, version: int):
-    """The `Sampled` of P complete groups at policy version `version` (the RL steps done)."""
+    """P complete groups at policy version `version` (the RL steps done): the rollout and the rewards and verdicts
+    (global arrays), the metrics, and the groups' records."""
     x = self.experience
     config, r = x.config, x.config.rollout
     draw = lambda n: [(record, problems.encode_prompt(record, x.tokenizer, config)) for record in prompts.take(n)]
