@@ -142,8 +142,17 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules: dict[str, Any]) -> N
 
 
 def place(tree: Any, mesh: Mesh, rules: dict[str, Any]) -> Any:
-  """Host arrays (the same on every process) → global arrays on `mesh`, laid out by `batch_sharding`."""
-  return jax.tree.map(lambda x: distributed.global_array(x, batch_sharding(np.shape(x), mesh, rules)), tree)
+  """Every leaf of `tree` on `mesh`, laid out by `batch_sharding`: a host array (the same on every process)
+  becomes a global array, a device array laid out elsewhere (a key replicated on another mesh of the same
+  devices) moves, and an abstract array (`jax.ShapeDtypeStruct`, a compile report's input) takes the sharding."""
+  def one(x):
+    target = batch_sharding(np.shape(x), mesh, rules)
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+    if isinstance(x, jax.Array):
+      return x if x.sharding == target else jax.device_put(x, target)
+    return distributed.global_array(x, target)
+  return jax.tree.map(one, tree)
 
 
 @contextlib.contextmanager

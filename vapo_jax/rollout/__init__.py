@@ -73,11 +73,12 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
 
   Returns the `Rollout` (device arrays; row n = p·G + g is sequence n of `key`) and its metrics.
   `jit` builds the programs (the trainer's `Steps.jit` binds its mesh and sharding rules);
-  `place` puts host arrays on the devices (the trainer's `Steps.place`; default: the default
-  device). `length_limits` `[P·G]` in [1, max_response_tokens] ends sequence n at its own length
-  (finish reason "length"); the benchmark forces a length distribution with it.
+  `place` puts every input of the programs, the key included, where they run (the trainer's
+  `RolloutLayout.place`; default: the default device). `length_limits` `[P·G]` in [1, max_response_tokens]
+  ends sequence n at its own length (finish reason "length"); the benchmark forces a length distribution with it.
   """
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
+  key = place(key)  # Every input of the programs where they run, the key too (from the training mesh).
   if (prompt_tokens.shape != (plan.prompts, plan.prompt_tokens)
       or sampling.max_response_tokens != plan.max_response_tokens):
     raise ValueError(f"the plan is for {plan.prompts} prompts of {plan.prompt_tokens} tokens and "

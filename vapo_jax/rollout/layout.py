@@ -82,7 +82,9 @@ class RolloutLayout:
     return sharding.jit(fn, self.mesh, self.rules, **kwargs)
 
   def place(self, tree):
-    """Host arrays → global arrays split over the rollout's batch axes (replicated when they do not divide)."""
+    """Every input of a rollout program, keys included, on the rollout mesh: split over its batch axes (replicated
+    when they do not divide), from the host, from the training mesh, or as abstract arrays (`sharding.place`). The
+    one placement of a rollout's inputs: the trainer's calls and the compile report's arguments go through it."""
     return sharding.place(tree, self.mesh, self.rules)
 
   def reshard(self, params: nnx.State) -> nnx.State:

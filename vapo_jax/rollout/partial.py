@@ -215,7 +215,7 @@ def decode_round(model, call: Call, key: jax.Array, *, plan, sampling: common.Sa
   sampler, policy `[N, Tr]`; held, finish `[N]`), the decode steps and the rows decoded (Σ slots × steps), and
   the engine's figures."""
   resumed = resumed_lib.Resumed(*place((call.ids, call.offsets, np.asarray(budget, np.int32))))
-  tokens, mask = place((call.prompt_tokens, call.prompt_mask))
+  tokens, mask, key = place((call.prompt_tokens, call.prompt_mask, key))
   out, steps, row_steps, figures = refill.generate_refill(
       model, tokens, mask, key, sampling=sampling, slots=plan.slots, pad_id=pad_id, cache_dtype=cache_dtype,
       jit=jit, length_limits=place(call.limits), prompt_lengths=call.prompt_mask.sum(axis=1), resumed=resumed,
