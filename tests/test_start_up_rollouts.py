@@ -67,3 +67,26 @@ def test_a_partial_round_that_cannot_fit_is_refused_naming_the_budget(smoke_conf
                                         r"rollout\.decode_budget=0$"):
     experience.plan(config, preset("micro"), prompts=64, group=1, prompt_tokens=32, devices=8, budgeted=True,
                     slot_sequences=32)
+
+
+def test_the_start_up_check_runs_each_engine_and_says_a_layout_mistake_in_one_line(smoke_config, monkeypatch):
+  """With tensor-parallel rollout groups, each engine of the run samples one token at start-up through the rollout
+  layout's placement; a placement that leaves the training mesh's key where it is (the mistake that crashed `aime`'s
+  first rollout) is refused there in one line."""
+  from vapo_jax.models import sharding
+  from vapo_jax.rollout.layout import RolloutLayout
+  from vapo_jax.train import start_up
+
+  config = smoke_config({"rollout.tensor_parallel": 2, "rollout.slots": 8, "rollout.pages": 6, "eval.path": None})
+  ran = []
+  monkeypatch.setattr(start_up, "_run_one", lambda *a, _run=start_up._run_one: ran.append(a[-1]) or _run(*a))
+  Trainer(config, verbose=False, write_logs=False).close()
+  assert ran == ["refill"]
+
+  def training_mesh_keys(self, tree):  # Host arrays placed; device arrays (the key) left on the training mesh.
+    import jax
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else sharding.place(x, self.mesh, self.rules), tree)
+  monkeypatch.setattr(RolloutLayout, "place", training_mesh_keys)
+  with pytest.raises(ConfigError, match=r"^start-up check: the refill rollout failed on one prompt in the rollout "
+                                        r"layout \(rollout\.tensor_parallel=2\): .*Mesh.*[^\n]$"):
+    Trainer(config, verbose=False, write_logs=False)

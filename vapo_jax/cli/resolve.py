@@ -13,7 +13,7 @@ import json
 import os
 
 import experiments
-from experiments.smoke import smoke
+from experiments.smoke import DERIVED, smoke
 from vapo_jax import files
 from vapo_jax.cli import ArgumentParser
 from vapo_jax.config import ExperimentConfig, overrides
@@ -31,7 +31,8 @@ def parser(program: str, description: str) -> ArgumentParser:
   command.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
                      help=f"the experiment (experiments/; default {DEFAULT_EXPERIMENT})")
   command.add_argument("--smoke", action="store_true",
-                     help="the experiment at smoke-test size (experiments/smoke.py), before the overrides")
+                     help="the experiment (with the overrides) rehearsed at smoke-test size, keeping every choice that "
+                          "selects code (experiments/smoke.py); the overrides are applied to it again")
   command.add_argument("overrides", nargs="*", metavar="field.path=value", help="config overrides; later wins")
   return command
 
@@ -52,7 +53,21 @@ def resolve(argv: list[str], command: argparse.ArgumentParser | None = None
     raise ConfigError(f"--exp needs an experiment name, e.g. --exp {DEFAULT_EXPERIMENT} (make train EXP=...)")
   config = experiments.get_experiment(args.exp)
   changes = sorted(args.overrides + unknown, key=argv.index)
-  return overrides.apply_overrides(smoke(config) if args.smoke else config, changes), args
+  if not args.smoke:
+    return overrides.apply_overrides(config, changes), args
+  args.full_run, again = full_run(config, changes)  # The run the smoke rehearses (`smoke.rehearsal_table`).
+  return overrides.apply_overrides(smoke(args.full_run), again), args
+
+
+def full_run(config: ExperimentConfig, changes: list[str]) -> tuple[ExperimentConfig, list[str]]:
+  """What `--smoke` shrinks, and the overrides to apply to the smoke: the experiment with the overrides and those
+  of the fields the smoke does not derive from it (`smoke.DERIVED`), or, where the overrides fit only the smoke's
+  sizes, the experiment and every override."""
+  try:
+    full = overrides.apply_overrides(config, changes)
+  except ConfigError:
+    return config, changes
+  return full, [c for c in changes if c.split("=", 1)[0].lstrip("-").replace("-", "_") not in DERIVED]
 
 
 def write_resolved_config(config: ExperimentConfig) -> str:

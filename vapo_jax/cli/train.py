@@ -47,6 +47,7 @@ def _main(argv: list[str]) -> int:
     return 0
   from vapo_jax import compile_cache
   compile_cache.bound()  # make train's cache, at its size before this run adds to it.
+  from experiments import smoke
   from vapo_jax import distributed  # Imports JAX: kept off the `--help` path.
   from vapo_jax.cli import preflight
   from vapo_jax.train import checkpoints
@@ -67,6 +68,9 @@ def _main(argv: list[str]) -> int:
       resolve.write_resolved_config(config)
       print(f"experiment {config.name}: resolved config written to {run_dir}/config.json")
       print(preflight.kernels(config, trainer.model_cfg, devices[0].platform))
+      if args.smoke:
+        print(smoke.rehearsal_table(args.full_run, config, devices=trainer.layout.data_devices,
+                                    platform=devices[0].platform))
     started = True  # From here the run's own stop (PreemptionFlag) finishes a step and saves.
     summary = trainer.run()
   except UserError as e:

@@ -116,14 +116,10 @@ def _decoding(run, plan: RolloutPlan):
   actor_def, _, state = run.states["rl"]
   model = nnx.merge(actor_def, layout.abstract_copy(state.actor))
   beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
-  key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=_replicated(run))
+  key = layout.place(state.key)  # The trainer's key, replicated on the training mesh, placed as the trainer does.
   programs = lambda **slots: plan.programs(sampling=sampling, pad_id=PAD_ID, cache_dtype=jnp.dtype(c.model.dtype),
                                            jit=layout.jit, **slots)
   return model, key, beside, programs
-
-
-def _replicated(run) -> jax.sharding.NamedSharding:
-  return jax.sharding.NamedSharding(run.layout.mesh, jax.sharding.PartitionSpec())
 
 
 def partial_round(run, log) -> CompiledPhase:
@@ -142,8 +138,7 @@ def partial_round(run, log) -> CompiledPhase:
   model, key, beside, programs = _decoding(run, plan)
   rows = lambda shape, dtype: run.rows(shape, dtype, rollout=True)
   tokens = (rows((call, width), jnp.int32), rows((call, width), jnp.bool_))
-  resumed = Resumed(rows((call,), jnp.int32), rows((call,), jnp.int32),
-                    jax.ShapeDtypeStruct((), jnp.int32, sharding=_replicated(run)))
+  resumed = Resumed(rows((call,), jnp.int32), rows((call,), jnp.int32), rows((), jnp.int32))
   _refill(run, phase, log, plan, programs, model, tokens, key, beside,
           decode_args=(rows((call,), jnp.int32), resumed))
   return phase

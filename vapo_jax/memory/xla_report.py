@@ -137,8 +137,9 @@ class _Run:
     return sharding.batch_sharding(shape, self.layout.mesh, self.layout.rules)
 
   def rows(self, shape, dtype, *, rollout: bool = False) -> jax.ShapeDtypeStruct:
-    """A host array as the trainer places it (for the rollout: on the rollout mesh)."""
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=(self.decoding if rollout else self.training)(shape))
+    """A host array as the trainer places it: `Steps.place`, or for the rollout `RolloutLayout.place` (the one
+    placement of a rollout program's inputs)."""
+    return (self.layout.place if rollout else self.steps.place)(jax.ShapeDtypeStruct(shape, dtype))
 
 
 def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, jax.ShapeDtypeStruct | None]:

@@ -99,6 +99,9 @@ def tensor_groups(devices: Sequence[jax.Device], size: int) -> list[jax.Device]:
   return [devices[i] for g in groups for i in g]
 
 
+_REPLICATED: set = set()  # The logical axes `partition_spec` has warned of.
+
+
 def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
                    mesh_shape: Mapping[str, int] | None = None,
                    shape: Sequence[int] | None = None) -> PartitionSpec:
@@ -112,8 +115,10 @@ def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
     if mesh_shape is not None and shape is not None and axes_tuple:
       size = math.prod(mesh_shape[a] for a in axes_tuple)
       if shape[i] % size:
-        warnings.warn(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
-                      f"{axes_tuple} (size {size}); replicating it", stacklevel=2)
+        if (name, shape[i], axes_tuple, size) not in _REPLICATED:  # Said once a process (traced often).
+          _REPLICATED.add((name, shape[i], axes_tuple, size))
+          warnings.warn(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
+                        f"{axes_tuple} (size {size}); replicating it", stacklevel=2)
         axes_tuple = ()
     used.update(axes_tuple)
     spec.append(None if not axes_tuple else axes_tuple[0] if len(axes_tuple) == 1 else axes_tuple)

@@ -71,6 +71,22 @@ class RolloutPlan:
     return self.slots if self.engine == "refill" else self.prompts_per_round * self.group
 
   @property
+  def pool_share(self) -> float:
+    """refill: the share of a queue's slots its pool holds with every response at the cap, beside its prompts
+    (1: all of them; below 1 the engine can run out of pages and preempt)."""
+    if self.engine != "refill":
+      return 1.0
+    prompts = self.prompts // self.queues * -(-self.prompt_tokens // self.page_tokens)
+    slots = min(self.slots, self.sequences) // self.queues
+    return min(1.0, max(0, self.queue_pages - prompts) / (slots * common.sequence_pages(self.max_response_tokens,
+                                                                                        self.page_tokens)))
+
+  @property
+  def preempts(self) -> bool:
+    """Whether the engine can run out of pages and preempt (`pool_share` < 1)."""
+    return self.pool_share < 1
+
+  @property
   def shrink_sizes(self) -> list[int]:
     """refill: the slot counts the tail shrinks through."""
     return queues_lib.shrink_sizes(self.slots, self.min_slots) if self.engine == "refill" else []

@@ -38,9 +38,11 @@ from vapo_jax.train import background_saves as background
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
-NOT_COMPARED = ("checkpoint.", "log.wandb")  # Config fields that may change between a run and its resume.
+# Config fields that may change between a run and its resume. `run_dir`: the checkpoints are read from the run's
+# directory, wherever it now lies (a run directory moved or copied to another parent is the same run).
+NOT_COMPARED = ("checkpoint.", "log.wandb", "run_dir")
 # Fields holding paths: the same file spelled differently ("runs" and "/home/me/runs") is no change.
-PATH_FIELDS = ("run_dir", "data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
+PATH_FIELDS = ("data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
                "model.tokenizer")
 
 

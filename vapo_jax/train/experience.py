@@ -183,17 +183,19 @@ class Experience:
                                     place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
 
-  def check_cache_budget(self, eval_problems: int = 0) -> None:
+  def check_cache_budget(self, eval_problems: int = 0) -> list[rollout.RolloutPlan]:
     """At start-up: every rollout of the run, with the longest prompts allowed, is one its engine runs (its KV
-    cache fits, its slots split over the groups, its pool holds its prompts): the training rollout's and each
-    call of the held-out evaluation of `eval_problems` problems. Else a `ConfigError` naming the setting."""
+    cache fits, its slots split over the groups, its pool holds its prompts): the training rollout's, each
+    call of the held-out evaluation of `eval_problems` problems, and a partial rollout's round. Returns their
+    plans; else a `ConfigError` naming the setting."""
     settings, evaluation = self.config.rollout, self.config.eval
     calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
         (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)]
-    for prompts, group in dict.fromkeys(calls):
-      self.plan_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+    plans = [self.plan_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+             for prompts, group in dict.fromkeys(calls)]
     if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
-      self.partial.plan()
+      plans.append(self.partial.plan())
+    return plans
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
     """Verifier rewards of this process's share of the responses (a host transfer of their token ids

@@ -37,7 +37,7 @@ from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import layout_for
-from vapo_jax.train import algorithm, build, checkpoints, optim, runlock
+from vapo_jax.train import algorithm, build, checkpoints, optim, runlock, start_up
 from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.saving import Saving
@@ -102,7 +102,7 @@ class Trainer(Saving):
                        critic_tx=txs["critic"], sft_tx=txs["sft"])
     self.experience = Experience(config, steps=self.steps, layout=self.layout, model_cfg=self.model_cfg,
                                  tokenizer=self.tokenizer, pool=self.pool)
-    self.experience.check_cache_budget(len(self.eval_rows))  # Now, not after the warm start: every rollout.
+    plans = self.experience.check_cache_budget(len(self.eval_rows))  # Now, not after the warm start: every rollout.
     stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
     init_opt = lambda name, params: optim.init_optimizer(txs[name], params, self.mesh)
     self.state = TrainState(actor=actor_params, critic=critic_params, actor_opt=init_opt("actor", actor_params),
@@ -117,6 +117,7 @@ class Trainer(Saving):
             length_frac=config.log.collapse_length_frac, min_entropy=config.log.collapse_entropy),
         carry=self.experience.partial and self.experience.partial.carry)
     self._resume(write_logs)
+    start_up.run_rollouts(self.experience, self.state, plans)  # Each engine run once, in the rollout layout.
     self.preemption = checkpoints.PreemptionFlag()
     self.history: list[dict] = []
 
