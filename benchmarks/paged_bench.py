@@ -33,7 +33,7 @@ from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout import common
-from vapo_jax.rollout.refill import contiguous
+from benchmarks import contiguous_refill as contiguous
 
 PROMPTS, GROUP, CAP, PAGE_TOKENS = 32, 4, 256, 16
 

@@ -91,8 +91,8 @@ def _rollout_state(config, layout, cfg):
   tokens = rng.integers(3, cfg.vocab_size, (r.prompts_per_step, 16)).astype(np.int32)
   prompts_tokens, mask = layout.place((tokens, np.ones_like(tokens, bool)))
   model = nnx.merge(graphdef, layout.reshard(params))
-  prompts, state = fns.start(model, prompts_tokens, mask)
-  return params, model, fns, prompts, state
+  state = fns.start(model, prompts_tokens, mask)
+  return params, model, fns, state
 
 
 def reshard_section(args) -> tuple[list[Table], list[RatioTarget]]:
@@ -101,11 +101,11 @@ def reshard_section(args) -> tuple[list[Table], list[RatioTarget]]:
   mesh = sharding.make_mesh(data=1, fsdp=8, devices=sharding.tensor_groups(jax.devices(), 2))
   layout = layout_for(config.rollout, mesh, compute_dtype=config.model.dtype,
                       training_rules=sharding.PRESETS["fsdp"])
-  params, model, fns, prompts, state = _rollout_state(config, layout, cfg)
-  key, held = jax.random.key(0), [state]
+  params, model, fns, state = _rollout_state(config, layout, cfg)
+  key, held = layout.place(jax.random.key(0)), [state]
 
   def step():  # The decode donates its state: each call takes the last one's (a step further).
-    held[0], status = fns.decode(model, prompts, held[0], key, None)
+    held[0], status = fns.decode(model, held[0], key, None)
     return status
 
   seconds = best_seconds({"reshard": lambda: layout.reshard(params), "decode step": step}, repeats=args.repeats)

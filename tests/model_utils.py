@@ -48,3 +48,15 @@ def training_layout_model(cfg=TP_CFG, *, mesh_shape=None, scale: float = 0.3):
   model = nnx.merge(graphdef, jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape), state))
   mesh, rules = sharding.make_mesh(**(mesh_shape or MESHES["fsdp"])), sharding.PRESETS["fsdp"]
   return model, place_module(model, mesh, rules), mesh, rules
+
+
+def refill_plan(*, prompts: int, group: int, prompt_tokens: int, max_response_tokens: int, slots: int,
+                queue_pages: int, page_tokens: int, queues: int = 1, block_pages: int = 1, steps_per_call: int = 256,
+                min_slots: int = 0, lanes: int = 4, prefill_chunk: int | None = None, attention: str = "gather"):
+  """A refill `RolloutPlan` of these sizes as they are (no budget, no sizing: what a test's engine call takes)."""
+  from vapo_jax.rollout.plan import RolloutPlan
+  return RolloutPlan(engine="refill", prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+                     max_response_tokens=max_response_tokens, devices=queues, prompts_per_round=prompts, slots=slots,
+                     queues=queues, min_slots=min_slots, steps_per_call=steps_per_call, pages=queue_pages,
+                     queue_pages=queue_pages, page_tokens=page_tokens, block_pages=block_pages, attention=attention,
+                     lanes=lanes, prefill_chunk=prefill_chunk or prompt_tokens)

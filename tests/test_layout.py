@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_utils import MESHES, TP_CFG, training_layout_model
+from model_utils import MESHES, TP_CFG, refill_plan, training_layout_model
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import hlo
@@ -127,11 +127,12 @@ def test_tensor_groups_are_physical_blocks_with_each_process_together():
 def _decode_hlo(model, layout) -> str:
   """The refill decode program (8 slots: one per device, 4 per rollout group; 2 queues) compiled in `layout`."""
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
-  fns = refill.programs(sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), group=2, slots=8,
-                        queues=2, steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), queue_pages=12,
-                        page_tokens=16, block_pages=1, implementation="gather", min_slots=2, jit=layout.jit)
-  prompts, state = fns.start(model, *layout.place((tokens, mask)))
-  return fns.decode.lower(model, prompts, state, jax.random.key(0), None).compile().as_text()
+  chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=4, slots=8, queues=2,
+                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16)
+  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), pad_id=0,
+                        cache_dtype=jnp.float32, jit=layout.jit)
+  state = fns.start(model, *layout.place((tokens, mask)))
+  return fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text()
 
 
 def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):

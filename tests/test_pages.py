@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from model_utils import EOS, PROMPTS
-from test_refill import STATIC, assert_same, queue_steps, sample
+from test_refill import STATIC, assert_same, plan, queue_steps, sample
 from vapo_jax.config import RolloutConfig
 from vapo_jax.rollout import common
-from vapo_jax.rollout.refill import contiguous, pages
-from vapo_jax.rollout.refill import engine as refill
+from benchmarks import contiguous_refill as contiguous
+from vapo_jax.rollout.refill import pages
 
 SAMPLING = dict(temperature=1.3, top_k=5, top_p=0.8)  # EOS stops some sequences early: lengths 1..10.
 
@@ -31,24 +31,29 @@ def test_the_free_list_hands_out_what_is_free_and_takes_it_back():
   assert free.stack[1, 0] == 5
 
 
-def test_a_groups_prompt_is_stored_once(model):
-  """After the prefill, the pages in use are the prompts' (⌈length / page⌉ each), not G times that, and they
-  hold each prompt's real tokens from slot 0: the prefill's keys and values, padding dropped."""
+def test_a_groups_prompt_is_stored_once_when_its_samples_start(model):
+  """After the first iteration, the pages in use are the prompts the queues took for their next sequences
+  (⌈length / page⌉ each, once for their G samples) and a page of each sample that started; a prompt's pages hold its
+  real tokens from slot 0: the whole prefill's keys (to float rounding: chunked), padding dropped."""
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
   spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,))
-  fns = refill.programs(sampling=spec, group=3, slots=6, queues=2, queue_pages=12, page_tokens=4, block_pages=1,
-                        implementation="gather", steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32))
-  prompts, state = fns.start(model, tokens, mask)
-  held = [-(-len(p) // 4) for p in PROMPTS]  # 1, 2, 1, 1 pages: queue 0 holds prompts 0-1, queue 1 prompts 2-3.
-  assert state.free.count.tolist() == [12 - held[0] - held[1], 12 - held[2] - held[3]]
+  config = RolloutConfig(slots=6, pages=12, page_tokens=4, block_pages=1, decode_steps_per_call=1, prefill_chunk=3)
+  chosen = plan(model, PROMPTS, config, group=3, devices=2, budgeted=True)  # Queue 0: prompts 0-1; 1: prompts 2-3.
+  assert (chosen.queues, chosen.queue_pages, chosen.prefill_chunk) == (2, 12, 3)
+  fns = chosen.programs(sampling=spec, pad_id=0, cache_dtype=jnp.float32, jit=jax.jit)
+  state, _ = fns.decode(model, fns.start(model, tokens, mask), jax.random.key(0))
+  held = [-(-len(p) // 4) for p in PROMPTS]  # 1, 2, 1, 1 pages. Prompts 1 (7 tokens) and 3 (4) are in their chunks:
+  assert np.asarray(state.prompts.done).tolist() == [3, 3, 1, 3]
+  # ...each queue's first prompt's 3 samples started, one page each.
+  assert state.free.count.tolist() == [12 - held[0] - held[1] - 3, 12 - held[2] - held[3] - 3]
   _, prefilled = common.prefill(model, jnp.asarray(tokens), jnp.asarray(mask), cache_dtype=jnp.float32,
                                 decode_block=None)
-  table, pool = np.asarray(prompts.table), np.asarray(state.cache.keys)  # [K, L, Q, Pq, Tg, H]
+  table, pool = np.asarray(state.prompts.table), np.asarray(state.cache.keys)  # [K, L, Q, Pq, Tg, H]
   for p, prompt in enumerate(PROMPTS):
-    for t in range(len(prompt)):
+    for t in range(int(state.prompts.done[p])):
       page = table[p, t // 4]
       padded = np.asarray(prefilled.keys)[:, p, :, tokens.shape[1] - len(prompt) + t]  # [L, K, H]
-      np.testing.assert_array_equal(pool[:, :, p // 2, page, t % 4], padded.swapaxes(0, 1))
+      np.testing.assert_allclose(pool[:, :, p // 2, page, t % 4], padded.swapaxes(0, 1), atol=1e-5)
 
 
 def test_preemption_restarts_sequences_with_the_same_tokens(model):
@@ -70,10 +75,14 @@ def test_preemption_restarts_sequences_with_the_same_tokens(model):
 
 
 def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_the_setting(model):
-  tight = RolloutConfig(slots=6, pages=8, page_tokens=4)  # The prompts' 5 + 4 for one sequence.
-  with pytest.raises(MemoryError, match=r"pool of 8 pages of 4 tokens .* 4 prompts \(5 pages\) and one 10-token "
-                                        r"response \(9 pages in all\): set rollout.pages=9 or more"):
+  tight = RolloutConfig(slots=6, pages=5, page_tokens=4)  # The longest prompt's 2 + 4 for one sequence.
+  with pytest.raises(MemoryError, match=r"pool of 5 pages of 4 tokens per queue cannot hold its longest prompt "
+                                        r"\(2 pages\) and one 10-token response \(6 pages in all\): set "
+                                        r"rollout.pages=6 or more"):
     sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
+  refilled, metrics = sample(model, PROMPTS, dataclasses.replace(tight, pages=6), group=3, key=3, **SAMPLING)
+  assert_same(refilled, sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)[0])  # One at a time.
+  assert metrics["rollout/pages_free_after"] == 6 and metrics["rollout/prefills"] > len(PROMPTS)
 
 
 def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
@@ -98,8 +107,10 @@ def test_the_roofline_schedule_replays_the_engine(model):
     engine = RolloutConfig(slots=6, decode_steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
     _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
     load = replay.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
-                             paged=replay.Paged(int(metrics["rollout/pages"]), 4, 2))
+                           paged=replay.Paged(int(metrics["rollout/pages"]), 4, 2, lanes=4, chunk=16))
     assert load.steps == metrics["rollout/decode_steps"], pool
     assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pool
-    assert (load.preemptions, load.recomputed_tokens, load.peak_pages) == (
-        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"]), pool
+    assert (load.preemptions, load.recomputed_tokens, load.peak_pages, load.prefills, load.chunks.sum(),
+            load.prefill_tokens.sum()) == (
+        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"],
+        metrics["rollout/prefills"], metrics["rollout/prefill_chunks"], metrics["rollout/prefill_tokens"]), pool

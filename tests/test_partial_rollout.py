@@ -32,11 +32,13 @@ def _drawer():
   return draw
 
 
-# 32: the pool runs short, the rounds preempt and restart (make test); 120: none do (make test-slow, for time).
-@pytest.mark.parametrize("pages", [pytest.param(120, marks=pytest.mark.slow), 32])
+# 14 pages of 2 tokens: a carried prefix (up to 8 pages) and a response (up to 6) are the least a pool may hold; it
+# runs dry, and prompts are given back and prefilled again (make test); 120: it never does (make test-slow).
+@pytest.mark.parametrize("pages", [pytest.param(120, marks=pytest.mark.slow), 14])
 def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model, pages):
-  """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots: every
-  sequence of the 4 groups has the unbudgeted rollout's tokens, log-probs, length and finish reason."""
+  """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots, each round's
+  prompts and carried tokens prefilled in chunks of 3 as they take their pages: every sequence of the 4 groups has
+  the unbudgeted rollout's tokens, log-probs, length and finish reason; every page comes back after every round."""
   spec = common.Sampling(max_response_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5, top_p=0.8)
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
   key = jax.random.key(3)
@@ -44,18 +46,20 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
   carry, draw = _carry(len(PROMPTS) * GROUP), _drawer()
   plan = RolloutPlan(engine="refill", prompts=carry.sequences, group=1, prompt_tokens=carry.prompt_width,
                      max_response_tokens=MAX_NEW, devices=1, prompts_per_round=carry.sequences, slots=8, min_slots=1,
-                     steps_per_call=2, pages=pages, queue_pages=pages, page_tokens=4, block_pages=1, attention="gather")
+                     steps_per_call=2, pages=pages, queue_pages=pages, page_tokens=2, block_pages=1, attention="gather",
+                     lanes=2, prefill_chunk=3)  # Carried prefixes of up to 16 tokens prefilled 3 at a time.
   place = lambda tree: jax.tree.map(jax.numpy.asarray, tree)
-  rounds, preempted, carried = 0, 0.0, 0
+  rounds, peak, carried = 0, 0.0, 0
   while not all(g.complete for g in carry.groups[:len(PROMPTS)]) or rounds == 0:
     call = carry.next_call(draw)
     host, steps, _, figures = partial.decode_round(model, call, key, plan=plan, sampling=spec, budget=3,
                                                    pad_id=0, cache_dtype=np.float32, jit=jax.jit, place=place)
-    assert steps <= 3
+    assert np.all(host[3] <= 3)  # At most the budget's 3 new tokens a round (its first steps may only prefill).
     carry.record(call, *host, version=0)
-    rounds, preempted, carried = rounds + 1, preempted + figures["rollout/preemptions"], max(carried, carry.carried())
+    assert figures["rollout/pages_free_after"] == pages
+    rounds, peak, carried = rounds + 1, max(peak, figures["rollout/pages_peak"]), max(carried, carry.carried())
   assert rounds >= 3 and carried > 0  # Responses up to 10 tokens at 3 a round: carried over at least twice.
-  assert (preempted > 0) == (pages == 32)
+  assert (peak == pages) == (pages == 14)
   groups = carry.take_complete(len(PROMPTS))
   assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]
   got = partial.batch_arrays(groups, max_response_tokens=MAX_NEW, pad_id=0, version=0)

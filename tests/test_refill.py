@@ -23,13 +23,15 @@ from vapo_jax.rollout.static import make_generate
 STATIC = RolloutConfig(engine="static")
 
 
-def plan(model, prompts, config: RolloutConfig, *, group: int, max_response_tokens: int = 10, devices: int = 1):
+def plan(model, prompts, config: RolloutConfig, *, group: int, max_response_tokens: int = 10, devices: int = 1,
+         **options):
   """`config`'s plan for `prompts` (token lists) × `group` at this length cap on `devices` data-parallel groups, its
-  pool checked against the prompts' own lengths (as `experience.generate_responses` plans)."""
+  pool checked against the prompts' own lengths (as `experience.generate_responses` plans); `options`:
+  `plan_rollout`'s (`budgeted=True`: the refill engine whatever the sizes)."""
   config = dataclasses.replace(config, max_response_tokens=max_response_tokens)
   return rollout.plan_rollout(config, model.cfg, prompts=len(prompts), group=group, dtype=jnp.float32, devices=devices,
                               prompt_tokens=common.prompt_bucket(max(map(len, prompts))),
-                              prompt_lengths=np.array([len(p) for p in prompts]))
+                              prompt_lengths=np.array([len(p) for p in prompts]), **options)
 
 
 def sample(model, prompts, config: RolloutConfig, *, group, key=0, limits=None, devices: int = 1, **settings):
@@ -131,9 +133,10 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
+  chosen = plan(model, PROMPTS, RolloutConfig(slots=6, pages=40, page_tokens=4, decode_steps_per_call=4), group=1,
+                budgeted=True)
   refilled, steps, row_steps, figures = refill.generate_refill(
-      model, tokens, mask, jax.random.key(9), sampling=spec, group=1, slots=6, queue_pages=40, page_tokens=4,
-      steps_per_call=4, min_slots=1, length_limits=limits)
+      model, tokens, mask, jax.random.key(9), plan=chosen, sampling=spec, length_limits=limits)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
   assert np.all(lengths <= np.asarray(limits)) and lengths[2] == 1 and steps == lengths.max()
@@ -158,8 +161,7 @@ def test_sharded_refill_equals_unsharded(model, slots):
   mesh = sharding.make_mesh(data=8)
   rules = sharding.PRESETS["dp"]
   sharded_model = place_module(model, mesh, rules)
-  rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
-  place = lambda tree: jax.tree.map(lambda x: jax.device_put(x, rows), tree)
+  place = lambda tree: sharding.place(tree, mesh, rules)
   spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   with warnings.catch_warnings():
@@ -186,7 +188,7 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,), temperature=1.3, top_k=5)
   fns = chosen.programs(sampling=spec, pad_id=0, cache_dtype=jnp.float32, jit=jax.jit)
-  _, state = fns.start(model, tokens, mask)
+  state = fns.start(model, tokens, mask)
   assert state.cache.keys.shape[2:4] == (2, least) and state.free.stack.shape == (2, least)
   out, metrics = sample(model, prompts, config, group=3, key=4, devices=4, temperature=1.3, top_k=5)
   static, _ = sample(model, prompts, STATIC, group=3, key=4, temperature=1.3, top_k=5)
@@ -197,8 +199,8 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
 
 def test_the_plan_fits_slots_and_pages_to_the_budget():
   """The pool per data-parallel group is what `kv_cache_budget_gib` holds per chip (pages of 128 tokens split by KV
-  heads over a group's chips), the default slots what it holds with every response at the cap beside the group's
-  prompts; the pages shrink to what the slots need when every sequence has a slot."""
+  heads over a group's chips), the default slots what it holds with every response at the cap beside the prompts in
+  flight; the pages shrink to what the slots need when every sequence has a slot."""
   from vapo_jax.models.config import preset
   from vapo_jax.models.kv_cache import KVCache
 
@@ -209,11 +211,13 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
       config, cfg, prompts=prompts, group=group, prompt_tokens=1024, dtype=jnp.bfloat16, devices=devices, **options)
   chosen = on(r)
   pages = 40 * 2**30 // page_bytes
-  per_sequence, prompt_pages = 20480 // 128 + 1, 16 * 1024 // 128  # 16 prompts per group of 8 chips.
-  assert chosen.engine == "refill" and chosen.queues == 32 and chosen.page_tokens == 128
-  per_group = (pages - prompt_pages) // per_sequence
+  per_sequence, prompt_pages, lanes = 20480 // 128 + 1, 1024 // 128, 4  # 16 prompts of 8 pages per group.
+  assert chosen.engine == "refill" and chosen.queues == 32 and chosen.page_tokens == 128 and chosen.lanes == lanes
+  # Slots at the cap beside the prompts in flight: one per 16 slots (their group) and one per prefill lane.
+  per_group = (pages - lanes * prompt_pages) * 16 // (per_sequence * 16 + prompt_pages)
   assert chosen.slots == 32 * per_group  # The pages those slots need at the cap, and no more:
-  assert chosen.pages == chosen.queue_pages == prompt_pages + per_group * per_sequence <= pages
+  in_flight = min(16, -(-per_group // 16) + lanes) * prompt_pages
+  assert chosen.pages == chosen.queue_pages == in_flight + per_group * per_sequence <= pages
   assert chosen.least_pages == prompt_pages + per_sequence
   fits = lambda **call: on(r, prompts=32, group=8, **call)  # 256 sequences: 8 a group, each with a slot...
   assert fits().engine == "static"  # ...and the pool holds them all at the cap: nothing to refill or page.

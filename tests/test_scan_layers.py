@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from model_utils import FIXTURES, TP_CFG, training_layout_model
+from model_utils import FIXTURES, TP_CFG, refill_plan, training_layout_model
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import hlo
@@ -173,9 +173,9 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
   outputs = []
   for m in (model, unrolled(model)):
     fn = static.make_generate(sampling=sampling, samples_per_prompt=2, pad_id=0, jit=layout.jit)
-    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, sampling=sampling, group=2, slots=8,
-                                               queues=2, steps_per_call=3, min_slots=2, jit=layout.jit, queue_pages=12,
-                                               page_tokens=16)
+    chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=6, slots=8, queues=2,
+                         steps_per_call=3, min_slots=2, queue_pages=12, page_tokens=16)
+    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, plan=chosen, sampling=sampling, jit=layout.jit)
     outputs.append((fn(m, tokens, mask, key), refilled))
   for a, b in zip(outputs[0], outputs[1]):
     np.testing.assert_array_equal(np.asarray(a.response_tokens), np.asarray(b.response_tokens))
@@ -237,11 +237,12 @@ def test_the_compiled_update_is_the_same_size_at_four_and_eight_layers():
 def test_no_cache_sized_copy_in_the_decode_loop(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
-  fns = refill.programs(sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), group=2, slots=8,
-                        queues=2, steps_per_call=4, pad_id=0, cache_dtype=jnp.dtype(jnp.float32), queue_pages=12,
-                        page_tokens=16, block_pages=1, implementation="gather", min_slots=2, jit=layout.jit)
-  prompts, state = fns.start(model, *layout.place((tokens, mask)))
-  text = fns.decode.lower(model, prompts, state, jax.random.key(0), None).compile().as_text()
+  chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=4, slots=8, queues=2,
+                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16)
+  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), pad_id=0,
+                        cache_dtype=jnp.float32, jit=layout.jit)
+  state = fns.start(model, *layout.place((tokens, mask)))
+  text = fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text()
   pool = state.cache.keys.addressable_shards[0].data.shape  # [K, L, Q, Pq, Tg, H] on one device.
   layer = pool[:1] + pool[2:]
   cache_like = {tuple(sorted(pool)), tuple(sorted(layer))}  # The pool, or one layer of it, in any layout.

@@ -198,6 +198,11 @@ class RolloutConfig:
   page_tokens: int | None = None  # refill: tokens per page; None: 128 on TPU, 16 elsewhere.
   block_pages: int | None = None  # refill: pages read per block of paged attention; None: per platform.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
+  # refill: prompts (a partial rollout's carried tokens with them) take their pages when their samples are about
+  # to run and are prefilled inside the decode loop, `prefill_lanes` prompts a queue at once, `prefill_chunk`
+  # tokens each per iteration (a 32,768-token prompt in 64 chunks of 512, each reading the pages before it).
+  prefill_chunk: int = 512
+  prefill_lanes: int = 4
   # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
   # while at most half are live, so stragglers decode in a small batch (one program per size).
   shrink_slots: bool = True
@@ -235,6 +240,8 @@ class RolloutConfig:
       if getattr(self, name) is not None:
         positive_int(self, name)
     positive_int(self, "decode_steps_per_call")
+    positive_int(self, "prefill_chunk")
+    positive_int(self, "prefill_lanes")
     positive_int(self, "tensor_parallel")
     if self.decode_block is not None:
       positive_int(self, "decode_block", allow_zero=True)

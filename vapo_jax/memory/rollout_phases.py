@@ -55,7 +55,8 @@ def rollout(run, log) -> tuple[CompiledPhase, common.Rollout]:
   if plan.engine == "refill":
     phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {plan.slots} slots, "
                              f"{plan.queues} queue(s), tensor_parallel={layout.tensor_parallel}, {plan.queue_pages} "
-                             f"pages of {plan.page_tokens} tokens per queue ({plan.attention})")
+                             f"pages of {plan.page_tokens} tokens per queue ({plan.attention}), prefilled in "
+                             f"{plan.lanes} lane(s) of {plan.prefill_chunk}-token chunks")
     tokens = (run.rows((prompts, tp), jnp.int32, rollout=True), run.rows((prompts, tp), jnp.bool_, rollout=True))
     out = _refill(run, phase, log, plan, programs, model, tokens, key, beside)
   else:
@@ -80,23 +81,23 @@ def _static(run, phase: CompiledPhase, log, plan: RolloutPlan, fn, model, key, b
 
 def _refill(run, phase: CompiledPhase, log, plan: RolloutPlan, programs, model, tokens, key, beside: int,
             decode_args: tuple = (None,)) -> common.Rollout:
-  """The refill engine's programs: start (the prefill written into pages), decode (its arguments after the key:
-  `decode_args`), compaction (and with `tail`, decode at every slot count it shrinks through), finish."""
+  """The refill engine's programs: start (the empty pool and slots), decode (the loop, its prefill chunks in it; its
+  arguments after the key: `decode_args`), compaction (and with `tail`, decode at every slot count it shrinks
+  through), finish."""
   fns = programs()
-  prompts, slots = add(phase, log, "start (prefill)", fns.start, (model, *tokens), resident=beside,
-                        fallback=run.decoding)
+  slots = add(phase, log, "start", fns.start, (model, *tokens), resident=beside, fallback=run.decoding)
   held = beside + chip_bytes(tokens)
-  slots, _ = add(phase, log, f"decode ({plan.slots} slots)", fns.decode, (model, prompts, slots, key, *decode_args),
+  slots, _ = add(phase, log, f"decode ({plan.slots} slots)", fns.decode, (model, slots, key, *decode_args),
                   resident=held, fallback=run.decoding)
   rows, sizes = plan.slots, plan.shrink_sizes
   for smaller in sizes if run.tail else sizes[:1]:
     slots = add(phase, log, f"compaction ({rows} -> {smaller} slots)",
                  refill.compaction(smaller, plan.queues, run.layout.jit), (slots,),
-                 resident=held + chip_bytes(prompts), fallback=run.decoding)
+                 resident=held, fallback=run.decoding)
     if not run.tail:
       break
     fns, rows = programs(slots=smaller), smaller
-    slots, _ = add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, prompts, slots, key, *decode_args),
+    slots, _ = add(phase, log, f"decode ({smaller} slots)", fns.decode, (model, slots, key, *decode_args),
                     resident=held, fallback=run.decoding)
   if sizes and not run.tail:
     phase.skipped = (f"decode at {', '.join(map(str, sizes))} slots: not compiled (the tail; fewer slots than "
@@ -104,7 +105,7 @@ def _refill(run, phase: CompiledPhase, log, plan: RolloutPlan, programs, model, 
   o = slots.outputs
   outputs = (o.tokens, o.sampler, o.policy, o.lengths, o.stopped)
   return add(phase, log, "finish", fns.finish, (*tokens, *outputs), fallback=run.decoding,
-              resident=beside + chip_bytes((prompts, slots)) - chip_bytes(outputs))
+              resident=beside + chip_bytes(slots) - chip_bytes(outputs))
 
 
 def _decoding(run, plan: RolloutPlan):

@@ -128,6 +128,8 @@ class PagedKVCache:
   table: jax.Array  # [R, W] int32 page ids within the row's queue (≥ Pq: none).
   lengths: jax.Array  # [R] int32 tokens held.
   live: jax.Array  # [R] bool: the row holds a sequence (set by each call from its attention mask).
+  # [R, C] bool: a chunk's tokens of each row (a call of C > 1 tokens per row: a prefill chunk); None for one.
+  valid: jax.Array | None = None
   # "kernel" (the Pallas TPU kernel), "gpu_kernel" (the Pallas GPU kernel), "gather" (pure JAX, pages gathered
   # block by block) or "reference" (dense).
   implementation: str = struct.field(pytree_node=False, default="gather")
@@ -140,7 +142,8 @@ class PagedKVCache:
     shape = (cfg.num_kv_heads, cfg.num_layers, queues, pages, page_tokens, cfg.head_dim)
     pool = lambda: constrain(jnp.zeros(shape, dtype), POOL_AXES)
     return cls(pool(), pool(), _rows(jnp.full((rows, table_pages), pages, jnp.int32)),
-               _rows(jnp.zeros((rows,), jnp.int32)), _rows(jnp.zeros((rows,), bool)), implementation, block_pages)
+               _rows(jnp.zeros((rows,), jnp.int32)), _rows(jnp.zeros((rows,), bool)), None, implementation,
+               block_pages)
 
   @property
   def page_tokens(self) -> int:
@@ -161,22 +164,36 @@ class PagedKVCache:
     return queues * pages * page_tokens * KVCache.bytes_per_token(cfg, dtype)
 
   def prepare(self, attention_mask: jax.Array, steps: int):
-    """(this cache with `live` from the call's attention mask `[R, 1]`, None, None): one token per row."""
-    if steps != 1:
-      raise ValueError(f"a paged cache takes one token per row and call, got {steps}")
-    return self.replace(live=_rows(attention_mask[:, 0].astype(bool))), None, None
+    """(this cache with `live` from the call's attention mask, None, None): one token per row (`[R, 1]`), or a
+    chunk of `steps` per row (`[R, C]`, each row's valid tokens first: `valid`)."""
+    mask = attention_mask.astype(bool)
+    if steps == 1:
+      return self.replace(live=_rows(mask[:, 0]), valid=None), None, None
+    return self.replace(live=_rows(jnp.any(mask, axis=1)), valid=_rows(mask)), None, None
 
   def write(self, layer, k: jax.Array, v: jax.Array) -> "PagedKVCache":
-    """Each live row's key and value `[R, 1, K, H]` at its token `lengths[r]`: offset lengths mod Tg of page
-    `table[r, lengths // Tg]`, layer `layer` (`paged_attention.write`, in place; rows holding nothing write
-    nothing)."""
-    tg = self.page_tokens
-    column = jnp.minimum(self.lengths // tg, self.table.shape[1] - 1)
-    page = jnp.take_along_axis(self.table, column[:, None], axis=1)[:, 0]
-    page = jnp.where(self.live, page, self.pages)  # Out of range: dropped.
-    put = lambda pool, new: paged_attention.write(pool, new[:, 0], page, self.lengths % tg, layer,
+    """Each live row's keys and values `[R, T, K, H]` from its token `lengths[r]`: token t at offset t mod Tg of
+    page `table[r, t // Tg]`, layer `layer` (`paged_attention.write`, in place; rows holding nothing, a chunk's
+    invalid tokens and tokens past the table write nothing)."""
+    tg, rows, steps = self.page_tokens, k.shape[0], k.shape[1]
+    tokens = self.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None]  # [R, T]
+    column = jnp.minimum(tokens // tg, self.table.shape[1] - 1)
+    page = jnp.take_along_axis(self.table, column, axis=1)
+    valid = self.live[:, None] if self.valid is None else self.valid
+    page = jnp.where(valid & (tokens < self.table.shape[1] * tg), page, self.pages)  # Out of range: dropped.
+    flat = lambda x: x.reshape((rows * steps,) + x.shape[2:])
+    put = lambda pool, new: paged_attention.write(pool, flat(new), flat(page), flat(tokens % tg), layer,
                                                   implementation=self.implementation)
     return self.replace(keys=put(self.keys, k), values=put(self.values, v))
+
+  def attend_chunk(self, q: jax.Array, layer) -> jax.Array:
+    """A chunk's queries `[R, C, N, H]`, query i of row r seeing its tokens [0, lengths[r] + i] of layer `layer`
+    (this call's written): `[R, C, N, H]` (`paged_attention.attend_chunk`; the reference under "reference", the
+    gather otherwise)."""
+    note("prefill chunk")
+    implementation = "reference" if self.implementation == "reference" else "gather"
+    return paged_attention.attend_chunk(q, self.keys, self.values, self.table, self.lengths, layer,
+                                        implementation=implementation, block_pages=self.block_pages)
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
     """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of layer
@@ -187,7 +204,8 @@ class PagedKVCache:
                                   implementation=self.implementation, block_pages=self.block_pages)
 
   def advance(self, key_mask=None, steps: int = 1) -> "PagedKVCache":
-    return self.replace(lengths=self.lengths + self.live.astype(jnp.int32))
+    added = self.live if self.valid is None else jnp.sum(self.valid, axis=1)
+    return self.replace(lengths=self.lengths + added.astype(jnp.int32), valid=None)
 
 
 def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: int = 1) -> jax.Array:

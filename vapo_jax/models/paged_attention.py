@@ -136,6 +136,61 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
   return decode_attention.finish(lax.fori_loop(0, blocks, step, decode_attention.start_carry(qg)), dtype)
 
 
+def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str = "gather",
+                 block_pages: int = 1) -> jax.Array:
+  """A chunk of C queries per row, q `[R, C, N, H]`, query i of row r at its token `starts[r] + i`, each seeing
+  that row's tokens [0, starts[r] + i] (causal: the chunk's own keys are written before it is read); the pool and
+  table as `attend`'s. Returns `[R, C, N, H]` in q's dtype. "reference" (dense: the oracle) or the gather, which
+  reads each block of a row's pages once for its C queries (a prefill chunk's attention on every platform)."""
+  if implementation == "reference":
+    k, v = contiguous(keys, table, layer), contiguous(values, table, layer)
+    rows, chunk = q.shape[:2]
+    visible = starts[:, None] + jnp.arange(chunk)[None] + 1  # [R, C] tokens each query sees.
+    flat = lambda x: x.reshape((rows * chunk,) + x.shape[2:])
+    out = decode_attention.attend_one_reference(
+        flat(q), jnp.repeat(k, chunk, axis=0), jnp.repeat(v, chunk, axis=0),
+        jnp.arange(k.shape[2])[None] < flat(visible)[:, None], flat(visible) - 1)
+    return out.reshape(q.shape)
+  queues, width = keys.shape[2], table.shape[1]
+  if width % block_pages:
+    raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
+  by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
+  one = functools.partial(_chunk_queue, layer=jnp.asarray(layer, jnp.int32), block_pages=block_pages)
+  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0))(by_queue(q), keys, values, by_queue(table), by_queue(starts))
+  return out.reshape(q.shape)
+
+
+def _chunk_queue(q, keys, values, table, starts, *, layer, block_pages: int) -> jax.Array:
+  """One queue: q `[Rq, C, N, H]`, its pages `[K, L, Pq, Tg, H]`, table `[Rq, W]`, starts `[Rq]`: blocks of
+  pages up to the chunk's last token, an online softmax (float32) per query with its own causal bound."""
+  kv_heads, _, pages, tg, h = keys.shape
+  rows, chunk, n, _ = q.shape
+  block, dtype = block_pages * tg, q.dtype
+  qg = q.reshape(rows, chunk, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [Rq, K, G, C, H]
+  bound = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]  # [Rq, C] each query's last visible token.
+
+  def step(j, carry):
+    m, l, acc = carry  # [Rq, K, G, C] (×H for acc), float32.
+    ids = jnp.minimum(lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1), pages - 1)
+    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block, h).astype(dtype)  # [K, Rq, S, H]
+    visible = (j * block + jnp.arange(block))[None, None] <= bound[..., None]  # [Rq, C, S]
+    s = jnp.einsum("RKGCH,KRSH->RKGCS", qg, read(keys), preferred_element_type=jnp.float32) * (h ** -0.5)
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_ref[..., None])
+    alpha = jnp.exp(m - m_ref)
+    pv = jnp.einsum("RKGCS,KRSH->RKGCH", p.astype(dtype), read(values), preferred_element_type=jnp.float32)
+    return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
+
+  shape = qg.shape[:4]
+  carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+  blocks = jnp.minimum((jnp.max(bound) + block) // block, table.shape[1] // block_pages)
+  _, l, acc = lax.fori_loop(0, blocks, step, carry)
+  out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [Rq, K, G, C, H]
+  return out.transpose(0, 3, 1, 2, 4).reshape(rows, chunk, n, h).astype(dtype)
+
+
 def megacore_mode(device_kind: str, rows: int, kv_heads: int) -> str | None:
   """How the TPU kernel splits its grid over a chip's two TensorCores (`megacore_mode`): by KV heads when
   the device holds an even number, else by rows when even; None on a chip of one core (or an odd split),

@@ -23,7 +23,8 @@ keys and values are written at slots [cache.length, cache.length + T) and querie
 valid earlier slot: prefill is a call with the prompt, decoding a call with one token. A cache may
 instead hold one length per row (`[B]`, one-token calls only): row b then writes at its own slot,
 which lets a rollout put a new sequence into a row whose sequence has ended (slot refill). A
-`PagedKVCache` takes one token per row and call, its rows' tokens in pages (the refill engine's).
+`PagedKVCache` takes one token per row and call (decode), or a chunk of tokens per row (a prefill chunk,
+each row reading its own pages: `PagedKVCache.attend_chunk`), its rows' tokens in pages (the refill engine's).
 """
 
 import jax
@@ -109,6 +110,9 @@ class Attention(nnx.Module):
       new_cache = cache.write(layer, k, v)
       if x.shape[1] == 1:  # One-token decode: read only the filled part of this layer's cache.
         out = new_cache.attend_one(q[:, 0], layer, key_mask, query_slots)[:, None]
+        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
+      if isinstance(new_cache, PagedKVCache):  # A prefill chunk into pages: each row reads its own pages.
+        out = new_cache.attend_chunk(q, layer)
         return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
       keys, values = new_cache.layer_keys_values(layer)  # Several tokens (a prefill): `attend` reads [B, S, K, H].
     if segment_ids is not None:
@@ -275,9 +279,13 @@ class CausalLM(nnx.Module):
 
     Equal to `self(...)[0][:, -1]` without the `[B, T, V]` logits of every prompt position."""
     hidden, cache = self.model(tokens, positions, attention_mask, cache)
+    return self.project(hidden[:, -1]), cache
+
+  def project(self, hidden: jax.Array) -> jax.Array:
+    """Logits `[B, V]` (float32) of hidden states `[B, D]` (one position per row)."""
     kernel, transposed = self.output_projection()
-    logits = jnp.einsum("BD,VD->BV" if transposed else "BD,DV->BV", hidden[:, -1], kernel.astype(hidden.dtype))
-    return constrain(logits.astype(jnp.float32), ("batch", "act_vocab")), cache
+    logits = jnp.einsum("BD,VD->BV" if transposed else "BD,DV->BV", hidden, kernel.astype(hidden.dtype))
+    return constrain(logits.astype(jnp.float32), ("batch", "act_vocab"))
 
 
 class ValueModel(nnx.Module):

@@ -90,9 +90,8 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
   figures = {}
   if plan.engine == "refill":
     out, decode_steps, row_steps, figures = refill.generate_refill(
-        model, *place((prompt_tokens, prompt_mask)), key, sampling=sampling, slots=plan.slots, pad_id=pad_id,
-        cache_dtype=cache_dtype, jit=jit, length_limits=None if limits is None else place(limits),
-        prompt_lengths=np.sum(prompt_mask, axis=-1), **plan.refill_settings())
+        model, *place((prompt_tokens, prompt_mask)), key, plan=plan, sampling=sampling, pad_id=pad_id,
+        cache_dtype=cache_dtype, jit=jit, length_limits=None if limits is None else place(limits))
     figures["rollout/pages"] = float(plan.pages)
   else:
     fns = plan.programs(sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)

@@ -113,26 +113,23 @@ def table_pages(prompt_tokens: int, max_response_tokens: int, page_tokens: int, 
   return math.ceil(math.ceil((prompt_tokens + max_response_tokens) / page_tokens) / block_pages) * block_pages
 
 
-def most_prompt_pages(lengths, *, queues: int, page_tokens: int) -> int:
-  """The most pages any queue's prompts hold: `lengths` `[P]` real prompt tokens, queue q holding prompts
-  [q·P/Q, (q+1)·P/Q), each prompt ⌈length / page_tokens⌉ pages."""
-  held = -(-np.asarray(lengths, np.int64) // page_tokens)
-  return int(held.reshape(queues, -1).sum(axis=1).max())
+def longest_prompt_pages(lengths, page_tokens: int) -> int:
+  """The pages of the longest prompt: `lengths` `[P]` real prompt tokens, each prompt ⌈length / page_tokens⌉ pages."""
+  return int(-(-np.max(np.asarray(lengths, np.int64), initial=0) // page_tokens))
 
 
-def check_pool(*, pages: int, prompts: int, held: int, max_response_tokens: int, page_tokens: int,
-               given: bool = False) -> None:
-  """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its `prompts` prompts
-  (`held` pages) and one whole sequence: the one shortage no preemption can resolve. `given`: the pages are
-  `rollout.pages` as set (the message names it and the value that works), else `kv_cache_budget_gib`'s."""
+def check_pool(*, pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False) -> None:
+  """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its longest prompt
+  (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes its
+  pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message names it
+  and the value that works), else `kv_cache_budget_gib`'s."""
   needed = held + sequence_pages(max_response_tokens, page_tokens)
   if pages < needed:
     raise MemoryError(
-        f"the KV cache's pool of {pages} pages of {page_tokens} tokens per data-parallel group cannot hold its "
-        f"{prompts} prompts ({held} pages) and one {max_response_tokens}-token response ({needed} pages in all): "
+        f"the KV cache's pool of {pages} pages of {page_tokens} tokens per queue cannot hold its longest prompt "
+        f"({held} pages) and one {max_response_tokens}-token response ({needed} pages in all): "
         + (f"set rollout.pages={needed} or more" if given else "raise rollout.kv_cache_budget_gib") +
-        " if the devices have the memory, or lower rollout.max_response_tokens or rollout.prompts_per_step, or use "
-        "more data-parallel devices")
+        " if the devices have the memory, or lower rollout.max_response_tokens or rollout.max_prompt_tokens")
 
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):

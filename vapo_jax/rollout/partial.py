@@ -217,9 +217,8 @@ def decode_round(model, call: Call, key: jax.Array, *, plan, sampling: common.Sa
   resumed = resumed_lib.Resumed(*place((call.ids, call.offsets, np.asarray(budget, np.int32))))
   tokens, mask, key = place((call.prompt_tokens, call.prompt_mask, key))
   out, steps, row_steps, figures = refill.generate_refill(
-      model, tokens, mask, key, sampling=sampling, slots=plan.slots, pad_id=pad_id, cache_dtype=cache_dtype,
-      jit=jit, length_limits=place(call.limits), prompt_lengths=call.prompt_mask.sum(axis=1), resumed=resumed,
-      **plan.refill_settings())
+      model, tokens, mask, key, plan=plan, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit,
+      length_limits=place(call.limits), resumed=resumed)
   host = distributed.to_host((out.response_tokens, out.sampler_logprobs, out.policy_logprobs, out.response_lengths,
                               out.finish_reason))
   return tuple(np.asarray(x) for x in host), steps, row_steps, figures

@@ -9,15 +9,19 @@ cache's `MemoryError` (naming the setting to change and a value that works):
 
 - **static** (`rollout.engine="static"`): rounds of `rollout.prompts_per_generation` prompts, each one batch
   until its longest response ends; its KV cache must fit `rollout.kv_cache_budget_gib`.
-- **refill** (`rollout.engine="refill"`): `slots` decode rows over a pool of pages. The pool is sized per
-  data-parallel group (`pages`, `rollout.pages`' meaning, or as many as `kv_cache_budget_gib` holds but no more
-  than the slots need at the cap); the slots are `rollout.slots`, or as many as that pool holds with every
-  response at the cap. The sequences run in `queues` queues: the most dividing the groups, the prompts, the
-  slots and `min_slots`, so each queue is a group's with its own devices; with fewer queues than groups every
-  device holds every queue's pool (replicated), so a queue holds `pages / queues` (`queue_pages`). When every
-  sequence has a slot and its queue's pool holds them all at the cap, nothing would be refilled or paged: the
-  static batch runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which
-  only the refill engine can stop.
+- **refill** (`rollout.engine="refill"`, `rollout/refill/`): `slots` decode rows over a pool of pages, the
+  prompts prefilled into pages as their samples are about to run (`prefill_lanes` lanes a queue, chunks of
+  `prefill_chunk` tokens). The pool is sized per data-parallel group (`pages`, `rollout.pages`' meaning, or as
+  many as `kv_cache_budget_gib` holds but no more than the slots need at the cap beside the prompts in flight:
+  a slot's worth of each group in a slot and one prompt per lane); the slots are `rollout.slots`, or as many as
+  that pool holds with every response at the cap. The pool must hold the call's longest prompt and one whole
+  sequence (`common.check_pool`); past that, running out of pages costs recomputation, not a refusal. The
+  sequences run in `queues` queues: the most dividing the groups, the prompts, the slots and `min_slots`, so
+  each queue is a group's with its own devices; with fewer queues than groups every device holds every queue's
+  pool (replicated), so a queue holds `pages / queues` (`queue_pages`). When every sequence has a slot and its
+  queue's pool holds them all at the cap with every prompt, nothing would be refilled or paged: the static batch
+  runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which only the
+  refill engine can stop.
 """
 
 import dataclasses
@@ -55,6 +59,8 @@ class RolloutPlan:
   block_pages: int = 0  # refill: pages read per block of paged attention.
   attention: str = ""  # refill: paged attention's implementation (`paged_attention.IMPLEMENTATIONS`).
   least_pages: int = 0  # refill: the fewest pages per group `rollout.pages` may ask for (`common.check_pool`).
+  lanes: int = 0  # refill: prefill lanes per queue.
+  prefill_chunk: int = 0  # refill: tokens a lane prefills per iteration.
 
   @property
   def sequences(self) -> int:
@@ -71,13 +77,18 @@ class RolloutPlan:
     return self.slots if self.engine == "refill" else self.prompts_per_round * self.group
 
   @property
+  def prompt_pages(self) -> int:
+    """refill: the pages of one prompt at the bucket."""
+    return -(-self.prompt_tokens // self.page_tokens) if self.engine == "refill" else 0
+
+  @property
   def pool_share(self) -> float:
-    """refill: the share of a queue's slots its pool holds with every response at the cap, beside its prompts
-    (1: all of them; below 1 the engine can run out of pages and preempt)."""
+    """refill: the share of a queue's slots its pool holds with every response at the cap, beside the prompts in
+    flight (1: all of them; below 1 the engine can run out of pages and preempt)."""
     if self.engine != "refill":
       return 1.0
-    prompts = self.prompts // self.queues * -(-self.prompt_tokens // self.page_tokens)
     slots = min(self.slots, self.sequences) // self.queues
+    prompts = min(self.prompts // self.queues, -(-slots // self.group) + self.lanes) * self.prompt_pages
     return min(1.0, max(0, self.queue_pages - prompts) / (slots * common.sequence_pages(self.max_response_tokens,
                                                                                         self.page_tokens)))
 
@@ -91,20 +102,13 @@ class RolloutPlan:
     """refill: the slot counts the tail shrinks through."""
     return queues_lib.shrink_sizes(self.slots, self.min_slots) if self.engine == "refill" else []
 
-  def refill_settings(self) -> dict:
-    """The refill engine's settings but the slots (`engine.programs`, `engine.generate_refill`)."""
-    return dict(group=self.group, queues=self.queues, queue_pages=self.queue_pages, page_tokens=self.page_tokens,
-                block_pages=self.block_pages, implementation=self.attention, steps_per_call=self.steps_per_call,
-                min_slots=self.min_slots)
-
   def programs(self, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit, slots: int | None = None):
     """The programs the engine runs: refill, `engine.Programs` (start, decode, finish) at `slots` rows (default:
     `self.slots`; `shrink_sizes` the others; `engine.compaction` moves between them); static, its generate."""
     if self.engine == "static":
       return static.make_generate(sampling=sampling, samples_per_prompt=self.group, pad_id=pad_id,
                                   cache_dtype=cache_dtype, decode_block=self.decode_block, jit=jit)
-    return refill.programs(sampling=sampling, slots=slots or self.slots, pad_id=pad_id, cache_dtype=cache_dtype,
-                           jit=jit, **self.refill_settings())
+    return refill.programs(self, sampling=sampling, slots=slots, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
 
 
 def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, dtype, devices: int,
@@ -131,14 +135,19 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   tg = r.page_tokens or common.default_page_tokens(platform)
   token_bytes = KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel
   in_budget = int(r.kv_cache_budget_gib * 2**30 // (tg * token_bytes))
-  per_group, per_sequence = -(-prompts // devices), common.sequence_pages(max_response_tokens, tg)
-  prompt_pages = per_group * -(-prompt_tokens // tg)
-  if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below, per queue.
-    common.check_pool(pages=r.pages or in_budget, prompts=per_group, held=prompt_pages,
-                      max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages))
-  slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices),
-                                ((r.pages or in_budget) - prompt_pages) // per_sequence)) * devices
-  pages = r.pages or min(in_budget, prompt_pages + -(-slots // devices) * per_sequence)
+  prompt_pages, per_sequence = -(-prompt_tokens // tg), common.sequence_pages(max_response_tokens, tg)
+  lanes, per_group = r.prefill_lanes, -(-prompts // devices)
+  if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below.
+    common.check_pool(pages=r.pages or in_budget, held=prompt_pages, max_response_tokens=max_response_tokens,
+                      page_tokens=tg, given=bool(r.pages))
+
+  def in_flight(slots: int, prompts: int) -> int:
+    """Pages of `slots` slots at the cap beside the prompts in flight of a queue of `prompts` prompts."""
+    return slots * per_sequence + min(prompts, -(-slots // group) + lanes) * prompt_pages
+
+  pool = r.pages or in_budget
+  fit = max(1, (pool - lanes * prompt_pages) * group // (per_sequence * group + prompt_pages))
+  slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices), fit)) * devices
   if slots % devices:
     raise MemoryError(f"rollout.slots={slots} does not split over the {devices} data-parallel groups (each decodes "
                       f"its own slots from its own pages): set rollout.slots={-(-slots // devices) * devices}, a "
@@ -146,22 +155,22 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   min_slots = devices if r.shrink_slots else 0
   queues = math.gcd(devices, prompts, slots, min_slots)
   slots = min(slots, -(-sequences // queues) * queues)
-  whole = prompts // queues * -(-prompt_tokens // tg) + sequences // queues * per_sequence
+  whole = prompts // queues * prompt_pages + sequences // queues * per_sequence
   if queues < devices:  # Every device holds all Q queues' pools (replicated): a group's memory is Q shares.
-    queue_pages = r.pages // queues if r.pages else min(in_budget // queues, prompts // queues * -(
-        -prompt_tokens // tg) + slots // queues * per_sequence)
+    queue_pages = r.pages // queues if r.pages else min(in_budget // queues, in_flight(slots // queues,
+                                                                                     prompts // queues))
     pages = queue_pages * queues
   else:
-    queue_pages = pages
+    pages = queue_pages = r.pages or min(in_budget, in_flight(slots // devices, per_group))
   if not budgeted and slots >= sequences and queue_pages >= whole:  # Nothing to refill or page.
     return RolloutPlan(engine="static", prompts_per_round=prompts, **base)
   lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
-  common.check_pool(pages=queue_pages, prompts=prompts // queues, max_response_tokens=max_response_tokens,
-                    page_tokens=tg,
-                    held=common.most_prompt_pages(lengths, queues=queues, page_tokens=tg), given=bool(r.pages))
+  common.check_pool(pages=queue_pages, held=common.longest_prompt_pages(lengths, tg),
+                    max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages))
   return RolloutPlan(
       engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,
       steps_per_call=r.decode_steps_per_call, pages=pages, queue_pages=queue_pages, page_tokens=tg,
       block_pages=r.block_pages or paged_attention.default_block_pages(tg, platform),
       attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg),
-      least_pages=prompt_pages + per_sequence, **base)
+      least_pages=prompt_pages + per_sequence, lanes=lanes, prefill_chunk=min(r.prefill_chunk, prompt_tokens),
+      **base)

@@ -3,13 +3,13 @@
 Each queue (`rollout/refill/queues.py`) owns Pq pages of the pool; its free pages are a stack `[Q, Pq]` with a
 depth `[Q]`, updated inside the decode loop with no host round trip:
 
-  free = initial(queues, pages, used)           # pages [used_q, Pq) of queue q free (the prompts hold the rest)
+  free = initial(queues, pages, used)           # pages [used_q, Pq) of queue q free
   free, got = take(free, want)                  # want `[Q, M]` bool: each wanting entry pops one page
+  free, got = take_many(free, counts, width)    # counts `[Q, M]`: entry m pops counts[q, m] (a prompt's pages)
   free = give_back(free, pages, returned)       # pages `[Q, M]` int32 pushed where `returned`
 
-and the prompts' pages: `prompt_pages` lays each queue's prompts end to end from page 0, `write_prompts` puts the
-prefill's keys and values there (padding dropped), and `copy_pages` copies a prompt's last, partly filled page
-into a new row's own page (in place, every layer).
+and `copy_pages`, which copies a prompt's last, partly filled page into a new row's own page (in place, every
+layer).
 
 A row's page table entry Pq means "no page" (`PagedKVCache` drops writes there). `take` never hands out more
 pages than are free: an entry beyond the depth gets Pq, and the caller plans its wants from `count`
@@ -55,6 +55,20 @@ def take(free: FreePages, want: jax.Array) -> tuple[FreePages, jax.Array]:
   return FreePages(free.stack, count, jnp.maximum(free.peak, pages - count)), got
 
 
+def take_many(free: FreePages, counts: jax.Array, width: int) -> tuple[FreePages, jax.Array]:
+  """`counts[q, m]` pages for each entry of `[Q, M]`, in order, while free pages last (the caller asks only for
+  what is free): (the free pages left, the pages `[Q, M, width]`, Pq past each entry's count)."""
+  pages = free.pages
+  queues, entries = counts.shape
+  column = jnp.arange(width, dtype=jnp.int32)
+  rank = (jnp.cumsum(counts, axis=1, dtype=jnp.int32) - counts)[..., None] + column  # [Q, M, width]
+  granted = (column < counts[..., None]) & (rank < free.count[:, None, None])
+  index = jnp.clip(free.count[:, None, None] - 1 - rank, 0, pages - 1).reshape(queues, -1)
+  got = jnp.take_along_axis(free.stack, index, axis=1).reshape(queues, entries, width)
+  count = free.count - jnp.sum(granted, axis=(1, 2), dtype=jnp.int32)
+  return FreePages(free.stack, count, jnp.maximum(free.peak, pages - count)), jnp.where(granted, got, pages)
+
+
 def give_back(free: FreePages, pages: jax.Array, returned: jax.Array) -> FreePages:
   """`free` with `pages[q, i]` pushed for every `returned[q, i]` (`[Q, M]`, any M)."""
   size = free.pages
@@ -69,31 +83,6 @@ def row_pages(table: jax.Array, first: jax.Array, held: jax.Array) -> jax.Array:
   """`[R, W]` bool: which entries of each row's page table `[R, W]` are its own pages: [first[r], held[r])."""
   column = jnp.arange(table.shape[1], dtype=jnp.int32)[None]
   return (column >= first[:, None]) & (column < held[:, None])
-
-
-def prompt_pages(lengths: jax.Array, queues: int, pages: int, page_tokens: int, width: int):
-  """Each prompt's pages, laid end to end in its queue from page 0: (table `[P, Wp]`, pages used `[Q]`)."""
-  held = (lengths + page_tokens - 1) // page_tokens
-  by_queue = q_lib.by_queue(held, queues)
-  first = (jnp.cumsum(by_queue, axis=1, dtype=jnp.int32) - by_queue).reshape(-1)
-  column = jnp.arange(width, dtype=jnp.int32)[None]
-  table = jnp.where(column < held[:, None], first[:, None] + column, pages).astype(jnp.int32)
-  return table, jnp.sum(by_queue, axis=1, dtype=jnp.int32)
-
-
-def write_prompts(pool: jax.Array, padded: jax.Array, lengths: jax.Array, table: jax.Array) -> jax.Array:
-  """The prefill's left-padded keys or values `[L, P, K, Tp, H]` into the pool `[K, L, Q, Pq, Tg, H]`: prompt p's
-  real tokens from logical slot 0, at its pages `table[p]` (a scatter batched over queues)."""
-  layers, count, kv_heads, tp, h = padded.shape
-  queues, tg, width = pool.shape[2], pool.shape[4], table.shape[1]
-  source = tp - lengths[:, None] + jnp.arange(width * tg)[None]  # [P, Wp·Tg]; ≥ Tp past the prompt.
-  tokens = jnp.take_along_axis(padded, jnp.minimum(source, tp - 1)[None, :, None, :, None], axis=3)
-  tokens = tokens.reshape(layers, queues, count // queues, kv_heads, width, tg, h)
-
-  def put(part, new, ids):  # part [K, L, Pq, Tg, H]; new [L, P/Q, K, Wp, Tg, H]; ids [P/Q, Wp].
-    new = new.transpose(2, 0, 1, 3, 4, 5).reshape(kv_heads, layers, -1, tg, h)
-    return part.at[:, :, ids.reshape(-1)].set(new.astype(part.dtype), mode="drop")
-  return jax.vmap(put, in_axes=(2, 1, 0), out_axes=2)(pool, tokens, q_lib.by_queue(table, queues))
 
 
 def copy_pages(pool: jax.Array, source: jax.Array, target: jax.Array, copies: jax.Array) -> jax.Array:

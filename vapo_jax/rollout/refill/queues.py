@@ -135,14 +135,15 @@ def kept_rows(live: jax.Array, rows: int, queues: int) -> jax.Array:
 def drive(programs: Callable, compact: Callable, model, prompt_tokens, prompt_mask, key, *decode_args, slots: int,
           min_slots: int):
   """Runs a refill engine: `programs(rows)` its (start, decode, finish) at `rows` slots, `compact(state, rows)` its
-  compaction; `decode(model, prompts, state, key, *decode_args)` returns the state and its status (finished or
-  stopped, can shrink, rows needed, iterations so far). Returns the last programs, the state, the decode
-  iterations and the rows decoded (Σ slots × iterations); the host reads four integers per call."""
+  compaction; `start(model, prompt_tokens, prompt_mask)` returns its state, `decode(model, state, key,
+  *decode_args)` the state and its status (finished or stopped, can shrink, rows needed, iterations so far).
+  Returns the last programs, the state, the decode iterations and the rows decoded (Σ slots × iterations); the
+  host reads four integers per call."""
   fns = programs(slots)
-  prompts, state = fns.start(model, prompt_tokens, prompt_mask)
+  state = fns.start(model, prompt_tokens, prompt_mask)
   rows, steps, row_steps = slots, 0, 0
   while True:
-    state, status = fns.decode(model, prompts, state, key, *decode_args)
+    state, status = fns.decode(model, state, key, *decode_args)
     done, shrink, needed, total = np.asarray(distributed.to_host(status)).tolist()
     row_steps, steps = row_steps + rows * (total - steps), total
     if done:

@@ -1,20 +1,21 @@
 """The refill engine replayed on the host: for each decode step, how many rows run and how many cached tokens their
 attention reads, from the sequences' lengths (the roofline's model of the decode loop, `vapo_jax/roofline`).
 
-  load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4))
+  load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4, lanes, chunk))
   replay = partial_rounds(profile, group=G, queues=Q, slots=R, ..., budget=D, max_staleness=k, max_response_tokens=Tr)
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
 the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the fewest
-of min_slots·2^k that hold the live ones. Paged (`Paged`): the queue's prompts hold their pages (⌈length / page⌉
-each, given back when their last sample ends), a sequence takes its first page when it starts and one at each
-page boundary, gives them back when it ends, and when the pool runs dry the sequences that started last are
-preempted and restart from the prompt, as the engine does. Reads per step (`paged_attention.read_tokens`,
-`decode_attention.read_tokens`: what the kernels read): paged, each live row its own tokens in whole blocks;
-contiguous (`paged=None`), every row up to the longest live row's slot in a cache of `prompt_slots` (the
-left-padded prompt bucket) + response slots, in blocks of `block`. With a `budget` it stops after that many
-steps, as a partial rollout's round does; `partial_rounds` replays whole RL steps of partial rollouts with the
-engine's own carry (`rollout/partial.py`).
+of min_slots·2^k that hold the live ones. Paged (`Paged`), as `slots.py` and `prefill.py` run it: a prompt takes
+its pages (⌈length / page⌉) when a prefill lane takes it for the next sequences and is prefilled `chunk` tokens a
+step; its samples take slots once it is ready, a first page each and one at each page boundary, giving them
+back when they end, the prompt's when its last sample ends; when the pool runs dry the queue gives back idle
+prompts, prefills and the sequences that started last (which restart from the prompt). Reads per step
+(`paged_attention.read_tokens`, `decode_attention.read_tokens`: what the kernels read): paged, each live row its
+own tokens in whole blocks; contiguous (`paged=None`, every prompt prefilled at the start), every row up to the
+longest live row's slot in a cache of `prompt_slots` (the left-padded prompt bucket) + response slots, in blocks
+of `block`. With a `budget` it stops after that many steps, as a partial rollout's round does; `partial_rounds`
+replays whole RL steps of partial rollouts with the engine's own carry (`rollout/partial.py`).
 """
 
 from typing import NamedTuple
@@ -30,6 +31,8 @@ class Paged(NamedTuple):
   pages: int  # Per queue.
   page_tokens: int
   block_pages: int  # Pages the kernel reads per block.
+  lanes: int = 4  # Prefill lanes per queue (`rollout.prefill_lanes`).
+  chunk: int = 512  # Tokens a lane prefills per step (`RolloutPlan.prefill_chunk`).
 
 
 class Load(NamedTuple):
@@ -42,6 +45,9 @@ class Load(NamedTuple):
   recomputed_tokens: int
   peak_pages: int  # Paged: the most pages in use at once (0: contiguous).
   held: np.ndarray | None = None  # [n] tokens each sequence holds at the end (with a budget: some unfinished).
+  prefills: int = 0  # Paged: prompts prefilled (again, after being given back, too).
+  chunks: np.ndarray | None = None  # Paged: [steps] prefill lanes that ran a chunk.
+  prefill_tokens: np.ndarray | None = None  # Paged: [steps] prompt tokens prefilled.
 
   @property
   def steps(self) -> int:
@@ -49,7 +55,8 @@ class Load(NamedTuple):
 
 
 class _Queue:
-  """One queue's rows and pages, step by step, as the refill engine keeps them (`simulate`)."""
+  """One queue's rows, pages, prompts and prefill lanes, step by step, as the refill engine keeps them (`simulate`;
+  the engine's steps: `slots.py`, `prefill.py`)."""
 
   def __init__(self, responses, prompts, *, group: int, slots: int, paged: Paged | None):
     self.responses, self.prompts, self.group, self.paged = responses, np.asarray(prompts), group, paged
@@ -58,10 +65,11 @@ class _Queue:
     self.waiting, self.next_new, self.rows = [], 0, slots
     self.tg = paged.page_tokens if paged else 1
     self.prompt_pages = -(-self.prompts // self.tg)
-    self.free = (paged.pages - int(self.prompt_pages.sum())) if paged else 0
-    self.peak = paged.pages - self.free if paged else 0
+    self.free, self.peak = (paged.pages, 0) if paged else (0, 0)
+    self.p_started, self.p_done = np.full(len(self.prompts), -1), np.zeros(len(self.prompts), np.int64)
     self.users = np.full(len(self.prompts), group)
-    self.preemptions = self.recomputed = 0
+    self.lanes = [-1] * (paged.lanes if paged else 0)  # The prompt each lane fills; -1: none.
+    self.preemptions = self.recomputed = self.prefills = 0
     self.ended_at = np.zeros(len(responses), np.int64)
 
   def holding(self) -> np.ndarray:
@@ -77,27 +85,108 @@ class _Queue:
   def remaining(self) -> bool:
     return self.next_new < len(self.responses) or bool(self.waiting) or bool((self.seq >= 0).any())
 
-  def preempt(self, need: int) -> tuple[int, bool]:
-    """The rows that started last (then the highest slots) until the rest's pages fit; (need left, preempted)."""
-    chosen = []
-    for i in sorted(np.flatnonzero(self.seq >= 0), key=lambda i: (self.started[i], i), reverse=True):
+  def ready(self, p) -> bool:
+    return self.p_started[p] >= 0 and self.p_done[p] >= self.prompts[p]
+
+  def members(self) -> np.ndarray:
+    """`[P]` each prompt's live rows."""
+    live = self.seq >= 0
+    return np.bincount(self.seq[live] // self.group, minlength=len(self.prompts))
+
+  def need(self) -> int:
+    return int(((self.seq >= 0) & (self.held % self.tg == 0)).sum())
+
+  def release_prompt(self, p) -> None:
+    self.free += int(self.prompt_pages[p]) if self.p_started[p] >= 0 else 0
+    self.p_started[p], self.p_done[p] = -1, 0
+    self.lanes = [-1 if lane == p else lane for lane in self.lanes]
+
+  def candidates(self, count: int) -> list[int]:
+    """The next `count` sequences to start: the preempted ones (latest first), then new ones in order."""
+    fresh = range(self.next_new, min(self.next_new + count, len(self.responses)))
+    return (self.waiting[::-1] + list(fresh))[:count]
+
+  def preempt(self) -> bool:
+    """Under pressure (`slots.preempt`): idle prompts, prefills (latest started first), then rows (latest started
+    first, a prompt going back with its last live row) until the live rows' pages fit. Returns whether anything
+    went back."""
+    need, members = self.need(), self.members()
+    resident = self.p_started >= 0
+    idle = [p for p in range(len(self.prompts)) if resident[p] and self.ready(p) and members[p] == 0]
+    filling = sorted((p for p in range(len(self.prompts)) if resident[p] and not self.ready(p)),
+                     key=lambda p: -self.p_started[p])
+    rows = sorted(np.flatnonzero(self.seq >= 0), key=lambda i: (self.started[i], i), reverse=True)
+    left = members.copy()
+    gone, chosen = [], []
+    for kind, x in [("prompt", p) for p in idle + filling] + [("row", i) for i in rows]:
       if need <= self.free:
         break
-      need -= int(self.held[i] % self.tg == 0)
-      self.free += self.own(i)
-      chosen.append(i)
+      if kind == "prompt":
+        gone.append(x)
+        self.free += int(self.prompt_pages[x])
+        self.p_started[x] = -2  # Counted: given back below.
+        continue
+      need -= int(self.held[x] % self.tg == 0)
+      self.free += self.own(x)
+      chosen.append(x)
+      p = self.seq[x] // self.group
+      left[p] -= 1
+      if left[p] == 0:
+        gone.append(p)
+        self.free += int(self.prompt_pages[p])
+        self.p_started[p] = -2
     for i in sorted(chosen):  # Waiting in slot order, as the engine stacks them.
       self.preemptions, self.recomputed = self.preemptions + 1, self.recomputed + int(self.gen[i])
       self.waiting.append(self.seq[i])
       self.seq[i] = -1
-    return need, bool(chosen)
+    for p in gone:
+      self.p_started[p], self.p_done[p] = -1, 0
+      self.lanes = [-1 if lane == p else lane for lane in self.lanes]
+    return bool(gone or chosen)
 
-  def admit(self, t: int, need: int, blocked: bool) -> int:
-    """Free slots take the waiting sequences, then the next ones, while pages last; returns how many."""
+  def begin(self, t: int, blocked: bool) -> None:
+    """Free lanes take the next sequences' prompts that are not resident, in order (`prefill.begin`)."""
+    lanes = self.paged.lanes
+    members = self.members()
+    idle = sum(1 for p in range(len(self.prompts)) if self.ready(p) and members[p] == 0 and self.users[p] > 0)
+    allowed = 0 if blocked else max(lanes - sum(lane >= 0 for lane in self.lanes) - idle, 0)
+    budget, firsts = self.free - self.need(), []
+    for n in self.candidates(self.rows + lanes):
+      p = n // self.group
+      if self.p_started[p] < 0 and p not in firsts:
+        firsts.append(p)
+    for p in firsts[:allowed]:
+      if self.prompt_pages[p] > budget:
+        break
+      budget -= int(self.prompt_pages[p])
+      self.free -= int(self.prompt_pages[p])
+      self.p_started[p], self.p_done[p] = t, 0
+      self.lanes[self.lanes.index(-1)] = p
+      self.prefills += 1
+
+  def chunk(self) -> tuple[int, int]:
+    """Every lane's next chunk (`prefill.chunk`): (lanes that ran, tokens prefilled)."""
+    ran = tokens = 0
+    for k, p in enumerate(self.lanes):
+      if p < 0:
+        continue
+      step = min(self.paged.chunk, int(self.prompts[p] - self.p_done[p]))
+      self.p_done[p] += step
+      ran, tokens = ran + 1, tokens + step
+      if self.p_done[p] >= self.prompts[p]:
+        self.lanes[k] = -1
+    return ran, tokens
+
+  def admit(self, t: int, blocked: bool) -> int:
+    """Free slots take the next sequences (preempted ones first) while the next one's prompt is ready and pages
+    last (`slots.admit`); returns how many."""
     open_slots = np.flatnonzero(self.seq[:self.rows] < 0)
-    take = min(len(open_slots), len(self.waiting) + len(self.responses) - self.next_new)
-    if self.paged:
-      take = 0 if blocked else min(take, max(self.free - need, 0))
+    ready = 0
+    for n in self.candidates(len(open_slots)):
+      if self.paged and not self.ready(n // self.group):
+        break
+      ready += 1
+    take = ready if not self.paged else 0 if blocked else min(ready, max(self.free - self.need(), 0))
     for i in open_slots[:take]:
       self.seq[i] = self.waiting.pop() if self.waiting else self.next_new
       self.next_new += self.seq[i] == self.next_new
@@ -113,7 +202,8 @@ class _Queue:
       if self.paged:
         self.free += self.own(i)
         self.users[p] -= 1
-        self.free += int(self.prompt_pages[p]) if self.users[p] == 0 else 0
+        if self.users[p] == 0:
+          self.release_prompt(p)
       self.seq[i] = -1
 
   def shrink(self, min_slots: int) -> None:
@@ -137,12 +227,18 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
   `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail; `cache_slots`: the
   contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps (a partial rollout's round,
   `partial_rounds`)."""
-  q, t = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0
-  rows, live, read = [], [], []
-  while q.remaining() and not 0 < budget <= t:
-    need = int(((q.seq >= 0) & (q.held % q.tg == 0)).sum()) if paged else 0
-    need, blocked = q.preempt(need) if paged and need > q.free else (need, False)
-    take = q.admit(t, need, blocked)
+  q, t, decoded = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0, 0
+  rows, live, read, chunks, prefilled = [], [], [], [], []
+  while q.remaining() and not 0 < budget <= decoded:  # The budget counts the steps that decoded a row.
+    blocked = False
+    if paged:
+      blocked = q.preempt() if q.need() > q.free else False
+      q.begin(t, blocked)
+      ran, tokens = q.chunk()
+      chunks.append(ran)
+      prefilled.append(tokens)
+    need = q.need() if paged else 0  # The live rows' pages, then one for each row just taken.
+    take = q.admit(t, blocked)
     running = q.seq >= 0
     if paged:
       q.free -= need + take
@@ -153,13 +249,15 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
       read.append(decode_attention.read_tokens(query, rows=q.rows, block=block, slots=cache_slots or None))
     rows.append(q.rows)
     live.append(int(running.sum()))
+    decoded += bool(running.any())
     q.held[running] += 1
     q.gen[running] += 1
     q.end(running & (q.gen >= q.responses[np.maximum(q.seq, 0)]))
     q.shrink(min_slots)
     t += 1
+  array = lambda x: np.asarray(x, np.int64) if paged else None
   return Load(np.asarray(rows), np.asarray(live), np.asarray(read, np.float64), q.preemptions, q.recomputed,
-              q.peak, q.holding())
+              q.peak, q.holding(), q.prefills, array(chunks), array(prefilled))
 
 
 class PartialLoad(NamedTuple):

@@ -1,4 +1,8 @@
-"""The refill engine: slot refill (continuous batching) inside one rollout step.
+"""The contiguous refill engine: the paged engine's baseline, each slot owning a prompt's and a response's cache.
+
+The benchmarks' reference (`benchmarks/paged_bench.py`, `tests/test_pages.py`): the refill engine as it runs
+over a contiguous KV cache, which the package's paged engine (`vapo_jax/rollout/refill/`) replaced. The
+queues and their host loop are the package's (`rollout/refill/queues.py`).
 
 Response lengths in long chain-of-thought RL are long-tailed: most responses end early, a few run
 to the cap. A static batch decodes until its longest row ends, so every finished row idles
@@ -79,10 +83,11 @@ class Slots(NamedTuple):
   policy: jax.Array  # [N, Tr] float32.
   lengths: jax.Array  # [N] int32, set when the sequence ends.
   stopped: jax.Array  # [N] bool: ended on a stop token.
+  prompts: Prompts  # The prefilled prompts, read when a slot takes a new sequence.
 
 
 def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
-          max_response_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> tuple[Prompts, Slots]:
+          max_response_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> Slots:
   """Prefills the prompts and builds R empty slots with room for a prompt and a response."""
   prompt_mask = prompt_mask.astype(bool)
   logits, cache = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
@@ -96,10 +101,10 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
                        jnp.zeros((slots,), jnp.int32), decode_block).constrained()
   slot_logits = constrain(jnp.zeros((slots, logits.shape[-1]), jnp.float32), ("batch", "act_vocab"))
   queued = jnp.arange(queues, dtype=jnp.int32) * (n // queues)
-  return prompts, Slots(slot_cache, slot_logits, rows((slots,), jnp.int32), rows((slots,), jnp.int32),
-                        rows((slots,), bool), queued, jnp.zeros((), jnp.int32),
-                        rows((n, max_response_tokens), jnp.int32, pad_id), rows((n, max_response_tokens), jnp.float32),
-                        rows((n, max_response_tokens), jnp.float32), rows((n,), jnp.int32), rows((n,), bool))
+  return Slots(slot_cache, slot_logits, rows((slots,), jnp.int32), rows((slots,), jnp.int32),
+               rows((slots,), bool), queued, jnp.zeros((), jnp.int32),
+               rows((n, max_response_tokens), jnp.int32, pad_id), rows((n, max_response_tokens), jnp.float32),
+               rows((n, max_response_tokens), jnp.float32), rows((n,), jnp.int32), rows((n,), bool), prompts)
 
 
 def finished(s: Slots) -> jax.Array:
@@ -146,7 +151,7 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
   return s._replace(cache=s.cache.replace(keys=keys, values=values))
 
 
-def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
+def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
            sampling: common.Sampling, group: int, steps: int, pad_id: int,
            shrink_at: int = 0) -> tuple[Slots, jax.Array]:
   """Up to `steps` iterations of (refill free slots, decode one token in every slot), leaving early
@@ -158,6 +163,7 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
   limits = jnp.full((n,), max_response_tokens, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
   first = queues_lib.first_sequence(rows, n, queues)
+  prompts = state.prompts
 
   def one_step(s: Slots) -> Slots:
     s = take_queued(prompts, s, group=group)
@@ -176,7 +182,7 @@ def decode(model, prompts: Prompts, state: Slots, key: jax.Array, length_limits:
     cache = cache.replace(length=jnp.where(live, cache.length, s.cache.length))  # Free slots stay put.
     return Slots(cache, logits[:, -1], s.sequence, jnp.where(live, s.step + 1, s.step), live & ~ended, s.queued,
                  s.decode_steps + 1, write(s.tokens, tokens), write(s.sampler, sampler), write(s.policy, policy),
-                 end(s.lengths, s.step + 1), end(s.stopped, stop))
+                 end(s.lengths, s.step + 1), end(s.stopped, stop), s.prompts)
 
   def can_shrink(s: Slots) -> jax.Array:
     drained = jnp.all(s.queued >= queues_lib.queue_ends(s.queued, n))
@@ -257,7 +263,7 @@ def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int =
                                   cache_dtype=cache_dtype, max_response_tokens=sampling.max_response_tokens,
                                   decode_block=decode_block)),
       decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id,
-                                   shrink_at=queues_lib.shrink_threshold(slots, min_slots)), donate_argnums=(2,)),
+                                   shrink_at=queues_lib.shrink_threshold(slots, min_slots)), donate_argnums=(1,)),
       finish=jit(functools.partial(common.finished_rollout, group=group, pad_id=pad_id)))
 
 
