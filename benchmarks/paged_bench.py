@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks import contiguous_refill as contiguous
 from benchmarks.rollout_bench import timed
 from vapo_jax import rollout
 from vapo_jax.config import RolloutConfig
@@ -33,7 +34,6 @@ from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.rollout import common
-from benchmarks import contiguous_refill as contiguous
 
 PROMPTS, GROUP, CAP, PAGE_TOKENS = 32, 4, 256, 16
 

@@ -110,7 +110,10 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
   decode budget, a partial round's ("round"), over `devices` data-parallel groups (None: the mesh's devices over
   `rollout.tensor_parallel`, or `DEVICES`' where the mesh fills the devices) on `platform`. A plan that cannot
   run is its error's text."""
-  from vapo_jax.rollout import common, partial
+  import jax.numpy as jnp
+
+  from vapo_jax.rollout import common
+  from vapo_jax.rollout.plan import plan_round
   from vapo_jax.train import build, experience
 
   r, mesh = config.rollout, config.mesh
@@ -121,16 +124,16 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
     model_cfg = build.model_configs(config)[0]
   except Exception as e:  # noqa: BLE001  (an unreadable checkpoint: said in the table, planned for nothing)
     return {"rollout": f"{type(e).__name__}: {e}"}
-  calls = {"rollout": dict(prompts=r.prompts_per_step, group=r.samples_per_prompt,
-                           prompt_tokens=common.prompt_bucket(r.max_prompt_tokens))}
+  calls = {"rollout": lambda: experience.plan(config, model_cfg, prompts=r.prompts_per_step,
+                                              group=r.samples_per_prompt, devices=devices, platform=platform,
+                                              prompt_tokens=common.prompt_bucket(r.max_prompt_tokens))}
   if r.decode_budget:
-    calls["round"] = dict(prompts=partial.OVERPROVISION * r.responses_per_step, group=1,
-                          prompt_tokens=partial.prompt_width(r.max_prompt_tokens, r.max_response_tokens),
-                          budgeted=True, slot_sequences=r.responses_per_step)
+    calls["round"] = lambda: plan_round(r, model_cfg, dtype=jnp.dtype(config.model.dtype), devices=devices,
+                                        platform=platform)
   out = {}
   for name, call in calls.items():
     try:
-      out[name] = experience.plan(config, model_cfg, devices=devices, platform=platform, **call)
+      out[name] = call()
     except Exception as e:  # noqa: BLE001  (a plan that cannot run: said in the table)
       out[name] = f"{type(e).__name__}: {e}"
   return out

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import contiguous_refill as contiguous
 from model_utils import EOS, PROMPTS
 from test_refill import STATIC, assert_same, plan, queue_steps, sample
 from vapo_jax.config import RolloutConfig
 from vapo_jax.rollout import common
-from benchmarks import contiguous_refill as contiguous
 from vapo_jax.rollout.refill import pages
 
 SAMPLING = dict(temperature=1.3, top_k=5, top_p=0.8)  # EOS stops some sequences early: lengths 1..10.

@@ -17,7 +17,7 @@ GROUP, MAX_NEW = 3, 10
 
 
 def _carry(sequences: int, *, max_staleness: int = 1) -> partial.Carry:
-  width = partial.prompt_width(max(map(len, PROMPTS)), MAX_NEW)
+  width = common.prompt_bucket(max(map(len, PROMPTS)) + MAX_NEW - 1)  # A prompt and up to Tr − 1 carried tokens.
   return partial.Carry(group=GROUP, sequences=sequences, max_response_tokens=MAX_NEW, max_staleness=max_staleness,
                        pad_id=0, prompt_width=width)
 
@@ -50,7 +50,7 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
                      lanes=2, prefill_chunk=3)  # Carried prefixes of up to 16 tokens prefilled 3 at a time.
   place = lambda tree: jax.tree.map(jax.numpy.asarray, tree)
   rounds, peak, carried = 0, 0.0, 0
-  while not all(g.complete for g in carry.groups[:len(PROMPTS)]) or rounds == 0:
+  while (groups := carry.take_complete(len(PROMPTS))) is None:
     call = carry.next_call(draw)
     host, steps, _, figures = partial.decode_round(model, call, key, plan=plan, sampling=spec, budget=3,
                                                    pad_id=0, cache_dtype=np.float32, jit=jax.jit, place=place)
@@ -60,9 +60,8 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
     rounds, peak, carried = rounds + 1, max(peak, figures["rollout/pages_peak"]), max(carried, carry.carried())
   assert rounds >= 3 and carried > 0  # Responses up to 10 tokens at 3 a round: carried over at least twice.
   assert (peak == pages) == (pages == 14)
-  groups = carry.take_complete(len(PROMPTS))
   assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]
-  got = partial.batch_arrays(groups, max_response_tokens=MAX_NEW, pad_id=0, version=0)
+  got = carry.batch_arrays(groups, version=0)
   for field in ("response_tokens", "response_mask", "response_lengths", "finish_reason"):
     np.testing.assert_array_equal(got[field], np.asarray(getattr(reference, field)), err_msg=field)
   for field in ("sampler_logprobs", "policy_logprobs"):  # Prefilled against decoded: float32 rounding only.
@@ -74,14 +73,15 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
 
 def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, seed: int = 0):
   """Partial rollouts over `steps` RL steps with a stand-in engine (each called sequence decodes up to `budget`
-  more of its drawn length): the trained groups of each step, the restarts and the carried sequences."""
+  more of its drawn length): each step's trained members (id, tokens, versions) and batch, the restarts and the
+  drawn lengths."""
   rng = np.random.default_rng(seed)
   carry, draw = _carry(prompts * GROUP, max_staleness=max_staleness), _drawer()
   lengths = {}
   trained, restarted = [], 0
 
   def decode(call):
-    n = len(call.members)
+    n = len(call.rows)
     target = np.asarray([lengths.setdefault(int(i), int(rng.integers(1, MAX_NEW + 1))) for i in call.ids])
     held = np.minimum(target - call.offsets, budget)
     ended = call.offsets + held == target
@@ -91,7 +91,10 @@ def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, 
 
   for version in range(steps):
     groups, restarts, _ = carry.step(version, prompts, draw, decode)
-    trained.append((version, groups))
+    members = [(int(carry.ids[r]), carry.buffers["tokens"][r, :carry.length[r]].tolist(),
+                carry.buffers["versions"][r, :carry.length[r]].tolist(), bool(carry.finish[r] >= 0))
+               for g in groups for r in g.rows]
+    trained.append((version, groups, members, carry.batch_arrays(groups, version=version)))
     restarted += restarts
   return trained, restarted, lengths
 
@@ -100,38 +103,48 @@ def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, 
 def test_trained_groups_are_complete_and_no_token_is_older_than_max_staleness(max_staleness):
   budget = -(-MAX_NEW // (max_staleness + 1))  # The smallest budget the config allows.
   trained, restarted, lengths = _simulate(steps=12, budget=budget, max_staleness=max_staleness)
-  seen = set()
-  for version, groups in trained:
-    assert len(groups) == 3 and all(len(g.members) == GROUP for g in groups)
-    for g in groups:
-      assert g.complete
-      for m in g.members:
-        assert m.id not in seen  # Trained once.
-        seen.add(m.id)
-        assert len(m.tokens) == lengths[m.id] == len(m.versions)  # Whole: every token, none twice.
-        assert m.tokens == [m.id * 100 + t for t in range(len(m.tokens))]
-        assert all(0 <= version - u <= max_staleness for u in m.versions)
-    arrays = partial.batch_arrays(groups, max_response_tokens=MAX_NEW, pad_id=0, version=version)
-    assert arrays["stale"].tolist() == [sum(u < version for u in m.versions) for g in groups for m in g.members]
-  stale = sum(u < v for v, groups in trained for g in groups for m in g.members for u in m.versions)
+  seen, stale = set(), 0
+  for version, groups, members, arrays in trained:
+    assert len(groups) == 3 and all(len(g.rows) == GROUP for g in groups) and len(members) == 3 * GROUP
+    for i, tokens, versions, ended in members:
+      assert ended and i not in seen  # Complete, and trained once.
+      seen.add(i)
+      assert len(tokens) == lengths[i] == len(versions)  # Whole: every token, none twice.
+      assert tokens == [i * 100 + t for t in range(len(tokens))]
+      assert all(0 <= version - u <= max_staleness for u in versions)
+      stale += sum(u < version for u in versions)
+    assert arrays["stale"].tolist() == [sum(u < version for u in v) for _, _, v, _ in members]
+    assert arrays["response_lengths"].tolist() == [len(t) for _, t, _, _ in members]
   assert (stale > 0) == (max_staleness > 0)  # Tokens do carry over, when allowed.
   if max_staleness == 1:
     assert restarted > 0  # Budget 5, lengths up to 10: some sequences start late in a round and age out.
 
 
-def test_the_carry_round_trips_through_json():
+def test_the_carry_round_trips_through_its_counters_and_arrays():
+  """`state_dict`: counters through JSON, arrays as they are (a checkpoint's); the copy continues as the original
+  does. A lowered cap cuts the sequences that reached it; a damaged record is refused before anything changes."""
   import json
-  trained, _, _ = _simulate(steps=3, budget=4, max_staleness=2)
   carry, draw = _carry(3 * GROUP, max_staleness=2), _drawer()
   call = carry.next_call(draw)
-  carry.record(call, np.ones((len(call.members), MAX_NEW), np.int32), np.full((9, MAX_NEW), -0.1, np.float32),
+  carry.record(call, np.ones((len(call.rows), MAX_NEW), np.int32), np.full((9, MAX_NEW), -0.1, np.float32),
                np.full((9, MAX_NEW), -0.2, np.float32), np.arange(9) % 4, np.full(9, common.FINISH_UNFINISHED), 0)
+  counters, arrays = carry.state_dict()
   copy = _carry(3 * GROUP, max_staleness=2)
-  copy.load_state_dict(json.loads(json.dumps(carry.state_dict())))
-  assert copy.state_dict() == carry.state_dict() and copy.next_id == 9 and copy.carried() == carry.carried() > 0
+  copy.load_state_dict(json.loads(json.dumps(counters)), arrays)
+  counters2, arrays2 = copy.state_dict()
+  assert counters2 == counters and copy.next_id == 9 and copy.carried() == carry.carried() > 0
+  for name in arrays:
+    np.testing.assert_array_equal(arrays2[name], arrays[name], err_msg=name)
   again = copy.next_call(draw)
   np.testing.assert_array_equal(again.prompt_tokens, carry.next_call(draw).prompt_tokens)
-  assert np.float32(copy.groups[0].members[1].sampler[0]) == np.float32(-0.1)
+  lowered = partial.Carry(group=GROUP, sequences=9, max_response_tokens=2, max_staleness=2, pad_id=0, prompt_width=16)
+  lowered.load_state_dict(counters, arrays)  # Lengths 0..3: those at 2 or 3 reach the new cap of 2.
+  assert lowered.capped == int(np.sum(arrays["length"] >= 2)) > 0 and lowered.length.max() == 2
+  assert np.all(lowered.finish[lowered.length == 2] == common.FINISH_LENGTH)
+  damaged = _carry(3 * GROUP)
+  with pytest.raises(ValueError, match="the carry's 'length' is"):
+    damaged.load_state_dict(counters, arrays | {"length": arrays["length"][:2]})
+  assert damaged.groups == [] and damaged.next_id == 0
 
 
 def test_a_budget_that_cannot_finish_a_restarted_response_is_refused():

@@ -35,7 +35,8 @@ FAST = ("aime",)
 VARYING = ("time/", "perf/")
 # The engine's own figures: how the rollout ran, not what it sampled.
 ENGINE = ("rollout/decode_steps", "rollout/slots", "rollout/slot_utilization", "rollout/preemptions",
-          "rollout/recomputed_tokens", "rollout/pages", "rollout/pages_peak", "rollout/pages_free_after")
+          "rollout/recomputed_tokens", "rollout/pages", "rollout/pages_peak", "rollout/pages_free_after",
+          "rollout/prefills", "rollout/prefill_chunks", "rollout/prefill_tokens")
 # The engines' log-probs agree within 1e-5 (test_refill.py); metrics computed from them agree to that, relatively.
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -54,7 +54,8 @@ def test_uninstall_restores_the_handlers():
 
 
 def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
-  """`run_dir=runs` then `run_dir=$PWD/runs` resume: the two spellings are not a changed config."""
+  """`run_dir=runs` then `run_dir=$PWD/runs` resume: the two spellings are not a changed config, nor is the run
+  directory moved to another parent; another training file is."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / "runs").mkdir()
   (tmp_path / "train.jsonl").write_text("")
@@ -64,10 +65,14 @@ def test_the_same_run_directory_spelled_two_ways_resumes(tmp_path, monkeypatch):
     now = ExperimentConfig(name="x", run_dir=run_dir, data=DataConfig(train_path=train_path))
     assert checkpoints.config_differences(saved, now) == []
     checkpoints.check_resumable(now, saved, "runs/x/checkpoints")
-  elsewhere = ExperimentConfig(name="x", run_dir=str(tmp_path / "other"), data=DataConfig(train_path="train.jsonl"))
-  assert checkpoints.config_differences(saved, elsewhere) == [f"run_dir: 'runs' → '{tmp_path / 'other'}'"]
+  # A run directory moved (or copied) under another parent is the same run: its checkpoints are where it is now.
+  moved = ExperimentConfig(name="x", run_dir=str(tmp_path / "other"), data=DataConfig(train_path="train.jsonl"))
+  assert checkpoints.config_differences(saved, moved) == []
+  checkpoints.check_resumable(moved, saved, "other/x/checkpoints")
+  changed = ExperimentConfig(name="x", run_dir="runs", data=DataConfig(train_path="other.jsonl"))
+  assert checkpoints.config_differences(saved, changed) == ["data.train_path: 'train.jsonl' → 'other.jsonl'"]
   with pytest.raises(ConfigError, match="refusing to resume"):
-    checkpoints.check_resumable(elsewhere, saved, "runs/x/checkpoints")
+    checkpoints.check_resumable(changed, saved, "runs/x/checkpoints")
   assert not checkpoints.same_path(None, "runs") and checkpoints.same_path("bytes", "bytes")
 
 

@@ -29,7 +29,9 @@ the condition, `counter < constant(N)` (the counter's start traced through copie
 read from the body, as the TPU compiler's windowed einsums count by two; a start it cannot trace is taken
 as 0, where JAX's scans and fori_loops start); a loop whose condition is anything
 else (the decode loop's) counts once, and `loops` keeps one iteration of every loop so that a caller prices
-it by its own count. A `conditional` counts its costliest branch. The compiler's `estimated_cycles`
+it by its own count. A `conditional` counts its costliest branch; a loop's `plain` iteration counts each
+conditional's cheapest (the refill engine's decode step without a preemption or a prefill chunk, which a
+caller prices by how often they run). The compiler's `estimated_cycles`
 (in a fusion's `backend_config`) add up the same way: uncalibrated, but the compiler's own. Pure Python.
 """
 
@@ -74,6 +76,7 @@ class Loop:
   trips: int | None  # None: a count the walk could not read (counted once).
   iteration: Cost
   runs: float  # How many times the loop itself runs per run of the program (the trips of the loops around it).
+  plain: Cost | None = None  # One iteration with every `conditional` on its cheapest branch (nothing optional runs).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +126,7 @@ class _Program:
     self.by_name = hlo.by_name(self.computations)
     self.loops: list[Loop] = []
     self.flops_memo: dict[str, float] = {}
+    self.pick = max  # A conditional's branch: the costliest; `min` while a loop's plain iteration is walked.
 
   def _callees(self, body: str, key: str) -> list[str]:
     return [c for c in re.findall(key + r"=%([\w.\-]+)", body) if c in self.computations]
@@ -186,11 +190,17 @@ class _Program:
       condition, = self._callees(body, "condition")
       trips = hlo.trip_count(self.computations, self.by_name, body, condition, operands[0])
       count = 1 if trips is None else trips
-      iteration = Cost()
+      iteration, plain = Cost(), Cost()
       iteration.add(self.computation(body_comp, runs * count))
       iteration.add(self.computation(condition, runs * count))
+      if self.pick is max:
+        found, self.pick = len(self.loops), min
+        plain.add(self.computation(body_comp, runs * count))
+        plain.add(self.computation(condition, runs * count))
+        self.pick, self.loops = max, self.loops[:found]  # The nested loops as walked the first time.
       op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', body)) else ""
-      self.loops.append(Loop(name, op_name, trips, iteration, runs))
+      if self.pick is max:
+        self.loops.append(Loop(name, op_name, trips, iteration, runs, plain))
       cost.add(iteration, count)
       return cost
     if opcode == "conditional":
@@ -199,7 +209,7 @@ class _Program:
       branches += self._callees(body, "true_computation") + self._callees(body, "false_computation")
       costs = [self.computation(b, runs) for b in branches if b in self.computations]
       if costs:
-        cost.add(max(costs, key=lambda c: c.bytes))
+        cost.add(self.pick(costs, key=lambda c: c.bytes))
       return cost
     if opcode == "call":
       for callee in self._callees(body, "to_apply"):

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax.config import ExperimentConfig
+from vapo_jax.errors import ConfigError
 from vapo_jax.memory.aot import chip_bytes
 from vapo_jax.memory.phases import CompiledPhase, add
 from vapo_jax.models import sharding
-from vapo_jax.rollout import common, partial
-from vapo_jax.rollout.plan import RolloutPlan
+from vapo_jax.rollout import common
+from vapo_jax.rollout.plan import RolloutPlan, plan_round
 from vapo_jax.rollout.refill import engine as refill
 from vapo_jax.rollout.refill.resumed import Resumed
 from vapo_jax.train import experience
@@ -124,18 +125,23 @@ def _decoding(run, plan: RolloutPlan):
 
 
 def partial_round(run, log) -> CompiledPhase:
-  """A partial rollout's round (`train/partial_sampling.py`): the refill engine over `partial.OVERPROVISION` ×
-  P·G sequences, one per prompt, each prompt a problem's followed by its carried tokens (`partial.prompt_width`),
-  in the slots of P·G, its decode stopped at the budget (`refill.engine.decode`'s `resumed`)."""
+  """A partial rollout's round (`train/partial_sampling.py`) as its plan (`plan.plan_round`) runs it: the refill
+  engine over `plan.OVERPROVISION` × P·G sequences, one per prompt, each a problem's prompt followed by its carried
+  tokens, in the slots of P·G, each admitted to pages and prefilled in chunks as it is about to run, the decode
+  stopped at the budget (`refill.engine.decode`'s `resumed`)."""
   c, layout = run.config, run.layout
-  width = partial.prompt_width(c.rollout.max_prompt_tokens, c.rollout.max_response_tokens)
-  call = partial.OVERPROVISION * c.rollout.responses_per_step
   with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
-    plan = experience.plan(c, run.full_cfg, prompts=call, group=1, prompt_tokens=width, devices=layout.data_devices,
-                           budgeted=True, slot_sequences=c.rollout.responses_per_step)
+    try:
+      run.round = plan = plan_round(c.rollout, run.full_cfg, dtype=jnp.dtype(c.model.dtype),
+                                    devices=layout.data_devices)
+    except MemoryError as e:
+      raise ConfigError(f"a partial rollout's round (rollout.decode_budget={c.rollout.decode_budget}) cannot run: "
+                        f"{e}; or set rollout.decode_budget=0") from None
+  call, width = plan.prompts, plan.prompt_tokens
   phase = CompiledPhase("partial rollout", f"a round of {call} sequences of up to {width} prompt and carried "
-                        f"tokens in {plan.slots} slots, {plan.queues} queue(s), stopped at "
-                        f"{c.rollout.decode_budget} decode steps")
+                        f"tokens in {plan.slots} slots, {plan.queues} queue(s), {plan.queue_pages} pages of "
+                        f"{plan.page_tokens} tokens per queue, prefilled in {plan.lanes} lane(s) of "
+                        f"{plan.prefill_chunk}-token chunks, stopped at {c.rollout.decode_budget} decode steps")
   model, key, beside, programs = _decoding(run, plan)
   rows = lambda shape, dtype: run.rows(shape, dtype, rollout=True)
   tokens = (rows((call, width), jnp.int32), rows((call, width), jnp.bool_))

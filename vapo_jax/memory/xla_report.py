@@ -75,6 +75,7 @@ class Report:
   architecture: object  # The policy's `TransformerConfig` as compiled (`layers` applied).
   layers: int | None  # Compiled with only this many decoder layers (None: all).
   plan: RolloutPlan | None = None  # The training rollout's plan, as compiled (None: not compiled).
+  round: RolloutPlan | None = None  # A partial rollout's round's plan, as compiled (None: no budget, or not compiled).
 
   @property
   def refill(self) -> bool | None:
@@ -111,7 +112,7 @@ class _Run:
   def __init__(self, config: ExperimentConfig, target: Topology, layers: int | None, tail: bool):
     m = config.mesh
     self.config, self.target, self.tail = config, target, tail
-    self.plan = None  # Set by the rollout.
+    self.plan = self.round = None  # The training rollout's plan and a partial round's: set as they compile.
     devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     self.rules = sharding.PRESETS[m.preset]
@@ -224,7 +225,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
   return Report(config, target, dict(run.mesh.shape), device_bytes(config, target), tuple(done),
                 weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
-                architecture, layers, run.plan)
+                architecture, layers, run.plan, run.round)
 
 
 def _micro_batches(run: _Run, size: int) -> str:

@@ -36,6 +36,8 @@ from vapo_jax.rollout import common, static
 from vapo_jax.rollout.refill import engine as refill
 from vapo_jax.rollout.refill import queues as queues_lib
 
+OVERPROVISION = 2  # A partial rollout's round: its sequences per slot of an unbudgeted step's P·G.
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RolloutPlan:
@@ -174,3 +176,18 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
       attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg),
       least_pages=prompt_pages + per_sequence, lanes=lanes, prefill_chunk=min(r.prefill_chunk, prompt_tokens),
       **base)
+
+
+def round_width(r) -> int:
+  """A partial rollout's round's prompt bucket: a prompt and up to Tr − 1 carried tokens (one program a run)."""
+  return common.prompt_bucket(r.max_prompt_tokens + r.max_response_tokens - 1)
+
+
+def plan_round(r, model_cfg, *, dtype, devices: int, platform: str | None = None) -> RolloutPlan:
+  """The plan of a partial rollout's round (`rollout.decode_budget`, `rollout/partial.py`): `OVERPROVISION` × P·G
+  sequences, one per prompt (each a problem's prompt with its carried tokens, `round_width`), in the slots of an
+  unbudgeted step's P·G, on the refill engine, which admits each to pages when it is about to run and prefills
+  it in chunks. A `MemoryError` names what to change."""
+  return plan_rollout(r, model_cfg, prompts=OVERPROVISION * r.responses_per_step, group=1,
+                      prompt_tokens=round_width(r), dtype=dtype, devices=devices, platform=platform, budgeted=True,
+                      slot_sequences=r.responses_per_step)

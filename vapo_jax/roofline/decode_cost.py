@@ -23,6 +23,10 @@ proportion to the rows, plus attention from its definition, 4·N·H per cached t
 Collectives: the decode loop's per-step bytes (`aot.DecodeTraffic`, nested loops by their trips), in
 proportion to the rows. A step costs the slower of its FLOPs at the chip's peak and its bytes at the HBM
 bandwidth, plus its collectives at the ICI bandwidth; `floor_s` leaves the rest out (a bound from below).
+The step is the decode loop's plain iteration (`hlo_walk.Loop.plain`: its optional branches, a preemption and a
+prefill chunk, skipped). The prompts' prefill runs in chunks inside the loop (`refill/prefill.py`): each step that
+ran one (the replay's `prefill_tokens`) adds the slower of its tokens' FLOPs (2 per parameter per token) and a
+read of the weights, and every prompt prefilled its causal attention at peak (`_prefill`).
 """
 
 from typing import NamedTuple
@@ -31,7 +35,7 @@ import numpy as np
 
 from vapo_jax.models import decode_attention
 from vapo_jax.models.kv_cache import KVCache
-from vapo_jax.rollout import common
+from vapo_jax.rollout import common, partial_replay
 from vapo_jax.rollout.refill import replay
 from vapo_jax.roofline import profiles
 
@@ -56,6 +60,9 @@ class DecodeCost(NamedTuple):
   peak_pages: int
   floor_s: float  # `seconds` with the rest left out: the bound from below.
   cycles: float = 0.0  # The compiler's estimated cycles of the steps (in proportion to the rows).
+  prefill_s: float = 0.0  # The prefill chunks run inside the loop (in `seconds`).
+  prefills: int = 0  # Prompts prefilled (each queue's, given back and prefilled again included).
+  chunks: int = 0  # Prefill chunks run (lanes × steps).
 
 
 class Prices(NamedTuple):
@@ -70,6 +77,8 @@ class Prices(NamedTuple):
   attention_flops: float  # Per cached token read (every layer), per chip.
   cycles: float = 0.0  # The compiler's estimated cycles of one step (its kernels count none).
   read_cores: int = 1  # Of the chip's TensorCores, how many read the cache (a kernel without megacore: one).
+  prefill_flops: float = 0.0  # Per prompt token prefilled (without attention), per chip.
+  prefill_attention: float = 0.0  # Of a prompt of T tokens, × T² (causal, forward), per chip.
 
 
 def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Prices:
@@ -82,12 +91,14 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
   weights = (report.weight_bytes - embedding) / t
   token_bytes = KVCache.bytes_per_token(cfg, dtype) / t
   loop = program.walked.loop(common.DECODE_LOOP) if program.walked is not None else None
-  step = program.bytes_accessed if loop is None else loop.iteration.bytes - loop.iteration.kernel_bytes
+  one = None if loop is None else (loop.plain or loop.iteration)  # A step without its optional branches.
+  step = program.bytes_accessed if one is None else one.bytes - one.kernel_bytes
   rest = max(step - weights - xla_kv_tokens * token_bytes, 0.0)
-  flops = program.flops if loop is None else loop.iteration.flops
+  flops = program.flops if one is None else one.flops
   return Prices(report.decode_rows, weights, rest, flops, program.decode.bytes if program.decode else 0.0,
                 token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t,
-                loop.iteration.cycles if loop is not None else 0.0, read_cores)
+                one.cycles if one is not None else 0.0, read_cores,
+                2.0 * weights / dtype.itemsize, 2.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t)
 
 
 def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:
@@ -105,13 +116,30 @@ def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_
                     + collectives / chip.ici_bandwidth)
   seconds, floor = time(step_bytes), time(step_bytes - rest)
   copy = 2 * copied_tokens * p.token_bytes
+  prefill_flops, prefill_bytes, prefill_s = _prefill(load, p, chip)
   steps = max(load.steps, 1)
   return DecodeCost(engine, slots, load.steps, p.weights, (kv_read.sum() + copy / 2) / steps,
-                    (kv_written.sum() + copy / 2) / steps, rest.sum() / steps, float(step_flops.sum()),
-                    float(step_bytes.sum() + copy), float(collectives.sum()),
-                    float(seconds.sum() + copy / chip.hbm_bandwidth), float(load.live.mean()) if load.steps else 0.0,
+                    (kv_written.sum() + copy / 2) / steps, rest.sum() / steps, float(step_flops.sum() + prefill_flops),
+                    float(step_bytes.sum() + copy + prefill_bytes), float(collectives.sum()),
+                    float(seconds.sum() + copy / chip.hbm_bandwidth + prefill_s),
+                    float(load.live.mean()) if load.steps else 0.0,
                     load.preemptions, load.recomputed_tokens, load.peak_pages,
-                    float(floor.sum() + copy / chip.hbm_bandwidth), float(p.cycles * np.sum(scale)))
+                    float(floor.sum() + copy / chip.hbm_bandwidth + prefill_s), float(p.cycles * np.sum(scale)),
+                    prefill_s, load.prefills, int(load.chunks.sum()) if load.chunks is not None else 0)
+
+
+def _prefill(load: replay.Load, p: Prices, chip) -> tuple[float, float, float]:
+  """(FLOPs, bytes, seconds) per chip of the prefill chunks `load` ran: each step with a chunk, its tokens' FLOPs
+  against one read of the weights, the slower of the two; and every prompt prefilled, its causal attention
+  (2·N·H·T²·L) at peak."""
+  if load.prefill_tokens is None or not load.prefill_tokens.any():
+    return 0.0, 0.0, 0.0
+  linear = load.prefill_tokens.astype(np.float64) * p.prefill_flops
+  ran = load.prefill_tokens > 0
+  attention = p.prefill_attention * float(np.sum(np.asarray(load.prefill_lengths, np.float64) ** 2))
+  seconds = np.maximum(linear / chip.peak_flops, p.weights / chip.hbm_bandwidth) * ran
+  return float(linear.sum() + attention), float(p.weights * ran.sum()), float(seconds.sum() + attention /
+                                                                              chip.peak_flops)
 
 
 def queue_share(profile: profiles.Profile, queues: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +158,7 @@ def contiguous_slots(report, pool_bytes: float) -> int:
 
 
 def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int) -> DecodeCost:
-  """The contiguous refill engine (`rollout/refill/contiguous.py`) on `profile`: `slots` rows per queue reading up to
+  """The contiguous refill engine (`benchmarks/contiguous_refill.py`) on `profile`: `slots` rows per queue reading up to
   the longest live row's slot in blocks of `attend_one`'s TPU block; each refill copies the prompt bucket."""
   c = report.config
   responses, prompts = queue_share(profile, queues)
@@ -140,33 +168,38 @@ def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min
   return cost(load, p, chip, engine="contiguous", slots=slots * queues, copied_tokens=len(responses) * tp)
 
 
-def paged(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int, pages: int,
-          page_tokens: int, block_pages: int) -> DecodeCost:
-  """The paged refill engine (`rollout/refill/engine.py`) on `profile`: `slots` rows and `pages` pages per queue, each
-  live row reading its own tokens; each refill copies one page (the prompt's last, partly filled one)."""
-  responses, prompts = queue_share(profile, queues)
-  load = replay.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt, slots=slots,
-                           min_slots=min_slots, paged=replay.Paged(pages, page_tokens, block_pages))
-  return cost(load, p, chip, engine="paged", slots=slots * queues, copied_tokens=len(responses) * page_tokens)
+def paged(report, profile, p: Prices, chip, *, plan) -> DecodeCost:
+  """The paged refill engine (`rollout/refill/engine.py`) on `profile` as its `RolloutPlan` runs it: a queue's slots,
+  pages, prefill lanes and chunks, each live row reading its own tokens; each refill copies one page (the prompt's
+  last, partly filled one)."""
+  responses, prompts = queue_share(profile, plan.queues)
+  load = replay.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt,
+                         slots=plan.slots // plan.queues, min_slots=plan.min_slots // plan.queues,
+                         paged=paged_settings(plan))
+  return cost(load, p, chip, engine="paged", slots=plan.slots, copied_tokens=len(responses) * plan.page_tokens)
 
 
-def partial(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int, pages: int,
-            page_tokens: int, block_pages: int, budget: int, max_staleness: int):
-  """The paged refill engine under partial rollouts (`replay.partial_rounds`: rounds of `budget` decode steps,
-  the carried sequences prefilled again each round): (the decode's cost per RL step, the replay)."""
-  c = report.config
-  rounds = replay.partial_rounds(profile.responses, profile.prompts, group=c.rollout.samples_per_prompt,
-                                 queues=queues, slots=slots, min_slots=min_slots,
-                                 paged=replay.Paged(pages, page_tokens, block_pages), budget=budget,
-                                 max_staleness=max_staleness, max_response_tokens=c.rollout.max_response_tokens)
-  total = cost(rounds.load, p, chip, engine="paged", slots=slots * queues,
-               copied_tokens=len(rounds.prefill) * page_tokens)
+def paged_settings(plan) -> replay.Paged:
+  """A refill plan's queue as the replay takes it."""
+  return replay.Paged(plan.queue_pages, plan.page_tokens, plan.block_pages, plan.lanes, plan.prefill_chunk)
+
+
+def partial(report, profile, p: Prices, chip, *, plan, budget: int, max_staleness: int):
+  """The paged refill engine under partial rollouts (`partial_replay.partial_rounds`: rounds of `budget` decode
+  steps as the round's `plan` runs them, the carried sequences prefilled again each round): (the decode's cost per
+  RL step, the replay)."""
+  rounds = partial_replay.partial_rounds(profile.responses, profile.prompts,
+                                         group=report.config.rollout.samples_per_prompt, plan=plan, budget=budget,
+                                         max_staleness=max_staleness)
+  total = cost(rounds.load, p, chip, engine="paged", slots=plan.slots,
+               copied_tokens=len(rounds.prefill) * plan.page_tokens)
   per = lambda x: x / rounds.steps
   return total._replace(
       steps=round(per(total.steps)), flops=per(total.flops), bytes=per(total.bytes),
       collective_bytes=per(total.collective_bytes), seconds=per(total.seconds), floor_s=per(total.floor_s),
       cycles=per(total.cycles), preemptions=round(per(total.preemptions)),
-      recomputed_tokens=round(per(total.recomputed_tokens))), rounds
+      recomputed_tokens=round(per(total.recomputed_tokens)), prefill_s=per(total.prefill_s),
+      prefills=round(per(total.prefills)), chunks=round(per(total.chunks))), rounds
 
 
 def format_costs(costs: list[tuple[str, DecodeCost]]) -> list[str]:

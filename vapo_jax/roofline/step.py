@@ -14,8 +14,9 @@ the walk gives one decode step; `decode_cost` prices the steps one by one on the
 profile's lengths (`rollout/refill/replay.py`, under the report's `RolloutPlan`), the cache's reads from the
 replay (the Pallas kernel's operands set apart: it reads only each row's own blocks), at the bandwidth of the
 TensorCores the kernel runs on (`paged_attention.megacore_mode`). Partial rollouts (`estimate(..., budget=)`)
-are priced in steady state: the replay runs RL steps of budgeted rounds with the engine's own carry
-(`replay.partial_rounds`), and each round's prefill of the carried tokens adds its FLOPs.
+are priced in steady state: the replay runs RL steps of budgeted rounds, each under the round's own plan, with
+the engine's own carry (`partial_replay.partial_rounds`). The prompts (and a round's carried tokens) are
+prefilled in chunks inside the decode loop, priced from the replay's chunks (`decode_cost`).
 Scoring's and the update's loops over micro-batches are charged for the micro-batches that run on the
 profile's lengths (`micro_batch_cost.trips`: ⌈rows / m⌉ per pass, the compiled ones past it skipped).
 Attention runs in Pallas kernels (splash, the paged kernel) that the walk cannot see into, so it is added
@@ -43,8 +44,8 @@ from typing import NamedTuple
 import numpy as np
 
 from vapo_jax.models import decode_attention, logprobs, paged_attention
-from vapo_jax.rollout import common
-from vapo_jax.rollout.refill import replay as replay_lib
+from vapo_jax.rollout import common, partial_replay
+from vapo_jax.rollout import plan as plan_lib
 from vapo_jax.roofline import decode_cost, micro_batch_cost, profiles
 from vapo_jax.train import packed_batch
 
@@ -80,7 +81,7 @@ class StepEstimate(NamedTuple):
   decode: "decode_cost.DecodeCost | None" = None
   update_fill: float | None = None  # Real tokens over the update's token slots run (packed rows), else None.
   micro_rows: int = 0  # Rows per micro-batch (packed).
-  partial: "replay_lib.PartialLoad | None" = None  # Partial rollouts' replay, per queue.
+  partial: "partial_replay.PartialLoad | None" = None  # Partial rollouts' replay, per queue.
   budget: tuple[int, int] | None = None  # Partial rollouts: (decode steps a round, max_staleness).
 
   @property
@@ -168,7 +169,6 @@ def decode(report, program, profile: profiles.Profile, engine: str, chip) -> dec
   """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
   contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
   c, queues, plan = report.config, groups(report), report.plan
-  min_slots = 1 if c.rollout.shrink_slots else 0
   if engine == "static":
     p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
         report.target.platform), read_cores=chip.cores)
@@ -182,11 +182,10 @@ def decode(report, program, profile: profiles.Profile, engine: str, chip) -> dec
                              collective_bytes=sum(x.collective_bytes for x in costs))
   p = _paged_prices(report, program, chip)
   if engine == "paged":
-    return decode_cost.paged(report, profile, p, chip, slots=report.decode_rows // queues, queues=queues,
-                             min_slots=min_slots, pages=plan.queue_pages, page_tokens=plan.page_tokens,
-                             block_pages=plan.block_pages)
+    return decode_cost.paged(report, profile, p, chip, plan=plan)
   slots = decode_cost.contiguous_slots(report, plan.queue_pages * plan.page_tokens * p.token_bytes)
-  return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues, min_slots=min_slots)
+  return decode_cost.contiguous(report, profile, p, chip, slots=slots, queues=queues,
+                                min_slots=plan.min_slots // queues)
 
 
 def _paged_prices(report, program, chip) -> decode_cost.Prices:
@@ -199,14 +198,15 @@ def _paged_prices(report, program, chip) -> decode_cost.Prices:
 
 
 def decode_partial(report, program, profile: profiles.Profile, chip, budget: tuple[int, int]):
-  """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness): (its cost per RL
-  step, the replay `replay_lib.PartialLoad`)."""
-  plan = report.plan
-  return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip,
-                             slots=report.decode_rows // groups(report), queues=groups(report),
-                             min_slots=1 if report.config.rollout.shrink_slots else 0, pages=plan.queue_pages,
-                             page_tokens=plan.page_tokens, block_pages=plan.block_pages, budget=budget[0],
-                             max_staleness=budget[1])
+  """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness), each round as its
+  own plan runs it (the compiled one, `report.round`, else `plan.plan_round` of the budget): (its cost per RL
+  step, the replay `partial_replay.PartialLoad`)."""
+  c = report.config
+  r = dataclasses.replace(c.rollout, decode_budget=budget[0], max_staleness=budget[1])
+  round_plan = report.round or plan_lib.plan_round(r, report.architecture, dtype=np.dtype(c.model.dtype),
+                                                   devices=report.plan.devices, platform=report.target.platform)
+  return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip, plan=round_plan,
+                             budget=budget[0], max_staleness=budget[1])
 
 
 def partial_budget(config) -> tuple[int, int]:
@@ -219,16 +219,6 @@ def partial_budget(config) -> tuple[int, int]:
     return r.decode_budget, r.max_staleness
   budget = max(128, round(0.3 * r.max_response_tokens / 128) * 128)
   return budget, -(-r.max_response_tokens // budget)
-
-
-def _reprefill_flops(report, replay: replay_lib.PartialLoad, chips: int) -> float:
-  """FLOPs per chip and RL step of the partial rollouts' prefills: every round's prompts with their carried
-  tokens, all queues (the replay's queue standing for each)."""
-  cfg = report.architecture
-  embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
-  flops = 2.0 * (report.parameters[0] - embedding) * float(replay.prefill.sum()) + _attention_forward(
-      cfg, replay.prefill)
-  return flops * groups(report) / replay.steps / chips
 
 
 def _head_flops(report, chips: int, tokens: float) -> float:
@@ -275,10 +265,9 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
     elif phase.name == "rollout":
       f, m = (program.walked.flops if program.walked else program.flops), mb.collective_bytes(program, unknown=1)
       b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed, 0.0)
-      f += _attention_forward(cfg, profile.prompts) / chips if "prefill" in program.name else 0.0
-      if replay is not None and "prefill" in program.name:  # Each round's, its prompts with their carried tokens.
+      if replay is not None:  # A round's programs but its decode loop (start, finish): each round runs them.
         rounds = replay.rounds / replay.steps
-        f, b, m, k = _reprefill_flops(report, replay, chips), b * rounds, m * rounds, k * rounds
+        f, b, m, k = f * rounds, b * rounds, m * rounds, k * rounds
     else:
       trips = mb.trips(report, phase.name, profile)
       calls = c.updates_per_step if phase.name == "update" else 1  # One update program per mini-batch.
@@ -310,7 +299,7 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
   work) at the roofline of `report.target`'s chip under `profile` (default: every response at the cap, every
   prompt at the bucket length), the rollout decoded by `engine` (default: the compiled one, `engines`);
   `budget` = (rollout.decode_budget, rollout.max_staleness): the paged engine's partial rollouts, in steady
-  state (`replay_lib.partial_rounds`)."""
+  state (`partial_replay.partial_rounds`)."""
   chip, chips = report.target.chip, len(report.target.devices)
   c = report.config
   profile = profile or profiles.at_cap(c, np.full(c.rollout.prompts_per_step, common.prompt_bucket(

@@ -49,8 +49,13 @@ def summary(step: StepEstimate) -> str:
           f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
           + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
              f"micro-batches of {step.micro_rows} rows")
+          + ("" if step.decode is None or not step.decode.chunks else
+             f"; prefill in the loop: {step.decode.prefills} admissions, {step.decode.chunks} chunks, "
+             f"{step.decode.prefill_s:.1f} s a queue")
           + ("" if step.partial is None else f"; {step.decode_steps} decode steps in "
-             f"{step.partial.rounds / step.partial.steps:.2f} rounds of {step.budget[0]}, "
+             f"{step.partial.rounds / step.partial.steps:.2f} rounds of {step.budget[0]} (the round's plan: "
+             f"{step.partial.plan.queue_pages} pages a queue, {step.partial.plan.slots} slots, "
+             f"{step.partial.plan.lanes} lanes of {step.partial.plan.prefill_chunk}-token chunks), "
              f"a queue carrying {step.partial.carried:.0f} sequences, restarting "
              f"{step.partial.restarted / step.partial.steps:.0f} and prefilling "
              f"{step.partial.prefill.sum() / step.partial.steps / 1e6:.2f}M tokens a step; "

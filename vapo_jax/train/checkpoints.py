@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 
 from vapo_jax import distributed, files
 from vapo_jax.config import CheckpointConfig, ExperimentConfig
-from vapo_jax.errors import ConfigError
+from vapo_jax.errors import ConfigError, UserError
 from vapo_jax.train import background_saves as background
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
@@ -119,6 +119,7 @@ class RunCheckpoints:
 
   def __init__(self, directory: str, config: CheckpointConfig):
     self.directory, self.config, self.failed, self._unchecked = os.path.abspath(directory), config, False, False
+    self._skipped: set[int] = set()  # Checkpoints found unreadable (warned once each).
     options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=config.async_save,
                                            create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -176,24 +177,33 @@ class RunCheckpoints:
     """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says."""
     return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
 
-  def restore_latest(self, make_target) -> tuple[int, Any, dict] | None:
-    """(step, state, meta) of the newest fully readable checkpoint; `make_target(meta)` gives the target."""
+  def restore_latest(self, make_target, accept=None) -> tuple[int, Any, dict] | None:
+    """(step, state, meta) of the newest fully readable checkpoint; `make_target(meta)` gives the target, and
+    `accept(state, meta)` takes it (a damaged record it raises on: the next older one is tried)."""
     for step in reversed(self.steps()):
       try:
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         target = make_target(meta)  # A refusal (changed config) is raised, not skipped.
-      except ConfigError:
+      except UserError:
         raise
       except Exception as e:  # Orbax raises several types for missing or corrupt files.
         self._skip(step, e)
         continue
       try:
-        return step, self.restore(step, target), meta
+        state = self.restore(step, target)
+        if accept is not None:
+          accept(state, meta)
+        return step, state, meta
+      except UserError:
+        raise
       except Exception as e:
         self._skip(step, e)
     return None
 
   def _skip(self, step: int, error: Exception) -> None:
+    if step in self._skipped:  # Found by `latest_meta`, then by `restore_latest`: said once.
+      return
+    self._skipped.add(step)
     path = os.path.join(self.directory, str(step))
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
     warnings.warn(f"checkpoint {path} is incomplete or unreadable ({type(error).__name__}: {first_line[:300]}); "

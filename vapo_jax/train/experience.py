@@ -32,6 +32,8 @@ from vapo_jax.errors import ConfigError
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
+from vapo_jax.rollout.plan import plan_round
+from vapo_jax.train import partial_sampling
 from vapo_jax.train.algorithm import PrefixLabels
 from vapo_jax.train.partial_sampling import PartialSampling
 from vapo_jax.train.state import TrainState
@@ -77,18 +79,12 @@ def plan(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, promp
          **options) -> rollout.RolloutPlan:
   """The rollout plan (`rollout.plan_rollout`) for `prompts` × `group` sequences of `prompt_tokens`-token prompts
   split over `devices` data-parallel devices; a KV cache that does not fit `rollout.kv_cache_budget_gib` per
-  device is a `ConfigError` naming what to change. `options`: `plan_rollout`'s (`prompt_lengths`, `budgeted`,
-  `slot_sequences`)."""
+  device is a `ConfigError` naming what to change. `options`: `plan_rollout`'s (`prompt_lengths`, `platform`)."""
   try:
     return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
                                 dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
   except MemoryError as e:
-    if not options.get("budgeted"):
-      raise ConfigError(str(e)) from None
-    r = config.rollout
-    raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) holds {prompts} "
-                      f"sequences, each a prompt with up to a response's carried tokens ({prompt_tokens}-token "
-                      f"prompts): {e}; or set rollout.decode_budget=0") from None
+    raise ConfigError(str(e)) from None
 
 
 def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
@@ -158,7 +154,37 @@ class Experience:
   def __init__(self, config: ExperimentConfig, *, steps: Steps, layout: RolloutLayout, model_cfg, tokenizer, pool):
     self.config, self.steps, self.layout = config, steps, layout
     self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
-    self.partial = PartialSampling(self) if config.rollout.decode_budget else None  # RL steps' rollouts.
+    # An RL step's rollout, chosen once: partial rounds under a decode budget, else a whole rollout (`sample`).
+    self.partial = PartialSampling(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
+        config.rollout.decode_budget) else None
+    self.rl_rollout = self._partial_rollout if self.partial else self._whole_rollout
+
+  def _partial_context(self) -> partial_sampling.Context:
+    r = self.config.rollout
+    return partial_sampling.Context(
+        settings=r, plan=self.plan_round(), policy=self.policy, layout=self.layout, place=self.steps.place,
+        sampling=self.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+        encode=lambda record: problems.encode_prompt(record, self.tokenizer, self.config),
+        verify=lambda out, answers: (*self.place_share(scored := self.verify(out, answers), out), scored.metrics),
+        pad_id=self.tokenizer.pad_token_id, cache_dtype=jnp.dtype(self.config.model.dtype))
+
+  def plan_round(self) -> rollout.RolloutPlan:
+    """A partial rollout's round's plan on this run's groups (`plan.plan_round`); a `ConfigError` naming the budget
+    when it cannot run."""
+    r = self.config.rollout
+    try:
+      return plan_round(r, self.model_cfg, dtype=jnp.dtype(self.config.model.dtype), devices=self.layout.data_devices)
+    except MemoryError as e:
+      raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) cannot run: {e}; or "
+                        "set rollout.decode_budget=0") from None
+
+  def _partial_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *, version: int) -> "Sampled":
+    del key  # Partial rollouts sample each run sequence from its own key (`PartialSampling.key`).
+    return Sampled(*self.partial.sample(state, prompts, version=version))
+
+  def _whole_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *, version: int) -> "Sampled":
+    del version
+    return self.sample(state, prompts, key)
 
   def policy(self, state: TrainState) -> nnx.Module:
     """The actor in the rollout layout: a resharded copy (with `rollout.tensor_parallel` > 1), to drop
@@ -194,7 +220,7 @@ class Experience:
     plans = [self.plan_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
              for prompts, group in dict.fromkeys(calls)]
     if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
-      plans.append(self.partial.plan())
+      plans.append(self.partial.context.plan)
     return plans
 
   def verify(self, out: common.Rollout, answers: list[str]) -> reward_lib.RewardBatch:
@@ -236,15 +262,12 @@ class Experience:
     return scored
 
   def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
-             prefix_step: int | None = None, version: int | None = None) -> Sampled:
-    """A verified rollout of P prompts × G samples, the rewards and verdicts as global arrays. Under
-    dynamic sampling, refilled with groups of mixed verdicts. `prefix_step`: a value-pretraining step (the
-    run's global step), whose "prefix" target (if it is the target) needs the prefix labels (`prefix_labels`).
-    `version`: an RL step (the RL steps done), whose rollout is partial under `rollout.decode_budget`."""
+             prefix_step: int | None = None) -> Sampled:
+    """A verified whole rollout of P prompts × G samples, the rewards and verdicts as global arrays (an RL step's
+    under `rl_rollout`, which may be partial). Under dynamic sampling, refilled with groups of mixed verdicts.
+    `prefix_step`: a value-pretraining step (the run's global step), whose "prefix" target (if it is the target)
+    needs the prefix labels (`prefix_labels`)."""
     config, settings = self.config, self.config.rollout
-    if version is not None and self.partial is not None:
-      out, rewards, correct, stats, _ = self.partial.sample(state, prompts, version=version)
-      return Sampled(out, rewards, correct, stats)
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     rng = prefix_rng(config.seed, prefix_step) if (
         prefix_step is not None and config.algo.value_pretrain_target == "prefix") else None

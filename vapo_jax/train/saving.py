@@ -12,6 +12,7 @@ step finishes, a checkpoint is saved (or the periodic one awaited) and `checkpoi
 
 import dataclasses
 import os
+import warnings
 
 import jax
 from flax import nnx
@@ -30,10 +31,8 @@ class Saving:
   def _resume(self, write_logs: bool):
     """Continues from the newest readable checkpoint, if any, and opens the logs where it left them."""
     config = self.config
-    restored = self.checkpoints.restore_latest(self._restore_target) if self.checkpoints else None
+    restored = self.checkpoints.restore_latest(self._restore_target, self._accept) if self.checkpoints else None
     if restored:
-      self.state = from_checkpoint(restored[1], jax.random.key_impl(self.state.key))
-      self.progress.load_json(restored[2]["progress"])
       self.log(f"resumed from {self.checkpoints.directory}/{restored[0]}: stage {self.progress.stage}, "
                f"step {self.progress.stage_step}")
     self.saves = max(self.checkpoints.steps(), default=0) if self.checkpoints else 0  # Numbered after every one.
@@ -64,16 +63,28 @@ class Saving:
     saved = meta["progress"]
     target = self.state._replace(sft_opt=self.state.sft_opt if saved["stage"] == "sft" else None,
                                  ref=self.state.actor if meta["has_ref"] else None)
-    return checkpoints.abstract(to_checkpoint(target), self.mesh)
+    return checkpoints.abstract(to_checkpoint(target), self.mesh) | self.progress.array_target(saved)
+
+  def _accept(self, tree: dict, meta: dict) -> None:
+    """Takes a restored checkpoint: its progress first (a damaged record raises before anything changes: the
+    next older checkpoint is tried), then its state."""
+    self.progress.load(meta["progress"], tree)
+    if (carry := self.progress.carry) is not None and carry.capped:
+      warnings.warn(f"{carry.capped} carried sequence(s) held rollout.max_response_tokens="
+                    f"{self.config.rollout.max_response_tokens} tokens or more (the cap was lowered since the save): "
+                    "they end there, finish reason \"length\"", stacklevel=2)
+    arrays = {k: v for k, v in tree.items() if k != "carry"}
+    self.state = from_checkpoint(arrays, jax.random.key_impl(self.state.key))
 
   def save(self, *, wait: bool = False):
     """A checkpoint of (state, progress); Orbax numbers checkpoints by a save counter."""
     if self.checkpoints is not None:
       self.saves += 1
-      meta = {"progress": self.progress.to_json(), "metrics_bytes": self.writer.size(),
+      record, arrays = self.progress.checkpoint()
+      meta = {"progress": record, "metrics_bytes": self.writer.size(),
               "has_ref": self.state.ref is not None, "config": dataclasses.asdict(self.config),
               "layer_layout": checkpoints.LAYER_LAYOUT}
-      self.checkpoints.save(self.saves, to_checkpoint(self.state), meta, wait=wait)
+      self.checkpoints.save(self.saves, to_checkpoint(self.state) | arrays, meta, wait=wait)
 
   def _after_step(self, *, last: bool):
     """Counts a finished step; saves every N steps; on SIGTERM saves and stops."""

@@ -66,7 +66,8 @@ def _run_one(experience, policy, key: jax.Array, engine: str) -> None:
   mask[0, -1] = True
   cache_dtype = jnp.dtype(config.model.dtype)
   if engine == "round":
-    call = partial.Call([(0, 0)], tokens, mask, np.zeros(1, np.int32), np.zeros(1, np.int32), np.ones(1, np.int32))
+    call = partial.Call(np.zeros(1, np.int64), tokens, mask, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                        np.ones(1, np.int32))
     partial.decode_round(policy, call, key, plan=plan, sampling=sampling, budget=1, pad_id=tokenizer.pad_token_id,
                          cache_dtype=cache_dtype, jit=layout.jit, place=layout.place)
     return

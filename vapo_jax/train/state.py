@@ -6,7 +6,8 @@ it (`Progress`). A checkpoint is the two of them; nothing else is saved or resto
               Passed into and returned by the jitted steps (`steps.Steps`).
   Progress    the stage and steps done in it, value-pretraining progress, evaluation results,
               the prompt iterator's position, the supervised stage's host RNG and the collapse
-              monitor. JSON in checkpoints.
+              monitor, and partial rollouts' carry: a JSON record in checkpoints, the carry's tokens and
+              log-probs as arrays beside the state's.
 """
 
 import dataclasses
@@ -71,23 +72,40 @@ class Progress:
     if self.stage not in STAGES:
       raise ValueError(f"unknown stage {self.stage!r}; stages: {', '.join(STAGES)}")
 
-  def to_json(self) -> dict:
-    return {"stage": self.stage, "stage_step": self.stage_step, "global_step": self.global_step,
-            "nonfinite_steps": self.nonfinite_steps,
-            "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
-            "eval_after": self.eval_after, "prompts": self.prompts.state_dict(),
-            "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(),
-            "carry": None if self.carry is None else self.carry.state_dict()}
+  def checkpoint(self) -> tuple[dict, dict]:
+    """(the JSON record, the arrays saved beside the state's: partial rollouts' carry, if any)."""
+    counters, arrays = (None, None) if self.carry is None else self.carry.state_dict()
+    record = {"stage": self.stage, "stage_step": self.stage_step, "global_step": self.global_step,
+              "nonfinite_steps": self.nonfinite_steps,
+              "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
+              "eval_after": self.eval_after, "prompts": self.prompts.state_dict(),
+              "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(), "carry": counters}
+    return record, ({} if arrays is None else {"carry": arrays})
 
-  def load_json(self, saved: dict) -> None:
-    for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best", "vp_since_best", "eval_before",
-                 "eval_after"):
-      setattr(self, name, saved[name])
-    self.prompts.load_state_dict(saved["prompts"])
-    self.sft_rng.bit_generator.state = saved["sft_rng"]
-    self.monitor.load_state_dict(saved["monitor"])
+  def array_target(self, saved: dict) -> dict:
+    """What `checkpoint`'s arrays were, from a saved record: NumPy arrays of their shapes (the restore's target)."""
+    if self.carry is None or saved.get("carry") is None:
+      return {}
+    shapes = self.carry.array_shapes(saved["carry"], self.carry.group)
+    return {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}
+
+  def load(self, saved: dict, arrays: dict) -> None:
+    """The progress of a checkpoint's record and arrays. A damaged record (a field missing or of the wrong shape) is
+    a `ValueError` (or `KeyError`, `TypeError`) before anything changes; data that no longer match the record is
+    the prompt iterator's `DataError`."""
+    scalars = {name: saved[name] for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best",
+                                              "vp_since_best", "eval_before", "eval_after")}
+    if scalars["stage"] not in STAGES or not all(isinstance(scalars[n], int) for n in (
+        "stage_step", "global_step", "nonfinite_steps", "vp_since_best")):
+      raise ValueError(f"the progress record's stage or step counters are damaged: {scalars}")
+    rng, monitor, prompts = dict(saved["sft_rng"]), dict(saved["monitor"]), dict(saved["prompts"])
     if self.carry is not None and saved.get("carry") is not None:
-      self.carry.load_state_dict(saved["carry"])
+      self.carry.load_state_dict(saved["carry"], arrays["carry"])
+    self.prompts.load_state_dict(prompts)
+    self.sft_rng.bit_generator.state = rng
+    self.monitor.load_state_dict(monitor)
+    for name, value in scalars.items():
+      setattr(self, name, value)
 
   def enter(self, stage: str) -> None:
     self.stage, self.stage_step = stage, 0

@@ -155,9 +155,11 @@ class Trainer(Saving):
     transfers: the prompts, the verifier's share and its verdicts, packed rows' lengths and placements, the metrics."""
     start = time.perf_counter()
     state, key = state.split_key()
-    out, rewards, correct, stats, prefixes = self.experience.sample(
-        state, self.progress.prompts, key, prefix_step=self.progress.global_step if value_pretraining else None,
-        version=None if value_pretraining else self.progress.stage_step)
+    if value_pretraining:
+      sampled = self.experience.sample(state, self.progress.prompts, key, prefix_step=self.progress.global_step)
+    else:
+      sampled = self.experience.rl_rollout(state, self.progress.prompts, key, version=self.progress.stage_step)
+    out, rewards, correct, stats, prefixes = sampled
     sampled = time.perf_counter()
     plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
     batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan,

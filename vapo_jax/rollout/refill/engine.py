@@ -90,7 +90,7 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
     return (shrink_at > 0) & slots_lib.drained(s) & (q_lib.rows_needed(s.live, queues) <= shrink_at)
 
   def spent(s: Slots) -> jax.Array:
-    return False if resumed is None else s.counters[slots_lib.DECODED] >= resumed.budget
+    return jnp.zeros((), bool) if resumed is None else s.counters[slots_lib.DECODED] >= resumed.budget
 
   def cond(carry):
     i, s = carry

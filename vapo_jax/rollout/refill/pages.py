@@ -23,8 +23,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from vapo_jax.rollout.refill import queues as q_lib
-
 
 class FreePages(NamedTuple):
   stack: jax.Array  # [Q, Pq] int32: entries [0, count) are free page ids.

@@ -2,7 +2,6 @@
 attention reads, from the sequences' lengths (the roofline's model of the decode loop, `vapo_jax/roofline`).
 
   load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4, lanes, chunk))
-  replay = partial_rounds(profile, group=G, queues=Q, slots=R, ..., budget=D, max_staleness=k, max_response_tokens=Tr)
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
 the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the fewest
@@ -14,8 +13,8 @@ prompts, prefills and the sequences that started last (which restart from the pr
 (`paged_attention.read_tokens`, `decode_attention.read_tokens`: what the kernels read): paged, each live row its
 own tokens in whole blocks; contiguous (`paged=None`, every prompt prefilled at the start), every row up to the
 longest live row's slot in a cache of `prompt_slots` (the left-padded prompt bucket) + response slots, in blocks
-of `block`. With a `budget` it stops after that many steps, as a partial rollout's round does; `partial_rounds`
-replays whole RL steps of partial rollouts with the engine's own carry (`rollout/partial.py`).
+of `block`. With a `budget` it stops after that many steps, as a partial rollout's round does
+(`rollout/partial_replay.py` replays whole RL steps of them with the engine's own carry).
 """
 
 from typing import NamedTuple
@@ -23,7 +22,6 @@ from typing import NamedTuple
 import numpy as np
 
 from vapo_jax.models import decode_attention, paged_attention
-from vapo_jax.rollout import common
 from vapo_jax.rollout.refill import queues as queues_lib
 
 
@@ -48,6 +46,7 @@ class Load(NamedTuple):
   prefills: int = 0  # Paged: prompts prefilled (again, after being given back, too).
   chunks: np.ndarray | None = None  # Paged: [steps] prefill lanes that ran a chunk.
   prefill_tokens: np.ndarray | None = None  # Paged: [steps] prompt tokens prefilled.
+  prefill_lengths: np.ndarray | None = None  # Paged: [prefills] each prompt's tokens, as its prefill started.
 
   @property
   def steps(self) -> int:
@@ -70,6 +69,7 @@ class _Queue:
     self.users = np.full(len(self.prompts), group)
     self.lanes = [-1] * (paged.lanes if paged else 0)  # The prompt each lane fills; -1: none.
     self.preemptions = self.recomputed = self.prefills = 0
+    self.prefilled: list[int] = []  # Each prefill's prompt length, in order.
     self.ended_at = np.zeros(len(responses), np.int64)
 
   def holding(self) -> np.ndarray:
@@ -163,6 +163,7 @@ class _Queue:
       self.p_started[p], self.p_done[p] = t, 0
       self.lanes[self.lanes.index(-1)] = p
       self.prefills += 1
+      self.prefilled.append(int(self.prompts[p]))
 
   def chunk(self) -> tuple[int, int]:
     """Every lane's next chunk (`prefill.chunk`): (lanes that ran, tokens prefilled)."""
@@ -225,8 +226,8 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
              budget: int = 0) -> Load:
   """One queue's decode loop (module docstring): `responses` `[n]` its sequences' lengths in order, `prompts`
   `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail; `cache_slots`: the
-  contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps (a partial rollout's round,
-  `partial_rounds`)."""
+  contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps that decoded a row (a partial
+  rollout's round)."""
   q, t, decoded = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0, 0
   rows, live, read, chunks, prefilled = [], [], [], [], []
   while q.remaining() and not 0 < budget <= decoded:  # The budget counts the steps that decoded a row.
@@ -257,69 +258,4 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
     t += 1
   array = lambda x: np.asarray(x, np.int64) if paged else None
   return Load(np.asarray(rows), np.asarray(live), np.asarray(read, np.float64), q.preemptions, q.recomputed,
-              q.peak, q.holding(), q.prefills, array(chunks), array(prefilled))
-
-
-class PartialLoad(NamedTuple):
-  """One queue's partial rollouts (`partial_rounds`) over the measured RL steps."""
-
-  load: Load  # Their rounds' decode steps, end to end.
-  steps: int  # RL steps measured.
-  rounds: int
-  prefill: np.ndarray  # [sequences prefilled] each round's prompts with their carried tokens.
-  restarted: int  # Sequences restarted for `max_staleness`.
-  carried: float  # Mean sequences carried out of a step.
-  stale_frac: float  # Trained tokens sampled by an older version.
-
-
-def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, queues: int, slots: int,
-                   min_slots: int, paged: Paged | None, budget: int, max_staleness: int, max_response_tokens: int,
-                   warm: int = 4, measured: int = 4) -> PartialLoad:
-  """One queue's partial rollouts (`rollout/partial.py`) replayed with the engine's own carry: each RL step
-  restarts the stale, then runs rounds of `budget` decode steps (`simulate`, one sequence per prompt: a prompt
-  with its carried tokens) until its share of groups is complete. Groups come from one step's `responses` `[N]`
-  and `prompts` `[N / group]` in turn, the queue serving 1/`queues` of them; `warm` steps fill the pipeline, the
-  next `measured` are counted."""
-  from vapo_jax.rollout import partial  # The carry itself: the replay follows the engine's rules.
-
-  per_step, sequences = len(prompts) // queues, partial.OVERPROVISION * len(responses) // queues
-  carry = partial.Carry(group=group, sequences=sequences, max_response_tokens=max_response_tokens,
-                        max_staleness=max_staleness, pad_id=0,
-                        prompt_width=partial.prompt_width(int(prompts.max()), max_response_tokens))
-  drawn = [0]
-
-  def draw(n):
-    out = []
-    for j in range(drawn[0], drawn[0] + n):
-      g = j % len(prompts)
-      out.append((responses[g * group:(g + 1) * group].tolist(), [0] * int(prompts[g])))
-    drawn[0] += n
-    return out
-
-  loads, prefill = [], []
-
-  def decode(call):  # The round in the replay: each sequence decodes on towards its drawn length.
-    target = np.asarray([carry.groups[g].record[j] for g, j in call.members])
-    held = call.prompt_mask.sum(axis=1)
-    load = simulate(target - call.offsets, held, group=1, slots=slots, min_slots=min_slots, paged=paged,
-                    budget=budget)
-    loads.append(load)
-    prefill.append(held)
-    zeros = np.zeros((len(target), max(int(load.held.max()), 1)))
-    finish = np.where(call.offsets + load.held >= target, common.FINISH_STOP, common.FINISH_UNFINISHED)
-    return zeros.astype(np.int32), zeros, zeros, load.held, finish
-
-  rounds, restarted, carried, stale, trained = 0, 0, 0, 0, 0
-  for version in range(warm + measured):
-    if version == warm:  # The pipeline is full: count from here.
-      del loads[:], prefill[:]
-    groups, restarts, ran = carry.step(version, per_step, draw, decode)
-    if version >= warm:
-      versions = [u for g in groups for m in g.members for u in m.versions]
-      rounds, restarted, carried = rounds + ran, restarted + restarts, carried + carry.carried()
-      stale, trained = stale + sum(u < version for u in versions), trained + len(versions)
-  joined = Load(*(np.concatenate([getattr(x, f) for x in loads]) for f in ("rows", "live", "read_tokens")),
-                sum(x.preemptions for x in loads), sum(x.recomputed_tokens for x in loads),
-                max(x.peak_pages for x in loads))
-  return PartialLoad(joined, measured, rounds, np.concatenate(prefill), restarted, carried / measured,
-                     stale / max(trained, 1))
+              q.peak, q.holding(), q.prefills, array(chunks), array(prefilled), array(q.prefilled))

@@ -104,7 +104,8 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
 
 def prompt_table_pages(width: int, page_tokens: int, block_pages: int) -> int:
   """A prompt's page table width: its bucket's pages, in whole blocks."""
-  return -(-(-(-width // page_tokens)) // block_pages) * block_pages
+  pages = -(-width // page_tokens)
+  return -(-pages // block_pages) * block_pages
 
 
 def drained(s: Slots) -> jax.Array:
@@ -227,7 +228,8 @@ def candidates(s: Slots, count: int) -> tuple[jax.Array, jax.Array]:
   fresh = q_lib.queue_ends(s.queued, n) - s.queued
   waited = jnp.take_along_axis(s.waiting, jnp.clip(s.waiting_count[:, None] - 1 - rank, 0, per - 1), axis=1)
   first = jnp.arange(queues, dtype=jnp.int32)[:, None] * per
-  local = jnp.where(rank < s.waiting_count[:, None], waited, s.queued[:, None] - first + rank - s.waiting_count[:, None])
+  fresh_local = s.queued[:, None] - first + rank - s.waiting_count[:, None]
+  local = jnp.where(rank < s.waiting_count[:, None], waited, fresh_local)
   return jnp.clip(local, 0, per - 1), rank < (s.waiting_count + fresh)[:, None]
 
 
