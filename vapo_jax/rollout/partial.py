@@ -216,18 +216,32 @@ class Carry:
     rows = self._rows()
     return int(np.sum((self.length[rows] > 0) & (self.finish[rows] < 0)))
 
+  def _compact(self) -> None:
+    """The members in group order at rows [0, n), one buffer at a time (`state_dict` then saves views)."""
+    rows = self._rows()
+    if np.array_equal(rows, np.arange(len(rows))):
+      return
+    for name in _BUFFERS:
+      self.buffers[name][:len(rows)] = self.buffers[name][rows]  # One buffer's members in flight at a time.
+    for array in (self.length, self.finish, self.ids):
+      array[:len(rows)] = array[rows]
+    self.used[:] = np.arange(len(self.used)) < len(rows)
+    start = 0
+    for g in self.groups:
+      g.rows, start = np.arange(start, start + len(g.rows)), start + len(g.rows)
+
   def state_dict(self) -> tuple[dict, dict[str, np.ndarray]]:
     """(counters, arrays): the JSON record's counters and shapes, and every group in flight as arrays (members in
-    group order, tokens up to the longest held; the records as UTF-8 JSON bytes)."""
-    rows = self._rows()
-    width = max(int(self.length[rows].max(initial=0)), 1)
+    group order, whole rows: views of the buffers; the records as UTF-8 JSON bytes)."""
+    self._compact()
+    rows, width = self._rows(), self.max_response_tokens  # Whole rows: views of the buffers, and back the same.
     prompts = [g.prompt for g in self.groups]
     prompt_width = max((len(p) for p in prompts), default=1)
     prompt_tokens = np.full((len(prompts), prompt_width), self.pad_id, np.int32)
     for i, p in enumerate(prompts):
       prompt_tokens[i, :len(p)] = p
     records = np.frombuffer(json.dumps([g.record for g in self.groups]).encode(), np.uint8)
-    arrays = {name: self.buffers[name][rows, :width] for name in _BUFFERS} | {
+    arrays = {name: self.buffers[name][:len(rows), :width] for name in _BUFFERS} | {
         "length": self.length[rows], "finish": self.finish[rows], "ids": self.ids[rows],
         "prompt_tokens": prompt_tokens, "prompt_lengths": np.asarray([len(p) for p in prompts], np.int32),
         "records": records}
@@ -249,6 +263,10 @@ class Carry:
     """The carry of `state_dict`; a `ValueError` naming what is wrong when the two do not fit each other (nothing
     is changed then). Under a lower `max_response_tokens` than the save's, a sequence holding the new cap or more
     is cut there and ends with finish reason "length" (`capped`: how many)."""
+    if not int(counters["groups"]):  # Nothing in flight: no arrays were saved.
+      self.groups, self.next_id, self.capped = [], int(counters["next_id"]), 0
+      self._allocate(0)
+      return
     shapes = self.array_shapes(counters, self.group)
     for name, (shape, _) in shapes.items():
       got = arrays.get(name)
@@ -266,9 +284,17 @@ class Carry:
     finish = np.where((lengths >= cap) & (finish < 0), common.FINISH_LENGTH, finish)
     lengths, width = np.minimum(lengths, cap), min(width, cap)
     n = len(lengths)
-    self._allocate(max(n, self.sequences))
-    for name in _BUFFERS:
-      self.buffers[name][:n, :width] = arrays[name][:, :width]
+    whole = int(counters["width"]) == self.max_response_tokens
+    self._allocate(0 if whole else max(n, self.sequences))
+    for name, dtype in _BUFFERS.items():
+      given = arrays[name]
+      if whole:  # Whole rows of the cap: the restored arrays are the buffers (no second copy).
+        self.buffers[name] = np.require(given, dtype, ["C", "W"])
+      else:
+        self.buffers[name][:n, :width] = given[:, :width]
+    if whole:
+      self.length, self.finish, self.ids, self.used = (np.zeros(n, np.int32), np.full(n, -1, np.int32),
+                                                       np.zeros(n, np.int64), np.zeros(n, bool))
     self.length[:n], self.finish[:n] = lengths, finish
     self.ids[:n], self.used[:n] = arrays["ids"], True
     prompt_lengths = np.asarray(arrays["prompt_lengths"])

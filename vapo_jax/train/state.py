@@ -75,6 +75,8 @@ class Progress:
   def checkpoint(self) -> tuple[dict, dict]:
     """(the JSON record, the arrays saved beside the state's: partial rollouts' carry, if any)."""
     counters, arrays = (None, None) if self.carry is None else self.carry.state_dict()
+    if counters is not None and not counters["groups"]:
+      arrays = None  # Nothing in flight (Orbax saves no empty array): the counters say so.
     record = {"stage": self.stage, "stage_step": self.stage_step, "global_step": self.global_step,
               "nonfinite_steps": self.nonfinite_steps,
               "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
@@ -84,7 +86,7 @@ class Progress:
 
   def array_target(self, saved: dict) -> dict:
     """What `checkpoint`'s arrays were, from a saved record: NumPy arrays of their shapes (the restore's target)."""
-    if self.carry is None or saved.get("carry") is None:
+    if self.carry is None or not (saved.get("carry") or {}).get("groups"):
       return {}
     shapes = self.carry.array_shapes(saved["carry"], self.carry.group)
     return {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}
@@ -100,7 +102,8 @@ class Progress:
       raise ValueError(f"the progress record's stage or step counters are damaged: {scalars}")
     rng, monitor, prompts = dict(saved["sft_rng"]), dict(saved["monitor"]), dict(saved["prompts"])
     if self.carry is not None and saved.get("carry") is not None:
-      self.carry.load_state_dict(saved["carry"], arrays["carry"])
+      counters = saved["carry"]
+      self.carry.load_state_dict(counters, arrays["carry"] if counters["groups"] else {})
     self.prompts.load_state_dict(prompts)
     self.sft_rng.bit_generator.state = rng
     self.monitor.load_state_dict(monitor)
