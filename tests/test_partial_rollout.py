@@ -1,12 +1,14 @@
 """Partial rollouts (rollout/partial.py): a rollout stopped at a decode budget and continued is the rollout never
 stopped; trained groups are complete and no trained token is older than `max_staleness` versions."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import build_smoke_config
-from model_utils import EOS, PROMPTS
+from model_utils import EOS, PROMPTS, place_module
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies, xla_report, xla_report_text
@@ -170,3 +172,82 @@ def test_a_partial_rollouts_round_is_compiled_and_checked(tmp_path):
   assert [p.name.split(" (")[0] for p in phase.programs] == ["start", "decode", "compaction", "finish"]
   assert all(p.memory is not None and p.needs > 0 for p in phase.programs)
   assert "partial rollout" in xla_report_text.table(report)
+
+
+def _rounds_on(model, devices: int, *, steps: int = 10, budget: int = 4, prompts: int = 8):
+  """Partial rollouts of `prompts` prompts × 4 samples a step over `devices` data-parallel devices, the round as its
+  plan runs it (its slots in a queue per device, prefill lanes for every slot: the prefill never holds a slot back),
+  each sequence stopping at its drawn length (a long tail of 1..16 tokens through `length_limits`): (the stale
+  fraction of the trained tokens, rounds a step) after the first two steps."""
+  from vapo_jax.models import sharding
+  from vapo_jax.rollout.plan import plan_round
+
+  r = RolloutConfig(prompts_per_step=prompts, samples_per_prompt=4, max_prompt_tokens=8, max_response_tokens=16,
+                    decode_budget=budget, max_staleness=3, page_tokens=4, decode_steps_per_call=8,
+                    prefill_lanes=4 * prompts)
+  plan = plan_round(r, model.cfg, dtype=np.float32, devices=devices)
+  mesh, rules = sharding.make_mesh(data=devices, devices=jax.devices()[:devices]), sharding.PRESETS["dp"]
+  sharded = place_module(model, mesh, rules)
+  jit, place = (lambda fn, **kw: sharding.jit(fn, mesh, rules, **kw)), (lambda t: sharding.place(t, mesh, rules))
+  spec = common.Sampling(max_response_tokens=16, stop_token_ids=(), temperature=1.0)
+  carry = partial.Carry(group=4, sequences=plan.prompts, max_response_tokens=16, max_staleness=3, pad_id=0,
+                        prompt_width=plan.prompt_tokens)
+  draw, lengths = _drawer(), np.random.default_rng(7).lognormal(1.2, 0.8, 4096).clip(1, 16).astype(int)
+
+  def decode(call):
+    limited = dataclasses.replace(call, limits=np.minimum(call.limits, lengths[call.ids] - call.offsets))
+    host, *_ = partial.decode_round(sharded, limited, jax.random.key(5), plan=plan, sampling=spec, budget=budget,
+                                    pad_id=0, cache_dtype=np.float32, jit=jit, place=place)
+    return host
+
+  stale, trained, rounds = 0, 0, 0
+  for version in range(steps):
+    groups, _, ran = carry.step(version, prompts, draw, decode, queues=plan.queues)
+    batch = carry.batch_arrays(groups, version=version)
+    if version >= 2:
+      stale, trained, rounds = stale + batch["stale"].sum(), trained + batch["response_lengths"].sum(), rounds + ran
+  assert plan.queues == devices
+  return stale / trained, rounds / (steps - 2)
+
+
+def test_the_schedule_of_partial_rounds_does_not_depend_on_the_data_parallel_groups(model):
+  """The carried sequences are dealt round-robin over the queues: on 2 and 4 devices (a queue each, 16 and 8 of the
+  32 slots) the trained tokens' stale fraction and the rounds a step are one device's, within 0.05 and 1."""
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # The parity model's vocabulary does not split over 4 devices: replicated.
+    one, *more = (_rounds_on(model, devices) for devices in (1, 2, 4))
+  assert one[0] > 0  # Tokens are carried over.
+  for devices, (frac, rounds) in zip((2, 4), more):
+    assert abs(frac - one[0]) <= 0.05 and abs(rounds - one[1]) <= 1, (devices, frac, rounds, one)
+
+
+def test_a_round_deals_its_oldest_sequences_round_robin_over_the_queues():
+  """Queue q of Q serves the call's [q·N/Q, (q+1)·N/Q): each queue's share holds every Q-th pending sequence, so the
+  carried ones (first in line) spread evenly rather than fill the first queue."""
+  carry, draw = _carry(12), _drawer()
+  call = carry.next_call(draw, queues=2)
+  held = np.where(np.arange(12) < 6, 3, 0)  # Half of them carried over with 3 tokens each.
+  carry.record(call, np.ones((12, MAX_NEW), np.int32), np.zeros((12, MAX_NEW)), np.zeros((12, MAX_NEW)), held,
+               np.full(12, common.FINISH_UNFINISHED), 0)
+  for queues in (1, 2, 3):
+    call = carry.next_call(draw, queues=queues)
+    carried = (call.offsets > 0).reshape(queues, -1).sum(axis=1)
+    assert carried.tolist() == [6 // queues] * queues, (queues, carried)
+    pending = carry.pending()[:12]
+    np.testing.assert_array_equal(call.rows.reshape(queues, -1), pending.reshape(-1, queues).T)
+
+
+@pytest.mark.slow  # Under a minute; make test runs aime's rehearsal (tensor-parallel groups, the refill engine).
+def test_a_budgeted_run_with_tensor_parallel_rollout_groups_trains_on_two_devices(smoke_config):
+  """`rollout.tensor_parallel=2` on 2 devices (one rollout group; the key and every input of a round placed in the
+  rollout layout): the trainer's budgeted RL steps run and carry sequences over, every metric finite."""
+  from vapo_jax.train.trainer import Trainer
+  config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.tensor_parallel": 2,
+                         "eval.path": None, "sft.steps": 0, "algo.value_pretrain_steps": 0, "rl_steps": 2})
+  trainer = Trainer(config, devices=jax.devices()[:2], verbose=False, write_logs=False)
+  assert trainer.layout.tensor_parallel == 2 and trainer.layout.data_devices == 1
+  trainer.run()
+  rl = [m for m in trainer.history if m["stage"] == "rl"]
+  assert len(rl) == 2 and all(np.isfinite(v) for m in rl for v in m.values() if isinstance(v, float))
+  assert rl[0]["rollout/carried_sequences"] > 0 and rl[1]["rollout/stale_token_frac"] > 0
