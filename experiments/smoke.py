@@ -23,6 +23,7 @@ Sized for 8 devices (a pool's pages are per data-parallel group), it runs on any
 
 import dataclasses
 import math
+import warnings
 
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.models.config import preset
@@ -91,7 +92,9 @@ def _pool(config: ExperimentConfig, small) -> dict:
   """The rehearsal's slots and pages: the refill engine where the full run's plan runs it, as many slots per
   sequence, and a pool that holds the same share of its slots at the cap (fewer than all: it preempts) where the
   full run's does; nothing (the static engine, sized as configured) where the full run's plan is static."""
-  full = plans(config, devices=None, platform="tpu")["rollout"]
+  with warnings.catch_warnings():  # The full run's kernel choice is said when it plans, not in its rehearsal.
+    warnings.simplefilter("ignore")
+    full = plans(config, devices=None, platform="tpu")["rollout"]
   if isinstance(full, str) or full.engine != "refill":
     return {}
   groups = DEVICES // small.tensor_parallel

@@ -31,8 +31,9 @@ from vapo_jax.errors import ConfigError
     (AlgoConfig, "lam_critic", 1.2, r"AlgoConfig.lam_critic must be in"),
     (AlgoConfig, "length_adaptive_alpha", 0.0, r"AlgoConfig.length_adaptive_alpha must be > 0"),
     (AlgoConfig, "dual_clip", 0.5, r"AlgoConfig.dual_clip must be > 1"),
-    (AlgoConfig, "ppo_epochs", 0, r"AlgoConfig.ppo_epochs must be an integer >= 1"),
-    (AlgoConfig, "value_pretrain_steps", -1, r"AlgoConfig.value_pretrain_steps must be an integer >= 0"),
+    (AlgoConfig, "ppo_epochs", 0, r"AlgoConfig.ppo_epochs must be an integer in \[1, 2147483647\]"),
+    (AlgoConfig, "value_pretrain_steps", -1, r"value_pretrain_steps must be an integer in \[0, 2147483647\]"),
+    (RolloutConfig, "decode_budget", 2**31, r"RolloutConfig.decode_budget must be an integer in \[0, 2147483647\]"),
     (AlgoConfig, "micro_batch_responses", 7, r"AlgoConfig.micro_batch_responses must divide"),
     (AlgoConfig, "value_pretrain_target", "tokens",
      r"AlgoConfig.value_pretrain_target must be one of returns, outcome"),
@@ -42,8 +43,8 @@ from vapo_jax.errors import ConfigError
     (RewardConfig, "correct", -2.0, r"RewardConfig.correct must exceed incorrect"),
     (EvalConfig, "samples_per_problem", 0, r"EvalConfig.samples_per_problem"),
     (MeshConfig, "tensor", 0, r"MeshConfig.tensor must be a positive integer or -1"),
-    (PackingConfig, "row_tokens", 0, r"PackingConfig.row_tokens must be an integer >= 1"),
-    (PackingConfig, "micro_batch_rows", 0, r"PackingConfig.micro_batch_rows must be an integer >= 1"),
+    (PackingConfig, "row_tokens", 0, r"PackingConfig.row_tokens must be an integer in \[1, 2147483647\]"),
+    (PackingConfig, "micro_batch_rows", 0, r"micro_batch_rows must be an integer in \[1, 2147483647\]"),
 ])
 def test_bad_values_fail_at_construction(factory, field, value, message):
   with pytest.raises(ConfigError, match=message):
@@ -200,7 +201,7 @@ def test_every_mistake_of_an_override_list_is_reported_together():
   message = str(error.value)
   assert message.startswith("6 config errors: (1) ") and "\n" not in message
   for part in ("algo.eps_high must be float, got 'abc'", "RolloutConfig.top_p must be in (0.0, 1.0], got 2.0",
-               "unknown config field 'no.such'", "AlgoConfig.ppo_epochs must be an integer >= 1, got 0",
+               "unknown config field 'no.such'", "AlgoConfig.ppo_epochs must be an integer in [1, 2147483647], got 0",
                "mesh.preset must be one of", "override 'bad' is not of the form field.path=value"):
     assert part in message, part
   with pytest.raises(ConfigError, match=r"^AlgoConfig.value_pretrain_steps must be 0 with estimator='group'"):
@@ -287,4 +288,14 @@ def test_a_refused_section_is_not_followed_by_a_knock_on_error_about_its_default
   place (they would blame algo.mini_batch_responses=24 against the default 16 × 8 responses)."""
   with pytest.raises(ConfigError) as refused:
     resolve.resolve(["--exp", "tiny", "rollout.samples_per_prompt=-1", "algo.mini_batch_responses=24"])
-  assert str(refused.value) == "RolloutConfig.samples_per_prompt must be an integer >= 1, got -1"
+  assert str(refused.value) == "RolloutConfig.samples_per_prompt must be an integer in [1, 2147483647], got -1"
+
+
+def test_a_cross_field_refusal_reports_the_users_values_and_the_sections_own_error():
+  """A section refused as a whole reports its own error about the values given, not a re-check of each field
+  against the experiment's defaults (which blamed the budget against the default cap of 64)."""
+  with pytest.raises(ConfigError) as refused:
+    resolve.resolve(["--exp", "tiny", "rollout.decode_budget=24", "rollout.max_staleness=0", "rollout.engine=static",
+                     "rollout.max_response_tokens=24"])
+  assert str(refused.value) == ("RolloutConfig.engine must be 'refill' with decode_budget > 0 (the static engine "
+                                "cannot stop at a budget), got 'static'")

@@ -274,10 +274,11 @@ def test_training_problems_that_are_evaluation_problems_are_warned_about_and_can
     kept = problems.training_problems(config(train, held_out, drop=True), eval_rows=eval_rows, say=said.append)
   assert [r.id for r in kept] == [f"t{i}" for i in range(10) if i != 3]
   assert len(said) == 1 and re.match(r"data: 1 of 10 training problems .* id 't3'; dropped from training", said[0])
-  same = config(train, train)  # One file as both: every problem, by text and by (source, id).
+  same = config(train, train)  # One file as both: every problem, by its text and answer.
   with pytest.warns(UserWarning, match="10 of 10 training problems"):
     problems.training_problems(same, eval_rows=problems.eval_problems(same))
-  with pytest.raises(DataError, match="every training problem is an evaluation problem"), warnings.catch_warnings():
+  with pytest.raises(DataError, match="every one of its 10 training problems is an evaluation problem"), \
+      warnings.catch_warnings():
     warnings.simplefilter("ignore")
     problems.training_problems(config(train, train, drop=True), eval_rows=problems.eval_problems(same))
   with warnings.catch_warnings():
@@ -293,3 +294,27 @@ def test_the_default_experiments_held_out_problems_are_none_of_its_training_prob
       kept = problems.training_problems(config, eval_rows=held_out, path=path, say=said.append)
       assert kept and problems.eval_overlap(kept, held_out) == [], (config.name, path)
     assert len(said) == 2 and all("dropped from training" in line for line in said), said
+
+
+def test_two_files_numbering_their_rows_from_zero_share_no_problem_by_their_ids(tmp_path):
+  """verl-style files of one `data_source`, each numbering `extra_info.index` from 0: the overlap is the same
+  problem text and answer, never the (source, id) pair; a problem with the same text and another answer is
+  another problem."""
+  import dataclasses
+
+  from vapo_jax.config import ExperimentConfig
+  row = lambda i, text, answer: {"data_source": "math", "prompt": [{"role": "user", "content": text}],
+                                 "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}}
+  train = _jsonl(tmp_path / "train.jsonl", [row(i, f"Train problem {i}.", str(i)) for i in range(6)])
+  held_out = _jsonl(tmp_path / "eval.jsonl", [row(0, "Held-out problem.", "1"), row(1, "Train problem 4.", "4"),
+                                              row(2, "Train problem 5.", "50")])
+  base = ExperimentConfig(name="overlap")
+  config = dataclasses.replace(base, data=dataclasses.replace(base.data, train_path=train, drop_eval_overlap=True,
+                                                              template="raw"),
+                               eval=dataclasses.replace(base.eval, path=held_out))
+  eval_rows = problems.eval_problems(config)
+  assert {(r.source, r.id) for r in eval_rows} <= {(r.source, r.id) for r in problems.load_problems(train, config)}
+  said = []
+  kept = problems.training_problems(config, eval_rows=eval_rows, say=said.append)
+  assert [r.prompt for r in kept] == [f"Train problem {i}." for i in (0, 1, 2, 3, 5)]  # Only problem 4 is shared.
+  assert len(said) == 1 and "1 of 6 training problems" in said[0]

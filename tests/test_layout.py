@@ -104,7 +104,7 @@ def test_layout_refuses_groups_that_do_not_divide(trained):
                                         r"choose one of \[1, 2\]"):
     _layout(mesh, rules).check_model(preset("tiny"))
   _layout(mesh, rules).check_model(TP_CFG)
-  with pytest.raises(ConfigError, match="RolloutConfig.tensor_parallel must be an integer >= 1"):
+  with pytest.raises(ConfigError, match=r"RolloutConfig.tensor_parallel must be an integer in \[1, 2147483647\]"):
     RolloutConfig(tensor_parallel=0)
 
 
@@ -124,15 +124,16 @@ def test_tensor_groups_are_physical_blocks_with_each_process_together():
   assert sharding.tensor_groups(chips, 1) == chips and sharding.tensor_groups(jax.devices(), 4) == jax.devices()
 
 
-def _decode_hlo(model, layout) -> str:
-  """The refill decode program (8 slots: one per device, 4 per rollout group; 2 queues) compiled in `layout`."""
+def _decode_hlo(model, layout):
+  """The refill decode program (8 slots: one per device, 4 per rollout group; 2 queues; prefill chunks of 2 lanes ×
+  4 tokens, activations smaller than any weight) compiled in `layout`, and its plan."""
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
   chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=4, slots=8, queues=2,
-                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16)
+                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16, lanes=2, prefill_chunk=4)
   fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), pad_id=0,
                         cache_dtype=jnp.float32, jit=layout.jit)
   state = fns.start(model, *layout.place((tokens, mask)))
-  return fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text()
+  return fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text(), chosen
 
 
 def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
@@ -151,13 +152,17 @@ def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   layout = _layout(mesh, rules)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    rollout_hlo = _decode_hlo(nnx.merge(graphdef, layout.reshard(state)), layout)
-    training_hlo = _decode_hlo(model, _layout(mesh, rules, tensor_parallel=1))
+    rollout_hlo, chosen = _decode_hlo(nnx.merge(graphdef, layout.reshard(state)), layout)
+    training_hlo, _ = _decode_hlo(model, _layout(mesh, rules, tensor_parallel=1))
   found = hlo.collectives(rollout_hlo)
   activation = 4 * TP_CFG.hidden_size * 4  # One reduction of a layer's output: 4 slots per group, float32.
+  # The prefill in the loop reduces a chunk's: `[lanes, chunk, D]` of a queue (its embedding lookup, its layers).
+  chunk = chosen.lanes * chosen.prefill_chunk * TP_CFG.hidden_size * 4
   # Nothing weight-sized; nor a refill's prompt cache or logits (one queue per group: with one queue for all,
-  # XLA all-gathers every layer's prompt keys and values across the groups, 4 KiB each here).
-  assert found and max(max(c.operand_bytes, c.result_bytes) for c in found) <= 2 * activation < smallest, found
+  # XLA all-gathers every layer's prompt keys and values across the groups).
+  assert found and max(max(c.operand_bytes, c.result_bytes) for c in found) <= max(2 * activation, chunk) < smallest, (
+      found, smallest)
+  assert any(c.conditional and c.operand_bytes == chunk for c in found)  # The prefill, on refill steps only.
   loop = {c.loops[0][0] for c in found if c.loops}
   assert len(loop) == 1  # The decode while loop; the attention's block loops hold none.
   reductions = [c for c in found if c.loops and c.op == "all-reduce" and c.operand_bytes >= activation]

@@ -3,6 +3,7 @@ the compile report each refuse a phase whose XLA figure needs more than (1 − m
 naming the phase, the margin and a setting to change; a phase under it passes."""
 
 import dataclasses
+import re
 
 import jax
 import pytest
@@ -12,6 +13,8 @@ from vapo_jax.cli import preflight
 from vapo_jax.config.sections import MeshConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies, verdict, xla_report, xla_report_text
+from vapo_jax.rollout import common
+from vapo_jax.train import build, experience
 
 GIB = 2**30
 ROLLOUT = {"eval.path": None, "sft.steps": 0, "algo.value_pretrain_steps": 0}
@@ -75,8 +78,14 @@ def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   assert [p.name for p in over.over()] == ["rollout"] and needs <= over.device_bytes
   message = xla_report_text.refusal(over)
   assert "92% of" in message and "mesh.memory_margin=0.08" in message, message
-  assert message.splitlines()[1].startswith("  rollout needs ") and "set rollout.pages=4 (compiled: rollout needs" \
-      in message, message
+  named = re.search(r"set rollout\.pages=(\d+) \(compiled: rollout needs ([\d.]+) KiB\)", message)
+  assert message.splitlines()[1].startswith("  rollout needs ") and named, message
+  allowed = re.search(r"([\d.]+) KiB per device allowed", message)
+  plan = experience.plan(config, build.model_configs(config)[0], prompts=config.rollout.prompts_per_step,
+                         group=config.rollout.samples_per_prompt, devices=8,
+                         prompt_tokens=common.prompt_bucket(config.rollout.max_prompt_tokens))
+  # Fewer pages than the run's own, and at least a prompt and a response's; compiled, they fit the margin.
+  assert plan.least_pages <= int(named[1]) < plan.pages and float(named[2]) <= float(allowed[1]), message
   assert "does NOT fit (rollout over)" in xla_report_text.table(over)
   whole = at(memory_margin=0.0)
   assert not whole.over() and xla_report_text.refusal(whole) is None and "fits (" in xla_report_text.table(whole)

@@ -66,7 +66,7 @@ def test_make_plot_writes_each_figure_of_a_run(tmp_path, capsys):
 def test_run_curves_place_each_stage_on_the_rl_step_axis(tmp_path):
   _write_run(tmp_path, rl_steps=12, vp_steps=4, eval_every=4)
   (tmp_path / "metrics.jsonl").open("a").write("garbage\n")
-  with pytest.warns(UserWarning, match="skipped 1 lines that are not metric records"):
+  with pytest.warns(UserWarning, match="skipped 1 line that is not a metric record"):
     curves = plots.run_curves(plots.read_metrics(str(tmp_path / "metrics.jsonl")))
   x, y = curves["eval/accuracy"]  # Before RL, after steps 3 and 7 (4 and 8 updates), after RL.
   np.testing.assert_array_equal(x, [0, 4, 8, 12])

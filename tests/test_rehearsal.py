@@ -141,6 +141,27 @@ def test_a_rehearsal_resumed_after_its_first_rl_step_logs_the_same_metrics(name,
   assert _comparable(_records(resumed)) == _comparable(records)
 
 
+def test_a_finished_rehearsal_given_more_rl_steps_trains_them(rehearsals, tmp_path, capsys):
+  """A finished run resumed with more `rl_steps` (a config change it allows) trains the new steps, evaluates and
+  exports again, and writes a new summary; one line says the run had finished and what it trains."""
+  config, run, records = rehearsals("aime")
+  copy = tmp_path / "more"
+  shutil.copytree(os.path.dirname(run), copy)
+  more = os.path.join(copy, os.path.basename(run))
+  with open(os.path.join(more, "summary.json")) as f:
+    before = json.load(f)
+  capsys.readouterr()
+  _run(_argv("aime", copy, f"rl_steps={config.rl_steps + 1}", "checkpoint.allow_config_change=true"))
+  assert (f"this run finished its {config.rl_steps} RL steps; training 1 more (rl_steps={config.rl_steps + 1})"
+          in capsys.readouterr().out)
+  extended = _records(more)
+  assert _comparable(extended[:len(records)]) == _comparable(records)  # The first evaluation after RL included.
+  assert [(r["stage"], r["step"]) for r in extended[len(records):]] == [
+      ("rl", config.rl_steps), ("eval_after_rl", config.rl_steps + 1)]
+  with open(os.path.join(more, "summary.json")) as f:
+    assert json.load(f)["seconds"] != before["seconds"]
+
+
 @pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED if "rollout.decode_budget" not in
                                   " ".join(REHEARSED[name][1])])
 def test_a_rehearsal_logs_the_static_engines_metrics(name, rehearsals, tmp_path):

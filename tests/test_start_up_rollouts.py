@@ -14,19 +14,32 @@ from vapo_jax.train.trainer import Trainer
 
 
 def test_the_evaluations_pool_is_sized_for_its_own_prompts(smoke_config):
-  """The smoke run: 8 prompts × 4 samples a step over 8 groups (1 prompt page + 2 for a response each), the
-  evaluation 16 problems × 2 samples a call (2 prompts a group): 3 pages a group hold the first, not the second."""
+  """A queue's pool must hold its call's longest prompt and one whole response (the prompts take their pages as
+  their samples are about to run). The smoke run: 3 pages a group hold a 16-token prompt (1 page) and a response
+  (2 pages), not a call of 32-token prompts (2 pages + 2)."""
   config = smoke_config({"rollout.pages": 3})
   assert experience.evaluation_calls(config, 40) == [16, 16, 8]
   assert experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).engine == "refill"
-  with pytest.raises(ConfigError, match=r"cannot hold its 2 prompts \(2 pages\).*\(4 pages in all\): set "
+  assert experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8).queue_pages == 3
+  with pytest.raises(ConfigError, match=r"cannot hold its longest prompt \(2 pages\).*\(4 pages in all\): set "
                                         r"rollout\.pages=4 or more"):
-    experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8)
-  experience.plan(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=16,
-                    devices=8)
+    experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=32, devices=8)
+  experience.plan(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=32,
+                  devices=8)
   with pytest.raises(ConfigError, match=r"raise rollout\.kv_cache_budget_gib"):  # No pages given: the budget's.
     experience.plan(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
-                      prompt_tokens=16, devices=8)
+                    prompt_tokens=16, devices=8)
+
+
+def test_a_pool_split_over_queues_names_the_pages_of_every_queue(smoke_config):
+  """With fewer queues than groups every device holds each queue's pool: `rollout.pages` is split over them, so
+  the value named is the pages of all of them. 2 queues (2 prompts over 8 groups) of 3 // 2 = 1 page each."""
+  config = smoke_config({"rollout.pages": 3})
+  with pytest.raises(ConfigError, match=r"pool of 1 page of 16 tokens per queue \(2 queues' pools on each device\) "
+                                        r"cannot hold .*\(3 pages in all\): set rollout\.pages=6 or more"):
+    experience.plan(config, preset("micro"), prompts=2, group=16, prompt_tokens=16, devices=8)
+  assert experience.plan(smoke_config({"rollout.pages": 6}), preset("micro"), prompts=2, group=16, prompt_tokens=16,
+                         devices=8).queue_pages == 3
 
 
 def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that_works(smoke_config):
@@ -39,9 +52,10 @@ def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that
 
 
 def test_the_trainer_refuses_an_evaluation_that_cannot_run_before_the_first_step(smoke_config):
-  """32 held-out problems: calls of 16 problems × 2 samples, 2 prompts a group; 3 pages hold the training rollout's."""
+  """32 held-out problems: calls of 16 problems × 2 samples in 2 queues (so 3 pages a group are 1 a queue); 3 pages
+  hold the training rollout's."""
   held_out = "synthetic:arithmetic?terms=2-3&count=32&seed=1"
-  with pytest.raises(ConfigError, match=r"set rollout\.pages=4 or more"):
+  with pytest.raises(ConfigError, match=r"\(2 queues' pools on each device\) .*set rollout\.pages=6 or more"):
     Trainer(smoke_config({"rollout.pages": 3, "eval.path": held_out}), verbose=False)
 
 
@@ -58,15 +72,18 @@ def test_the_warm_start_is_saved_before_the_first_evaluation(smoke_config, monke
 
 
 def test_a_partial_round_that_cannot_fit_is_refused_naming_the_budget(smoke_config):
-  """8 prompts × 4 a step over 8 groups: a group's 6 pages hold its training rollout (1 prompt page + 2 for a
-  response), not a partial round's 8 sequences of up to 32 prompt and carried tokens (2 pages each + 2)."""
-  config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.pages": 6})
+  """8 prompts × 4 a step over 8 groups: a group's 3 pages hold its training rollout (1 prompt page + 2 for a
+  response), not a partial round's sequence of a prompt and up to 15 carried tokens (2 pages + 2)."""
+  import types
+  config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.pages": 3})
   experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8)
-  with pytest.raises(ConfigError, match=r"^a partial rollout's round \(rollout\.decode_budget=8\) holds 64 sequences, "
-                                        r".*\(32-token prompts\): .*set rollout\.pages=18 or more.*or set "
+  run = types.SimpleNamespace(config=config, model_cfg=preset("micro"), layout=types.SimpleNamespace(data_devices=8))
+  with pytest.raises(ConfigError, match=r"^a partial rollout's round \(rollout\.decode_budget=8\) cannot run: .*its "
+                                        r"longest prompt \(2 pages\).*set rollout\.pages=4 or more.*; or set "
                                         r"rollout\.decode_budget=0$"):
-    experience.plan(config, preset("micro"), prompts=64, group=1, prompt_tokens=32, devices=8, budgeted=True,
-                    slot_sequences=32)
+    experience.Experience.plan_round(run)
+  config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.pages": 4})
+  assert experience.Experience.plan_round(types.SimpleNamespace(**vars(run) | {"config": config})).queue_pages == 4
 
 
 def test_the_start_up_check_runs_each_engine_and_says_a_layout_mistake_in_one_line(smoke_config, monkeypatch):

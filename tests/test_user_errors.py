@@ -315,7 +315,8 @@ def test_prompt_length_check_counts_tokens_as_the_rollout_does():
 def test_eval_max_problems_must_be_positive():
   """-1 is refused rather than dropping the last problem silently (`rows[:-1]`)."""
   for value in (-1, 0):
-    with pytest.raises(ConfigError, match=rf"EvalConfig.max_problems must be an integer >= 1, got {value}"):
+    with pytest.raises(ConfigError,
+                       match=rf"EvalConfig.max_problems must be an integer in \[1, 2147483647\], got {value}"):
       sections.EvalConfig(max_problems=value)
   assert (sections.EvalConfig(max_problems=None).max_problems is None
           and sections.EvalConfig(max_problems=3).max_problems == 3)

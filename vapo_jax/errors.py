@@ -19,6 +19,11 @@ This module imports nothing, so that any module (the pure ones included) may use
 USER_ERROR_EXIT_CODE = 2
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+  """`n` and `noun` as a message says them: "1 page", "2 pages" (`plural`: the plural where it is not noun + s)."""
+  return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 class UserError(ValueError):
   """A mistake the user can fix; its message says where and how."""
 

@@ -72,6 +72,10 @@ KEYS: dict[str, str] = {
     "rollout/slot_utilization": "response tokens / Σ rows × decode steps: the share of decoded rows that were live",
     "rollout/preemptions": "sequences the paged engine preempted for want of pages and restarted",
     "rollout/recomputed_tokens": "tokens decoded again after preemptions",
+    "rollout/prefills": ("prompts (and carried prefixes) the paged engine prefilled into their pages, again after "
+                         "being given back too"),
+    "rollout/prefill_chunks": "prefill chunks run (`rollout.prefill_chunk` tokens of one prompt each, at most)",
+    "rollout/prefill_tokens": "prompt and carried tokens prefilled into pages, counted again after a preemption",
     "rollout/pages": "pages of the paged engine's pool per data-parallel group",
     "rollout/pages_peak": "the most pages any group held at once",
     "rollout/pages_free_after": "the fewest free pages any group had at the end (all of them: nothing leaked)",

@@ -35,7 +35,7 @@ from vapo_jax.cli import one_line_warnings, outlasting_output, resolve
 from vapo_jax.config import RewardConfig
 from vapo_jax.data.problems import held_out_problems
 from vapo_jax.data.records import Record, answer_text, read_rows
-from vapo_jax.errors import USER_ERROR_EXIT_CODE, DataError, RewardFunctionError, UserError
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, ConfigError, DataError, RewardFunctionError, UserError
 from vapo_jax.rewards import accuracy, reward
 
 
@@ -163,6 +163,10 @@ def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_pe
   e = config.eval
   if not e.path:
     raise DataError("generating evaluation samples needs eval.path (the problems)")
+  run_export = os.path.join(checkpoint_dir, "export")
+  if os.path.isdir(run_export) and not any(name.endswith(".safetensors") for name in os.listdir(checkpoint_dir)):
+    raise ConfigError(f"{checkpoint_dir} is a run directory, not a Hugging Face checkpoint: pass its exported "
+                      f"policy, CKPT={run_export}")
   model = huggingface.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
                                      attention=config.model.attention, scan_layers=config.model.scan_layers,
                                      scan_unroll=config.model.scan_unroll)

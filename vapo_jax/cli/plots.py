@@ -23,7 +23,7 @@ import numpy as np
 
 from vapo_jax import files, metric_keys
 from vapo_jax.cli import ArgumentParser, one_line_warnings
-from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError
+from vapo_jax.errors import USER_ERROR_EXIT_CODE, UserError, counted
 
 Curve = tuple[np.ndarray, np.ndarray]  # (x [N], y [N]) of one run.
 
@@ -78,7 +78,8 @@ def read_metrics(path: str) -> list[dict]:
         if line.strip():
           bad.append(number)
   if bad:
-    warnings.warn(f"{path}: skipped {len(bad)} lines that are not metric records (first: line {bad[0]})", stacklevel=2)
+    warnings.warn(f"{path}: skipped {counted(len(bad), 'line')} that {'is' if len(bad) == 1 else 'are'} not a metric "
+                  f"record (first: line {bad[0]})", stacklevel=2)
   return list(records.values())
 
 

@@ -83,9 +83,7 @@ def _main(argv: list[str]) -> int:
   except KeyboardInterrupt:
     if not started:
       return _stopped_at_start(stopped_by[0], run_dir, created)
-    print("interrupted (a second Ctrl-C): stopped without saving; the newest checkpoint is intact. Run the same "
-          "command again to resume from it.", file=sys.stderr)
-    return checkpoints.INTERRUPTED_EXIT_CODE
+    return _aborted(run_dir)
   except (Diverged, DynamicSamplingCapReached) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
@@ -98,7 +96,7 @@ def _main(argv: list[str]) -> int:
   return 0
 
 
-_interrupted_start = [False]  # Set when a signal stopped the start-up (see `__main__`).
+_interrupted_start = [False]  # Set when a signal stopped the start-up, or a second Ctrl-C the run (`__main__`).
 
 
 def _stop_at_start() -> list[str]:
@@ -112,6 +110,21 @@ def _stop_at_start() -> list[str]:
   signal.signal(signal.SIGTERM, stop)
   signal.signal(signal.SIGINT, stop)
   return which
+
+
+def _aborted(run_dir: str) -> int:
+  """A second Ctrl-C: stopped at once, a save in progress abandoned (Orbax's reports of it silenced, the exit
+  without atexit's waits); one line names the newest complete checkpoint, which a resume starts from."""
+  from vapo_jax.train import background_saves, checkpoints
+  background_saves.quiet_after_failure()
+  _interrupted_start[0] = True  # Ends the process at once (`__main__`): nothing is left to keep.
+  directory = os.path.join(run_dir, "checkpoints")
+  complete = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+  resume = (f"the newest complete checkpoint, {os.path.join(directory, str(complete[-1]))}, is intact: run the same "
+            "command again to resume from it" if complete else "no checkpoint is complete: the same command starts "
+            "afresh")
+  print(f"interrupted (a second Ctrl-C): stopped at once, any save in progress abandoned; {resume}.", file=sys.stderr)
+  return checkpoints.INTERRUPTED_EXIT_CODE
 
 
 def _stopped_at_start(signal_name: str, run_dir: str, created: list[str]) -> int:

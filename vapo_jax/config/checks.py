@@ -21,7 +21,11 @@ def in_range(owner, field: str, lo: float, hi: float, *, lo_open=False, hi_open=
   require(above and below, owner, field, f"must be in {interval}", value)
 
 
+INT32_MAX = 2**31 - 1  # The programs count in int32 (decode steps, tokens, pages, seeds' folds).
+
+
 def positive_int(owner, field: str, *, allow_zero: bool = False) -> None:
+  """An integer in [1, 2³¹ − 1] ([0, ...] with `allow_zero`): the range the device programs' int32 counters hold."""
   value = getattr(owner, field)
-  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
-  require(ok, owner, field, "must be an integer " + (">= 0" if allow_zero else ">= 1"), value)
+  ok = isinstance(value, int) and not isinstance(value, bool) and (0 if allow_zero else 1) <= value <= INT32_MAX
+  require(ok, owner, field, f"must be an integer in [{0 if allow_zero else 1}, {INT32_MAX}]", value)

@@ -6,6 +6,7 @@ Unknown fields and values that do not parse as the field's type are errors namin
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -68,7 +69,8 @@ def field_paths(config: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
 def _replace(config: Any, changes: dict[str, Any], errors: list[str]) -> Any:
   """One `dataclasses.replace` per dataclass, with all of its changes at once (so fields that must
   change together, like `algo.estimator` and `algo.value_pretrain_steps`, validate together). A change
-  that is refused adds its error to `errors` (each field's own, where each alone is refused) and leaves
+  that is refused adds its error to `errors` (the dataclass's own, with the values given, then each field's
+  own range or type error found alone: never a cross-field error judged against the defaults) and leaves
   that dataclass as it was, so that every mistake of an override list is found in one pass; a dataclass
   holding a refused one is not checked as a whole (that would judge the defaults left in its place)."""
   before = len(errors)
@@ -80,13 +82,14 @@ def _replace(config: Any, changes: dict[str, Any], errors: list[str]) -> Any:
       return dataclasses.replace(config, **flat, **nested)
     except ConfigError as e:
       together = str(e)
-  alone = []
+  alone = []  # Each field alone on the defaults: its own errors (a range, a type), said beside the section's.
   for key, value in flat.items():
     try:
       dataclasses.replace(config, **{key: value})
     except ConfigError as e:
-      alone.append(str(e))
-  errors.extend(alone or ([together] if together else []))
+      if re.match(rf"{type(config).__name__}\.{key} must be (an integer in|in [\[(]|one of|a |> |>= )", str(e)):
+        alone.append(str(e))
+  errors.extend(dict.fromkeys(([together] if together else []) + alone))
   return config
 
 

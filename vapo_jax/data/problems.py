@@ -12,7 +12,7 @@ from typing import Any
 from vapo_jax import kinds
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.data import tasks
-from vapo_jax.data.records import Record, deduplicate, kept_for_dropped, load_records, problem_key
+from vapo_jax.data.records import Record, answer_key, deduplicate, kept_for_dropped, load_records, problem_key
 from vapo_jax.errors import DataError
 from vapo_jax.kinds import Template
 
@@ -49,19 +49,19 @@ def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup:
 
 
 def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Sequence[Record] = (), *,
-                      path: str | None = None, dedup: bool | None = None,
+                      path: str | None = None, dedup: bool | None = None, noun: str = "training problems",
                       say: Callable[[str], None] | None = None) -> list[Record]:
-  """The training problems of `path` (default `data.train_path`; the warm start passes `sft.path`), loaded
-  by `load_problems`, less those that are also evaluation problems (`eval_rows`, see `eval_overlap`) when
-  `data.drop_eval_overlap`: the drop is said through `say` (a line of the run's log). Kept, they are
-  warned about: the held-out accuracy then measures problems the run trained on."""
+  """The training problems of `path` (default `data.train_path`; the warm start passes `sft.path` and calls them
+  `noun`, "demonstrations"), loaded by `load_problems`, less those that are also evaluation problems
+  (`eval_rows`, see `eval_overlap`) when `data.drop_eval_overlap`: the drop is said through `say` (a line of the
+  run's log). Kept, they are warned about: the held-out accuracy then measures problems the run trained on."""
   path = path or config.data.train_path
   records = load_problems(path, config, tokenizer, dedup=dedup)
   shared = eval_overlap(records, eval_rows)
   if not shared:
     return records
-  what = (f"{len(shared)} of {len(records)} training problems ({path}) are also evaluation problems "
-          f"({config.eval.path}), by problem text or by source and id, e.g. id {records[shared[0]].id!r}")
+  what = (f"{len(shared)} of {len(records)} {noun} ({path}) are also evaluation problems ({config.eval.path}), "
+          f"the same problem text and answer, e.g. id {records[shared[0]].id!r}")
   if not config.data.drop_eval_overlap:
     warnings.warn(f"{what}: the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true "
                   "drops them", stacklevel=2)
@@ -69,21 +69,21 @@ def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Seque
   drop_at = set(shared)
   records = [r for i, r in enumerate(records) if i not in drop_at]
   if not records:
-    raise DataError(f"{path}: every training problem is an evaluation problem of {config.eval.path}, and "
-                    "data.drop_eval_overlap=true drops them all: train on other problems")
+    raise DataError(f"{path}: every one of its {len(drop_at)} {noun} is an evaluation problem of {config.eval.path}, "
+                    f"and data.drop_eval_overlap=true drops them all: use {noun} of other problems")
   if say is not None:
     say(f"data: {what}; dropped from training (data.drop_eval_overlap=true)")
   return records
 
 
 def eval_overlap(train: Sequence[Record], eval_rows: Sequence[Record]) -> list[int]:
-  """Indices of the training records that are evaluation records: the same problem text (whitespace
-  normalised, as deduplication compares it), or the same source and id (one file read as both)."""
+  """Indices of the training records that are evaluation records: the same problem, its text (whitespace
+  normalised, as deduplication compares it) and its answer. Ids never decide: two files of one source may each
+  number their rows from 0 (verl's `extra_info.index`), and one file read as both has the same texts."""
   if not eval_rows:
     return []
-  texts = {problem_key(r.prompt) for r in eval_rows}
-  ids = {(r.source, r.id) for r in eval_rows}
-  return [i for i, r in enumerate(train) if problem_key(r.prompt) in texts or (r.source, r.id) in ids]
+  problems = {(problem_key(r.prompt), answer_key(r.answer)) for r in eval_rows}
+  return [i for i, r in enumerate(train) if (problem_key(r.prompt), answer_key(r.answer)) in problems]
 
 
 def eval_problems(config: ExperimentConfig, tokenizer=None) -> list[Record]:

@@ -366,7 +366,8 @@ def problem_key(prompt: str) -> str:
   return " ".join(prompt.split())
 
 
-def _answer_key(answer: str) -> str:
+def answer_key(answer: str) -> str:
+  """An answer as deduplication and the train/eval overlap compare it: whitespace dropped, integers canonical."""
   compact = "".join(answer.split())
   return str(int(compact)) if compact.lstrip("+-").isdigit() else compact
 
@@ -380,7 +381,7 @@ def deduplicate(records: Sequence[Record], *, warn: bool = True) -> tuple[list[R
   for record in records:
     groups[problem_key(record.prompt)].append(record)
   conflicts = [Conflict(group[0].prompt, tuple(r.id for r in group), tuple(r.answer for r in group))
-               for group in groups.values() if len({_answer_key(r.answer) for r in group}) > 1]
+               for group in groups.values() if len({answer_key(r.answer) for r in group}) > 1]
   if conflicts and warn:
     examples = "; ".join(f"ids {list(c.ids)} answers {list(c.answers)}" for c in conflicts[:3])
     warnings.warn(f"{len(conflicts)} problems appear with conflicting answers (the first row of each "

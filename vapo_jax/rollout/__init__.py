@@ -12,10 +12,12 @@ The package, one module a part:
   plan      the rollout's plan (`RolloutPlan`): the engine and its sizes for one call, decided once
   static    the static engine: every sequence of a round in one batch (the reference)
   refill    the refill engine (a folder): decode slots over a paged KV cache, refilled as sequences end,
-            preempted and restarted when the pages run out; its contiguous reference, its host loop, its
-            pages and queues, partial rollouts' calls, and its replay on the host
+            prompts taking pages when their samples are about to run and prefilled in chunks, preempted and
+            restarted when the pages run out; its pages and queues, partial rollouts' calls, and its replay
   partial   partial rollouts: rounds stopped at `rollout.decode_budget`, the unfinished sequences carried over
-            (host state), complete groups handed to training, `rollout.max_staleness` enforced
+            (NumPy buffers on the host, saved as checkpoint arrays), complete groups handed to training,
+            `rollout.max_staleness` enforced
+  partial_replay  partial rollouts' rounds replayed on the host under the round's plan (the roofline's model)
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
   here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vapo_jax.errors import counted
 from vapo_jax.models import sharding
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.sharding import constrain
@@ -118,17 +119,20 @@ def longest_prompt_pages(lengths, page_tokens: int) -> int:
   return int(-(-np.max(np.asarray(lengths, np.int64), initial=0) // page_tokens))
 
 
-def check_pool(*, pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False) -> None:
+def check_pool(*, pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False,
+               shares: int = 1) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its longest prompt
   (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes its
   pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message names it
-  and the value that works), else `kv_cache_budget_gib`'s."""
+  and the value that works: `shares` queues' pools on each device), else `kv_cache_budget_gib`'s."""
   needed = held + sequence_pages(max_response_tokens, page_tokens)
   if pages < needed:
+    split = f" ({shares} queues' pools on each device)" if shares > 1 else ""
     raise MemoryError(
-        f"the KV cache's pool of {pages} pages of {page_tokens} tokens per queue cannot hold its longest prompt "
-        f"({held} pages) and one {max_response_tokens}-token response ({needed} pages in all): "
-        + (f"set rollout.pages={needed} or more" if given else "raise rollout.kv_cache_budget_gib") +
+        f"the KV cache's pool of {counted(pages, 'page')} of {counted(page_tokens, 'token')} per queue{split} cannot "
+        f"hold its longest prompt ({counted(held, 'page')}) and one {max_response_tokens}-token response "
+        f"({counted(needed, 'page')} in all): "
+        + (f"set rollout.pages={needed * shares} or more" if given else "raise rollout.kv_cache_budget_gib") +
         " if the devices have the memory, or lower rollout.max_response_tokens or rollout.max_prompt_tokens")
 
 

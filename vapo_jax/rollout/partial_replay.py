@@ -37,7 +37,7 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, pl
   per_step = len(prompts) // queues
   carry = partial.Carry(group=group, sequences=plan.prompts // queues, max_response_tokens=tr,
                         max_staleness=max_staleness, pad_id=0,
-                        prompt_width=partial.prompt_width(int(prompts.max()), tr))
+                        prompt_width=plan.prompt_tokens)
   drawn = [0]
 
   def draw(n):

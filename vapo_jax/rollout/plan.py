@@ -113,6 +113,16 @@ class RolloutPlan:
     return refill.programs(self, sampling=sampling, slots=slots, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
 
 
+def _plan_static(r, model_cfg, base: dict, *, dtype) -> RolloutPlan:
+  """The static engine's plan: rounds of `rollout.prompts_per_generation` prompts, their cache within the budget."""
+  prompts = base["prompts"]
+  per_round = min(r.prompts_per_generation or prompts, prompts)
+  common.check_cache_fits(model_cfg, batch=per_round * base["group"], prompt_tokens=base["prompt_tokens"],
+                          max_response_tokens=base["max_response_tokens"], dtype=dtype, devices=base["devices"],
+                          tensor=r.tensor_parallel, budget_bytes=int(r.kv_cache_budget_gib * 2**30))
+  return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
+
+
 def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, dtype, devices: int,
                  platform: str | None = None, prompt_lengths=None, budgeted: bool = False,
                  slot_sequences: int | None = None) -> RolloutPlan:
@@ -128,11 +138,7 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_response_tokens=max_response_tokens,
               devices=devices, decode_block=r.decode_block)
   if r.engine == "static":
-    per_round = min(r.prompts_per_generation or prompts, prompts)
-    common.check_cache_fits(model_cfg, batch=per_round * group, prompt_tokens=prompt_tokens,
-                            max_response_tokens=max_response_tokens, dtype=dtype, devices=devices,
-                            tensor=r.tensor_parallel, budget_bytes=int(r.kv_cache_budget_gib * 2**30))
-    return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
+    return _plan_static(r, model_cfg, base, dtype=dtype)
   platform = platform or sharding.platform()
   tg = r.page_tokens or common.default_page_tokens(platform)
   token_bytes = KVCache.bytes_per_token(model_cfg, dtype) / r.tensor_parallel
@@ -168,7 +174,8 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
     return RolloutPlan(engine="static", prompts_per_round=prompts, **base)
   lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
   common.check_pool(pages=queue_pages, held=common.longest_prompt_pages(lengths, tg),
-                    max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages))
+                    max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages),
+                    shares=queues if queues < devices else 1)
   return RolloutPlan(
       engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,
       steps_per_call=r.decode_steps_per_call, pages=pages, queue_pages=queue_pages, page_tokens=tg,

@@ -11,6 +11,7 @@
   packed_batch   a packed batch's plan (made on the host) and its rows (built on the device)
   experience     prompts → sampled responses → verifier rewards (training and evaluation)
   partial_sampling  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
+  start_up       the start-up check that runs each rollout engine of the run once, in the rollout layout
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation
   saving         the trainer's checkpoints, resume, stop on a signal and export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption

@@ -35,6 +35,8 @@ class Saving:
     if restored:
       self.log(f"resumed from {self.checkpoints.directory}/{restored[0]}: stage {self.progress.stage}, "
                f"step {self.progress.stage_step}")
+      if self.progress.stage == "done":
+        self._reopen_finished(restored[2]["config"]["rl_steps"])
     self.saves = max(self.checkpoints.steps(), default=0) if self.checkpoints else 0  # Numbered after every one.
     logs = write_logs and distributed.is_main_process()
     self.writer = metrics_lib.MetricsWriter(
@@ -44,6 +46,17 @@ class Saving:
     for name, result in (("eval_before_rl", self.progress.eval_before), ("eval_after_rl", self.progress.eval_after)):
       if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
         self.writer.write(0, name, result, global_step=self.progress.global_step, jsonl=False)
+
+  def _reopen_finished(self, trained: int) -> None:
+    """A finished run: with more `rl_steps` than it trained, RL goes on from its last step (the held-out evaluation
+    after RL and the export are redone); otherwise its summary stands, and one line says so."""
+    wanted = self.config.rl_steps
+    if wanted <= trained:
+      self.log(f"this run finished its {trained} RL steps; its summary stands (to train more, set rl_steps= above "
+               f"{trained} with checkpoint.allow_config_change=true)")
+      return
+    self.log(f"this run finished its {trained} RL steps; training {wanted - trained} more (rl_steps={wanted})")
+    self.progress.stage, self.progress.stage_step, self.progress.eval_after = "rl", trained, None
 
   def _open_checkpoints(self) -> checkpoints.RunCheckpoints:
     directory = os.path.join(self.run_dir, "checkpoints")

@@ -11,6 +11,7 @@ it (`Progress`). A checkpoint is the two of them; nothing else is saved or resto
 """
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -101,6 +102,9 @@ class Progress:
         "stage_step", "global_step", "nonfinite_steps", "vp_since_best")):
       raise ValueError(f"the progress record's stage or step counters are damaged: {scalars}")
     rng, monitor, prompts = dict(saved["sft_rng"]), dict(saved["monitor"]), dict(saved["prompts"])
+    if self.carry is None and (saved.get("carry") or {}).get("groups"):  # Saved under a budget, resumed without.
+      warnings.warn(f"the checkpoint holds {saved['carry']['groups']} group(s) of partial rollouts in flight; without "
+                    "rollout.decode_budget they are dropped and the run samples anew", stacklevel=2)
     if self.carry is not None and saved.get("carry") is not None:
       counters = saved["carry"]
       self.carry.load_state_dict(counters, arrays["carry"] if counters["groups"] else {})

@@ -23,6 +23,7 @@ run unconstrained.
 import functools
 import math
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,17 @@ from vapo_jax.train.updates import (
 )
 
 
+def warn_padded_micro_batches(config, micro_rows: int, shards: int) -> None:
+  """Warns when `packing.micro_batch_rows` is more rows than a mini-batch's sequences fill (one a row at the most):
+  the rest of every micro-batch is padding computed."""
+  most = min(config.algo.mini_batch_responses, config.rollout.responses_per_step)
+  if micro_rows > most:
+    fits = max(shards, most // shards * shards)
+    warnings.warn(f"packing.micro_batch_rows={micro_rows} is more rows than a mini-batch of {most} sequences packs "
+                  f"into (one a row at the most): {1 - most / micro_rows:.0%} of each update's micro-batch is padding "
+                  f"at least; packing.micro_batch_rows={fits} fits", stacklevel=3)
+
+
 class Steps:
   """The run's jitted programs, `(state, batch) -> (state, metrics)` with the state donated and laid
   out as it came in; built once from the run's config, mesh, rules, graphdefs and optimizers."""
@@ -69,6 +81,8 @@ class Steps:
     if self.packed and self.micro_rows % self.shards:
       raise ConfigError(f"PackingConfig.micro_batch_rows must be a multiple of the data-parallel devices "
                         f"(mesh data x fsdp = {self.shards}), got {self.micro_rows}")
+    if self.packed:
+      warn_padded_micro_batches(config, self.micro_rows, self.shards)
     self._programs = {}
     self._plan_inputs = self.jit(self._plan_inputs_program, out_shardings=self.replicated)
 

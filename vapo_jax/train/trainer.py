@@ -90,6 +90,7 @@ class Trainer(Saving):
                                      memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
     self.eval_rows = problems.eval_problems(config, self.tokenizer)
     train = problems.training_problems(config, self.tokenizer, self.eval_rows, say=self.log)  # Overlap: warned/dropped.
+    self.sft_rows = self._demonstrations() if config.sft.steps and config.sft.path else []  # Checked now.
     actor, critic = self._build_models(rules)
     for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
       if path:
@@ -201,15 +202,21 @@ class Trainer(Saving):
                      "newest checkpoint (its parameters are finite) with the same command")
 
   # ---------------------------------------------------------------------------------- stages
-  def sft_stage(self):
-    """Token-level NLL on demonstrations (`sft.path` rows with a `solution`)."""
+  def _demonstrations(self):
+    """The warm start's demonstrations (`sft.path` rows with a `solution`), less the held-out problems if dropped:
+    read at start-up, so that a file the warm start cannot use is refused before anything is built."""
     config = self.config
     rows = problems.training_problems(config, self.tokenizer, self.eval_rows, path=config.sft.path, dedup=False,
-                                      say=self.log)  # Every demonstration, less the held-out problems if dropped.
+                                      noun="demonstrations", say=self.log)
     missing = [r.id for r in rows if r.solution is None]
     if missing:
       raise DataError(f"{config.sft.path}: supervised warm start needs a 'solution' (or 'response') field on "
-                           f"every row; {len(missing)} of {len(rows)} have none, e.g. id {missing[0]!r}")
+                      f"every row; {len(missing)} of {len(rows)} have none, e.g. id {missing[0]!r}")
+    return rows
+
+  def sft_stage(self):
+    """Token-level NLL on demonstrations (`sft.path` rows with a `solution`)."""
+    config, rows = self.config, self.sft_rows
     progress = metrics_lib.ProgressLine("sft", config.sft.steps)
     for step in range(self.progress.stage_step, config.sft.steps):
       picked = [rows[i] for i in self.progress.sft_rng.integers(0, len(rows), config.sft.batch_size)]

@@ -1,4 +1,4 @@
-"""What both refill engines share: queues of sequences served by decode slots, and the tail's shrinking.
+"""Queues of sequences served by decode slots, and the tail's shrinking (the refill engine's, `engine.py`).
 
 N = P·G sequences are served by Q queues in R slots: queue q owns slots [q·R/Q, (q+1)·R/Q), sequences
 [q·N/Q, (q+1)·N/Q) in order, and so prompts [q·P/Q, (q+1)·P/Q). Split over the batch axes with Q the
