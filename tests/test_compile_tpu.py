@@ -83,6 +83,7 @@ def test_the_weight_check_finds_an_fsdp_decodes_gathers_under_scanned_layers(smo
   assert moving and not any(elements(shape) in stacks for c in moving for shape in c.shapes)
 
 
+@pytest.mark.slow  # For time (40 s): make test refuses through test_memory_margin.py and make train's refusal.
 def test_a_layout_that_cannot_fit_is_refused_naming_the_phase(tmp_path, capsys, monkeypatch):
   """`make memory`'s entry point exits 1 naming the phase; the report it compiled (kept by a wrapper of
   `compile_run`: one compile) names the compiler's figure and the settings to change."""

@@ -138,7 +138,7 @@ CASES = {  # algo fields, packing fields, sharding preset, devices.
 
 # VAPO's token-mean and seq-mean-token-sum under FSDP in make test; the other two aggregations in make
 # test-slow, for time (a minute each).
-SLOW_CASES = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
+SLOW_CASES = ("seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-fsdp-8")  # For time.
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])

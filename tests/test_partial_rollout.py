@@ -210,6 +210,7 @@ def _rounds_on(model, devices: int, *, steps: int = 10, budget: int = 4, prompts
   return stale / trained, rounds / (steps - 2)
 
 
+@pytest.mark.slow  # For time (20 s): make test deals a round over the queues (below).
 def test_the_schedule_of_partial_rounds_does_not_depend_on_the_data_parallel_groups(model):
   """The carried sequences are dealt round-robin over the queues: on 2 and 4 devices (a queue each, 16 and 8 of the
   32 slots) the trained tokens' stale fraction and the rounds a step are one device's, within 0.05 and 1."""

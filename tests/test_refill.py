@@ -237,6 +237,7 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
     on(RolloutConfig(slots=60))
 
 
+@pytest.mark.slow  # For time (20 s): make test rehearses aime's tensor-parallel refill (test_rehearsal.py).
 def test_tensor_parallel_layout_equals_static():
   """The training layout fsdp (data 2 x fsdp 4) resharded into the rollout layout (data 2 x tensor 4): each
   group runs its own queue of 8 sequences (lengths ≤ 1..8) in 4 slots, shrinking to 1 per group in the tail,

@@ -141,6 +141,7 @@ def test_a_rehearsal_resumed_after_its_first_rl_step_logs_the_same_metrics(name,
   assert _comparable(_records(resumed)) == _comparable(records)
 
 
+@pytest.mark.slow  # For time (15 s).
 def test_a_finished_rehearsal_given_more_rl_steps_trains_them(rehearsals, tmp_path, capsys):
   """A finished run resumed with more `rl_steps` (a config change it allows) trains the new steps, evaluates and
   exports again, and writes a new summary; one line says the run had finished and what it trains."""

@@ -1,10 +1,11 @@
 """Reliability: what a config, a file or a signal can give ends in one line naming the setting, file or run, and
 nothing trained is lost. A damaged carry record falls back to the older checkpoint; a lowered cap ends the carried
 sequences that reached it; a resume without the budget says that the carry is dropped; an unreadable checkpoint is
-warned about once; a second Ctrl-C names the checkpoint a resume starts from; a refused warm-start file leaves no run
-directory; `make eval` on a run directory points to its export; packed micro-batches larger than a mini-batch warn.
-(The overlap rule: test_data.py; integer ranges and cross-field messages: test_config.py; a finished run given more
-steps: test_rehearsal.py; a moved run directory: test_stopping.py.)"""
+warned about once; a second Ctrl-C names the checkpoint a resume starts from; a warm-start file without solutions,
+or of held-out problems only, is refused at start and leaves no run directory; `make eval` on a run directory
+points to its export; packed micro-batches larger than a mini-batch warn. (The overlap rule: test_data.py; integer
+ranges and cross-field messages: test_config.py; a finished run given more steps: test_rehearsal.py; a moved run
+directory: test_stopping.py.)"""
 
 import os
 import subprocess
@@ -145,6 +146,26 @@ def test_a_refused_warm_start_file_leaves_no_run_directory(tmp_path, capsys):
   assert train.main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith(f"error: {demonstrations}: supervised warm start needs a 'solution'"), err[-3:]
+  assert not runs.exists()
+
+
+def test_a_warm_start_file_of_evaluation_problems_is_refused_at_start_naming_its_demonstrations(tmp_path, capsys):
+  """Every demonstration is a held-out problem and `data.drop_eval_overlap=true` would drop them all: refused when
+  the run starts (before any model is built), calling them demonstrations, and no run directory is left."""
+  import json
+
+  from vapo_jax.cli import train
+  from vapo_jax.data import problems
+  runs = tmp_path / "runs"
+  argv = ["--exp", "tiny", "--smoke", f"run_dir={runs}", "name=x", "sft.steps=2", "data.drop_eval_overlap=true"]
+  held_out = problems.eval_problems(resolve.resolve(argv)[0])
+  demonstrations = tmp_path / "sft.jsonl"
+  demonstrations.write_text("".join(json.dumps({"problem": r.prompt, "answer": r.answer, "solution": r.answer})
+                                    + "\n" for r in held_out))
+  assert train.main(argv + [f"sft.path={demonstrations}"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith(f"error: {demonstrations}: every one of its {len(held_out)} demonstrations is an "
+                            "evaluation problem of "), err[-3:]
   assert not runs.exists()
 
 

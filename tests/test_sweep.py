@@ -108,6 +108,7 @@ def test_micro_sweep_writes_resumes_and_reports_failures(tmp_path, monkeypatch):
   assert "| `toy_vapo` | 2 |" in table  # The first member is still the reference (the sweep's order).
 
 
+@pytest.mark.slow  # For time (20 s: four processes).
 def test_failed_runs_are_reported_and_do_not_stop_the_others(tmp_path):
   """Runs that fail when they start (their training data missing: a valid config, checked before the sweep)."""
   out, missing = io.StringIO(), tmp_path / "missing.jsonl"
