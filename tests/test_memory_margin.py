@@ -33,7 +33,7 @@ def test_the_margin_is_checked_and_defaults_to_8_percent():
   assert xla_report.allowed_bytes(100 * GIB, 0.08) == int(92 * GIB) and xla_report.allowed_bytes(None, 0.08) is None
 
 
-@pytest.mark.slow  # For time (45 s): make test covers the refusal (below) and make train's (test_trainer_failures.py).
+@pytest.mark.slow  # For time (45 s): make test covers make train's refusal (test_trainer_failures.py).
 def test_the_start_up_check_and_make_memory_refuse_a_phase_over_the_margin(smoke_config, capsys, monkeypatch,
                                                                            tmp_path):
   """The run's peak phase at 95 % of a given device memory: the start-up check (on the run's own devices) and
@@ -63,6 +63,7 @@ def test_the_start_up_check_and_make_memory_refuse_a_phase_over_the_margin(smoke
   assert "fits (" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # For time (18 s): make train's refusal (test_trainer_failures.py) names phase, margin, pages.
 def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   """XLA's figure for the rollout at 93 % of a given device memory: refused at the default margin, naming
   the phase, the margin and a setting; accepted with no margin."""

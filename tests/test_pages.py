@@ -56,6 +56,23 @@ def test_a_groups_prompt_is_stored_once_when_its_samples_start(model):
       np.testing.assert_allclose(pool[:, :, p // 2, page, t % 4], padded.swapaxes(0, 1), atol=1e-5)
 
 
+def test_chunked_prefill_equals_whole_prefill(model):
+  """Prompts of 3 to 21 tokens (a 32-token bucket) prefilled through the pages in chunks of 1, 3 and 16 tokens: the
+  tokens of the static engine's whole prefill exactly and its log-probs within 1e-5 in float32, the same prompt
+  tokens prefilled, in more chunks the smaller the chunk."""
+  prompts = [p * 3 for p in PROMPTS]
+  static, _ = sample(model, prompts, STATIC, group=3, key=3, **SAMPLING)
+  paged = RolloutConfig(slots=6, page_tokens=4, block_pages=2, decode_steps_per_call=4)
+  chunks, tokens = [], []
+  for chunk in (1, 3, 16):
+    out, metrics = sample(model, prompts, dataclasses.replace(paged, prefill_chunk=chunk), group=3, key=3, **SAMPLING)
+    assert_same(out, static)
+    chunks.append(metrics["rollout/prefill_chunks"])
+    tokens.append(metrics["rollout/prefill_tokens"])
+    assert metrics["rollout/pages_free_after"] == metrics["rollout/pages"]
+  assert len(set(tokens)) == 1 and chunks[0] > chunks[1] > chunks[2] > len(prompts), (chunks, tokens)
+
+
 def test_preemption_restarts_sequences_with_the_same_tokens(model):
   """6 slots over 10 pages of 4 tokens (the 4 prompts hold 5; one sequence needs at most 4 more, 6 would need 24):
   the engine preempts the latest-started sequences again and again, restarts them from their prompts, and
