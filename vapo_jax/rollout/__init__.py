@@ -19,7 +19,8 @@ The package, one module a part:
             `rollout.max_staleness` enforced
   partial_replay  partial rollouts' rounds replayed on the host under the round's plan (the roofline's model)
   layout    the rollout layout: the mesh, sharding rules and resharded weights the rollout decodes with
-  here      `sample`, the entry point of a rollout step: the configured engine, timed, and its metrics
+  here      `sample`, a whole rollout's entry point: the configured engine, timed, and its metrics (a partial
+            rollout's round enters through `partial.decode_round`)
 
 `sample` runs the plan's engine: the static one (`static.generate_static`, optionally in rounds of prompts) or
 the refill one (`refill.engine.generate_refill`, over a paged KV cache); when every sequence has a slot and the
@@ -27,14 +28,8 @@ pool holds them all at the cap there is nothing to refill or page, and the plan 
 sample the same tokens for the same key (sequence n of the call draws from `fold_in(key, n)`), so the
 engine is a speed setting, never a change of results.
 
-Metrics (`rollout_metrics`): `time/rollout_s` (prefill + decode, until the lengths reach the host),
-`perf/rollout_tokens_per_s` (response tokens / that time), `rollout/decode_steps`,
-`rollout/slots` (rows decoded per step at the start; the refill engine shrinks them in the tail),
-`rollout/slot_utilization` (response tokens / Σ rows × decode steps: the share of decoded rows
-that were a live sequence), `rollout/response_len_p50`,
-`_p90`, `_max`, and `rollout/finish_stop_frac` / `rollout/finish_length_frac`; the refill engine's pool:
-`rollout/preemptions`, `rollout/recomputed_tokens` (tokens decoded again after a preemption),
-`rollout/pages` (per data-parallel group), `rollout/pages_peak` and `rollout/pages_free_after`.
+Metrics (`rollout_metrics`): the `rollout/` keys, `time/rollout_s` and `perf/rollout_tokens_per_s`, each declared
+with its meaning in `vapo_jax/metric_keys.py`.
 """
 
 import time

@@ -55,7 +55,7 @@ class Rollout(NamedTuple):
   response_tokens: jax.Array  # [B, Tr] (pad_id after the end).
   response_mask: jax.Array  # [B, Tr] true up to and including the stop token.
   response_lengths: jax.Array  # [B] int32.
-  finish_reason: jax.Array  # [B] FINISH_STOP or FINISH_LENGTH.
+  finish_reason: jax.Array  # [B] FINISH_STOP, FINISH_LENGTH or (a partial round's) FINISH_UNFINISHED.
   sampler_logprobs: jax.Array  # [B, Tr] under the sampling distribution (0 where masked).
   policy_logprobs: jax.Array  # [B, Tr] plain log-softmax of the logits (0 where masked).
 
