@@ -19,6 +19,7 @@ import pytest
 
 import experiments
 from experiments import smoke
+from vapo_jax import metric_keys
 from vapo_jax.cli import resolve, train
 
 BUDGET = ("rollout.decode_budget=6144", "rollout.max_staleness=4", "algo.tis_cap=2")
@@ -127,6 +128,12 @@ def test_a_rehearsal_runs_every_stage_with_finite_metrics_and_every_page_back(na
   if any(not isinstance(p, str) and p.preempts for p in expected.values()):
     assert sum(r["rollout/preemptions"] for r in paged) > 0, "the pool never ran out: nothing rehearsed preemption"
   assert os.path.isdir(os.path.join(run, "export")) == config.checkpoint.export_final
+  logged = {key for r in records for key in r}  # Every key the run logs is declared (metric_keys.py).
+  assert [key for key in sorted(logged) if not metric_keys.declared(key)] == []
+  rl = [r for r in records if r["stage"] == "rl"]
+  assert all("actor/clip_frac_high" in r and "time/rollout_s" in r for r in rl)
+  assert all(r["rollout/logprob_gap"] < 1e-4 for r in rl)  # float32: the trainer's log-probs are the sampler's.
+  assert os.listdir(os.path.join(run, "tensorboard"))
 
 
 @pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED])

@@ -24,9 +24,11 @@ ALGORITHMS = ("vapo", "ppo", "grpo", "dapo")  # VAPO and experiments/variants.py
 QUICK = {"sft.steps": 0, "eval.path": None}  # No warm start and no held-out evaluation.
 
 
-# VAPO in make test; PPO, GRPO and DAPO in make test-slow, for time.
-@pytest.mark.parametrize("name", [n if n == "vapo" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in ALGORITHMS])
+# All four in make test-slow, for time: make test runs VAPO through every stage in `aime`'s rehearsal
+# (test_rehearsal.py: finite metrics, declared keys, TensorBoard, the export), a finished run run again
+# (test_trainer_failures.py) and the warm start (test_disk_full.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
   trainer = Trainer(smoke_config(None if name == "vapo" else QUICK, algorithm=name), write_logs=True, verbose=False)
