@@ -8,9 +8,10 @@ from vapo_jax.errors import ConfigError
 frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
-def require(ok: bool, owner: object, field: str, message: str, value: object) -> None:
+def require(ok: bool, owner: object, field: str, message: str, value: object, *, cross_field: bool = False) -> None:
+  """`cross_field`: the check reads other fields too (their values may be the defaults, not the user's)."""
   if not ok:
-    raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}")
+    raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}", cross_field=cross_field)
 
 
 def in_range(owner, field: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> None:

@@ -108,11 +108,11 @@ class AlgoConfig:
       positive_int(self, "micro_batch_responses")
       require(self.mini_batch_responses % self.micro_batch_responses == 0, self,
                "micro_batch_responses", f"must divide mini_batch_responses={self.mini_batch_responses}",
-               self.micro_batch_responses)
+               self.micro_batch_responses, cross_field=True)
     if self.estimator == "group":
       require(self.value_pretrain_steps == 0, self, "value_pretrain_steps",
                "must be 0 with estimator='group' (there is no critic to pretrain)",
-               self.value_pretrain_steps)
+               self.value_pretrain_steps, cross_field=True)
 
   @property
   def uses_critic(self) -> bool:
@@ -226,16 +226,16 @@ class RolloutConfig:
     positive_int(self, "max_staleness", allow_zero=True)
     if self.decode_budget:
       require(self.engine == "refill", self, "engine", "must be 'refill' with decode_budget > 0 (the static engine "
-              "cannot stop at a budget)", self.engine)
+              "cannot stop at a budget)", self.engine, cross_field=True)
       reach = (self.max_staleness + 1) * self.decode_budget
       require(reach >= self.max_response_tokens, self, "decode_budget",
               f"× (max_staleness + 1) = {reach} must reach max_response_tokens={self.max_response_tokens}, or a "
               "response that long is restarted before it can finish: raise decode_budget or max_staleness",
-              self.decode_budget)
+              self.decode_budget, cross_field=True)
     if self.prompts_per_generation is not None:
       positive_int(self, "prompts_per_generation")
       require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
-               f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation)
+               f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation, cross_field=True)
     for name in ("slots", "pages", "page_tokens", "block_pages"):
       if getattr(self, name) is not None:
         positive_int(self, name)
@@ -286,7 +286,7 @@ class RewardConfig:
       require(":" in self.reward_fn, self, "reward_fn", "must look like 'package.module:function'",
                self.reward_fn)
     require(self.correct > self.incorrect, self, "correct", f"must exceed incorrect={self.incorrect}",
-             self.correct)
+             self.correct, cross_field=True)
 
 
 @frozen
@@ -332,25 +332,26 @@ class ExperimentConfig:
     responses = self.rollout.responses_per_step
     require(responses % self.algo.mini_batch_responses == 0, self, "algo.mini_batch_responses",
              f"must divide the responses per step ({self.rollout.prompts_per_step} prompts × "
-             f"{self.rollout.samples_per_prompt} samples = {responses})", self.algo.mini_batch_responses)
+             f"{self.rollout.samples_per_prompt} samples = {responses})", self.algo.mini_batch_responses,
+            cross_field=True)
     if self.algo.estimator == "group":
       require(self.rollout.samples_per_prompt > 1, self, "rollout.samples_per_prompt",
                "must be > 1 with algo.estimator='group' (advantages are relative to the group)",
-               self.rollout.samples_per_prompt)
+               self.rollout.samples_per_prompt, cross_field=True)
     longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
     if self.packing.row_tokens is not None:
       require(self.packing.row_tokens >= longest, self, "packing.row_tokens",
                f"must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
-               self.packing.row_tokens)
+               self.packing.row_tokens, cross_field=True)
     if self.rollout.decode_budget:
       require(not self.algo.dynamic_sampling, self, "algo.dynamic_sampling",
                "must be false with rollout.decode_budget > 0 (partial rollouts train on the groups that complete)",
-               self.algo.dynamic_sampling)
+               self.algo.dynamic_sampling, cross_field=True)
     if self.algo.overlong_buffer_tokens:
       require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
                "algo.overlong_buffer_tokens",
                f"must be below rollout.max_response_tokens={self.rollout.max_response_tokens}",
-               self.algo.overlong_buffer_tokens)
+               self.algo.overlong_buffer_tokens, cross_field=True)
 
   @property
   def run_directory(self) -> str:

@@ -6,7 +6,6 @@ Unknown fields and values that do not parse as the field's type are errors namin
 
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from typing import Any, Literal
@@ -87,7 +86,7 @@ def _replace(config: Any, changes: dict[str, Any], errors: list[str]) -> Any:
     try:
       dataclasses.replace(config, **{key: value})
     except ConfigError as e:
-      if re.match(rf"{type(config).__name__}\.{key} must be (an integer in|in [\[(]|one of|a |> |>= )", str(e)):
+      if not e.cross_field:
         alone.append(str(e))
   errors.extend(dict.fromkeys(([together] if together else []) + alone))
   return config

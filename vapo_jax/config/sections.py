@@ -130,7 +130,7 @@ class MeshConfig:
       require(isinstance(value, int) and (value >= 1 or value == -1), self, name,
                "must be a positive integer or -1 (fill)", value)
     require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
-             "allows at most one axis of -1", (self.data, self.fsdp, self.tensor))
+             "allows at most one axis of -1", (self.data, self.fsdp, self.tensor), cross_field=True)
 
 
 @frozen
