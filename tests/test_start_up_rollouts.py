@@ -31,24 +31,28 @@ def test_the_evaluations_pool_is_sized_for_its_own_prompts(smoke_config):
                     prompt_tokens=16, devices=8)
 
 
+def _refused_then_planned(smoke_config, field: str, refused, works, match: str, **call):
+  """`field=refused` is refused (`match`) when planning `call`; the value the message names, `works`, plans it."""
+  with pytest.raises(ConfigError, match=match):
+    experience.plan(smoke_config({field: refused}), preset("micro"), **call)
+  return experience.plan(smoke_config({field: works}), preset("micro"), **call)
+
+
 def test_a_pool_split_over_queues_names_the_pages_of_every_queue(smoke_config):
   """With fewer queues than groups every device holds each queue's pool: `rollout.pages` is split over them, so
   the value named is the pages of all of them. 2 queues (2 prompts over 8 groups) of 3 // 2 = 1 page each."""
-  config = smoke_config({"rollout.pages": 3})
-  with pytest.raises(ConfigError, match=r"pool of 1 page of 16 tokens per queue \(2 queues' pools on each device\) "
-                                        r"cannot hold .*\(3 pages in all\): set rollout\.pages=6 or more"):
-    experience.plan(config, preset("micro"), prompts=2, group=16, prompt_tokens=16, devices=8)
-  assert experience.plan(smoke_config({"rollout.pages": 6}), preset("micro"), prompts=2, group=16, prompt_tokens=16,
-                         devices=8).queue_pages == 3
+  chosen = _refused_then_planned(
+      smoke_config, "rollout.pages", 3, 6, r"pool of 1 page of 16 tokens per queue \(2 queues' pools on each "
+      r"device\) cannot hold .*\(3 pages in all\): set rollout\.pages=6 or more", prompts=2, group=16,
+      prompt_tokens=16, devices=8)
+  assert chosen.queue_pages == 3
 
 
 def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that_works(smoke_config):
-  config = smoke_config({"rollout.slots": 3})
-  with pytest.raises(ConfigError, match=r"^rollout\.slots=3 does not split over the 2 data-parallel groups .*: set "
-                                        r"rollout\.slots=4, a multiple of 2$"):
-    experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=2)
-  assert experience.plan(smoke_config({"rollout.slots": 4}), preset("micro"), prompts=8, group=4, prompt_tokens=16,
-                           devices=2).slots == 4
+  chosen = _refused_then_planned(
+      smoke_config, "rollout.slots", 3, 4, r"^rollout\.slots=3 does not split over the 2 data-parallel groups .*: "
+      r"set rollout\.slots=4, a multiple of 2$", prompts=8, group=4, prompt_tokens=16, devices=2)
+  assert chosen.slots == 4
 
 
 def test_the_trainer_refuses_an_evaluation_that_cannot_run_before_the_first_step(smoke_config):

@@ -119,7 +119,7 @@ def _aborted(run_dir: str) -> int:
   background_saves.quiet_after_failure()
   _interrupted_start[0] = True  # Ends the process at once (`__main__`): nothing is left to keep.
   directory = os.path.join(run_dir, "checkpoints")
-  complete = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+  complete = checkpoints.complete_steps(directory)
   resume = (f"the newest complete checkpoint, {os.path.join(directory, str(complete[-1]))}, is intact: run the same "
             "command again to resume from it" if complete else "no checkpoint is complete: the same command starts "
             "afresh")

@@ -109,6 +109,12 @@ def abstract(tree, mesh: jax.sharding.Mesh | None = None):
   return jax.tree.map(target, tree)
 
 
+def complete_steps(directory: str) -> list[int]:
+  """The numbers of the complete checkpoints in `directory` (Orbax renames a save to its number when it finishes;
+  one being written is a temporary directory), oldest first; none when the directory does not exist."""
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
+
+
 class RunCheckpoints:
   """The run directory's checkpoints: save every N steps, keep K, restore the newest readable one.
 
@@ -144,7 +150,7 @@ class RunCheckpoints:
       background.quiet_after_failure()
       background.wait_at_most(self.manager, background.WAIT_AFTER_FAILURE_S)  # A stuck save: not waited out.
       background.join()
-      complete = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+      complete = complete_steps(self.directory)
       if distributed.is_main_process():
         for name in os.listdir(self.directory):
           if ".orbax-checkpoint-tmp" in name:
