@@ -4,7 +4,8 @@
 
 A carry of `--sequences` sequences in flight (groups of 16), every one holding `--tokens` tokens (the cap: the
 most a carry holds), its tokens, sampler and policy log-probs and versions synthesised; then `Carry.state_dict`,
-saved by the run's own checkpointer (`train/checkpoints.RunCheckpoints`, Orbax, synchronous) and restored into a
+saved by the run's own checkpointer (`train/checkpoints.RunCheckpoints`: Orbax, the carry as host arrays written
+from themselves, `train/host_arrays`) and restored into a
 new `Carry` (`load_state_dict`) as a resume does, compared whole (by digest). Prints the seconds of each half and
 of the round trip, the bytes on disk, and the process's peak host memory while saving and while restoring (Linux's
 VmHWM, reset before each; the carry itself is held throughout the save) against the carry's bytes. Target on the
@@ -84,19 +85,19 @@ def main(argv=None) -> None:
     held, _ = _resident()  # The carry, as a run holds it when it saves.
     _reset_peak()
     start = time.perf_counter()
-    saver.save(1, {"carry": arrays}, {"carry": counters}, wait=True)
+    saver.save(1, {"host": {"carry": arrays}}, {"carry": counters}, wait=True)
     saved = time.perf_counter()
     save_peak = _resident()[1]
     disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(directory) for f in files)
     del arrays, carry
     _reset_peak()
     restore_start = time.perf_counter()
-    target = {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in
-                        partial.Carry.array_shapes(json.loads(json.dumps(counters)), GROUP).items()}}
+    target = {"host": {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in
+                        partial.Carry.array_shapes(json.loads(json.dumps(counters)), GROUP).items()}}}
     restored = saver.restore(1, target)
     copy = partial.Carry(group=GROUP, sequences=args.sequences, max_response_tokens=args.tokens, max_staleness=4,
                          pad_id=0, prompt_width=1024)
-    copy.load_state_dict(counters, restored["carry"])
+    copy.load_state_dict(counters, restored["host"]["carry"])
     del target, restored
     done = time.perf_counter()
     restore_peak = _resident()[1]

@@ -16,6 +16,7 @@
   saving         the trainer's checkpoints, resume, stop on a signal and export
   checkpoints    Orbax checkpoints of the whole run, resume, preemption
   background_saves  Orbax's background saves: their noise after a failure silenced, their waits bounded
+  host_arrays    host NumPy arrays in a checkpoint (partial rollouts' carry): files written from the arrays themselves
   metrics        metrics.jsonl, TensorBoard, W&B, the progress line, collapse warnings
   runlock        the lock that keeps a second start out of a run directory
 

@@ -10,7 +10,9 @@ the saved one was:
   meta (JSON)     the run's `state.Progress` (stage and steps done in it, the prompt iterator's
                   position, the supervised stage's NumPy generator state, value-pretraining
                   progress, the evaluations), the length of metrics.jsonl at save time, and the
-                  resolved config.
+                  resolved config;
+  host (files)    NumPy host arrays, one `.npy` file each (`host_arrays`): partial rollouts'
+                  carry, when sequences are in flight.
 
 Orbax writes each checkpoint to a temporary directory and renames it when complete, so a
 half-written checkpoint is never listed; one that is listed but unreadable (truncated, files
@@ -35,6 +37,7 @@ from vapo_jax import distributed, files
 from vapo_jax.config import CheckpointConfig, ExperimentConfig
 from vapo_jax.errors import ConfigError, UserError
 from vapo_jax.train import background_saves as background
+from vapo_jax.train import host_arrays
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
@@ -109,6 +112,13 @@ def abstract(tree, mesh: jax.sharding.Mesh | None = None):
   return jax.tree.map(target, tree)
 
 
+def _split(tree) -> tuple[Any, dict | None]:
+  """(the tree without its host arrays, those arrays: a dict's `host` entry, saved by `host_arrays` beside it)."""
+  if not isinstance(tree, dict):
+    return tree, None
+  return {k: v for k, v in tree.items() if k != host_arrays.ITEM}, tree.get(host_arrays.ITEM) or None
+
+
 def complete_steps(directory: str) -> list[int]:
   """The numbers of the complete checkpoints in `directory` (Orbax renames a save to its number when it finishes;
   one being written is a temporary directory), oldest first; none when the directory does not exist."""
@@ -160,12 +170,16 @@ class RunCheckpoints:
       raise files.write_failure(e, self.directory, what, after=f"then run the same command again: {resume}") from None
 
   def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
-    """Saves (in the background when configured: arrays are copied to host before this returns)."""
+    """Saves (in the background when configured: arrays are copied to host before this returns). A dict `state`'s
+    `host` entry (nested dicts of NumPy arrays) is written as files before this returns (`host_arrays`)."""
     with self._saving("saving a checkpoint"):
       if distributed.is_main_process():
         background.probe(self.directory)  # Each save: a directory turned read-only stops the run now, in one line.
-      self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      meta=ocp.args.JsonSave(meta)), force=True)
+      state, host = _split(state)
+      items = {"meta": ocp.args.JsonSave(meta)} | ({"state": ocp.args.StandardSave(state)} if state else {})
+      if host:  # Host arrays: written now, from themselves (`host_arrays`).
+        items[host_arrays.ITEM] = host_arrays.HostArraysSave(host)
+      self.manager.save(step, args=ocp.args.Composite(**items), force=True)
       self._unchecked = True  # `check` probes the directory once after it.
       if wait:
         self.manager.wait_until_finished()
@@ -180,8 +194,15 @@ class RunCheckpoints:
     return None
 
   def restore(self, step: int, target) -> Any:
-    """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says."""
-    return self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))).state
+    """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says; its `host` entry,
+    if any, is NumPy arrays filled in place from the checkpoint's host arrays."""
+    target, host = _split(target)
+    items = {"state": ocp.args.StandardRestore(target)} if target else {}
+    if host:
+      items[host_arrays.ITEM] = host_arrays.HostArraysRestore(host)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    return (restored.state if target else {}) | (
+        {host_arrays.ITEM: restored[host_arrays.ITEM]} if host else {})
 
   def restore_latest(self, make_target, accept=None) -> tuple[int, Any, dict] | None:
     """(step, state, meta) of the newest fully readable checkpoint; `make_target(meta)` gives the target, and

@@ -20,7 +20,7 @@ from flax import nnx
 from vapo_jax import distributed
 from vapo_jax.errors import ConfigError
 from vapo_jax.models import hf_export
-from vapo_jax.train import checkpoints
+from vapo_jax.train import checkpoints, host_arrays
 from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train.state import from_checkpoint, to_checkpoint
 
@@ -86,7 +86,7 @@ class Saving:
       warnings.warn(f"{carry.capped} carried sequence(s) held rollout.max_response_tokens="
                     f"{self.config.rollout.max_response_tokens} tokens or more (the cap was lowered since the save): "
                     "they end there, finish reason \"length\"", stacklevel=2)
-    arrays = {k: v for k, v in tree.items() if k != "carry"}
+    arrays = {k: v for k, v in tree.items() if k != host_arrays.ITEM}
     self.state = from_checkpoint(arrays, jax.random.key_impl(self.state.key))
 
   def save(self, *, wait: bool = False):

@@ -7,7 +7,7 @@ it (`Progress`). A checkpoint is the two of them; nothing else is saved or resto
   Progress    the stage and steps done in it, value-pretraining progress, evaluation results,
               the prompt iterator's position, the supervised stage's host RNG and the collapse
               monitor, and partial rollouts' carry: a JSON record in checkpoints, the carry's tokens and
-              log-probs as arrays beside the state's.
+              log-probs as host arrays beside the state's (`host_arrays`).
 """
 
 import dataclasses
@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from vapo_jax.data.prompt_iterator import PromptIterator
+from vapo_jax.train.host_arrays import ITEM
 from vapo_jax.train.metrics import CollapseMonitor
 
 STAGES = ("sft", "value_pretrain", "rl", "done")
@@ -83,14 +84,14 @@ class Progress:
               "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
               "eval_after": self.eval_after, "prompts": self.prompts.state_dict(),
               "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(), "carry": counters}
-    return record, ({} if arrays is None else {"carry": arrays})
+    return record, ({} if arrays is None else {ITEM: {"carry": arrays}})
 
   def array_target(self, saved: dict) -> dict:
     """What `checkpoint`'s arrays were, from a saved record: NumPy arrays of their shapes (the restore's target)."""
     if self.carry is None or not (saved.get("carry") or {}).get("groups"):
       return {}
     shapes = self.carry.array_shapes(saved["carry"], self.carry.group)
-    return {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}
+    return {ITEM: {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}}
 
   def load(self, saved: dict, arrays: dict) -> None:
     """The progress of a checkpoint's record and arrays. A damaged record (a field missing or of the wrong shape) is
@@ -107,7 +108,7 @@ class Progress:
                     "rollout.decode_budget they are dropped and the run samples anew", stacklevel=2)
     if self.carry is not None and saved.get("carry") is not None:
       counters = saved["carry"]
-      self.carry.load_state_dict(counters, arrays["carry"] if counters["groups"] else {})
+      self.carry.load_state_dict(counters, arrays[ITEM]["carry"] if counters["groups"] else {})
     self.prompts.load_state_dict(prompts)
     self.sft_rng.bit_generator.state = rng
     self.monitor.load_state_dict(monitor)
