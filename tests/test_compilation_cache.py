@@ -103,6 +103,7 @@ print(float(f(jnp.float32(3.0))), float(g(jnp.float32(3.0))))
 """
 
 
+@pytest.mark.slow  # For time (7 s): make test says an unwritable cache once.
 def test_another_programs_entry_is_compiled_again_with_one_line(tmp_path):
   """A process whose cache entry holds another program's executable (copied over it) computes the right numbers,
   says so in one line naming `make clean-cache`, and the next process loads the replaced entry silently."""

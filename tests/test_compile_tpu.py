@@ -1,10 +1,10 @@
 """The compile report for a TPU topology (v5p:2x2x1, 4 chips), on this CPU machine through libtpu's
-compile-only client: the smoke run's every phase fits, its decode loop moves no weight (and an FSDP
-decode's per-layer gathers under scanned layers are found), a layout that cannot fit is refused naming the
-phase (also by `make memory`'s entry point, exit 1), splash compiles for the chips under shard_map, the
-HBM table is what the TPU compiler says, and the roofline's arithmetic holds; in `make test-slow`, the
-shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin. Skipped without libtpu
-(`make test` installs it: `pip install -e ".[test,tpu]"`)."""
+compile-only client: an FSDP decode's per-layer gathers under scanned layers are found, splash compiles for the
+chips under shard_map, the HBM table is what the TPU compiler says, the paged kernel is opaque to cost analysis and
+its cache write one scatter; in `make test-slow`, the smoke run's every phase fits, its decode loop moves no weight,
+a layout that cannot fit is refused naming the phase (also by `make memory`'s entry point, exit 1), the roofline's
+arithmetic holds, and the shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin.
+Skipped without libtpu (`make test` installs it: `pip install -e ".[test,tpu]"`)."""
 
 import dataclasses
 import math
@@ -34,12 +34,18 @@ QUICK = {"eval.path": None}
 TOO_LONG = {"rollout.prompts_per_step": 1024, "rollout.max_response_tokens": 2**20, "rollout.kv_cache_budget_gib": 1e4}
 
 
+# The smoke run's every phase compiled for the chips (47 s): its tests run in make test-slow. make test compiles for
+# the chips an FSDP decode under scanned layers (its weight check), splash, the paged kernel and its cache write.
+SMOKE_REPORT = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def smoke_report(tmp_path_factory):
   config = build_smoke_config(tmp_path_factory.mktemp("run"), QUICK)
   return xla_report.compile_run(config, topologies.named(TOPOLOGY))
 
 
+@SMOKE_REPORT
 def test_every_phase_of_the_smoke_run_fits(smoke_report):
   names = [p.name for p in smoke_report.phases]
   assert names == ["supervised warm start", "rollout", "value pretraining", "scoring", "update"]
@@ -51,6 +57,7 @@ def test_every_phase_of_the_smoke_run_fits(smoke_report):
   assert "fits (" in xla_report_text.table(smoke_report)
 
 
+@SMOKE_REPORT
 def test_the_decode_loop_moves_no_weight(smoke_report):
   """dp (the smoke run's preset) keeps whole weights on every chip. The next tests find fsdp's gathers inside
   the loop with the same check (it can fail)."""
@@ -117,6 +124,7 @@ def _timeless(phases) -> list:
   return [p._replace(lower_s=0.0, compile_s=0.0, kept=False) for phase in phases for p in phase.programs]
 
 
+@SMOKE_REPORT
 def test_a_second_compile_loads_what_the_tpu_compiler_said(smoke_report, monkeypatch):
   """Compiled again (the cache directory tests/conftest.py sets), the rollout and scoring (whose inputs
   are the rollout's outputs as compiled) compile nothing: the same figures, collectives and decode
@@ -207,12 +215,14 @@ def test_the_hbm_table_is_the_compilers():
   assert abs(topologies.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
 
 
+@SMOKE_REPORT
 def test_the_smoke_runs_compile_time_is_reported(smoke_report):
   seconds = [p.lower_s + p.compile_s for phase in smoke_report.phases for p in phase.programs]
   assert all(s > 0 for s in seconds)
   assert dataclasses.asdict(smoke_report.config.model)["preset"] == "micro"
 
 
+@SMOKE_REPORT
 def test_the_roofline_of_the_smoke_run(smoke_report):
   """Each per-step phase at the slower of compute and memory, the loops' trips counted (packed: the
   micro-batches of the rows compiled), an MFU that is a fraction."""

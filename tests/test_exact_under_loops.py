@@ -6,6 +6,7 @@ largest rollout shard, a stacked `[L, ...]` parameter's, L layers of it, as the 
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from vapo_jax.config import AlgoConfig, ExperimentConfig, RolloutConfig
@@ -20,6 +21,7 @@ from vapo_jax.roofline import step
 SMALL = {"eval.path": None, "sft.steps": 0, "model.preset": "small"}  # 4 decoder layers.
 
 
+@pytest.mark.slow  # For time (20 s): three compiles of the scoring program at four layers.
 def test_every_layer_counts_the_scan_as_the_unrolled_program_does(smoke_config):
   """cost_analysis counts the layer scan's body once; r1 + (L − 1)(r2 − r1), r2 compiled with two layers
   per iteration, is the unrolled program's count (within 1 %), for the rollout's generate and scoring."""

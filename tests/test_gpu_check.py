@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import gpu_check
 from vapo_jax.models import pallas_gpu, sharding
 from vapo_jax.models.config import preset
@@ -53,6 +55,7 @@ def test_model_flops_against_a_hand_count():
   assert gpu_check.model_flops(cfg, 1, [2]) == 7488
 
 
+@pytest.mark.slow  # For time (9 s): make test runs the Pallas GPU kernels interpreted in test_pallas_gpu.py.
 def test_the_kernel_section_passes_with_the_kernels_interpreted(monkeypatch):
   monkeypatch.setattr(sharding, "platform", lambda: "gpu")
   with pallas_gpu.interpret():

@@ -136,6 +136,7 @@ def _decode_hlo(model, layout):
   return fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text(), chosen
 
 
+@pytest.mark.slow  # For time (12 s): make test checks the TPU decode's weight collectives (test_compile_tpu.py).
 def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   """Compiled on 8 CPU devices: in the rollout layout (data 2 x tensor 4) no collective moves as many bytes as
   the smallest weight, only `[rows, 1, D]` activations and the sampler's scalars. Decoding in the training

@@ -13,6 +13,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from vapo_jax.config import AlgoConfig, OptimizerConfig
@@ -45,6 +46,7 @@ def test_make_test_sets_the_flags_this_test_compares():
   assert flags == {k: str(v).lower() for k, v in MAKE_TEST.items()}, flags
 
 
+@pytest.mark.slow  # For time (14 s): an update compiled twice, under make test's XLA flags and the defaults.
 def test_an_actor_update_agrees_under_make_tests_compiler_settings_and_the_defaults():
   graphdef, params = nnx.split(CausalLM(preset("micro"), rngs=nnx.Rngs(0)))
   tx = optim.make_optimizer(OptimizerConfig(), 1e-2)  # A large step, so the update is far from the parameters.

@@ -159,7 +159,8 @@ def test_a_packed_step_equals_the_padded_one(case):
     assert tensor[2]["perf/padding_frac_update"] < packed[2]["perf/padding_frac_update"]
 
 
-@pytest.mark.parametrize("target", [pytest.param("returns", marks=pytest.mark.slow), "outcome"])
+@pytest.mark.slow  # For time (9 s): make test packs value pretraining in aime's rehearsal (packing.enabled).
+@pytest.mark.parametrize("target", ["returns", "outcome"])
 def test_a_packed_value_pretraining_step_equals_the_padded_one(target):
   """Value pretraining on Monte-Carlo returns, and a reward model's (the last token's verdict alone:
   the value loss on `value_mask`), packed as padded."""
@@ -172,6 +173,7 @@ def test_a_packed_value_pretraining_step_equals_the_padded_one(target):
   assert fitted.sum() == (RESPONSE_LENGTHS > 0).sum() if target == "outcome" else fitted.sum() == RESPONSE_LENGTHS.sum()
 
 
+@pytest.mark.slow  # For time (6 s): make test holds a packed update equal to the padded one (the vapo case).
 def test_a_packed_supervised_update_equals_the_padded_one():
   from vapo_jax.train.steps import TrainBatch, join
   runs = []

@@ -62,7 +62,7 @@ def test_chunked_prefill_equals_whole_prefill(model):
   tokens prefilled, in more chunks the smaller the chunk."""
   prompts = [p * 3 for p in PROMPTS]
   static, _ = sample(model, prompts, STATIC, group=3, key=3, **SAMPLING)
-  paged = RolloutConfig(slots=6, page_tokens=4, block_pages=2, decode_steps_per_call=4)
+  paged = RolloutConfig(slots=6, page_tokens=4, block_pages=2, decode_steps_per_call=4, shrink_slots=False)
   chunks, tokens = [], []
   for chunk in (1, 3, 16):
     out, metrics = sample(model, prompts, dataclasses.replace(paged, prefill_chunk=chunk), group=3, key=3, **SAMPLING)
@@ -97,11 +97,17 @@ def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_the_setting(mode
                                         r"\(2 pages\) and one 10-token response \(6 pages in all\): set "
                                         r"rollout.pages=6 or more"):
     sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
-  refilled, metrics = sample(model, PROMPTS, dataclasses.replace(tight, pages=6), group=3, key=3, **SAMPLING)
+
+
+@pytest.mark.slow  # For time (10 s): make test preempts in a pool of a few sequences (test_preemption_restarts_…).
+def test_a_pool_of_one_sequence_runs_them_one_at_a_time(model):
+  tight = RolloutConfig(slots=6, pages=6, page_tokens=4)  # The longest prompt's 2 + 4 for one sequence.
+  refilled, metrics = sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
   assert_same(refilled, sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)[0])  # One at a time.
   assert metrics["rollout/pages_free_after"] == 6 and metrics["rollout/prefills"] > len(PROMPTS)
 
 
+@pytest.mark.slow  # For time (4 s): the benchmark's baseline engine, not the run's.
 def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
   """The contiguous refill engine (each slot owning prompt + cap tokens), the benchmark's baseline."""
   static, _ = sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)

@@ -7,8 +7,8 @@ the same metrics as the experiment rehearsed on the static engine (the engine is
 of results), where the experiment can run on it (a partial rollout needs the refill engine).
 
 `aime` runs in make test (its rollout is the one that had never run: the refill engine in tensor-parallel
-groups on an `fsdp_tp` mesh); the others in make test-slow. `test_plans_agree` holds the rehearsal to the full
-run's plan for `aime`, its baselines and its budgeted variant."""
+groups on an `fsdp_tp` mesh), but for its static-engine run; the others in make test-slow. `test_plans_agree`
+holds the rehearsal to the full run's plan for `aime`, its baselines and its budgeted variant."""
 
 import json
 import math
@@ -170,7 +170,8 @@ def test_a_finished_rehearsal_given_more_rl_steps_trains_them(rehearsals, tmp_pa
     assert json.load(f)["seconds"] != before["seconds"]
 
 
-@pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED if "rollout.decode_budget" not in
+@pytest.mark.slow  # For time (18 s): make test holds the engines equal call by call (test_refill.py, test_pages.py).
+@pytest.mark.parametrize("name", [name for name in REHEARSED if "rollout.decode_budget" not in
                                   " ".join(REHEARSED[name][1])])
 def test_a_rehearsal_logs_the_static_engines_metrics(name, rehearsals, tmp_path):
   _, _, records = rehearsals(name)

@@ -22,6 +22,7 @@ def config(*argv):
   return resolve.resolve(["--smoke", *argv])[0]
 
 
+@pytest.mark.slow  # For time (22 s): make test checks the reward model's labels and evaluation keys.
 def test_reward_model_fits_the_last_token_and_its_export_starts_the_critic(tmp_path):
   made = config("--exp", "toy_reward_model", f"run_dir={tmp_path}", "name=rm", "sft.steps=0")
   assert made.algo.value_pretrain_target == "outcome" and made.rl_steps == 0 and made.eval.path is None

@@ -125,6 +125,7 @@ def _rollout_layout(trained):
     return nnx.merge(graphdef, layout.reshard(state)), layout
 
 
+@pytest.mark.slow  # For time (11 s): make test decodes scanned layers in aime's rehearsal.
 def test_scanned_equals_unrolled_prefill_and_eight_decode_steps_in_the_rollout_layout(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
@@ -228,12 +229,14 @@ def _update_hlo(layers: int) -> str:
   return sharding.jit(update, mesh, rules).lower(state, opt, tokens).compile().as_text()
 
 
+@pytest.mark.slow  # For time (5 s): make test checks a scanned program holds one layer.
 def test_the_compiled_update_is_the_same_size_at_four_and_eight_layers():
   count = lambda text: sum(1 for line in text.splitlines() if " = " in line)
   four, eight = _update_hlo(4), _update_hlo(8)
   assert count(four) == count(eight)
 
 
+@pytest.mark.slow  # For time (5 s): a property of the compiled decode's speed, not of its results.
 def test_no_cache_sized_copy_in_the_decode_loop(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)

@@ -47,6 +47,7 @@ def test_scoring_in_micro_batches_equals_the_whole_batch():
   assert not np.allclose(v_whole[:8], v_whole[8:])  # The rows differ, so a mix-up would show.
 
 
+@pytest.mark.slow  # For time (8 s): make test adds micro-batches up (test_losses) and packs 4 (test_packed_training)
 def test_an_update_in_micro_batches_equals_the_whole_mini_batch():
   import optax
 

@@ -117,6 +117,7 @@ def test_supervised_warm_start_from_a_file(tmp_path, smoke_config):
   assert len(nll) == 2 and all(np.isfinite(nll))
 
 
+@pytest.mark.slow  # For time (36 s): make test refuses a phase over the device memory in test_compile_report.py.
 def test_make_train_refuses_a_run_xla_refuses_before_the_first_step(tmp_path, capsys):
   """`make train` compiles the run's programs on its devices before the trainer builds anything and, with
   XLA's figure for a phase over the device memory, exits 2 naming the phase and the setting to change (each
