@@ -77,9 +77,11 @@ class LogConfig:
 class ModelConfig:
   """Policy and critic networks."""
 
-  checkpoint: str | None = None  # Hugging Face checkpoint directory of the initial policy.
-  # The critic's own checkpoint: a value model, or a reward model (a one-output `score` head) as the
-  # paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
+  # The initial policy: a Hugging Face checkpoint directory, or a Hub model "hf:NAME[@REVISION]" (downloaded into
+  # the Hub cache, models/hub.py).
+  checkpoint: str | None = None
+  # The critic's own checkpoint (a directory or "hf:NAME"): a value model, or a reward model (a one-output `score`
+  # head) as the paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
   critic_checkpoint: str | None = None
   preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
   dtype: DType = "bfloat16"  # Compute dtype.
@@ -88,7 +90,7 @@ class ModelConfig:
   # Attention kernel (models/attention.py): "auto" = splash on TPU; on GPU in bf16 cudnn (padded rows) and
   # pallas_gpu (packed rows); chunked otherwise.
   attention: Attention = "auto"
-  tokenizer: str | None = None  # Tokenizer directory, or "bytes"; None: the checkpoint's directory.
+  tokenizer: str | None = None  # Tokenizer directory, "hf:NAME", or "bytes"; None: the checkpoint's.
   random_init: bool = False  # Start from random weights of `preset` (CPU experiments); else a checkpoint.
   init_seed: int = 0  # Seed of the random initialisation.
   # Log-probs, entropy and SFT hold at most B·logits_chunk·V float32 logits at once (models/logprobs.py).

@@ -10,6 +10,7 @@ import json
 import os
 
 from vapo_jax.errors import MissingFileError, TokenizerError
+from vapo_jax.models import hub
 
 
 def _transformers():
@@ -120,8 +121,11 @@ class HFTokenizer:
 
 
 def load(name: str) -> ByteTokenizer | HFTokenizer:
-  """"bytes" for `ByteTokenizer`, else a tokenizer directory (a checkpoint's, usually)."""
-  return ByteTokenizer() if name == "bytes" else HFTokenizer(load_tokenizer(name), directory=name)
+  """"bytes" for `ByteTokenizer`, else a tokenizer directory (a checkpoint's, usually) or Hub model (`models.hub`)."""
+  if name == "bytes":
+    return ByteTokenizer()
+  directory = hub.local(name)
+  return HFTokenizer(load_tokenizer(directory), directory=directory)
 
 
 def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer, checkpoint_path: str | None) -> None:

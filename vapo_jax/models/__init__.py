@@ -11,6 +11,7 @@
   logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
   sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation
   huggingface       Hugging Face checkpoints in: config.json + safetensors, the tensor names both ways
+  hub               `hf:NAME[@REVISION]`: a Hub model downloaded into its cache (or read from it), one line on failure
   hf_export         Hugging Face checkpoints out: the export, sharded, with the tokenizer's files
   safetensors_io    the safetensors format, read and written one tensor at a time
 """

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 
 from vapo_jax.errors import CheckpointError, ConfigError, MissingFileError
+from vapo_jax.models import hub
 
 DType = Literal["float32", "bfloat16"]
 
@@ -111,7 +112,8 @@ class TransformerConfig:
 
   @classmethod
   def from_pretrained(cls, directory: str) -> "TransformerConfig":
-    """From `directory/config.json`; every problem is a `CheckpointError` naming the file."""
+    """From `directory/config.json` (a Hub model's, `hub`); every problem is a `CheckpointError` naming the file."""
+    directory = hub.local(directory)
     if not os.path.isdir(directory):
       raise MissingFileError(f"checkpoint directory {directory!r} does not exist (model.checkpoint)")
     path = os.path.join(directory, "config.json")

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from vapo_jax.errors import CheckpointError, MissingFileError
-from vapo_jax.models import safetensors_io, sharding
+from vapo_jax.models import hub, safetensors_io, sharding
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.transformer import CausalLM, ValueModel
 
@@ -154,7 +154,9 @@ def _check_vocab_size(directory: str, cfg: TransformerConfig, tensors: dict[str,
 
 
 def read_config(directory: str) -> TransformerConfig:
-  """The architecture of a checkpoint directory: its config.json, checked against its embedding tensor."""
+  """The architecture of a checkpoint directory (or Hub model, `hub`): its config.json, checked against its embedding
+  tensor."""
+  directory = hub.local(directory)
   cfg = TransformerConfig.from_pretrained(directory)
   _check_vocab_size(directory, cfg, _open_tensors(directory))
   return cfg
@@ -243,6 +245,7 @@ def load(directory: str, factory: Callable[[], nnx.Module], *, mesh: Mesh | None
     mesh, rules: where to place each parameter; None keeps everything on the default device.
     allow_missing: our parameter paths that may be absent (left at their initial value).
   """
+  directory = hub.local(directory)
   tensors = _open_tensors(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(factory))
   params, cfg = param_paths(abstract), TransformerConfig.from_pretrained(directory)

@@ -73,6 +73,8 @@ def same_path(a: Any, b: Any) -> bool:
   working directory), or the same existing file (symbolic links followed)."""
   if not isinstance(a, str) or not isinstance(b, str):
     return False
+  if a.startswith("hf:") or b.startswith("hf:"):  # A Hub model (`models/hub.py`): its name, not a file.
+    return a == b
   if os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b)):
     return True
   try:

@@ -60,8 +60,9 @@ class Trainer(Saving):
     self.config, self.verbose = config, verbose
     if config.model.checkpoint is None and not config.model.random_init:
       raise ConfigError(f"experiment {config.name!r} needs a model: pass model.checkpoint=/path/to/"
-                        f"{config.model.preset} (a Hugging Face directory with config.json and *.safetensors), e.g. "
-                        f"make train EXP=... ARGS=\"model.checkpoint=/ckpt/{config.model.preset}\"")
+                        f"{config.model.preset} (a Hugging Face directory with config.json and *.safetensors) or "
+                        "model.checkpoint=hf:NAME (a Hub model, downloaded into the Hub cache), e.g. make train "
+                        f"EXP=... ARGS=\"model.checkpoint=/ckpt/{config.model.preset}\"")
     self.run_dir = config.run_directory
     self.lock = runlock.RunLock(self.run_dir) if write_logs and distributed.is_main_process() else None
     if self.lock is not None:

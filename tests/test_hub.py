@@ -1,0 +1,123 @@
+"""Hub models (`models/hub.py`): `hf:NAME[@REVISION]` read from a Hub cache built on disk (no network: the cache's
+own layout, `models--OWNER--NAME/{refs,snapshots}`, with `HF_HUB_OFFLINE`), loaded as the directory it holds; and
+every failure one `CheckpointError` line naming the repository and what to do."""
+
+import errno
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from flax import nnx
+from huggingface_hub import constants
+from huggingface_hub import errors as hub_errors
+
+from model_utils import FIXTURES
+from vapo_jax.data import tokenizer as tok_lib
+from vapo_jax.errors import CheckpointError
+from vapo_jax.models import hub, huggingface
+from vapo_jax.models.config import TransformerConfig
+from vapo_jax.train import checkpoints
+
+TOKENIZER = pathlib.Path(__file__).parents[1] / "data" / "qwen2.5_tokenizer"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cached(cache: pathlib.Path, repo: str, source: pathlib.Path) -> pathlib.Path:
+  """`source`'s files as the Hub cache holds repository `repo` at commit `COMMIT` (its `main`)."""
+  root = cache / f"models--{repo.replace('/', '--')}"
+  snapshot = root / "snapshots" / COMMIT
+  shutil.copytree(source, snapshot)
+  (root / "refs").mkdir()
+  (root / "refs" / "main").write_text(COMMIT)
+  return snapshot
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+  """An empty Hub cache, read offline; each test resolves its names afresh."""
+  cache = tmp_path / "hub"
+  cache.mkdir()
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+  hub._snapshot.cache_clear()
+  yield cache
+  hub._snapshot.cache_clear()
+
+
+def test_a_hub_model_in_the_cache_loads_as_its_directory(offline_cache):
+  snapshot = _cached(offline_cache, "tiny/qwen2", FIXTURES / "qwen2_untied")
+  assert hub.local("hf:tiny/qwen2") == str(snapshot) == hub.local(f"hf:tiny/qwen2@{COMMIT}")
+  assert hub.local("/some/dir") == "/some/dir"
+  assert TransformerConfig.from_pretrained("hf:tiny/qwen2") == huggingface.read_config(str(snapshot))
+  from_hub = huggingface.load_causal_lm("hf:tiny/qwen2")
+  from_dir = huggingface.load_causal_lm(str(FIXTURES / "qwen2_untied"))
+  for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(from_hub)), nnx.to_flat_state(nnx.state(from_dir))):
+    np.testing.assert_array_equal(got.get_value(), want.get_value(), err_msg=str(path))
+
+
+def test_a_hub_tokenizer_resolves_alike(offline_cache):
+  _cached(offline_cache, "Qwen/tok", TOKENIZER)
+  tokenizer = tok_lib.load("hf:Qwen/tok")
+  assert tokenizer.encode("1 + 1 = 2") == tok_lib.load(str(TOKENIZER)).encode("1 + 1 = 2")
+  assert os.path.dirname(tokenizer.directory).endswith("models--Qwen--tok/snapshots")
+
+
+def test_a_resume_compares_hub_names_not_files():
+  assert checkpoints.same_path("hf:Qwen/Qwen2.5-0.5B", "hf:Qwen/Qwen2.5-0.5B")
+  assert not checkpoints.same_path("hf:Qwen/Qwen2.5-0.5B", "hf:Qwen/Qwen2.5-1.5B")
+
+
+@pytest.mark.parametrize("spec", ["hf:", "hf:a/b/c", "hf:Qwen/Qwen 2", "hf:Qwen/x@"])
+def test_a_malformed_name_is_refused_in_one_line(spec):
+  with pytest.raises(CheckpointError, match=r"is not a Hub model: write hf:NAME or hf:OWNER/NAME"):
+    hub.local(spec)
+
+
+def test_a_model_not_in_the_cache_offline_says_what_to_do(offline_cache):
+  with pytest.raises(CheckpointError, match=r"^hf:Qwen/absent: not in the Hub cache .*hub and HF_HUB_OFFLINE=1 is set: "
+                                            r"run once with the network"):
+    hub.local("hf:Qwen/absent")
+
+
+def _raising(error):
+  def download(*args, **kwargs):
+    raise error
+  return download
+
+
+def _http(kind, status: int):
+  """The Hub client's error `kind` as it raises it: with the HTTP response that caused it."""
+  import httpx2  # The Hub client's HTTP library.
+  request = httpx2.Request("GET", "https://huggingface.co/api/models/meta/gated")
+  return kind(f"{status} Client Error", response=httpx2.Response(status, request=request))
+
+
+@pytest.mark.parametrize("error, message", [
+    ((hub_errors.GatedRepoError, 403), r"^hf:meta/gated: the repository is gated: accept its terms at "
+                                       r"https://huggingface.co/meta/gated and set HF_TOKEN"),
+    ((hub_errors.RepositoryNotFoundError, 404), r"^hf:meta/gated: no such repository on the Hub \(or it is private: "
+                                                r"set HF_TOKEN\)"),
+    ((hub_errors.RevisionNotFoundError, 404), r"^hf:meta/gated: the repository has no revision None"),
+    (OSError(errno.ENOSPC, "No space left on device"), r"^hf:meta/gated: the disk holding the Hub cache .* is full: "
+                                                       r"free space there or point HF_HOME at a larger disk"),
+], ids=["gated", "not-found", "no-revision", "disk-full"])
+def test_each_download_failure_is_one_line_naming_the_repository(monkeypatch, offline_cache, error, message):
+  import huggingface_hub
+  error = _http(*error) if isinstance(error, tuple) else error
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+  monkeypatch.setattr(huggingface_hub, "snapshot_download", _raising(error))
+  with pytest.raises(CheckpointError, match=message) as raised:
+    hub.local("hf:meta/gated")
+  assert "\n" not in str(raised.value)
+
+
+def test_a_repository_without_the_files_a_run_reads_is_refused(offline_cache, tmp_path):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "empty" / "README.md").write_text("no weights")
+  _cached(offline_cache, "someone/readme", tmp_path / "empty")
+  shutil.rmtree(offline_cache / "models--someone--readme" / "snapshots" / COMMIT)  # As the filter leaves it.
+  (offline_cache / "models--someone--readme" / "snapshots" / COMMIT).mkdir()
+  with pytest.raises(CheckpointError, match=r"^hf:someone/readme: the repository has none of the files a run reads"):
+    hub.local("hf:someone/readme")
