@@ -7,7 +7,7 @@
 import sys
 from collections.abc import Callable
 
-from experiments import aime, tiny, toy
+from experiments import aime, one_host, tiny, toy
 from vapo_jax.config import ExperimentConfig
 from vapo_jax.config.checks import frozen, require
 from vapo_jax.errors import ConfigError
@@ -19,6 +19,8 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
     "aime_grpo": aime.grpo,
     "aime_dapo": aime.dapo,
     "aime_reward_model": aime.reward_model,
+    "math": one_host.vapo,
+    "math_1.5b": one_host.vapo_1_5b,
     "toy": toy.vapo,
     "toy_vapo_paper_alpha": toy.paper_alpha,
     "toy_warm_start": toy.warm_start,
@@ -29,6 +31,8 @@ EXPERIMENTS: dict[str, Callable[[], ExperimentConfig]] = {
 SWEEPS: dict[str, Callable[[], dict[str, ExperimentConfig]]] = {
     "aime_baselines": aime.baselines,
     "aime_ablations": aime.ablations,
+    "math_baselines": one_host.baselines,
+    "math_ablations": one_host.ablations,
     "toy": toy.table,
     "toy_mechanism": toy.mechanism,
     "toy_mechanism_prefix_critic": toy.mechanism_prefix_critic,

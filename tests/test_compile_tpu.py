@@ -254,6 +254,9 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert micro_batch_cost.trips(smoke_report, "scoring") == -(-c.rollout.responses_per_step // m)  # A row each.
   assert f"MFU {step.mfu:.1%}" in roofline_text.format_estimate(step, "TPU v5")
+  assert "the run's RL" not in text and (f"the run's RL: 100 steps x {step.seconds:.0f} s = "
+                                          f"{100 * step.seconds / 3600:.1f} h") in roofline_text.format_estimate(
+                                              step, "TPU v5", 100)
 
 
 @pytest.mark.slow  # make test-slow: the smoke run compiled again, with the paged refill engine.

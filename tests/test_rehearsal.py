@@ -31,6 +31,7 @@ REHEARSED = {  # name: (experiment, overrides)
     "aime_budget": ("aime", BUDGET),
     "tiny": ("tiny", ()),
     "toy": ("toy", ()),
+    "math": ("math", ()),
 }
 FAST = ("aime",)
 VARYING = ("time/", "perf/")
@@ -180,7 +181,7 @@ def test_a_rehearsal_logs_the_static_engines_metrics(name, rehearsals, tmp_path)
   _assert_close(_comparable(_records(static), ENGINE), _comparable(records, ENGINE))
 
 
-@pytest.mark.parametrize("name", ["aime", "aime_ppo", "aime_grpo", "aime_dapo", "aime_budget"])
+@pytest.mark.parametrize("name", ["aime", "aime_ppo", "aime_grpo", "aime_dapo", "aime_budget", "math"])
 def test_plans_agree(name):
   """The rehearsal's plans (8 CPU devices) and the full run's (its mesh's devices, on a TPU) agree on the engine,
   on one queue per data-parallel group, and on whether the pool can run out of pages."""

@@ -24,8 +24,9 @@ def update_bound(step: StepEstimate) -> str | None:
   return f"update MFU {mfu:.1%} < {MFU_FLOOR:.0%}: bound by {bound} ({share}); {why}"
 
 
-def format_estimate(step: StepEstimate, chip_name: str) -> str:
-  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU."""
+def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = None) -> str:
+  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU; with `rl_steps`,
+  the run's RL at that step's price."""
   lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
            f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
            f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
@@ -37,6 +38,9 @@ def format_estimate(step: StepEstimate, chip_name: str) -> str:
                "cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, kernels and gathers "
                "counting none)")
   lines.append(f"  {summary(step)}")
+  if rl_steps:
+    lines.append(f"  the run's RL: {rl_steps} steps x {step.seconds:.0f} s = {rl_steps * step.seconds / 3600:.1f} h "
+                 "(value pretraining and the held-out evaluations besides)")
   if bound := update_bound(step):
     lines.append(f"  {bound}")
   return "\n".join(lines)
@@ -88,5 +92,5 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
       lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
                    f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
                    f"{floor:.2f}x with the decode's rest left out)")
-  lines += [format_estimate(step, f"{chip} ({label})") for label, step in estimates]
+  lines += [format_estimate(step, f"{chip} ({label})", report.config.rl_steps) for label, step in estimates]
   return "\n".join(lines)
