@@ -18,7 +18,9 @@ from vapo_jax.models.transformer import positions_from_mask
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import layout_for
 from vapo_jax.rollout.refill import engine as refill
+from vapo_jax.rollout.refill import replay
 from vapo_jax.rollout.static import make_generate
+from vapo_jax.roofline import decode_cost
 
 STATIC = RolloutConfig(engine="static")
 
@@ -180,7 +182,8 @@ def test_sharded_refill_equals_unsharded(model, slots):
 def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(model):
   """2 prompts over 4 data-parallel groups: 2 queues (the most dividing the groups and the prompts), each holding
   half of a group's pages (the pool is replicated over the groups); the engine allocates what the plan says, the
-  pool runs short and preempts, and the rollout is the static engine's."""
+  pool runs short and preempts, and the rollout is the static engine's; the roofline's replay of the plan's queues
+  gives the engine's schedule."""
   prompts = PROMPTS[:2]
   least = plan(model, prompts, RolloutConfig(slots=4, pages=1000, page_tokens=4), group=3, devices=4).least_pages
   config = RolloutConfig(slots=4, pages=2 * least, page_tokens=4, decode_steps_per_call=3)
@@ -196,6 +199,15 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
   assert_same(out, static)
   assert metrics["rollout/pages"] == 2 * least and metrics["rollout/pages_peak"] <= least
   assert metrics["rollout/preemptions"] > 0
+  # The roofline's schedule of the same plan (each queue replayed on its own share of the sequences, as
+  # `roofline/decode_cost.paged` replays one): the engine's decode steps, preemptions and peak pages.
+  lengths, share = np.asarray(static.response_lengths), len(prompts) * 3 // chosen.queues
+  loads = [replay.simulate(lengths[q * share:(q + 1) * share], np.array([len(p) for p in prompts])[
+      q * share // 3:(q + 1) * share // 3], group=3, slots=chosen.slots // chosen.queues,
+      min_slots=chosen.min_slots // chosen.queues, paged=decode_cost.paged_settings(chosen))
+      for q in range(chosen.queues)]
+  assert (max(x.steps for x in loads), sum(x.preemptions for x in loads), max(x.peak_pages for x in loads)) == (
+      metrics["rollout/decode_steps"], metrics["rollout/preemptions"], metrics["rollout/pages_peak"])
 
 
 def test_the_plan_fits_slots_and_pages_to_the_budget():

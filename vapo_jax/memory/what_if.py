@@ -43,7 +43,7 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
     pages = report.plan.pages
     found.append(("rollout.pages", pages, range(pages - 1, report.plan.least_pages - 1, -1)))
   elif phase == "rollout" and report.refill is False and r.engine == "static":
-    now = report.decode_rows // r.samples_per_prompt
+    now = report.plan.prompts_per_round
     found.append(("rollout.prompts_per_generation", now, _divisors_below(r.prompts_per_step, now)))
   elif phase == "partial rollout":  # A round's prompts carry up to a response: fewer rounds' sequences, or shorter.
     found.append(("rollout.prompts_per_step", r.prompts_per_step, _divisors_below(r.prompts_per_step,

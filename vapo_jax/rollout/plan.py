@@ -69,6 +69,11 @@ class RolloutPlan:
     return self.prompts * self.group
 
   @property
+  def decode_groups(self) -> int:
+    """The groups of rows that decode apart: the refill engine's queues; the static engine's data-parallel groups."""
+    return self.queues if self.engine == "refill" else self.devices
+
+  @property
   def rounds(self) -> int:
     """Static rounds (1 for the refill engine)."""
     return self.prompts // self.prompts_per_round if self.engine == "static" else 1

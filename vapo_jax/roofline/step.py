@@ -145,21 +145,12 @@ def _attention_forward(cfg, tokens) -> float:
   return float(2.0 * cfg.num_heads * cfg.head_dim * np.sum(np.asarray(tokens, np.float64) ** 2) * cfg.num_layers)
 
 
-def groups(report) -> int:
-  """The rollout's queues: the refill plan's; else its data-parallel groups (the chips over
-  `rollout.tensor_parallel`, or the mesh's batch devices in the training layout)."""
-  if report.refill:
-    return report.plan.queues
-  t = report.config.rollout.tensor_parallel
-  return len(report.target.devices) // t if t > 1 else report.mesh_shape["data"] * report.mesh_shape["fsdp"]
-
-
 def read_cores(report, chip) -> tuple[int, str | None]:
   """(TensorCores the refill engine's cache reads run on, the paged kernel's `megacore_mode`): XLA's reads (the
   gather, the contiguous engine) use every core; the kernel both of a megacore chip, else one."""
   if report.plan is None or report.plan.attention != "kernel":
     return chip.cores, None
-  rows = report.decode_rows // groups(report)
+  rows = report.decode_rows // report.plan.decode_groups
   mode = paged_attention.megacore_mode(report.target.device_kind, rows,
                                        report.architecture.num_kv_heads // report.config.rollout.tensor_parallel)
   return (chip.cores if mode else 1), mode
@@ -168,14 +159,14 @@ def read_cores(report, chip) -> tuple[int, str | None]:
 def decode(report, program, profile: profiles.Profile, engine: str, chip) -> decode_cost.DecodeCost:
   """The decode loop's cost per chip for `engine` ("paged": the compiled refill engine; "contiguous": the
   contiguous refill engine at the same bytes of KV cache per chip; "static": the compiled static engine)."""
-  c, queues, plan = report.config, groups(report), report.plan
+  plan = report.plan
+  queues = plan.decode_groups
   if engine == "static":
     p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
         report.target.platform), read_cores=chip.cores)
-    rounds = c.rollout.responses_per_step // report.decode_rows
     costs = [decode_cost.contiguous(report, profiles.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
                                     // queues, queues=queues, min_slots=0)
-             for r in np.split(profile.responses, rounds)]
+             for r in np.split(profile.responses, plan.rounds)]
     return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs), seconds=sum(x.seconds for x in costs),
                              flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
                              cycles=sum(x.cycles for x in costs),
@@ -190,7 +181,7 @@ def decode(report, program, profile: profiles.Profile, engine: str, chip) -> dec
 
 def _paged_prices(report, program, chip) -> decode_cost.Prices:
   """The compiled refill engine's decode step, per queue's rows."""
-  queues, plan = groups(report), report.plan
+  queues, plan = report.plan.decode_groups, report.plan
   counted = 0.0 if plan.attention == "kernel" else plan.page_tokens * plan.block_pages
   p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
                          read_cores=read_cores(report, chip)[0])
