@@ -22,8 +22,9 @@ device (FSDP) for training; the rollout decodes in tensor-parallel pairs of devi
 token (2.28 GiB a step per v5e chip, 2.5× the policy's weights, XLA's figure).
 
 Machines (`make memory EXP=... TOPOLOGY=...`: every phase compiled at full depth against the chip's memory, and
-the roofline's step; figures in docs/quickstart.md): the defaults fit v5e-8 (16 GiB chips), v6e-8 and v5p-8 for
-the 0.5B model. On one GPU, `mesh.fsdp=1` is what a single device gives anyway.
+the roofline's step; figures in docs/quickstart.md): the 0.5B model's defaults fit v5e-8 (v5e:2x4, the rollout's
+6.2 GiB of 15.75 at the peak), v6e-8 (v6e:2x4) and v5p-8 (v5p:2x2x1) unchanged; a roofline step of 7-34 s. On a
+GPU the mesh is the devices there are (`mesh.fsdp=-1`).
 """
 
 from experiments import variants

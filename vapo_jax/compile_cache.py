@@ -4,6 +4,7 @@ directory bounded, and the package's own keyed files in it.
   compile_cache.bound()       # at a run's start: least recently used files out, down to VAPO_JAX_CACHE_MAX_GIB
   compile_cache.install()     # at a run's start, before anything compiles (make train, eval, memory; the tests)
   compile_cache.store_keyed("vapo-memory-", key, {...}); compile_cache.load_keyed("vapo-memory-", key)
+  compile_cache.compiler_salt()   # what a keyed file's key holds of the compiler: versions and flags
 
 Keyed files (`<prefix><key>.json`: the start-up verdict's `vapo-memory-`, the TPU compiler's reports'
 `vapo-tpu-`) each hold their key, compared at every load: a file whose key differs (another program's, copied
@@ -28,6 +29,7 @@ per program.
 
 import errno
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -100,6 +102,18 @@ def bound(environ=os.environ) -> int:
     except OSError:  # Another process removed or is reading it: it stays for the next run.
       pass
   return deleted
+
+
+def compiler_salt(environ=os.environ) -> list[str]:
+  """What a compiler's answer depends on besides its program, for the keyed files' keys: the installed jax,
+  jaxlib and libtpu ("" when absent) and the flags XLA and libtpu read (`XLA_FLAGS`, `LIBTPU_INIT_ARGS`)."""
+  def version(name: str) -> str:
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return ""
+  return [*(version(name) for name in ("jax", "jaxlib", "libtpu")), environ.get("XLA_FLAGS", ""),
+          environ.get("LIBTPU_INIT_ARGS", "")]
 
 
 def keyed_path(prefix: str, key: str, environ=os.environ) -> str | None:

@@ -67,11 +67,7 @@ def keeping(target):
   if not target.compile_only or not directory:
     yield
     return
-  import jaxlib
-  import libtpu
-  salt = json.dumps([FORMAT, target.name, target.device_kind, jax.__version__, jaxlib.__version__,
-                     getattr(libtpu, "__version__", ""), os.environ.get("XLA_FLAGS", ""),
-                     os.environ.get("LIBTPU_INIT_ARGS", "")])
+  salt = json.dumps([FORMAT, target.name, target.device_kind, *compile_cache.compiler_salt()])
   _active.append((directory, {d.id: d for d in target.devices}, salt))
   try:
     yield

@@ -22,10 +22,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import pathlib
-
-import jax
 
 from vapo_jax import compile_cache
 from vapo_jax.errors import ConfigError
@@ -46,14 +43,11 @@ def _sources() -> str:
 
 def key(config, target: topologies.Topology) -> str:
   """The key of `config`'s verdict on `target` (see the module docstring)."""
-  import jaxlib
-
   from vapo_jax.train import build
   fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "run_dir")}
   models = [dataclasses.asdict(cfg) for cfg in build.model_configs(config)]  # What the checkpoints hold now.
   text = json.dumps([fields, models, target.platform, target.device_kind, len(target.devices), target.reported_bytes,
-                     jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-                     os.environ.get("LIBTPU_INIT_ARGS", ""), _sources()], sort_keys=True, default=str)
+                     compile_cache.compiler_salt(), _sources()], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()
 
 
