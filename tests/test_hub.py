@@ -15,7 +15,7 @@ from huggingface_hub import errors as hub_errors
 
 from model_utils import FIXTURES
 from vapo_jax.data import tokenizer as tok_lib
-from vapo_jax.errors import CheckpointError
+from vapo_jax.errors import CheckpointError, MissingFileError
 from vapo_jax.models import hub, huggingface
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.train import checkpoints
@@ -100,9 +100,12 @@ def _http(kind, status: int):
     ((hub_errors.RepositoryNotFoundError, 404), r"^hf:meta/gated: no such repository on the Hub \(or it is private: "
                                                 r"set HF_TOKEN\)"),
     ((hub_errors.RevisionNotFoundError, 404), r"^hf:meta/gated: the repository has no revision None"),
+    (hub_errors.EntryNotFoundError("404 Client Error"),
+     r"^hf:meta/gated: a file of the repository is missing \(404 Client Error\): check "
+     r"https://huggingface.co/meta/gated holds safetensors weights"),
     (OSError(errno.ENOSPC, "No space left on device"), r"^hf:meta/gated: the disk holding the Hub cache .* is full: "
                                                        r"free space there or point HF_HOME at a larger disk"),
-], ids=["gated", "not-found", "no-revision", "disk-full"])
+], ids=["gated", "not-found", "no-revision", "missing-file", "disk-full"])
 def test_each_download_failure_is_one_line_naming_the_repository(monkeypatch, offline_cache, error, message):
   import huggingface_hub
   error = _http(*error) if isinstance(error, tuple) else error
@@ -121,3 +124,12 @@ def test_a_repository_without_the_files_a_run_reads_is_refused(offline_cache, tm
   (offline_cache / "models--someone--readme" / "snapshots" / COMMIT).mkdir()
   with pytest.raises(CheckpointError, match=r"^hf:someone/readme: the repository has none of the files a run reads"):
     hub.local("hf:someone/readme")
+
+
+def test_a_hub_model_without_its_config_is_one_line_naming_the_snapshot(offline_cache, tmp_path):
+  (tmp_path / "weights").mkdir()
+  shutil.copy(FIXTURES / "qwen2_untied" / "model.safetensors", tmp_path / "weights")
+  _cached(offline_cache, "tiny/noconfig", tmp_path / "weights")
+  with pytest.raises(MissingFileError, match=r"no config.json in checkpoint directory '.*models--tiny--noconfig/"
+                                             r"snapshots/"):
+    huggingface.load_causal_lm("hf:tiny/noconfig")

@@ -81,6 +81,9 @@ def _download(spec: str, repo: str, revision: str | None, *, cached_only: bool) 
            "the Hub cannot be reached" if not cached_only else "the first process did not download it")
     raise CheckpointError(f"{spec}: not in the Hub cache {cache} and {why}: run once with the network (unset "
                           "HF_HUB_OFFLINE), or copy the model there, or pass its local directory") from None
+  except hub_errors.EntryNotFoundError as e:  # (After its subclass, the offline miss.)
+    raise CheckpointError(f"{spec}: a file of the repository is missing ({str(e).strip().splitlines()[0][:200]}): "
+                          f"check https://huggingface.co/{repo} holds safetensors weights and config.json") from None
   except OSError as e:
     if files.disk_full_cause(e) is not None:
       raise CheckpointError(f"{spec}: the disk holding the Hub cache {cache} is full: free space there or point "
