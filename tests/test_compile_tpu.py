@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
+import tpu_utils
 from conftest import build_smoke_config
 from experiments import get_experiment
 from vapo_jax import compile_cache
@@ -63,7 +64,7 @@ def test_the_decode_loop_moves_no_weight(smoke_report):
   the loop with the same check (it can fail)."""
   generate = smoke_report.program("generate")
   assert generate.decode is not None
-  assert aot.weight_collectives(generate, smoke_report.weights) == []
+  assert tpu_utils.weight_collectives(generate, smoke_report.weights) == []
 
 
 @pytest.mark.slow  # make test covers it: test_the_weight_check_finds_an_fsdp_decodes_gathers_under_scanned_layers.
@@ -72,7 +73,7 @@ def test_the_weight_check_finds_an_fsdp_decodes_gathers(smoke_config):
   the check's finding with the 4-layer scanned model (the next test)."""
   fsdp = smoke_config(QUICK | {"mesh.preset": "fsdp", "mesh.data": 1, "mesh.fsdp": 4})
   report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
-  moving = aot.weight_collectives(report.program("generate"), report.weights)
+  moving = tpu_utils.weight_collectives(report.program("generate"), report.weights)
   assert moving and report.program("generate").decode.bytes >= max(max(c.operand_bytes, c.result_bytes) for c in moving)
 
 
@@ -83,7 +84,7 @@ def test_the_weight_check_finds_an_fsdp_decodes_gathers_under_scanned_layers(smo
   report = xla_report.compile_run(fsdp, topologies.named(TOPOLOGY), phases=("rollout",))
   layers = report.architecture.num_layers
   assert fsdp.model.scan_layers and layers == 4
-  moving = aot.weight_collectives(report.program("generate"), report.weights)
+  moving = tpu_utils.weight_collectives(report.program("generate"), report.weights)
   elements = lambda shape: math.prod(int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d)
   cfg = report.architecture
   stacks = {layers * cfg.hidden_size * cfg.intermediate_size, layers * cfg.hidden_size * cfg.num_heads * cfg.head_dim}
@@ -212,7 +213,7 @@ def test_splash_compiles_for_the_chips_under_shard_map():
 def test_the_hbm_table_is_the_compilers():
   target = topologies.named(TOPOLOGY)
   assert target.device_kind == "TPU v5" and len(target.devices) == 4
-  assert abs(topologies.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
+  assert abs(tpu_utils.probe_hbm_bytes(target) - target.chip.hbm_bytes) < 0.01 * 2**30
 
 
 @SMOKE_REPORT

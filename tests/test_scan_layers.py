@@ -249,7 +249,16 @@ def test_no_cache_sized_copy_in_the_decode_loop(trained):
   pool = state.cache.keys.addressable_shards[0].data.shape  # [K, L, Q, Pq, Tg, H] on one device.
   layer = pool[:1] + pool[2:]
   cache_like = {tuple(sorted(pool)), tuple(sorted(layer))}  # The pool, or one layer of it, in any layout.
-  copies = hlo.large_copies(text, int(np.prod(layer)) * 4 // 8)  # An eighth of a layer's pool: weights' copies too.
+  copies = _large_copies(text, int(np.prod(layer)) * 4 // 8)  # An eighth of a layer's pool: weights' copies too.
   assert copies  # The check finds copies (of the scan's weight slices, laid out for the CPU's dots) ...
   dims = lambda copy: tuple(sorted(int(d) for d in copy.split("[")[1].split("]")[0].split(",")))
   assert not [c for c in copies if dims(c) in cache_like], copies  # ... and none of a layer's cache.
+
+
+def _large_copies(text: str, min_bytes: int) -> list[str]:
+  """`name: type` of every copy (`copy`, `copy-start`) of a compiled module whose result holds at least
+  `min_bytes` per device: a buffer XLA could not update in place (a KV cache copied per decode step)."""
+  _, computations, _ = hlo.parse(text)
+  return [f"{name}: {type_text}" for instructions in computations.values()
+          for name, type_text, opcode, _ in instructions
+          if opcode in ("copy", "copy-start") and max((b for *_, b in hlo.arrays(type_text)), default=0) >= min_bytes]

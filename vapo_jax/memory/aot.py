@@ -176,19 +176,10 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
 def weight_elements(params, layers: int) -> frozenset:
   """The element counts of the weight matrices of `params` (abstract arrays with shardings), whole and per
   device, and of one layer's slice of a stacked decoder-layer matrix (`[L, ...]`, three axes or more):
-  what a scanned program gathers one layer at a time."""
+  what a scanned program gathers one layer at a time (tests/test_compile_tpu.py finds a weight moving while
+  decoding by these counts)."""
   matrices = [x for x in jax.tree.leaves(params) if x.ndim >= 2]
   sizes = {x.size for x in matrices} | {math.prod(x.sharding.shard_shape(x.shape)) for x in matrices}
   stacked = [x for x in matrices if x.ndim >= 3 and x.shape[0] == layers]
   return frozenset(sizes | {x.size // layers for x in stacked}
                    | {math.prod(x.sharding.shard_shape(x.shape)[1:]) for x in stacked})
-
-
-def weight_collectives(program: Program, weight_sizes: set[int]) -> list[hlo.Collective]:
-  """The collectives of the program's decode loop one of whose operands has as many elements as a
-  weight matrix in `weight_sizes` (whole, one device's shard, or one layer of a stacked matrix:
-  `weight_elements`): a weight moving while decoding."""
-  elements = lambda shape: math.prod(int(d) for d in shape[shape.index("[") + 1:-1].split(",") if d)
-  loop = program.decode.loop if program.decode else None
-  return [c for c in program.collectives if loop in (name for name, _ in c.loops)
-          and any(elements(shape) in weight_sizes for shape in c.shapes)]

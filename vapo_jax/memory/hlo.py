@@ -3,7 +3,7 @@
   for c in hlo.collectives(jax.jit(f).lower(*args).compile().as_text()):
     c.op, c.operand_bytes, c.result_bytes, c.shapes, c.loops     # per device
 
-`large_copies` finds buffers XLA copied instead of updating in place.
+`parse` reads a module's computations and instructions (what `hlo_walk` and the tests' checks walk).
 `collectives` lists every all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute,
 ragged-all-to-all and collective-broadcast (an asynchronous `-start` once, its `-done` skipped),
 with the bytes of its operands and result per device and the `while` loops around it (outermost
@@ -76,7 +76,7 @@ def _operands(body: str, opcode: str) -> list[str]:
   return []
 
 
-def _computations(text: str):
+def parse(text: str):
   """(entry computation, {computation: [(name, type, opcode, body)]}, {instruction name: type})."""
   computations, types, entry, current = {}, {}, None, None
   for line in text.splitlines():
@@ -168,7 +168,7 @@ def _step(computations, found: dict, while_body: str, k: int) -> int:
 
 def collectives(text: str) -> list[Collective]:
   """Every collective of a compiled module (`compiled.as_text()`), with the while loops around it."""
-  entry, computations, types = _computations(text)
+  entry, computations, types = parse(text)
   found_by_name = by_name(computations)
   calls = defaultdict(list)  # computation -> (callee, (while name, trips) or None, via a conditional)
   for comp, instructions in computations.items():
@@ -205,7 +205,7 @@ def collectives(text: str) -> list[Collective]:
 def while_op_names(text: str) -> dict[str, str]:
   """Every while instruction of a compiled module → its op_name metadata, which keeps the
   `jax.named_scope`s it was traced in (`jit(f)/decode_loop/while`): a loop found by its scope."""
-  _, computations, _ = _computations(text)
+  _, computations, _ = parse(text)
   names = {}
   for instructions in computations.values():
     for name, _, opcode, body in instructions:
@@ -226,12 +226,3 @@ def bytes_per_iteration(found: list[Collective], loop: str, *, branches: bool = 
       inner = c.loops[names.index(loop) + 1:]
       total += max(c.operand_bytes, c.result_bytes) * math.prod(trips or 1 for _, trips in inner)
   return total
-
-
-def large_copies(text: str, min_bytes: int) -> list[str]:
-  """`name: type` of every copy (`copy`, `copy-start`) of a compiled module whose result holds at least
-  `min_bytes` per device: a buffer XLA could not update in place (a KV cache copied per decode step)."""
-  _, computations, _ = _computations(text)
-  return [f"{name}: {type_text}" for instructions in computations.values()
-          for name, type_text, opcode, _ in instructions
-          if opcode in ("copy", "copy-start") and max((b for *_, b in arrays(type_text)), default=0) >= min_bytes]

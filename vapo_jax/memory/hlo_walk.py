@@ -122,7 +122,7 @@ def _aliased(body: str, operands: int) -> list[tuple[int, int]]:
 
 class _Program:
   def __init__(self, text: str):
-    self.entry, self.computations, self.types = hlo._computations(text)
+    self.entry, self.computations, self.types = hlo.parse(text)
     self.by_name = hlo.by_name(self.computations)
     self.loops: list[Loop] = []
     self.flops_memo: dict[str, float] = {}

@@ -11,8 +11,8 @@ spells them: `v5p:2x2x1` (4 chips), `v5p:8x8x4` (256), `v6e:16x16`, `v5e:16x16`.
 a mesh of its devices compile with the real TPU compiler.
 
 The chips' HBM is not exposed by the API; the TPU compiler states it when it refuses a program
-("... exceeds available HBM (95.74G)"), and `probe_hbm_bytes` reads it from such a refusal (a test
-checks the table against it). Peak bfloat16 FLOP/s, HBM bandwidth, TensorCores and clock per chip
+("... exceeds available HBM (95.74G)"); tests/test_compile_tpu.py reads it from such a refusal and checks
+the table against it. Peak bfloat16 FLOP/s, HBM bandwidth, TensorCores and clock per chip
 are JAX's own table's (`pallas.tpu.get_tpu_info_for_chip`): v5p 459 TFLOP/s, 2.46e12 B/s, 2 cores;
 v6e 920 TFLOP/s, 1.64e12 B/s; v5e 197 TFLOP/s, 0.82e12 B/s; inter-chip (ICI) bandwidth into a chip is
 half the Cloud TPU pages' bidirectional figure: v5p 600 GB/s, v6e 400 GB/s, v5e 200 GB/s. They serve the
@@ -203,22 +203,6 @@ def refused_bytes(error: BaseException | str) -> float | None:
   if not match:
     return None
   return float(match.group(1)) * 1024 ** "KMGT".index(match.group(2)) * 1024
-
-
-def probe_hbm_bytes(target: Topology) -> float | None:
-  """The per-chip HBM the compiler allows, read from its refusal of a 1 TiB program (a few seconds)."""
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  mesh = Mesh(list(target.devices[:1]), ("x",))
-  big = jax.ShapeDtypeStruct((2**40 // 4,), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  try:
-    jax.jit(lambda a: a * 2 + 1).lower(big).compile()
-  except Exception as error:  # noqa: BLE001
-    match = re.search(r"available HBM \(([\d.]+)G\)", str(error))
-    return float(match.group(1)) * GIB if match else None
-  return None
 
 
 @contextlib.contextmanager
