@@ -251,6 +251,8 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert f"{step.rollout_share:.0%} of it" in text
   assert f"one program: {step.phase_mfu('update'):.1%})" in text
   assert ("update MFU" in text and "bound by" in text) == (step.phase_mfu("update") < roofline.MFU_FLOOR)
+  assert (f"packing.micro_batch_rows={step.fitting_rows} pads at most" in text) == (
+      step.fitting_rows > 0 and 1 - step.update_fill > micro_batch_cost.MAX_PADDING)
   assert c.packing.enabled
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert micro_batch_cost.trips(smoke_report, "scoring") == -(-c.rollout.responses_per_step // m)  # A row each.

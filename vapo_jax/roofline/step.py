@@ -83,6 +83,9 @@ class StepEstimate(NamedTuple):
   micro_rows: int = 0  # Rows per micro-batch (packed).
   partial: "partial_replay.PartialLoad | None" = None  # Partial rollouts' replay, per queue.
   budget: tuple[int, int] | None = None  # Partial rollouts: (decode steps a round, max_staleness).
+  # Packed rows: the most rows per micro-batch that keep the update's padding within `MAX_PADDING` on the
+  # profile's lengths (`micro_batch_cost.fitting_micro_rows`); 0 when none does.
+  fitting_rows: int = 0
 
   @property
   def seconds(self) -> float:
@@ -308,12 +311,15 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, moved,
                           moved / chip.ici_bandwidth, useful[phase.name], priced,
                           cycles / chip.clock_hz if chip.clock_hz else 0.0))
-  fill, m = None, 0
+  fill, m, fitting = None, 0, 0
   if c.packing.enabled:
-    m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
-    fill = micro_batch_cost.token_fill(c, micro_batch_cost.sequence_tokens(report, profile), m)
+    shards = report.mesh_shape["data"] * report.mesh_shape["fsdp"]
+    m, tokens = packed_batch.micro_rows(c, shards), micro_batch_cost.sequence_tokens(report, profile)
+    fill, fitting = micro_batch_cost.token_fill(c, tokens, m), micro_batch_cost.fitting_micro_rows(c, tokens, shards)
+    if 1 - micro_batch_cost.token_fill(c, tokens, fitting) > micro_batch_cost.MAX_PADDING:
+      fitting = 0  # None does: the rows themselves pad more than that (a response per row).
   return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine, profile.name,
-                      decoded, fill, m, replay, budget)
+                      decoded, fill, m, replay, budget, fitting)
 
 
 def compare(report, profiles: list[profiles.Profile]) -> list[tuple[str, StepEstimate]]:

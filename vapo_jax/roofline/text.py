@@ -1,6 +1,6 @@
 """The roofline as text: one step's phases, a comparison of engines and profiles, what bounds the update."""
 
-from vapo_jax.roofline import decode_cost
+from vapo_jax.roofline import decode_cost, micro_batch_cost
 from vapo_jax.roofline.step import MFU_FLOOR, StepEstimate, read_cores
 
 
@@ -53,6 +53,8 @@ def summary(step: StepEstimate) -> str:
           f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
           + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
              f"micro-batches of {step.micro_rows} rows")
+          + ("" if not step.fitting_rows or 1 - step.update_fill <= micro_batch_cost.MAX_PADDING else
+             f" (packing.micro_batch_rows={step.fitting_rows} pads at most {micro_batch_cost.MAX_PADDING:.0%})")
           + ("" if step.decode is None or not step.decode.chunks else
              f"; prefill in the loop: {step.decode.prefills} admissions, {step.decode.chunks} chunks, "
              f"{step.decode.prefill_s:.1f} s a queue")
