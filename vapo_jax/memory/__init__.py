@@ -13,7 +13,8 @@ what to change is found by compiling again (`what_if`); no hand model of the mem
   aot              one jitted program compiled ahead of time on abstract inputs, and XLA's figures for it
   tpu_said         what the TPU compiler said of a program, kept on disk for a later compile of the same one
   hlo              the collectives of a compiled program, read from its HLO text, each loop with its trips
-  hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction
+  hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction (here,
+                   beside `hlo`, because `aot` walks each program as it compiles it; the roofline reads the walk)
   xla_report       every program of a run compiled for a target: XLA's bytes per device of each phase
   phases           a compile report's phase: its programs, each compiled with what the run holds beside it
   rollout_phases   the reshard, the training rollout as its plan runs it, and a partial rollout's round

@@ -1,5 +1,5 @@
 """Packed batches of the jitted programs (docs/packing.md): where each sequence sits in packed
-rows (`Plan`, made on the host from the lengths), and the rows built from it on the device.
+rows (`RowPlan`, made on the host from the lengths), and the rows built from it on the device.
 
   plan = packed_batch.plan_rows(prompt_lengths, response_lengths, orders, row_tokens=L, micro_rows=m)  # host
   inputs, unpack = packed_batch.scoring_rows(tokens, lengths, row, offset, ...)                        # device
@@ -43,7 +43,7 @@ def micro_rows(config: ExperimentConfig, batch_devices: int) -> int:
   return config.packing.micro_batch_rows or batch_devices
 
 
-class Plan(NamedTuple):
+class RowPlan(NamedTuple):
   """Where every sequence of a batch sits in packed rows, for scoring and each epoch's mini-batches."""
 
   placement: np.ndarray | jax.Array  # [1 + E, 2, B] int32: (row, offset) in scoring's rows, then per epoch.
@@ -54,7 +54,7 @@ class Plan(NamedTuple):
 
 
 def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_rows: int,
-              phase: str = "update") -> Plan:
+              phase: str = "update") -> RowPlan:
   """The host's packing of a batch: `orders` `[E, K, n]` are the sequence ids of the K mini-batches of
   each of E epochs. Padding fractions count the micro-batches that run (compiled ones past the rows a
   group needs are skipped); `phase` names the update's metric ("update", "sft")."""
@@ -74,7 +74,7 @@ def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micr
   scoring_needed, update_needed = placed[0][2], np.concatenate([p[2] for p in placed[1:]])
   bucket = lambda needed: packing.bucket_rows(int(np.max(needed, initial=0)), multiple=micro_rows)
   padding = lambda real, needed: 1.0 - real / max(1, int(np.sum(run(needed))) * row_tokens)
-  return Plan(placement, bucket(scoring_needed), bucket(update_needed),
+  return RowPlan(placement, bucket(scoring_needed), bucket(update_needed),
               {"perf/padding_frac_scoring": padding(lengths.sum(), scoring_needed)},
               {f"perf/padding_frac_{phase}": padding(lengths[orders].sum(), update_needed),
                "perf/micro_batches": float(np.mean(run(update_needed))) / micro_rows,

@@ -116,7 +116,7 @@ class Steps:
     lengths = [jnp.sum(m, axis=-1, dtype=jnp.int32) for m in (prompt_mask, response_mask)]
     return jnp.concatenate([jnp.stack(lengths), orders.reshape(epochs, size)]).astype(jnp.int32)
 
-  def plan_packing(self, state: TrainState, out: Rollout) -> packed_batch.Plan | None:
+  def plan_packing(self, state: TrainState, out: Rollout) -> packed_batch.RowPlan | None:
     """Packed rows for this step's scoring and mini-batches (None when `packing.enabled` is false).
     Host transfers: the lengths and mini-batch orders `[2 + E, B]` int32 come to the host (the
     orders from the state's key, as the update draws them); each sequence's (row, offset) go back."""
@@ -129,7 +129,7 @@ class Steps:
     return found._replace(placement=distributed.global_array(found.placement, self.replicated),
                           scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
-  def sft_plan(self, batch: TrainBatch) -> packed_batch.Plan | None:
+  def sft_plan(self, batch: TrainBatch) -> packed_batch.RowPlan | None:
     """Packed rows of a host batch of demonstrations (one mini-batch, no scoring)."""
     if not self.packed:
       return None
@@ -145,7 +145,7 @@ class Steps:
 
   # ------------------------------------------------------------------------------ scoring
   def score(self, state: TrainState, out: Rollout, rewards, correct, *, critic_only: bool = False,
-            plan: packed_batch.Plan | None = None, prefixes: algorithm.PrefixLabels | None = None):
+            plan: packed_batch.RowPlan | None = None, prefixes: algorithm.PrefixLabels | None = None):
     """The `TrainBatch` of a verified rollout (rewards and verdicts `[B]`) and its statistics (device
     scalars), in one program: values, log-probs, advantages. `critic_only` (value pretraining):
     values and Monte-Carlo returns, no actor forward. `plan`: on packed rows (`plan_packing`).
@@ -157,7 +157,7 @@ class Steps:
   def score_program(self, *, critic_only: bool = False, rows: int | None = None):
     """The jitted program `score` runs: `(state, rollout, rewards, correct, placement[, prefixes]) -> (batch,
     stats)`;
-    `rows`: packed scoring's row count (`Plan.scoring_rows`; None: padded, placement None)."""
+    `rows`: packed scoring's row count (`RowPlan.scoring_rows`; None: padded, placement None)."""
     return self._program(("score", critic_only, rows), lambda: self.jit(
         functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
 
@@ -221,7 +221,7 @@ class Steps:
         fn, donate_argnums=(0,), out_shardings=(shardings, None)))
 
   def ppo_update(self, state: TrainState, batch: TrainBatch, *, actor: bool, critic: bool,
-                 plan: packed_batch.Plan | None = None):
+                 plan: packed_batch.RowPlan | None = None):
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
     averaged over the updates. `plan`: on packed rows (`plan_packing`)."""
     program = self.ppo_program(state, actor=actor, critic=critic, rows=plan and plan.update_rows)
@@ -233,7 +233,7 @@ class Steps:
 
   def ppo_program(self, state: TrainState, *, actor: bool, critic: bool, rows: int | None = None):
     """The jitted program `ppo_update` runs for a state laid out like `state`: `(state, batch,
-    placement) -> (state, metrics)`; `rows`: a packed mini-batch's row count (`Plan.update_rows`)."""
+    placement) -> (state, metrics)`; `rows`: a packed mini-batch's row count (`RowPlan.update_rows`)."""
     return self._state_program(("ppo", actor, critic, rows), functools.partial(
         self._ppo, actor=actor, critic=critic, rows=rows), state)
 
@@ -270,7 +270,7 @@ class Steps:
     padded = {} if rows else {"perf/padding_frac_update": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
     return state, jax.tree.map(jnp.mean, metrics) | padded
 
-  def sft_update(self, state: TrainState, batch: TrainBatch, plan: packed_batch.Plan | None = None):
+  def sft_update(self, state: TrainState, batch: TrainBatch, plan: packed_batch.RowPlan | None = None):
     """One supervised update on a placed batch of demonstrations (`plan`: from `sft_plan`)."""
     size = batch.response_mask.shape[0]
     program = self.sft_program(state, size, rows=plan and plan.update_rows)
@@ -280,7 +280,7 @@ class Steps:
 
   def sft_program(self, state: TrainState, size: int, *, rows: int | None = None):
     """The jitted program `sft_update` runs on batches of `size` demonstrations: `(state, batch,
-    placement) -> (state, metrics)`; `rows`: packed, the rows they fill (`Plan.update_rows`)."""
+    placement) -> (state, metrics)`; `rows`: packed, the rows they fill (`RowPlan.update_rows`)."""
     micro = math.gcd(self.micro, size)
 
     def fn(state: TrainState, batch: TrainBatch, place):

@@ -163,13 +163,13 @@ class Trainer(Saving):
       sampled = self.experience.rl_rollout(state, self.progress.prompts, key, version=self.progress.stage_step)
     out, rewards, correct, stats, prefixes = sampled
     sampled = time.perf_counter()
-    plan = self.steps.plan_packing(state, out)  # None unless packing.enabled.
-    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=plan,
+    row_plan = self.steps.plan_packing(state, out)  # Packed rows' plan: None unless packing.enabled.
+    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=row_plan,
                                           prefixes=prefixes)
     jax.block_until_ready(batch)
     scored = time.perf_counter()
     state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
-                                                  critic=self.config.algo.uses_critic, plan=plan)
+                                                  critic=self.config.algo.uses_critic, plan=row_plan)
     metrics = metrics_lib.fetch(stats | batch_stats | update_metrics)
     end, n = time.perf_counter(), out.response_lengths.shape[0]
     tokens = metrics["rollout/response_len_mean"] * n
