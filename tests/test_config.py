@@ -5,6 +5,7 @@ import dataclasses
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 import experiments
@@ -265,6 +266,21 @@ def test_a_finished_runs_closing_lines_round_the_accuracies_and_name_the_plot_co
   assert lines[2] == "curves: make plot RUN=runs/tiny_vapo (PNGs in runs/tiny_vapo/plots/)"
   none = closing_lines({"seconds": 1.0, "accuracy_before_rl": None, "accuracy_after_rl": None}, "r")
   assert none[0] == "done in 1s. no held-out evaluation (eval.path is unset)"
+  errors = closing_lines({"seconds": 212.4, "accuracy_before_rl": 0.31, "accuracy_after_rl": 0.52,
+                          "stderr_before_rl": 0.012, "stderr_after_rl": 0.016, "eval_problems": 256.0,
+                          "eval_samples_per_problem": 4}, "r")
+  assert errors[0] == ("done in 212s. held-out accuracy: before RL 0.310, after RL 0.520 (+0.210 ± 0.020, "
+                       "256 problems × 4)")
+
+
+def test_avg_at_k_standard_error_is_the_problems_spread_over_their_root():
+  from vapo_jax.train.experience import accuracy_stderr
+  verdicts = np.array([1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1], bool)  # 3 problems × 4: 0.5, 1.0, 0.25.
+  means = [sum(verdicts[i * 4:(i + 1) * 4]) / 4 for i in range(3)]
+  mean = sum(means) / 3
+  spread = (sum((m - mean) ** 2 for m in means) / 2) ** 0.5  # The sample standard deviation, from its definition.
+  assert accuracy_stderr(verdicts, 4) == pytest.approx(spread / 3 ** 0.5, rel=1e-12)
+  assert accuracy_stderr(np.ones(4, bool), 4) == 0.0  # One problem: no spread to measure.
 
 
 def test_the_packages_warnings_are_one_line_and_a_librarys_keep_pythons_form(capsys):

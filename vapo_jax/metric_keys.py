@@ -97,6 +97,8 @@ KEYS: dict[str, str] = {
     "reward/verifier_errors": "responses whose verification raised",
     # Held-out evaluation.
     "eval/accuracy": "held-out avg@k: the mean verdict of every sample",
+    "eval/accuracy_stderr": "avg@k's standard error over the held-out problems (their accuracies' spread / √problems)",
+    "eval/problems": "held-out problems evaluated",
     "eval/response_len_mean": "mean held-out response length (tokens)",
     "eval/no_answer_frac": "held-out responses with no answer found",
     "eval/error_frac": "held-out responses the verifier failed on",

@@ -141,11 +141,16 @@ def _stopped_at_start(signal_name: str, run_dir: str, created: list[str]) -> int
 
 
 def closing_lines(summary: dict, run_dir: str) -> list[str]:
-  """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals), its
-  directory, and the command that draws its curves."""
+  """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals) with the gain and its
+  standard error (each accuracy's over the problems, combined as independent: a bound from above, the two
+  evaluations sharing their problems), its directory, and the command that draws its curves."""
   before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
   accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
               f"held-out accuracy: before RL {_rounded(before)}, after RL {_rounded(after)}")
+  errors = (summary.get("stderr_before_rl"), summary.get("stderr_after_rl"))
+  if before is not None and after is not None and None not in errors and summary.get("eval_problems"):
+    accuracy += (f" ({after - before:+.3f} ± {(errors[0] ** 2 + errors[1] ** 2) ** 0.5:.3f}, "
+                 f"{summary['eval_problems']:.0f} problems × {summary['eval_samples_per_problem']})")
   return [f"done in {summary['seconds']:.0f}s. {accuracy}",
           f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)",
           f"curves: make plot RUN={run_dir} (PNGs in {os.path.join(run_dir, 'plots')}/)"]

@@ -349,10 +349,18 @@ class Experience:
       lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
       for name in failed:  # Fractions of this call's responses (combined over processes), weighted by them.
         failed[name] += scored.metrics[f"reward/{name}"] * len(correct[-1])
-    responses = sum(map(len, correct))
-    return {"eval/accuracy": float(np.concatenate(correct).mean()),
+    responses, verdicts = sum(map(len, correct)), np.concatenate(correct)
+    return {"eval/accuracy": float(verdicts.mean()), "eval/accuracy_stderr": accuracy_stderr(
+                verdicts, evaluation.samples_per_problem), "eval/problems": float(len(records)),
             "eval/response_len_mean": float(np.concatenate(lengths).mean())} | {
                 f"eval/{name}": float(total / responses) for name, total in failed.items()}
+
+
+def accuracy_stderr(verdicts: np.ndarray, k: int) -> float:
+  """The standard error of avg@k over problems: the sample standard deviation of the problems' accuracies (each the
+  mean of its `k` verdicts, `verdicts` problem by problem) over √problems; 0 for one problem."""
+  per_problem = np.asarray(verdicts, np.float64).reshape(-1, k).mean(axis=1)
+  return float(per_problem.std(ddof=1) / np.sqrt(len(per_problem))) if len(per_problem) > 1 else 0.0
 
 
 def evaluation_calls(config: ExperimentConfig, problems: int) -> list[int]:

@@ -303,7 +303,10 @@ class Trainer(Saving):
         self._enter("done")
       before, after = done.eval_before or {}, done.eval_after or {}
       summary = {"run_dir": self.run_dir, "seconds": time.perf_counter() - start,
-                 "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy")}
+                 "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy"),
+                 "stderr_before_rl": before.get("eval/accuracy_stderr"),
+                 "stderr_after_rl": after.get("eval/accuracy_stderr"), "eval_problems": after.get("eval/problems"),
+                 "eval_samples_per_problem": config.eval.samples_per_problem}
       if after:
         self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
       return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
