@@ -92,8 +92,28 @@ def _main(argv: list[str]) -> int:
     raise
   if not distributed.is_main_process():
     return 0
-  print("\n".join(closing_lines(summary, run_dir)))
+  print("\n".join(closing_lines(summary, run_dir, _draw_curves(run_dir))))
   return 0
+
+
+def _draw_curves(run_dir: str) -> str | None:
+  """A finished run's curves as PNGs in `<run>/plots/` (`cli/plots`, as `make plot` draws them) when matplotlib is
+  installed: the path of the held-out accuracy and reward figure, else None. A drawing that fails is one line, not
+  the run's failure (its results are written)."""
+  try:
+    import matplotlib  # noqa: F401
+  except ImportError:
+    return None
+  from vapo_jax.cli import plots
+  try:
+    written = plots.plot_runs({os.path.basename(run_dir): os.path.join(run_dir, "metrics.jsonl")},
+                              os.path.join(run_dir, "plots"))
+  except Exception as e:  # noqa: BLE001  (a full disk, a damaged metrics file: the run itself has finished)
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    print(f"warning: the curves were not drawn ({type(e).__name__}: {first}); make plot RUN={run_dir} draws them",
+          file=sys.stderr)
+    return None
+  return next((path for path in written if path.endswith("reward_accuracy.png")), None)
 
 
 _interrupted_start = [False]  # Set when a signal stopped the start-up, or a second Ctrl-C the run (`__main__`).
@@ -140,10 +160,11 @@ def _stopped_at_start(signal_name: str, run_dir: str, created: list[str]) -> int
   return checkpoints.INTERRUPTED_EXIT_CODE if signal_name.startswith("Ctrl-C") else 128 + signal.SIGTERM
 
 
-def closing_lines(summary: dict, run_dir: str) -> list[str]:
+def closing_lines(summary: dict, run_dir: str, drawn: str | None = None) -> list[str]:
   """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals) with the gain and its
   standard error (each accuracy's over the problems, combined as independent: a bound from above, the two
-  evaluations sharing their problems), its directory, and the command that draws its curves."""
+  evaluations sharing their problems), its directory, and its curves: `drawn`, the held-out accuracy and reward
+  figure the run drew, else the command that draws them."""
   before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
   accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
               f"held-out accuracy: before RL {_rounded(before)}, after RL {_rounded(after)}")
@@ -153,6 +174,7 @@ def closing_lines(summary: dict, run_dir: str) -> list[str]:
                  f"{summary['eval_problems']:.0f} problems × {summary['eval_samples_per_problem']})")
   return [f"done in {summary['seconds']:.0f}s. {accuracy}",
           f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)",
+          f"curves: {drawn} (held-out accuracy and mean reward by step; the others beside it)" if drawn else
           f"curves: make plot RUN={run_dir} (PNGs in {os.path.join(run_dir, 'plots')}/)"]
 
 
