@@ -36,6 +36,7 @@ import orbax.checkpoint as ocp
 from vapo_jax import distributed, files
 from vapo_jax.config import CheckpointConfig, ExperimentConfig
 from vapo_jax.errors import ConfigError, UserError
+from vapo_jax.models import hub
 from vapo_jax.train import background_saves as background
 from vapo_jax.train import host_arrays
 
@@ -73,7 +74,7 @@ def same_path(a: Any, b: Any) -> bool:
   working directory), or the same existing file (symbolic links followed)."""
   if not isinstance(a, str) or not isinstance(b, str):
     return False
-  if a.startswith("hf:") or b.startswith("hf:"):  # A Hub model (`models/hub.py`): its name, not a file.
+  if hub.is_hub(a) or hub.is_hub(b):  # A Hub model: its name, not a file.
     return a == b
   if os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b)):
     return True
