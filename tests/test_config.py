@@ -266,8 +266,8 @@ def test_a_finished_runs_closing_lines_round_the_accuracies_and_name_the_plot_co
   assert lines[2] == "curves: make plot RUN=runs/tiny_vapo (PNGs in runs/tiny_vapo/plots/)"  # Without matplotlib.
   drawn = closing_lines({"seconds": 1.0, "accuracy_before_rl": 0.2, "accuracy_after_rl": 0.3}, "r",
                         "r/plots/reward_accuracy.png")
-  assert drawn[2] == ("curves: r/plots/reward_accuracy.png (held-out accuracy and mean reward by step; the others "
-                      "beside it)")
+  assert drawn[2] == ("curves: r/plots/reward_accuracy.png (held-out accuracy and mean reward by step; make plot RUN=r "
+                      "draws the others)")
   none = closing_lines({"seconds": 1.0, "accuracy_before_rl": None, "accuracy_after_rl": None}, "r")
   assert none[0] == "done in 1s. no held-out evaluation (eval.path is unset)"
   errors = closing_lines({"seconds": 212.4, "accuracy_before_rl": 0.31, "accuracy_after_rl": 0.52,

@@ -136,6 +136,7 @@ def test_a_rehearsal_runs_every_stage_with_finite_metrics_and_every_page_back(na
   assert all(r["rollout/logprob_gap"] < 1e-4 for r in rl)  # float32: the trainer's log-probs are the sampler's.
   assert os.listdir(os.path.join(run, "tensorboard"))
   assert os.path.getsize(os.path.join(run, "plots", "reward_accuracy.png")) > 0  # Drawn at the end (matplotlib).
+  assert os.listdir(os.path.join(run, "plots")) == ["reward_accuracy.png"]  # make plot draws the others.
 
 
 @pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED])

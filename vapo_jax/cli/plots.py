@@ -213,13 +213,15 @@ def _save(fig, path: str) -> str:
   return path
 
 
-def plot_runs(runs: dict[str, str], out_dir: str) -> list[str]:
-  """The FIGURES (and SFT's loss) of runs given as {name: metrics.jsonl path}; returns the PNGs
-  written. With several runs each line is labelled `run: metric`."""
+def plot_runs(runs: dict[str, str], out_dir: str, *, only: tuple[str, ...] | None = None) -> list[str]:
+  """The FIGURES (and SFT's loss, "sft") of runs given as {name: metrics.jsonl path}, or those named in `only`;
+  returns the PNGs written. With several runs each line is labelled `run: metric`."""
   per_run = {name: read_metrics(path) for name, path in runs.items()}
   curves = {name: run_curves(records) for name, records in per_run.items()}
   written = []
   for filename, title, ylabel, metrics in FIGURES:
+    if only is not None and filename not in only:
+      continue
     lines = {}
     for name, run in curves.items():
       for label, key in metrics:
@@ -231,7 +233,7 @@ def plot_runs(runs: dict[str, str], out_dir: str) -> list[str]:
   sft = {name: _sorted([(r["step"], r["sft/nll"]) for r in records if r["stage"] == "sft" and "sft/nll" in r])
          for name, records in per_run.items()}
   sft = {name: [xy] for name, xy in sft.items() if len(xy[0])}
-  if sft:
+  if sft and (only is None or "sft" in only):
     written.append(plot_curves(sft, title="Supervised warm-up", ylabel="NLL per token", xlabel="SFT step",
                                path=os.path.join(out_dir, "sft.png")))
   return written

@@ -17,9 +17,12 @@ micro-batches without a response token are skipped.
 
 `Steps` jits them for one run: each takes and returns the `TrainState` (donated, with the output
 laid out as the input), and each is traced with the run's sharding rules bound, so no program can
-run unconstrained.
+run unconstrained. `shared(...)` hands a trainer the `Steps` an earlier trainer of the same programs built in
+this process (a resumed run, a test's second trainer): its programs are traced and compiled once.
 """
 
+import collections
+import dataclasses
 import functools
 import math
 import time
@@ -63,6 +66,39 @@ def warn_padded_micro_batches(config, micro_rows: int, shards: int) -> None:
                   f"at least; packing.micro_batch_rows={fits} fits", stacklevel=3)
 
 
+_SHARED: collections.OrderedDict = collections.OrderedDict()
+_KEEP = 4  # Trainers' `Steps` kept for later ones in this process (their programs' executables with them).
+
+
+def shared(config: ExperimentConfig, mesh, rules, *, actor_def, critic_def, optimizers) -> "Steps":
+  """The `Steps` of a run with `config` on `mesh`: the one built for an earlier trainer in this process whose
+  programs are the same (an equal config but for the directory the run writes under, `run_dir`; the same mesh and
+  model graphs), else a new one with `optimizers()` ({"actor", "critic", "sft"}: optax transformations, which
+  follow from the config). Its checks and warnings apply to every run, reused or not."""
+  key = (dataclasses.replace(config, run_dir="runs"), mesh, actor_def, critic_def)
+  if key in _SHARED:
+    check(config, mesh)
+  else:
+    txs = optimizers()
+    _SHARED[key] = Steps(config, mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
+                         critic_tx=txs["critic"], sft_tx=txs["sft"])
+    while len(_SHARED) > _KEEP:
+      _SHARED.popitem(last=False)
+  _SHARED.move_to_end(key)
+  return _SHARED[key]
+
+
+def check(config: ExperimentConfig, mesh) -> None:
+  """Refuses packed rows that do not split over the data-parallel devices; warns of micro-batches mostly padding."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  micro_rows = packed_batch.micro_rows(config, shards)
+  if config.packing.enabled and micro_rows % shards:
+    raise ConfigError(f"PackingConfig.micro_batch_rows must be a multiple of the data-parallel devices "
+                      f"(mesh data x fsdp = {shards}), got {micro_rows}")
+  if config.packing.enabled:
+    warn_padded_micro_batches(config, micro_rows, shards)
+
+
 class Steps:
   """The run's jitted programs, `(state, batch) -> (state, metrics)` with the state donated and laid
   out as it came in; built once from the run's config, mesh, rules, graphdefs and optimizers."""
@@ -78,11 +114,7 @@ class Steps:
     self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.packed = config.packing.enabled
     self.row_tokens, self.micro_rows = packed_batch.row_tokens(config), packed_batch.micro_rows(config, self.shards)
-    if self.packed and self.micro_rows % self.shards:
-      raise ConfigError(f"PackingConfig.micro_batch_rows must be a multiple of the data-parallel devices "
-                        f"(mesh data x fsdp = {self.shards}), got {self.micro_rows}")
-    if self.packed:
-      warn_padded_micro_batches(config, self.micro_rows, self.shards)
+    check(config, mesh)
     self._programs = {}
     self._plan_inputs = self.jit(self._plan_inputs_program, out_shardings=self.replicated)
 

@@ -16,6 +16,7 @@ SIGTERM (or Ctrl-C) finishes the current step, saves and raises `checkpoints.Pre
 """
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from vapo_jax import distributed
-from vapo_jax.config import ExperimentConfig
+from vapo_jax.config import ExperimentConfig, RolloutConfig
 from vapo_jax.data import problems
 from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.data.prompt_iterator import PromptIterator
@@ -36,13 +37,13 @@ from vapo_jax.models import hf_export, huggingface, sharding
 from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
-from vapo_jax.rollout.layout import layout_for
+from vapo_jax.rollout.layout import RolloutLayout, layout_for
 from vapo_jax.train import algorithm, build, checkpoints, optim, runlock, start_up
 from vapo_jax.train import metrics as metrics_lib
+from vapo_jax.train import steps as steps_lib
 from vapo_jax.train.experience import Experience, demonstrations
 from vapo_jax.train.saving import Saving
 from vapo_jax.train.state import Progress, TrainState
-from vapo_jax.train.steps import Steps
 
 
 class Diverged(RuntimeError):
@@ -51,6 +52,14 @@ class Diverged(RuntimeError):
 
 PROGRESS_KEYS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "len": "rollout/response_len_mean",
                  "entropy": "actor/entropy", "EV": "critic/explained_variance"}
+
+
+@functools.lru_cache(maxsize=4)
+def _layout(settings: RolloutConfig, mesh, dtype: str, preset: str) -> RolloutLayout:
+  """`layout_for`, once for the same settings and mesh in this process: a later trainer of the same run (a resume, a
+  test's second trainer) runs the rollout programs the layout jitted (`rollout.static.make_generate` and the refill
+  engine's are cached by their `jit`) without tracing them again."""
+  return layout_for(settings, mesh, compute_dtype=dtype, training_rules=sharding.PRESETS[preset])
 
 
 class Trainer(Saving):
@@ -81,7 +90,7 @@ class Trainer(Saving):
     self.mesh = sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
                                    devices=devices)  # Rollout tensor groups: physical neighbours (rollout/layout.py).
     rules = sharding.PRESETS[config.mesh.preset]
-    self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=rules)
+    self.layout = _layout(config.rollout, self.mesh, config.model.dtype, config.mesh.preset)
     self.layout.check_model(build.model_configs(config)[0])
     self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
     tok_lib.check_tokenizer_matches(huggingface.read_config(config.model.checkpoint) if config.model.checkpoint
@@ -99,9 +108,9 @@ class Trainer(Saving):
     self.model_cfg = actor.cfg
     actor_def, actor_params = nnx.split(actor)
     critic_def, critic_params = nnx.split(critic)
-    txs = build.optimizers(config)
-    self.steps = Steps(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
-                       critic_tx=txs["critic"], sft_tx=txs["sft"])
+    self.steps = steps_lib.shared(config, self.mesh, rules, actor_def=actor_def, critic_def=critic_def,
+                                  optimizers=lambda: build.optimizers(config))  # An earlier trainer's, if the same.
+    txs = self.steps.txs
     self.experience = Experience(config, steps=self.steps, layout=self.layout, model_cfg=self.model_cfg,
                                  tokenizer=self.tokenizer, pool=self.pool)
     plans = self.experience.check_cache_budget(len(self.eval_rows))  # Now, not after the warm start: every rollout.
