@@ -108,9 +108,9 @@ sweep:  ## Every member of SWEEP (e.g. toy) × SEEDS, JOBS at once → runs/swee
 	$(if $(PRINT),@)exec $(PY) -m vapo_jax.cli.sweep $(SWEEP) --seeds $(SEEDS) --jobs $(JOBS) $(if $(PRINT),--print-commands) $(if $(SMOKE),--smoke) $(ARGS)
 
 .PHONY: memory
-memory: $(STAMP)  ## XLA's per-device memory of EXP's every program, compiled for TOPOLOGY (v5p:8x8x4, cpu:8; default: this machine's devices; MESH=fsdp=256; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths); exit 1 if a phase does not fit, naming the fix.
+memory: $(STAMP)  ## XLA's per-device memory of EXP's every program, compiled for TOPOLOGY (v5p:8x8x4, cpu:8; default: this machine's devices; MESH=fsdp=256; LAYERS=2: a quick look; PROFILE=runs/<name>: also price the rollout at its logged lengths; REMAT=1: also the update under every model.remat policy); exit 1 if a phase does not fit, naming the fix.
 	@$(if $(filter v%,$(TOPOLOGY)),$(MAKE) -s --no-print-directory $(TPU_STAMP),true)
-	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(PROFILE),--profile $(PROFILE)) $(ARGS)
+	$(JAX_CACHE) $(PY) -m vapo_jax.cli.memory --exp $(EXP) $(if $(TOPOLOGY),--topology $(TOPOLOGY)) $(if $(LAYERS),--layers $(LAYERS)) $(if $(MESH),--mesh $(MESH)) $(if $(PROFILE),--profile $(PROFILE)) $(if $(REMAT),--remat) $(ARGS)
 
 clean-cache:  ## Empty XLA's compilation cache (.jax_cache/).
 	rm -rf .jax_cache

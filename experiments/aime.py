@@ -54,7 +54,7 @@ def vapo() -> ExperimentConfig:
   return ExperimentConfig(
       name="aime_vapo",
       rl_steps=5000,
-      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat=True),
+      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="full"),
       algo=AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,

@@ -41,7 +41,7 @@ def vapo(*, preset: str = "qwen2.5-0.5b", name: str = "math_vapo") -> c.Experime
   return c.ExperimentConfig(
       name=name,
       rl_steps=100,
-      model=c.ModelConfig(checkpoint=None, preset=preset, dtype="bfloat16", remat=True),
+      model=c.ModelConfig(checkpoint=None, preset=preset, dtype="bfloat16", remat="full"),
       algo=c.AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,

@@ -33,7 +33,7 @@ def tiny() -> ExperimentConfig:
       name="tiny_vapo",
       # 100 steps: over 3 seeds the held-out gain is +0.085 ± 0.014 (docs/results.md: 50 steps left one seed flat).
       rl_steps=100,
-      model=ModelConfig(preset="small", dtype="float32", remat=False, tokenizer="bytes", random_init=True),
+      model=ModelConfig(preset="small", dtype="float32", remat="none", tokenizer="bytes", random_init=True),
       # α is scaled to this task's 15-60-token responses (the paper's 0.05 targets thousands of
       # tokens): λ_actor = 1 − 1/l, about 0.93-0.98 here.
       algo=AlgoConfig(value_pretrain_steps=10, mini_batch_responses=32, length_adaptive_alpha=1.0),
@@ -45,7 +45,7 @@ def tiny() -> ExperimentConfig:
       # problems (the 2-term sums' 81 are all drawn) are dropped from both.
       data=DataConfig(train_path="synthetic:arithmetic?terms=2-5&count=4000&seed=0", template="raw",
                       chat_template=False, drop_eval_overlap=True),
-      eval=EvalConfig(path="synthetic:arithmetic?terms=2-5&count=64&seed=1", samples_per_problem=4,
+      eval=EvalConfig(path="synthetic:arithmetic?terms=2-5&count=275&seed=1", samples_per_problem=4,
                       temperature=1.0, top_p=0.7, every_steps=25),
       sft=SFTConfig(path="synthetic:arithmetic?terms=2-4&count=2000&seed=2", steps=300, batch_size=32, lr=2e-3),
       mesh=MeshConfig(preset="dp"),

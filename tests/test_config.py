@@ -278,7 +278,7 @@ def test_a_finished_runs_closing_lines_round_the_accuracies_and_name_the_plot_co
 
 
 def test_avg_at_k_standard_error_is_the_problems_spread_over_their_root():
-  from vapo_jax.train.experience import accuracy_stderr
+  from vapo_jax.train.held_out import accuracy_stderr
   verdicts = np.array([1, 1, 0, 0, 1, 1, 1, 1, 0, 0, 0, 1], bool)  # 3 problems × 4: 0.5, 1.0, 0.25.
   means = [sum(verdicts[i * 4:(i + 1) * 4]) / 4 for i in range(3)]
   mean = sum(means) / 3

@@ -62,12 +62,27 @@ def test_a_refuted_line_is_said_and_a_setting_that_lowers_nothing_names_nothing(
   assert answer is None and compiled == [101]  # The line's aim (-100) is below every valid value.
 
 
-def test_a_switch_is_compiled_once(monkeypatch):
-  compiled = []
-  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes) or (900, False))
+def test_a_choice_is_compiled_value_by_value_until_one_fits(monkeypatch):
+  compiled, figures = [], {"save_dot_except_mlp": 1100, "save_qkv_proj": 900, "offload_qkv_proj": 800, "full": 700}
+  monkeypatch.setattr(what_if, "needs", lambda report, phase, changes: compiled.append(changes["model.remat"]) or (
+      figures[changes["model.remat"]], False))
   report = _Report((_Phase("update", 1200),))
-  assert what_if.search(report, "update", "model.remat", False, [True]) == \
-      "set model.remat=true (compiled: update needs 900 B)" and compiled == [{"model.remat": True}]
+  assert what_if.search(report, "update", "model.remat", "minimal", list(figures)) == \
+      "set model.remat=save_qkv_proj (compiled: update needs 900 B)"
+  assert compiled == ["save_dot_except_mlp", "save_qkv_proj"]  # Least recomputation first; none after a fit.
+  compiled.clear()
+  assert what_if.search(report, "update", "model.remat", "minimal", ["save_dot_except_mlp"]) is None
+
+
+def test_the_remat_table_names_the_least_recomputation_that_fits():
+  from vapo_jax.memory import xla_report_text
+  rows = [("none", 2000.0, 3e12), ("minimal", 1500.0, 3.5e12), ("save_dot_except_mlp", 900.0, 4e12),
+          ("save_qkv_proj", None, None), ("full", 700.0, 5e12)]
+  assert what_if.least_recomputation(rows, 1000) == "save_dot_except_mlp"
+  assert what_if.least_recomputation(rows, 500) is None
+  text = xla_report_text.remat_table(rows, 1000)
+  assert text.splitlines()[-1] == "least recomputation that fits: model.remat=save_dot_except_mlp"
+  assert "save_qkv_proj        not a valid config" in text and "over" in text.splitlines()[1]
 
 
 def test_where_the_compiler_refused_the_current_value_the_line_runs_through_two_measured_figures(monkeypatch):
@@ -85,3 +100,26 @@ def test_the_search_never_names_a_value_it_did_not_compile_under_the_allowed_byt
   if answer and answer.startswith("set "):
     value = int(answer.split("=")[1].split()[0])
     assert value in compiled and figure(value) <= ALLOWED
+
+
+def test_remat_policies_compile_the_update_under_every_other_policy(monkeypatch):
+  import types
+
+  from vapo_jax.config import ExperimentConfig
+  compiled, figure = [], dict(zip(what_if.REMAT, (2000, 1500, 1200, 1100, 800, 700)))
+
+  def compile_run(config, target, *, layers, phases):
+    assert phases == ("update",) and layers == 2
+    compiled.append(config.model.remat)
+    phase = _Phase("update", figure[config.model.remat])
+    phase.programs = [types.SimpleNamespace(flops=1e12 * len(compiled))]
+    return types.SimpleNamespace(phases=[phase])
+
+  monkeypatch.setattr(what_if.xla_report, "compile_run", compile_run)
+  own = _Phase("update", 700)
+  own.programs = [types.SimpleNamespace(flops=9e12)]
+  report = types.SimpleNamespace(config=ExperimentConfig(name="x"), target=None, layers=2, phases=(own,))
+  rows = what_if.remat_policies(report)
+  assert compiled == list(what_if.REMAT[:-1])  # The report's own policy ("full") is read from it.
+  assert [r[0] for r in rows] == list(what_if.REMAT) and rows[-1] == ("full", 700, 9e12)
+  assert rows[0] == ("none", 2000, 1e12) and what_if.least_recomputation(rows, 1150) == "save_qkv_proj"

@@ -99,6 +99,8 @@ KEYS: dict[str, str] = {
     "eval/accuracy": "held-out avg@k: the mean verdict of every sample",
     "eval/accuracy_stderr": "avg@k's standard error over the held-out problems (their accuracies' spread / √problems)",
     "eval/problems": "held-out problems evaluated",
+    "eval/accuracy_level_{k}": ("avg@k on the held-out problems of level k: a file's `level` field (MATH's 1-5), the "
+                                "synthetic tasks' number of terms"),
     "eval/response_len_mean": "mean held-out response length (tokens)",
     "eval/no_answer_frac": "held-out responses with no answer found",
     "eval/error_frac": "held-out responses the verifier failed on",

@@ -1,7 +1,7 @@
 """`make memory`: XLA's per-device memory of every program of an experiment's run, compiled ahead of time.
 
   python -m vapo_jax.cli.memory --exp NAME [--topology v5p:8x8x4 | cpu:N] [--mesh fsdp=256] [--layers 2]
-                                [--phases rollout] [--tail] [--profile runs/<name>] [field=value ...]
+                                [--phases rollout] [--tail] [--profile runs/<name>] [--remat] [field=value ...]
 
 Compiles every program of a run (`memory/xla_report.py`) for the target: a TPU topology's compile-only
 devices (libtpu's, `pip install -e ".[tpu]"`), `cpu:N` for N CPU devices of this process, or without
@@ -11,10 +11,11 @@ memory (the chip's HBM, what the device reports, or `mesh.device_memory_gib`). `
 models with their first N layers only (a quick look), `--phases a,b` only those phases (and the ones whose
 outputs they take), `--tail` also the refill engine's decode loop at every slot count it shrinks to. For a
 TPU topology, then the roofline of one RL step for each rollout engine under two response-length profiles
-(`--profile runs/<name>`: a third, that run's logged lengths). A phase that needs more than (1 −
-`mesh.memory_margin`, default 8 %) of the device memory refuses the run, naming the phase and the
-settings, each compiled to check it, that bring it under (`memory/what_if.py`): the same verdict as
-`make train`'s start-up check. Exit status 1 when a phase does not fit, 2 on a bad argument.
+(`--profile runs/<name>`: a third, that run's logged lengths). `--remat` also compiles the update under every
+`model.remat` policy and names the one that recomputes least and fits (`what_if.remat_policies`). A phase
+that needs more than (1 − `mesh.memory_margin`, default 8 %) of the device memory refuses the run, naming
+the phase and the settings, each compiled to check it, that bring it under (`memory/what_if.py`): the same
+verdict as `make train`'s start-up check. Exit status 1 when a phase does not fit, 2 on a bad argument.
 """
 
 import dataclasses
@@ -36,6 +37,8 @@ def _parser():
   command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it shrinks to")
   command.add_argument("--profile", default="", metavar="RUN_DIR",
                        help="also price the rollout at the response lengths a run logged (its metrics.jsonl)")
+  command.add_argument("--remat", action="store_true",
+                       help="also the update under every model.remat policy, and the least recomputation that fits")
   return command
 
 
@@ -87,7 +90,8 @@ def _logged(config, profile_run: str):
   return profiles.from_run(config, prompts, where, profile_run)
 
 
-def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "") -> int:
+def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, tail: bool, profile: str = "",
+             remat: bool = False) -> int:
   """Compiles every program of a run for `topology` and prints the compile report; 1 if over."""
   import jax
 
@@ -110,6 +114,10 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
       config, target, layers=int(layers) if layers else None,
       phases=tuple(p.strip() for p in phases.split(",")) if phases else xla_report.PHASES, tail=tail, log=log)
   print(xla_report_text.table(report))
+  if remat and any(p.name == "update" for p in report.phases):
+    from vapo_jax.memory import what_if
+    log("remat: the update compiled under each model.remat policy")
+    print(xla_report_text.remat_table(what_if.remat_policies(report), report.allowed))
   whole = target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}
   if message := xla_report_text.refusal(report):
     if whole:  # A run that does not fit has no step time; the roofline's second compile would take minutes.
@@ -134,7 +142,8 @@ def main(argv: list[str]) -> int:
     topologies.cpu_flags(topology)
   try:
     config, _ = resolve.resolve(argv, command)
-    return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile)
+    return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile,
+                    options.remat)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

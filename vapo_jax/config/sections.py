@@ -5,7 +5,7 @@ Frozen, keyword-only dataclasses, validated at construction like `experiment.py`
 from typing import Literal
 
 from vapo_jax.config.checks import frozen, in_range, positive_int, require
-from vapo_jax.kinds import Attention, DType, MeshPreset, Schema, Template
+from vapo_jax.kinds import Attention, DType, MeshPreset, Remat, Schema, Template, names
 from vapo_jax.models.config import PRESETS as MODEL_PRESETS
 
 
@@ -86,7 +86,9 @@ class ModelConfig:
   preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
   dtype: DType = "bfloat16"  # Compute dtype.
   param_dtype: DType = "float32"  # Parameter storage dtype.
-  remat: bool = True  # Rematerialise each layer's activations in the backward pass.
+  # What each decoder layer keeps for the backward pass, and what it computes again (models/remat.py: "none",
+  # "minimal", "save_dot_except_mlp", "save_qkv_proj", "offload_qkv_proj", "full"; true / false: "full" / "none").
+  remat: Remat = "full"
   # Attention kernel (models/attention.py): "auto" = splash on TPU; on GPU in bf16 cudnn (padded rows) and
   # pallas_gpu (packed rows); chunked otherwise.
   attention: Attention = "auto"
@@ -101,6 +103,9 @@ class ModelConfig:
   scan_unroll: int = 1  # Layers per scan iteration (`lax.scan`'s unroll; 1: a loop of L iterations).
 
   def __post_init__(self):
+    if isinstance(self.remat, bool):  # The setting's older form (config.json files of earlier runs).
+      object.__setattr__(self, "remat", "full" if self.remat else "none")
+    require(self.remat in names(Remat), self, "remat", f"must be one of {', '.join(names(Remat))}", self.remat)
     require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
              self.preset)
     positive_int(self, "logits_chunk")

@@ -4,11 +4,12 @@
 
 Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`,
 and Hugging Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when
-that package is installed. Each row becomes a `Record(prompt, answer, id, source, solution)`; the
+that package is installed. Each row becomes a `Record(prompt, answer, id, source, solution, level)`; the
 fields come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field
 paths (`"reward_model.ground_truth"`, `"prompt.0.content"`). A worked solution, for the supervised
 warm start (`sft.path`), is read from a `solution` field, else a `response` field (the first that
-is present and non-empty; None otherwise).
+is present and non-empty; None otherwise). A difficulty level, for accuracy by level (MATH's 1-5, the synthetic
+tasks' number of terms), is read from a `level` field: an integer, or text ending in one ("Level 3"); None otherwise.
 
 A bad row (malformed line, text that is not UTF-8, missing or empty prompt or answer, wrong type)
 is a `DataError` naming the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is
@@ -38,6 +39,7 @@ class Record(NamedTuple):
   id: str  # The row's id field, or its line / row number.
   source: str  # The dataset: the row's source field, or "<folder>/<file stem>".
   solution: str | None = None  # A worked solution (supervised warm start), when the row has one.
+  level: int | None = None  # The problem's difficulty level (accuracy by level), when the row has one.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +51,7 @@ class FieldMap:
   id: tuple[str, ...] = ("id", "unique_id", "index", "idx")  # Optional; default: row number.
   source: tuple[str, ...] = ()  # Optional; default: "<folder>/<file stem>".
   solution: tuple[str, ...] = ("solution", "response")  # Optional worked solution; default: None.
+  level: tuple[str, ...] = ("level", "extra_info.level")  # Optional difficulty level; default: None.
   answer_after: str | None = None  # Keep the text after the last occurrence of this marker.
 
 
@@ -168,7 +171,15 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
     if value.strip():
       solution = value
       break
-  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution)
+  _, level = _first(row, fields.level)
+  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution,
+                level_number(level))
+
+
+def level_number(value: Any) -> int | None:
+  """A level as an integer: an int, or text ending in one ("Level 3"); else None (MATH's "Level ?": metadata)."""
+  whole = isinstance(value, (str, int, np.integer)) and not isinstance(value, bool)
+  return int(last) if whole and (last := str(value).strip().rsplit(" ", 1)[-1]).isdigit() else None
 
 
 def _check_encodable(field: str, text: str) -> None:

@@ -76,13 +76,13 @@ def _problems(count: int, *, seed: int, terms: tuple[int, int], max_digit: int, 
     numbers = rng.integers(1, max_digit + 1, int(rng.integers(terms[0], terms[1] + 1))).tolist()
     text, answer = solve(numbers)
     rows.append({"id": f"{name}-{seed}-{i}", "problem": "+".join(map(str, numbers)) + "=", "answer": str(answer),
-                 "solution": text})
+                 "solution": text, "level": len(numbers)})  # Its level: the number of terms.
   return rows
 
 
 def to_records(rows: list[dict]) -> list[Record]:
   return [Record(prompt=r["problem"], answer=r["answer"], id=r["id"], source=r.get("source", "arithmetic"),
-                 solution=r.get("solution")) for r in rows]
+                 solution=r.get("solution"), level=r.get("level")) for r in rows]
 
 
 TASKS = {"arithmetic": (make_problems, "2-7"), "chain": (make_chain_problems, "2-20")}

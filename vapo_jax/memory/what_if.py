@@ -9,16 +9,21 @@ per generation, the response-length cap), rounded down to a value the setting ta
 check it. Where the compiler refused the current value, its figure is what it tried to allocate, not a point
 on the line: a third value (about half the second) is compiled for a second measured figure. A fix is
 printed with its compiled figure; where the check refutes the line, a value compiled on the way that fits is
-named, else the line says so. A boolean setting (`model.remat`) is compiled once. Each compile builds the
+named, else the line says so. A choice (`model.remat`: the policies that recompute more than the current one) is
+compiled value by value, least recomputation first, until one fits. `remat_policies` compiles the update under
+every policy (`make memory --remat`) and names the one that recomputes least and fits. Each compile builds the
 phase and those it takes inputs from (`xla_report.compile_run(phases=)`), so XLA's cache answers for the
 programs a setting leaves unchanged.
 """
 
 from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
+from vapo_jax.kinds import Remat, names
 from vapo_jax.memory import xla_report
 from vapo_jax.memory.topologies import readable_bytes
 from vapo_jax.train import packed_batch
+
+REMAT = names(Remat)  # Least recomputation first.
 
 
 def _divisors_below(n: int, below: int) -> list[int]:
@@ -49,8 +54,8 @@ def settings(report, phase: str) -> list[tuple[str, object, list]]:
     found.append(("rollout.prompts_per_step", r.prompts_per_step, _divisors_below(r.prompts_per_step,
                                                                                  r.prompts_per_step)))
   elif phase not in ("rollout", "reshard"):
-    if not c.model.remat:
-      found.append(("model.remat", False, [True]))
+    if more := REMAT[REMAT.index(c.model.remat) + 1:]:  # Policies that recompute more (and keep less).
+      found.append(("model.remat", c.model.remat, list(more)))
     if c.packing.enabled:  # Rows per micro-batch: a multiple of the batch devices.
       shards = shape["data"] * shape["fsdp"]
       now = packed_batch.micro_rows(c, shards)
@@ -100,9 +105,11 @@ def search(report, phase: str, field: str, now, values) -> str | None:
   allowed, current = report.allowed, next(p for p in report.phases if p.name == phase)
   if not len(values):
     return None
-  if isinstance(now, bool):
-    got = needs(report, phase, {field: values[0]})
-    return _said(field, values[0], phase, got[0]) if got is not None and got[0] <= allowed else None
+  if isinstance(now, (bool, str)):  # A choice: each value in its order (the first costs least) until one fits.
+    for value in values:
+      if (got := needs(report, phase, {field: value})) is not None and got[0] <= allowed:
+        return _said(field, value, phase, got[0])
+    return None
   points = {} if refused(current) else {now: current.needs}  # Value: a figure the compiler measured.
 
   def at(value) -> float | None:
@@ -139,3 +146,28 @@ def fixes(report, phase: str) -> list[str]:
   """Each setting's fix for `phase` of `report` (one to three compiles each; see the module docstring)."""
   return [fix for field, now, values in settings(report, phase)
           if (fix := search(report, phase, field, now, values)) is not None]
+
+
+def remat_policies(report) -> list[tuple[str, float | None, float | None]]:
+  """The update compiled under each `model.remat` policy, least recomputation first: (policy, bytes per device
+  it needs, its programs' compiled FLOPs per device (cost analysis, a loop body once)); (policy, None, None)
+  where the config refuses it. The report's own policy is read from the report, not compiled again."""
+  rows = []
+  for policy in REMAT:
+    if policy == report.config.model.remat:
+      phase = next(p for p in report.phases if p.name == "update")
+    else:
+      try:
+        config = overrides.replace_fields(report.config, {"model.remat": policy})
+        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",))
+      except (ConfigError, ValueError, MemoryError):
+        rows.append((policy, None, None))
+        continue
+      phase = next(p for p in again.phases if p.name == "update")
+    rows.append((policy, phase.needs, sum(p.flops for p in phase.programs)))
+  return rows
+
+
+def least_recomputation(rows, allowed: float) -> str | None:
+  """The first policy of `remat_policies`' rows that fits in `allowed` bytes (None: none fits)."""
+  return next((policy for policy, needs_, _ in rows if needs_ is not None and needs_ <= allowed), None)

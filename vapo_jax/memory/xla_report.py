@@ -179,7 +179,7 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
   size, algo = batch.response_mask.shape[0], run.config.algo
   rows, placement = _packed(run, size, 1 + algo.ppo_epochs, min(algo.mini_batch_responses, size))
   add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
-       (state, batch, placement), resident=held)
+       (state, batch, placement), resident=held, fallback=run.training)  # Refused: outputs laid out as trained.
 
 
 def device_bytes(config: ExperimentConfig, target: Topology) -> int | None:

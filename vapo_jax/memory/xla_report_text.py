@@ -50,7 +50,7 @@ def table(report) -> str:
   unit = GIB if max(phase.needs for phase in report.phases) >= GIB / 4 else MIB
   lines = [f"compile report of {c.name} for {t.name}: {len(t.devices)} x {t.device_kind} ({chip}){layers}",
            f"  mesh {mesh} (preset {c.mesh.preset}); {c.model.preset} in {c.model.dtype}, {c.model.param_dtype} "
-           f"parameters, remat {'on' if c.model.remat else 'off'}",
+           f"parameters, remat {c.model.remat}",
            f"  {('GiB' if unit == GIB else 'MiB') + ' per device':<50}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}"
            f"{'own':>8}{'beside':>8}{'needs':>8}{'compile s':>10}{'TFLOP':>10}{'GB acc':>9}{'MiB/step':>10}  attention"]
   for phase in report.phases:
@@ -92,3 +92,19 @@ def refusal(report) -> str | None:
     lines.append(f"  {phase.name} needs {readable_bytes(phase.needs)} ({phase.worst.name}): " + "; or ".join(fixes))
   return "\n".join(lines)
 
+
+def remat_table(rows, allowed: float) -> str:
+  """`what_if.remat_policies`' rows as lines: each policy's update bytes per device against what is allowed and its
+  compiled FLOPs, then the least recomputation that fits."""
+  lines = ["model.remat  update needs (allowed " + readable_bytes(allowed) + ")  compiled TFLOP per device (a loop "
+           "body once)"]
+  for policy, needs, flops in rows:
+    if needs is None:
+      lines.append(f"  {policy:<20} not a valid config")
+      continue
+    verdict = "fits" if needs <= allowed else "over"
+    lines.append(f"  {policy:<20} {readable_bytes(needs):>12} {verdict:<5} {flops / 1e12:10.3f}")
+  best = what_if.least_recomputation(rows, allowed)
+  lines.append(f"least recomputation that fits: model.remat={best}" if best else
+               "no model.remat policy fits the update")
+  return "\n".join(lines)

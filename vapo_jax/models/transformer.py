@@ -7,8 +7,9 @@ Decoder layers are stacked: every layer parameter carries a leading layer axis `
 name `LAYER_AXIS`, which no sharding preset maps, so FSDP never splits it), built once by `nnx.vmap`.
 The forward pass is a `lax.scan` over the stacked parameters (`scan_layers`, the default): every
 program holds one layer, whatever the depth, so compile time and the loop's temporaries do not grow
-with L; `remat` rematerialises each layer inside the scan. With `scan_layers=False` a Python loop
-runs over the same stacked parameters (one copy of the layer per depth): the equality oracle.
+with L; `remat` (a policy of models/remat.py) rematerialises each layer inside the scan. With
+`scan_layers=False` a Python loop runs over the same stacked parameters (one copy of the layer per
+depth): the equality oracle.
 
 The KV cache (`models/kv_cache.py`: contiguous `KVCache` or paged `PagedKVCache`, one interface) is
 carried whole through the layer scan: layer l writes its new tokens in place (`cache.write`) and a
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax import kinds
+from vapo_jax.models import remat as remat_lib
 from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.kv_cache import LAYER_AXIS, KVCache, PagedKVCache
@@ -102,6 +104,7 @@ class Attention(nnx.Module):
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dtype))
     if self.qkv_bias:
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
+    q, k, v = (remat_lib.named(t, n) for t, n in ((q, remat_lib.QUERY), (k, remat_lib.KEY), (v, remat_lib.VALUE)))
     q = constrain(_rotate(q, cos, sin), ("batch", "seq", "act_heads", None))
     k = _rotate(k, cos, sin)
     keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
@@ -124,7 +127,7 @@ class Attention(nnx.Module):
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
-    return out, new_cache
+    return remat_lib.named(out, remat_lib.OUT), new_cache
 
 
 class MLP(nnx.Module):
@@ -188,7 +191,8 @@ class Backbone(nnx.Module):
   """Embedding, decoder layers (stacked, scanned: module doc) and final norm: `[B, T]` ids to `[B, T, D]`."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               remat: kinds.Remat | bool = "none", attention: kinds.Attention = "auto",
+               scan_layers: bool = True,
                scan_unroll: int = 1, rngs: nnx.Rngs):
     select(attention, _DTYPES[dtype])  # An implementation that cannot run here fails now, not at compile.
     self.cfg = cfg
@@ -196,7 +200,7 @@ class Backbone(nnx.Module):
     self.layers = stacked_layers(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = _DTYPES[dtype]
-    self.remat = remat
+    self.remat = remat_lib.policy_name(remat)  # models/remat.py; a bool is the older form (true: "full").
     self.scan_layers = scan_layers  # False: a Python loop over the stacked layers (the oracle).
     self.scan_unroll = scan_unroll  # Layers per scan iteration (`lax.scan`'s unroll).
 
@@ -225,8 +229,8 @@ class Backbone(nnx.Module):
       return x, None if cache is None else new_cache
 
     # Without a backward pass (a cache: prefill and decode) rematerialisation only costs time.
-    if self.remat and cache is None:
-      layer_step = jax.checkpoint(layer_step, prevent_cse=not self.scan_layers)
+    if cache is None:
+      layer_step = remat_lib.wrap(layer_step, self.remat, prevent_cse=not self.scan_layers)
     if self.scan_layers:
       def body(carry, xs):  # Returns no parameters: the scan's outputs are empty (no second weight stack).
         return layer_step(*carry, *xs), None
@@ -245,7 +249,8 @@ class CausalLM(nnx.Module):
   """The policy: backbone and output projection to `[B, T, V]` logits (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               remat: kinds.Remat | bool = "none", attention: kinds.Attention = "auto",
+               scan_layers: bool = True,
                scan_unroll: int = 1, rngs: nnx.Rngs):
     self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
                           scan_layers=scan_layers, scan_unroll=scan_unroll, rngs=rngs)
@@ -292,7 +297,8 @@ class ValueModel(nnx.Module):
   """The critic: the same backbone with a scalar head, `[B, T]` values V(s_t) (float32)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: str = "float32", param_dtype: str = "float32",
-               remat: bool = False, attention: kinds.Attention = "auto", scan_layers: bool = True,
+               remat: kinds.Remat | bool = "none", attention: kinds.Attention = "auto",
+               scan_layers: bool = True,
                scan_unroll: int = 1, rngs: nnx.Rngs):
     self.model = Backbone(cfg, dtype=dtype, param_dtype=param_dtype, remat=remat, attention=attention,
                           scan_layers=scan_layers, scan_unroll=scan_unroll, rngs=rngs)

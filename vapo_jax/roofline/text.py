@@ -14,7 +14,8 @@ def update_bound(step: StepEstimate) -> str | None:
   terms = {"compute": p.compute_s, "HBM bandwidth": p.memory_s, "collectives": p.collective_s}
   bound = max(terms, key=terms.get)
   why = {"compute": (f"the compiled FLOPs are {p.flops / per_chip:.2f}x the model FLOPs (remat's second forward, "
-                     "attention's masked blocks): model.remat=false where the memory allows it"),
+                     "attention's masked blocks): a model.remat policy that recomputes less, where the memory "
+                     "allows it (make memory's what-if names one)"),
          "HBM bandwidth": ("its bytes per FLOP: larger micro-batches (packing.micro_batch_rows) reuse each gathered "
                            "weight over more rows"),
          "collectives": ("FSDP gathers every weight and reduces every gradient once per micro-batch: larger "

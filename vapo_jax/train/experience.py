@@ -35,6 +35,7 @@ from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.rollout.plan import plan_round
 from vapo_jax.train import partial_sampling
 from vapo_jax.train.algorithm import PrefixLabels
+from vapo_jax.train.held_out import accuracy_by_level, accuracy_stderr
 from vapo_jax.train.partial_sampling import PartialSampling
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps, TrainBatch
@@ -353,14 +354,9 @@ class Experience:
     return {"eval/accuracy": float(verdicts.mean()), "eval/accuracy_stderr": accuracy_stderr(
                 verdicts, evaluation.samples_per_problem), "eval/problems": float(len(records)),
             "eval/response_len_mean": float(np.concatenate(lengths).mean())} | {
-                f"eval/{name}": float(total / responses) for name, total in failed.items()}
-
-
-def accuracy_stderr(verdicts: np.ndarray, k: int) -> float:
-  """The standard error of avg@k over problems: the sample standard deviation of the problems' accuracies (each the
-  mean of its `k` verdicts, `verdicts` problem by problem) over √problems; 0 for one problem."""
-  per_problem = np.asarray(verdicts, np.float64).reshape(-1, k).mean(axis=1)
-  return float(per_problem.std(ddof=1) / np.sqrt(len(per_problem))) if len(per_problem) > 1 else 0.0
+                f"eval/{name}": float(total / responses) for name, total in failed.items()} | {
+                f"eval/accuracy_level_{level}": value for level, value in accuracy_by_level(
+                    verdicts, [r.level for r in records], evaluation.samples_per_problem).items()}
 
 
 def evaluation_calls(config: ExperimentConfig, problems: int) -> list[int]:

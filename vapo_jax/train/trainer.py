@@ -62,6 +62,12 @@ def _layout(settings: RolloutConfig, mesh, dtype: str, preset: str) -> RolloutLa
   return layout_for(settings, mesh, compute_dtype=dtype, training_rules=sharding.PRESETS[preset])
 
 
+def by_level(evaluation: dict) -> dict[str, float]:
+  """An evaluation's accuracy by problem level ({"2": 0.61, ...}, `eval/accuracy_level_{k}`)."""
+  prefix = "eval/accuracy_level_"
+  return {key[len(prefix):]: value for key, value in evaluation.items() if key.startswith(prefix)}
+
+
 class Trainer(Saving):
   """A run's models, data, verifier and programs; `state` and `progress` are all that changes."""
 
@@ -315,7 +321,9 @@ class Trainer(Saving):
                  "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy"),
                  "stderr_before_rl": before.get("eval/accuracy_stderr"),
                  "stderr_after_rl": after.get("eval/accuracy_stderr"), "eval_problems": after.get("eval/problems"),
-                 "eval_samples_per_problem": config.eval.samples_per_problem}
+                 "eval_samples_per_problem": config.eval.samples_per_problem} | {
+                 f"accuracy_by_level_{when}": by_level(evaluation) for when, evaluation in (
+                     ("before_rl", before), ("after_rl", after)) if by_level(evaluation)}
       if after:
         self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
       return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
