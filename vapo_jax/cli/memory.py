@@ -117,7 +117,7 @@ def compiled(config, topology: str, mesh_text: str, layers: str, phases: str, ta
   if remat and any(p.name == "update" for p in report.phases):
     from vapo_jax.memory import what_if
     log("remat: the update compiled under each model.remat policy")
-    print(xla_report_text.remat_table(what_if.remat_policies(report), report.allowed))
+    print(xla_report_text.remat_table(what_if.remat_policies(report, log), report.allowed))
   whole = target.chip is not None and {"rollout", "scoring", "update"} <= {p.name for p in report.phases}
   if message := xla_report_text.refusal(report):
     if whole:  # A run that does not fit has no step time; the roofline's second compile would take minutes.

@@ -148,10 +148,11 @@ def fixes(report, phase: str) -> list[str]:
           if (fix := search(report, phase, field, now, values)) is not None]
 
 
-def remat_policies(report) -> list[tuple[str, float | None, float | None]]:
+def remat_policies(report, log=None) -> list[tuple[str, float | None, float | None]]:
   """The update compiled under each `model.remat` policy, least recomputation first: (policy, bytes per device
   it needs, its programs' compiled FLOPs per device (cost analysis, a loop body once)); (policy, None, None)
-  where the config refuses it. The report's own policy is read from the report, not compiled again."""
+  where the config refuses it. The report's own policy is read from the report, not compiled again; `log` says
+  each compile as it goes."""
   rows = []
   for policy in REMAT:
     if policy == report.config.model.remat:
@@ -159,7 +160,8 @@ def remat_policies(report) -> list[tuple[str, float | None, float | None]]:
     else:
       try:
         config = overrides.replace_fields(report.config, {"model.remat": policy})
-        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",))
+        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",),
+                                       **({"log": log} if log else {}))
       except (ConfigError, ValueError, MemoryError):
         rows.append((policy, None, None))
         continue
