@@ -14,6 +14,7 @@ help:  ## List the targets.
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "Variables: EXP=<experiment> (default tiny), ARGS=\"field.path=value ...\" (config overrides), TOPOLOGY=v5p:8x8x4 (make memory)"
 
+# ".[plot]": matplotlib, so that a finished run draws its curve of held-out accuracy and reward.
 # --no-compile: Python writes the bytecode of the modules a run imports as it first imports them, a fraction of
 # the installed files; pip would compile every file of every package first (half the install's CPU time).
 # Hence make's commands write bytecode even where the environment sets PYTHONDONTWRITEBYTECODE: without it,
@@ -27,7 +28,7 @@ $(STAMP): setup.py
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e .
+	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[plot]"
 	@touch $(STAMP)
 
 # The extras, each installed once by the targets that need it: "test" (make test, lint) with "tpu" (libtpu's
