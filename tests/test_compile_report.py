@@ -14,7 +14,7 @@ QUICK = {"sft.steps": 0, "eval.path": None}
 # loop once failed there under nnx.remat).
 # dp pads every sequence; the others pack rows (packing.enabled, the default).
 LAYOUTS = {"dp": {"mesh.data": -1, "packing.enabled": False},
-           "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": True, "algo.micro_batch_responses": 8},
+           "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": "minimal", "algo.micro_batch_responses": 8},
            "fsdp_tp": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}}
 
 
