@@ -108,7 +108,7 @@ def test_remat_policies_compile_the_update_under_every_other_policy(monkeypatch)
   from vapo_jax.config import ExperimentConfig
   compiled, figure = [], dict(zip(what_if.REMAT, (2000, 1500, 1200, 1100, 800, 700)))
 
-  def compile_run(config, target, *, layers, phases):
+  def compile_run(config, target, *, layers, phases, log):
     assert phases == ("update",) and layers == 2
     compiled.append(config.model.remat)
     phase = _Phase("update", figure[config.model.remat])

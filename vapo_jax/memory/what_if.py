@@ -105,7 +105,7 @@ def search(report, phase: str, field: str, now, values) -> str | None:
   allowed, current = report.allowed, next(p for p in report.phases if p.name == phase)
   if not len(values):
     return None
-  if isinstance(now, (bool, str)):  # A choice: each value in its order (the first costs least) until one fits.
+  if isinstance(now, str):  # A choice: each value in its order (the first costs least) until one fits.
     for value in values:
       if (got := needs(report, phase, {field: value})) is not None and got[0] <= allowed:
         return _said(field, value, phase, got[0])
@@ -148,7 +148,7 @@ def fixes(report, phase: str) -> list[str]:
           if (fix := search(report, phase, field, now, values)) is not None]
 
 
-def remat_policies(report, log=None) -> list[tuple[str, float | None, float | None]]:
+def remat_policies(report, log=lambda message: None) -> list[tuple[str, float | None, float | None]]:
   """The update compiled under each `model.remat` policy, least recomputation first: (policy, bytes per device
   it needs, its programs' compiled FLOPs per device (cost analysis, a loop body once)); (policy, None, None)
   where the config refuses it. The report's own policy is read from the report, not compiled again; `log` says
@@ -160,8 +160,7 @@ def remat_policies(report, log=None) -> list[tuple[str, float | None, float | No
     else:
       try:
         config = overrides.replace_fields(report.config, {"model.remat": policy})
-        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",),
-                                       **({"log": log} if log else {}))
+        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",), log=log)
       except (ConfigError, ValueError, MemoryError):
         rows.append((policy, None, None))
         continue

@@ -322,8 +322,8 @@ class Trainer(Saving):
                  "stderr_before_rl": before.get("eval/accuracy_stderr"),
                  "stderr_after_rl": after.get("eval/accuracy_stderr"), "eval_problems": after.get("eval/problems"),
                  "eval_samples_per_problem": config.eval.samples_per_problem} | {
-                 f"accuracy_by_level_{when}": by_level(evaluation) for when, evaluation in (
-                     ("before_rl", before), ("after_rl", after)) if by_level(evaluation)}
+                 f"accuracy_by_level_{when}": levels for when, levels in (
+                     ("before_rl", by_level(before)), ("after_rl", by_level(after))) if levels}
       if after:
         self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
       return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
