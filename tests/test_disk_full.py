@@ -69,6 +69,9 @@ def _one_line_error(result: subprocess.CompletedProcess) -> str:
   return errors[0]
 
 
+# make test-slow, for time (three runs of the entry point, 23 s): make test injects the full disk at the other writes
+# in one process, and stops a save in a checkpoint directory that cannot be written (both below).
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_save_and_at_the_export_then_a_resume(tmp_path):
   """A full disk at a checkpoint save, and at the final export, is one line naming the directory, with
   no stacked tracebacks and no `export/model.safetensors.tmp` left behind; the same command resumes."""

@@ -36,13 +36,19 @@ def test_levels_are_read_from_a_files_level_field_and_are_a_sums_number_of_terms
   assert all(r.level == r.prompt.count("+") + 1 for r in sums) and {r.level for r in sums} == {2, 3, 4, 5}
 
 
-def test_a_finished_runs_summary_gives_the_held_out_accuracy_by_level(smoke_config):
+def test_a_finished_runs_summary_gives_the_accuracy_by_level_and_a_rerun_keeps_it(smoke_config):
+  """A finished run's summary gives the logged accuracy by level; re-running it keeps summary.json as it was,
+  its seconds too (not the re-run's)."""
   config = smoke_config({"sft.steps": 0, "algo.value_pretrain_steps": 0, "rl_steps": 0,
                          "eval.path": "synthetic:arithmetic?terms=2-3&count=8&seed=1"})
   summary = Trainer(config, verbose=False).run()
+  path = Path(config.run_directory) / "summary.json"
   records = [json.loads(line) for line in (Path(config.run_directory) / "metrics.jsonl").read_text().splitlines()]
   before = next(r for r in records if r["stage"] == "eval_before_rl")
   assert summary["accuracy_by_level_before_rl"] == {"2": before["eval/accuracy_level_2"],
                                                      "3": before["eval/accuracy_level_3"]}
-  assert json.loads((Path(config.run_directory) / "summary.json").read_text())["accuracy_by_level_before_rl"] == (
-      summary["accuracy_by_level_before_rl"])
+  assert json.loads(path.read_text()) == json.loads(json.dumps(summary))
+  path.write_text(json.dumps(json.loads(path.read_text()) | {"seconds": 5400.0}))
+  again = Trainer(config, verbose=False).run()
+  assert again["seconds"] == 5400.0 and again["accuracy_by_level_before_rl"] == summary["accuracy_by_level_before_rl"]
+  assert json.loads(path.read_text())["seconds"] == 5400.0

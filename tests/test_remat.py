@@ -45,10 +45,12 @@ def packed_rows(cfg, rows=4, length=16, seed=0):
   return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
 
 
-# make test compares the offloaded policy (its arrays kept by name, in host memory); make test-slow the others (one
-# program each: its compile is most of the test's time).
-@pytest.mark.parametrize("compared", [("offload_qkv_proj",), pytest.param(
-    ("minimal", "save_dot_except_mlp", "save_qkv_proj", "full"), marks=pytest.mark.slow)])
+# make test-slow, for time (one program per case, 11 s and more: its compile): make test holds the policies to what
+# they keep (test_the_policies_keep_what_they_name) and the full policy's gradients to the unrolled layers'
+# (test_scan_layers.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("compared", [("offload_qkv_proj",),
+                                      ("minimal", "save_dot_except_mlp", "save_qkv_proj", "full")])
 def test_every_policy_gives_the_gradients_of_keeping_everything(compared):
   actor, _, mesh, _ = training_layout_model(mesh_shape=MESHES["fsdp_tp"], scale=0.1)
   rules = sharding.PRESETS["fsdp_tp"]

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -89,18 +88,6 @@ def test_a_failed_make_train_start_leaves_no_run_directory(tmp_path, capsys, cap
   assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
   assert os.listdir(tmp_path) == []
   assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]  # No background write failed.
-
-
-def test_rerunning_a_finished_run_keeps_its_summary(smoke_config):
-  """Re-running a finished run keeps summary.json's seconds, not the seconds of the re-run."""
-  config = smoke_config({"sft.steps": 0, "algo.value_pretrain_steps": 0, "rl_steps": 0, "eval.path": None})
-  first = Trainer(config, verbose=False).run()
-  summary = json.loads((Path(config.run_directory) / "summary.json").read_text())
-  assert summary == json.loads(json.dumps(first))
-  (Path(config.run_directory) / "summary.json").write_text(json.dumps(summary | {"seconds": 5400.0}))
-  again = Trainer(config, verbose=False).run()
-  assert again["seconds"] == 5400.0
-  assert json.loads((Path(config.run_directory) / "summary.json").read_text())["seconds"] == 5400.0
 
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
