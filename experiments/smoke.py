@@ -117,7 +117,7 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
 
   from vapo_jax.rollout import common
   from vapo_jax.rollout.plan import plan_round
-  from vapo_jax.train import build, experience
+  from vapo_jax.train import build, responses
 
   r, mesh = config.rollout, config.mesh
   if devices is None:
@@ -127,7 +127,7 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
     model_cfg = build.model_configs(config)[0]
   except Exception as e:  # noqa: BLE001  (an unreadable checkpoint: said in the table, planned for nothing)
     return {"rollout": f"{type(e).__name__}: {e}"}
-  calls = {"rollout": lambda: experience.plan(config, model_cfg, prompts=r.prompts_per_step,
+  calls = {"rollout": lambda: responses.plan(config, model_cfg, prompts=r.prompts_per_step,
                                               group=r.samples_per_prompt, devices=devices, platform=platform,
                                               prompt_tokens=common.prompt_bucket(r.max_prompt_tokens))}
   if r.decode_budget:

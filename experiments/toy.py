@@ -25,7 +25,7 @@ Shared stages (`experiments/__init__.py` SHARED_STAGES, run once by `make sweep`
 Evaluation: avg@4 on 256 held-out problems at 5 points of a run (before RL, every quarter, at the
 end), none of them among the training or demonstration problems (`data.drop_eval_overlap`, from `tiny`;
 the sweeps in docs/ name the setting they ran with), each with a key fixed by the seed and the step
-(`train/experience.evaluation_key`), the same for every member of that seed: their paired differences are
+(`train/held_out.evaluation_key`), the same for every member of that seed: their paired differences are
 free of most evaluation noise.
 
 The toy's knobs against the paper's:

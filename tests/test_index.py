@@ -1,7 +1,8 @@
 """The index: every folder of vapo_jax/ has an `__init__.py` whose docstring names each module beside it,
-and the code stays in pieces a reader takes in at once: no file over `MAX_FILE_LINES` lines or
-`MAX_FILE_CHARACTERS` characters (wider lines do not make a file shorter), no function over `MAX_FUNCTION_LINES`
-(vapo_jax/, experiments/, benchmarks/, tests/, tools/). Read from the source; whatever folders exist are walked."""
+and the code stays in pieces a reader takes in at once: no file over `MAX_FILE_LINES` lines or its
+`MAX_FILE_CHARACTERS` (wider lines do not make a file shorter), no function over `MAX_FUNCTION_LINES`
+(vapo_jax/, experiments/, benchmarks/, tests/, tools/), and fewer than `MAX_WIDE_LINES` package lines over
+`WIDE` characters. Read from the source; whatever folders exist are walked."""
 
 import ast
 import pathlib
@@ -10,7 +11,12 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECKED = ("vapo_jax", "experiments", "benchmarks", "tests", "tools")
 MAX_FILE_LINES = 400
-MAX_FILE_CHARACTERS = 25_000  # 400 lines of 62 characters (the package's lines average 54; ruff caps one at 120).
+# 400 lines of 55 characters in vapo_jax/ (its lines average 53; ruff caps one at 120), so that a wider line does
+# not pay; the tests, benchmarks and tools, whose data tables run wider, keep 400 × 62.
+MAX_FILE_CHARACTERS = {"vapo_jax": 22_000}
+MAX_OTHER_FILE_CHARACTERS = 25_000
+MAX_WIDE_LINES = 400  # vapo_jax/'s lines over WIDE characters, in all: lines are rewrapped, not ruff's limit raised.
+WIDE = 110
 MAX_FUNCTION_LINES = 60
 # (file name, function) over MAX_FUNCTION_LINES, each until it is split.
 LONG_FUNCTIONS_PENDING: set[tuple[str, str]] = set()
@@ -63,9 +69,20 @@ def test_no_file_is_over_the_line_limit():
   assert long == {}, f"files over {MAX_FILE_LINES} lines: split them"
 
 
+def character_limit(path: pathlib.Path) -> int:
+  return MAX_FILE_CHARACTERS.get(path.relative_to(ROOT).parts[0], MAX_OTHER_FILE_CHARACTERS)
+
+
 def test_no_file_is_over_the_character_limit():
-  wide = {str(p.relative_to(ROOT)): n for p in _sources() if (n := len(p.read_text())) > MAX_FILE_CHARACTERS}
-  assert wide == {}, f"files over {MAX_FILE_CHARACTERS} characters: split them"
+  wide = {str(p.relative_to(ROOT)): (n, character_limit(p)) for p in _sources()
+          if (n := len(p.read_text())) > character_limit(p)}
+  assert wide == {}, "files over their character limit (characters, limit): split them"
+
+
+def test_the_package_has_few_wide_lines():
+  wide = [f"{p.relative_to(ROOT)}:{i}" for p in _sources() if p.parts[len(ROOT.parts)] == "vapo_jax"
+          for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > WIDE]
+  assert len(wide) < MAX_WIDE_LINES, f"{len(wide)} package lines over {WIDE} characters, e.g. {wide[:5]}"
 
 
 def test_no_function_is_over_the_line_limit():

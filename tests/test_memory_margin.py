@@ -14,7 +14,7 @@ from vapo_jax.config.sections import MeshConfig
 from vapo_jax.errors import ConfigError
 from vapo_jax.memory import topologies, verdict, xla_report, xla_report_text
 from vapo_jax.rollout import common
-from vapo_jax.train import build, experience
+from vapo_jax.train import build, responses
 
 GIB = 2**30
 ROLLOUT = {"eval.path": None, "sft.steps": 0, "algo.value_pretrain_steps": 0}
@@ -83,7 +83,7 @@ def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   named = re.search(r"set rollout\.pages=(\d+) \(compiled: rollout needs ([\d.]+) KiB\)", message)
   assert message.splitlines()[1].startswith("  rollout needs ") and named, message
   allowed = re.search(r"([\d.]+) KiB per device allowed", message)
-  plan = experience.plan(config, build.model_configs(config)[0], prompts=config.rollout.prompts_per_step,
+  plan = responses.plan(config, build.model_configs(config)[0], prompts=config.rollout.prompts_per_step,
                          group=config.rollout.samples_per_prompt, devices=8,
                          prompt_tokens=common.prompt_bucket(config.rollout.max_prompt_tokens))
   # Fewer pages than the run's own, and at least a prompt and a response's; compiled, they fit the margin.

@@ -14,7 +14,7 @@ from vapo_jax.data.tokenizer import ByteTokenizer
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rl import advantages
 from vapo_jax.rollout.common import Rollout
-from vapo_jax.train import experience, updates
+from vapo_jax.train import experience, held_out, updates
 from vapo_jax.train.trainer import Trainer
 
 
@@ -51,7 +51,7 @@ def test_reward_model_fits_the_last_token_and_its_export_starts_the_critic(tmp_p
 
 
 def test_evaluation_keys_are_fixed_by_the_seed_and_step_and_leave_the_key_chain(tmp_path, smoke_config, monkeypatch):
-  data = lambda seed, done: np.asarray(jax.random.key_data(experience.evaluation_key(seed, done)))
+  data = lambda seed, done: np.asarray(jax.random.key_data(held_out.evaluation_key(seed, done)))
   np.testing.assert_array_equal(data(3, 25), data(3, 25))
   assert len({data(s, d).tobytes() for s, d in [(0, 0), (0, 1), (1, 0), (1, 1)]}) == 4
   trainer = Trainer(smoke_config({"sft.steps": 0, "seed": 3}), write_logs=False, verbose=False)
@@ -63,7 +63,7 @@ def test_evaluation_keys_are_fixed_by_the_seed_and_step_and_leave_the_key_chain(
   chain = np.asarray(jax.random.key_data(trainer.state.key))
   first = trainer.evaluate(25)
   assert keys and first == trainer.evaluate(25)  # The same key again: the same samples.
-  chunk = jax.random.fold_in(experience.evaluation_key(3, 25), 0)  # Its first call's: chunk 0 of that key.
+  chunk = jax.random.fold_in(held_out.evaluation_key(3, 25), 0)  # Its first call's: chunk 0 of that key.
   np.testing.assert_array_equal(keys[0], np.asarray(jax.random.key_data(chunk)))
   np.testing.assert_array_equal(np.asarray(jax.random.key_data(trainer.state.key)), chain)  # Not consumed.
   trainer.close()

@@ -9,7 +9,7 @@ import pytest
 
 from vapo_jax.errors import ConfigError
 from vapo_jax.models.config import preset
-from vapo_jax.train import checkpoints, experience
+from vapo_jax.train import checkpoints, experience, held_out, responses
 from vapo_jax.train.trainer import Trainer
 
 
@@ -18,24 +18,24 @@ def test_the_evaluations_pool_is_sized_for_its_own_prompts(smoke_config):
   their samples are about to run). The smoke run: 3 pages a group hold a 16-token prompt (1 page) and a response
   (2 pages), not a call of 32-token prompts (2 pages + 2)."""
   config = smoke_config({"rollout.pages": 3})
-  assert experience.evaluation_calls(config, 40) == [16, 16, 8]
-  assert experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).engine == "refill"
-  assert experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8).queue_pages == 3
+  assert held_out.evaluation_calls(config, 40) == [16, 16, 8]
+  assert responses.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8).engine == "refill"
+  assert responses.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=16, devices=8).queue_pages == 3
   with pytest.raises(ConfigError, match=r"cannot hold its longest prompt \(2 pages\).*\(4 pages in all\): set "
                                         r"rollout\.pages=4 or more"):
-    experience.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=32, devices=8)
-  experience.plan(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=32,
+    responses.plan(config, preset("micro"), prompts=16, group=2, prompt_tokens=32, devices=8)
+  responses.plan(smoke_config({"rollout.pages": 4}), preset("micro"), prompts=16, group=2, prompt_tokens=32,
                   devices=8)
   with pytest.raises(ConfigError, match=r"raise rollout\.kv_cache_budget_gib"):  # No pages given: the budget's.
-    experience.plan(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
+    responses.plan(smoke_config({"rollout.kv_cache_budget_gib": 4e-6}), preset("micro"), prompts=16, group=2,
                     prompt_tokens=16, devices=8)
 
 
 def _refused_then_planned(smoke_config, field: str, refused, works, match: str, **call):
   """`field=refused` is refused (`match`) when planning `call`; the value the message names, `works`, plans it."""
   with pytest.raises(ConfigError, match=match):
-    experience.plan(smoke_config({field: refused}), preset("micro"), **call)
-  return experience.plan(smoke_config({field: works}), preset("micro"), **call)
+    responses.plan(smoke_config({field: refused}), preset("micro"), **call)
+  return responses.plan(smoke_config({field: works}), preset("micro"), **call)
 
 
 def test_a_pool_split_over_queues_names_the_pages_of_every_queue(smoke_config):
@@ -58,9 +58,9 @@ def test_slots_that_do_not_split_over_the_groups_are_refused_with_the_value_that
 def test_the_trainer_refuses_an_evaluation_that_cannot_run_before_the_first_step(smoke_config):
   """32 held-out problems: calls of 16 problems × 2 samples in 2 queues (so 3 pages a group are 1 a queue); 3 pages
   hold the training rollout's."""
-  held_out = "synthetic:arithmetic?terms=2-3&count=32&seed=1"
+  problems = "synthetic:arithmetic?terms=2-3&count=32&seed=1"
   with pytest.raises(ConfigError, match=r"\(2 queues' pools on each device\) .*set rollout\.pages=6 or more"):
-    Trainer(smoke_config({"rollout.pages": 3, "eval.path": held_out}), verbose=False)
+    Trainer(smoke_config({"rollout.pages": 3, "eval.path": problems}), verbose=False)
 
 
 def test_the_warm_start_is_saved_before_the_first_evaluation(smoke_config, monkeypatch):
@@ -80,7 +80,7 @@ def test_a_partial_round_that_cannot_fit_is_refused_naming_the_budget(smoke_conf
   response), not a partial round's sequence of a prompt and up to 15 carried tokens (2 pages + 2)."""
   import types
   config = smoke_config({"rollout.decode_budget": 8, "rollout.max_staleness": 1, "rollout.pages": 3})
-  experience.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8)
+  responses.plan(config, preset("micro"), prompts=8, group=4, prompt_tokens=16, devices=8)
   run = types.SimpleNamespace(config=config, model_cfg=preset("micro"), layout=types.SimpleNamespace(data_devices=8))
   with pytest.raises(ConfigError, match=r"^a partial rollout's round \(rollout\.decode_budget=8\) cannot run: .*its "
                                         r"longest prompt \(2 pages\).*set rollout\.pages=4 or more.*; or set "

@@ -24,7 +24,7 @@ import pytest
 import experiments
 from multiprocess_launch import without_device_count
 from vapo_jax import paths
-from vapo_jax.cli import sweep, sweep_report
+from vapo_jax.cli import sweep, sweep_report, sweep_runs
 from vapo_jax.config import overrides
 from vapo_jax.errors import ConfigError
 
@@ -184,12 +184,13 @@ def test_every_runs_config_is_checked_before_the_first_run_starts(tmp_path, caps
 def test_a_failed_shared_stage_fails_the_later_runs_without_starting_them(tmp_path):
   sweep_dir = str(tmp_path / "toy")
   warm, reward = experiments.TOY_STAGES
-  first = sweep.Run("no_such_experiment", 0, sweep_dir)  # Exits 2 at once: unknown experiment.
-  second = sweep.Run("toy_reward_model", 0, sweep_dir, ((warm, first),))
+  first = sweep_runs.Run("no_such_experiment", 0, sweep_dir)  # Exits 2 at once: unknown experiment.
+  second = sweep_runs.Run("toy_reward_model", 0, sweep_dir, ((warm, first),))
   starts = ((warm, first), (reward, second))
-  runs = [first, second, sweep.Run("toy_vapo", 0, sweep_dir, starts), sweep.Run("toy_ppo", 0, sweep_dir, starts)]
+  runs = [first, second, sweep_runs.Run("toy_vapo", 0, sweep_dir, starts),
+          sweep_runs.Run("toy_ppo", 0, sweep_dir, starts)]
   out = io.StringIO()
-  status = sweep.execute(runs, jobs=2, stream=out)
+  status = sweep_runs.execute(runs, jobs=2, stream=out)
   assert status["no_such_experiment_seed0"] == "failed (exit 2)", out.getvalue()
   assert status["toy_reward_model_seed0"] == "failed (shared stage no_such_experiment_seed0: failed (exit 2))"
   for run in runs[1:]:
@@ -197,7 +198,7 @@ def test_a_failed_shared_stage_fails_the_later_runs_without_starting_them(tmp_pa
     assert not os.path.exists(run.log)  # Never started, although two runs may run at once.
   assert "unknown experiment 'no_such_experiment'" in open(first.log).read()
   # A shared stage that is not among the runs and has not finished: its runs fail at once, not wait forever.
-  status = sweep.execute(runs[2:], stream=io.StringIO())
+  status = sweep_runs.execute(runs[2:], stream=io.StringIO())
   assert status["toy_vapo_seed0"].startswith("failed (shared stage no_such_experiment_seed0")
 
 
@@ -255,18 +256,18 @@ open(os.path.join(sys.argv[4], "summary.json"), "w").close()
 
 HARNESS = """
 import signal, subprocess, sys
-from vapo_jax.cli import sweep
+from vapo_jax.cli import sweep, sweep_runs
 marks, seconds = sys.argv[1], sys.argv[2]
 def launch(run, extra, env):
   process = subprocess.Popen([sys.executable, "-c", {fake!r}, run.name, marks, seconds, run.directory])
   process.log = open("/dev/null", "w")
   return process
-sweep._launch = launch
+sweep_runs._launch = launch
 signal.signal(signal.SIGTERM, sweep._terminate)
-runs = [sweep.Run(name, 0, marks) for name in ("one", "two")]
+runs = [sweep_runs.Run(name, 0, marks) for name in ("one", "two")]
 try:
-  sweep.execute(runs, jobs=2)
-except sweep.SweepStopped as e:
+  sweep_runs.execute(runs, jobs=2)
+except sweep_runs.SweepStopped as e:
   print(e.message, flush=True)
   sys.exit(130)
 """
@@ -303,23 +304,23 @@ def test_a_rerun_waits_for_a_run_still_held_and_prints_ends_before_starts(tmp_pa
   and started after; with one run at a time, each run's end is printed before the next one starts."""
   from vapo_jax.train import runlock
 
-  held = sweep.Run("one", 0, str(tmp_path))
+  held = sweep_runs.Run("one", 0, str(tmp_path))
   lock = runlock.RunLock(held.directory).acquire()
   out = io.StringIO()
-  runs = [held, sweep.Run("two", 0, str(tmp_path))]
+  runs = [held, sweep_runs.Run("two", 0, str(tmp_path))]
 
   def launch(run, extra, env):
     process = subprocess.Popen([sys.executable, "-c", FAKE_RUN, run.name, str(tmp_path), "0.2", run.directory])
     process.log = open(os.devnull, "w")
     return process
-  original = sweep._launch
-  sweep._launch = launch
+  original = sweep_runs._launch
+  sweep_runs._launch = launch
   try:
     import threading
     threading.Timer(1.5, lock.release).start()
-    status = sweep.execute(runs, jobs=1, stream=out)
+    status = sweep_runs.execute(runs, jobs=1, stream=out)
   finally:
-    sweep._launch = original
+    sweep_runs._launch = original
   text = out.getvalue()
   assert status == {"one_seed0": "done", "two_seed0": "done"}, text
   lines = [line.split()[0] + " " + line.split()[1].rstrip(":") for line in text.splitlines()]

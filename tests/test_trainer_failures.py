@@ -19,7 +19,8 @@ from vapo_jax.models import hf_export
 from vapo_jax.models.config import preset
 from vapo_jax.models.transformer import CausalLM
 from vapo_jax.train import runlock
-from vapo_jax.train.trainer import Diverged, Trainer
+from vapo_jax.train.metrics import Diverged
+from vapo_jax.train.trainer import Trainer
 
 
 def test_a_checkpoint_with_nan_weights_is_refused_at_start(tmp_path, smoke_config):

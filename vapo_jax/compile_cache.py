@@ -12,14 +12,14 @@ over it), a damaged one or a directory that cannot be read is a miss, and a read
 stores nothing; either way it costs a compile, nothing else. A load marks the file as recently used, so that
 `bound` deletes it last.
 
-JAX keeps each compiled program in `$JAX_COMPILATION_CACHE_DIR/<key>-cache` and loads it back by the key alone:
-an entry that holds another program's executable (a file copied over it) is loaded and run, and a damaged one
-(cut short, overwritten) warns at every later run and is never replaced, since JAX does not overwrite an entry.
-`install` wraps JAX's cache so that each entry gets a seal beside it, `<key>-seal`: the sha256 of the key and
-of the entry's bytes as written. An entry whose seal is missing or does not match is evicted (the entry, its
-access time and its seal) and compiled again, the recompiled entry taking its place; the first eviction of a
-process prints one line naming the directory and `make clean-cache`. An entry written before seals existed
-is compiled again once.
+JAX keeps each compiled program in `$JAX_COMPILATION_CACHE_DIR/<key>-cache` and loads it back by the key
+alone: an entry that holds another program's executable (a file copied over it) is loaded and run, and a
+damaged one (cut short, overwritten) warns at every later run and is never replaced, since JAX does not
+overwrite an entry. `install` wraps JAX's cache so that each entry gets a seal beside it, `<key>-seal`: the
+sha256 of the key and of the entry's bytes as written. An entry whose seal is missing or does not match is
+evicted (the entry, its access time and its seal) and compiled again, the recompiled entry taking its place;
+the first eviction of a process prints one line naming the directory and `make clean-cache`. An entry written
+before seals existed is compiled again once.
 
 A full disk is said once, in one line, when an entry first fails to be written; nothing more is written. A
 directory the process cannot write is found once, here: one line ("... is read-only: compiling without
@@ -181,8 +181,8 @@ class SealedCache:
     self.evict(key)
     if not self._said:
       self._said = True
-      self._say(f"{self._directory} held an entry that does not match its key (damaged, replaced, or written before "
-                "entries were sealed): evicted and compiled again; make clean-cache empties the cache")
+      self._say(f"{self._directory} held an entry that does not match its key (damaged, replaced, or written "
+                "before entries were sealed): evicted and compiled again; make clean-cache empties the cache")
     return None
 
   def put(self, key: str, value: bytes) -> None:

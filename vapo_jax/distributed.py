@@ -37,7 +37,8 @@ _OWNER = "VAPO_DISTRIBUTED_PID"  # Set by `initialize`: the process of the run t
 
 
 def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeout_s: int = 300,
-               heartbeat_timeout_s: int = 100, shutdown_timeout_s: int = 300, exit_on_error: bool = True) -> bool:
+               heartbeat_timeout_s: int = 100, shutdown_timeout_s: int = 300,
+               exit_on_error: bool = True) -> bool:
   """Joins this process to the others when launched as several; returns whether it did.
 
   Call it first, before any JAX computation or `jax.devices()` (JAX refuses afterwards).
@@ -65,10 +66,10 @@ def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeo
     try:
       jax.config.update("jax_num_cpu_devices", cpu_devices)  # Overrides XLA_FLAGS' host device count.
     except RuntimeError as e:
-      raise RuntimeError(f"{LOCAL_DEVICES}={cpu_devices} needs distributed.initialize() to run before any JAX "
-                         f"computation or jax.devices() call: {e}") from None
-  timeouts = dict(initialization_timeout=initialization_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s,
-                  shutdown_timeout_seconds=shutdown_timeout_s)
+      raise RuntimeError(f"{LOCAL_DEVICES}={cpu_devices} needs distributed.initialize() to run before any "
+                         f"JAX computation or jax.devices() call: {e}") from None
+  timeouts = dict(initialization_timeout=initialization_timeout_s,
+                  heartbeat_timeout_seconds=heartbeat_timeout_s, shutdown_timeout_seconds=shutdown_timeout_s)
   if explicit is not None:
     coordinator, num_processes, process_id = explicit
     if num_processes == 1:
@@ -172,8 +173,8 @@ def local_share(n_items: int, sharding: NamedSharding | None = None) -> slice:
   start, stop = starts_stops[0][0], starts_stops[0][1]
   for lo, hi in starts_stops[1:]:
     if lo > stop:
-      raise ValueError(f"this process holds rows {starts_stops} of {n_items}, not one contiguous range: build "
-                       "the mesh so that each process's devices are neighbours along the batch axes")
+      raise ValueError(f"this process holds rows {starts_stops} of {n_items}, not one contiguous range: "
+                       "build the mesh so that each process's devices are neighbours along the batch axes")
     stop = max(stop, hi)
   return slice(start, stop)
 

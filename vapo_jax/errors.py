@@ -29,8 +29,8 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-  """An invalid configuration value; `cross_field`: judged against other fields' values (a section's check of one
-  field alone, on the defaults of the others, leaves it out)."""
+  """An invalid configuration value; `cross_field`: judged against other fields' values (a section's check of
+  one field alone, on the defaults of the others, leaves it out)."""
 
   def __init__(self, message: str, *, cross_field: bool = False):
     super().__init__(message)

@@ -25,7 +25,8 @@ UNWRITABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS)  # A directory made
 UNWRITABLE_TEXTS = tuple(os.strerror(code) for code in UNWRITABLE_ERRNOS)
 
 
-def _cause(error: BaseException | None, errnos: tuple[int, ...], texts: tuple[str, ...]) -> BaseException | None:
+def _cause(error: BaseException | None, errnos: tuple[int, ...],
+           texts: tuple[str, ...]) -> BaseException | None:
   """The exception in `error`'s chain of causes (and exception groups) with one of `errnos` (or, not an
   OSError, whose text holds one of `texts`)."""
   seen: set[int] = set()
@@ -65,23 +66,27 @@ def _free_space(directory: str) -> str:
   return f"{free / 2**30:.2f} GiB free" if free >= 2**30 else f"{free / 2**20:.1f} MiB free"
 
 
-def disk_full_error(directory: str, what: str, *, cause: BaseException | None = None, elsewhere: str = "run_dir=",
+def disk_full_error(directory: str, what: str, *, cause: BaseException | None = None,
+                    elsewhere: str = "run_dir=",
                     after: str = "then run the same command again") -> SetupError:
   """The one-line error of a full disk met while `what` in `directory`."""
   quota = isinstance(cause, OSError) and cause.errno == errno.EDQUOT
   reason = "the disk quota is used up" if quota else "the disk is full"
-  return SetupError(f"{what} in {directory}: {reason} ({_free_space(directory)} there). Free space on that disk "
-                    f"(e.g. other runs' checkpoints/ and export/ directories) or choose another {elsewhere}, {after}")
+  return SetupError(f"{what} in {directory}: {reason} ({_free_space(directory)} there). Free space on that "
+                    "disk (e.g. other runs' checkpoints/ and export/ directories) or choose another "
+                    f"{elsewhere}, {after}")
 
 
-def unwritable_error(directory: str, what: str, *, cause: BaseException | None = None, elsewhere: str = "run_dir=",
+def unwritable_error(directory: str, what: str, *, cause: BaseException | None = None,
+                     elsewhere: str = "run_dir=",
                      after: str = "then run the same command again") -> SetupError:
   """The one-line error of a file that could not be written (permission denied, a read-only file system)
   while `what` in `directory`."""
   name = getattr(cause, "filename", None)
   reason = os.strerror(cause.errno) if isinstance(cause, OSError) and cause.errno else str(cause)
-  return SetupError(f"{what} in {directory}: cannot write {name or 'its files'} ({reason}). Make {directory} writable "
-                    f"(what it holds is kept: its checkpoints resume) or choose another {elsewhere}, {after}")
+  return SetupError(f"{what} in {directory}: cannot write {name or 'its files'} ({reason}). Make {directory} "
+                    "writable (what it holds is kept: its checkpoints resume) or choose another "
+                    f"{elsewhere}, {after}")
 
 
 def write_failure(error: BaseException, directory: str, what: str, **message) -> SetupError | None:

@@ -10,11 +10,13 @@ import typing
 from typing import Literal
 
 # rl/: the pure math.
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                          "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 Estimator = Literal["gae", "group"]  # "gae": critic + GAE (PPO, VAPO); "group": GRPO / DAPO.
-# Value pretraining: MC returns on every token; the outcome on the last; the outcome on the last and, at sampled
-# prefixes, the verdict of the prefix read as a finished response (a reward model that knows "unfinished").
+# Value pretraining: MC returns on every token; the outcome on the last; the outcome on the last and, at
+# sampled prefixes, the verdict of the prefix read as a finished response (a reward model that knows
+# "unfinished").
 ValueTarget = Literal["returns", "outcome", "prefix"]
 
 # models/: numerics, attention kernels (models/attention.py) and sharding presets (models/sharding.py).

@@ -15,9 +15,12 @@ import re
 
 KEYS: dict[str, str] = {
     # The actor's update (means over the step's mini-batches and micro-batches).
-    "actor/loss": "the actor's whole loss: policy gradient + μ·positive-example NLL (+ KL to the reference, GRPO)",
-    "actor/pg_loss": "the clipped policy-gradient loss, aggregated as the algorithm says (token or sequence mean)",
-    "actor/nll_loss": "the positive-example LM loss: NLL over the tokens of responses the verifier marked correct",
+    "actor/loss": "the actor's whole loss: policy gradient + μ·positive-example NLL (+ KL to the reference, "
+                  "GRPO)",
+    "actor/pg_loss": "the clipped policy-gradient loss, aggregated as the algorithm says (token or sequence "
+                     "mean)",
+    "actor/nll_loss": "the positive-example LM loss: NLL over the tokens of responses the verifier marked "
+                      "correct",
     "actor/positive_tokens": "valid tokens of the correct responses the NLL loss averages over",
     "actor/ref_kl": "KL to the reference policy (k3 estimate, token mean; GRPO)",
     "actor/entropy": "the sampling policy's entropy on the batch trained on (nats per token, from scoring)",
@@ -28,14 +31,16 @@ KEYS: dict[str, str] = {
     "actor/clip_frac_low": "tokens clipped below: ratio < 1 − ε_low with Â < 0",
     "actor/clip_frac_high": "tokens clipped above: ratio > 1 + ε_high with Â > 0",
     "actor/dual_clip_frac": "tokens where the dual clip (Â < 0, ratio > c) bounds the loss",
-    "actor/tis_weight_mean": "mean truncated importance weight min(π_old / π_sampler, algo.tis_cap) (with TIS)",
+    "actor/tis_weight_mean": "mean truncated importance weight min(π_old / π_sampler, algo.tis_cap) (with "
+                             "TIS)",
     "actor/tis_clip_frac": "tokens whose π_old / π_sampler exceeds algo.tis_cap (with TIS)",
     "actor/grad_norm": "global norm of the actor's gradient, before clipping",
     "actor/lr": "the actor's learning rate at this update",
     "actor/skipped_frac": "fraction of the actor's updates skipped for a non-finite gradient",
     # Advantages, on the scored batch.
     "adv/mean_abs": "mean |Â| over valid tokens, before whitening",
-    "adv/early_mean": "mean advantage over the first 10 % of each response's tokens, as the actor sees it (whitened)",
+    "adv/early_mean": "mean advantage over the first 10 % of each response's tokens, as the actor sees it "
+                      "(whitened)",
     "adv/early_mean_unwhitened": "the same in reward units (0 in expectation under an unbiased critic)",
     "adv/lam_actor_mean": "mean λ_actor over the batch's sequences (length-adaptive: 1 − 1/(α·l))",
     "adv/lam_actor_min": "smallest λ_actor of the batch",
@@ -56,7 +61,8 @@ KEYS: dict[str, str] = {
     "rollout/reward_mean": "mean reward of the batch trained on",
     "rollout/accuracy": "fraction of the batch trained on that the verifier judged correct",
     "rollout/logprob_gap": "mean |sampler − scoring| log-probability of the sampled tokens (0 up to rounding)",
-    "rollout/sampler_kl": "k3 estimate of KL(sampler ‖ trainer) over the sampled tokens: the sampler–trainer gap",
+    "rollout/sampler_kl": "k3 estimate of KL(sampler ‖ trainer) over the sampled tokens: the sampler–trainer "
+                          "gap",
     "rollout/response_len_mean": "mean response length of the batch trained on (tokens)",
     "rollout/response_len_min": "shortest response of the batch trained on",
     "rollout/prompt_len_mean": "mean prompt length of the batch trained on (tokens)",
@@ -69,13 +75,16 @@ KEYS: dict[str, str] = {
     "rollout/finish_length_frac": "responses that ended at the length cap",
     "rollout/decode_steps": "decode steps the rollout ran",
     "rollout/slots": "rows decoded per step at the start (the refill engine shrinks them in the tail)",
-    "rollout/slot_utilization": "response tokens / Σ rows × decode steps: the share of decoded rows that were live",
+    "rollout/slot_utilization": "response tokens / Σ rows × decode steps: the share of decoded rows that "
+                                "were live",
     "rollout/preemptions": "sequences the paged engine preempted for want of pages and restarted",
     "rollout/recomputed_tokens": "tokens decoded again after preemptions",
-    "rollout/prefills": ("prompts (and carried prefixes) the paged engine prefilled into their pages, again after "
-                         "being given back too"),
-    "rollout/prefill_chunks": "prefill chunks run (`rollout.prefill_chunk` tokens of one prompt each, at most)",
-    "rollout/prefill_tokens": "prompt and carried tokens prefilled into pages, counted again after a preemption",
+    "rollout/prefills": ("prompts (and carried prefixes) the paged engine prefilled into their pages, again "
+                         "after being given back too"),
+    "rollout/prefill_chunks": "prefill chunks run (`rollout.prefill_chunk` tokens of one prompt each, at "
+                              "most)",
+    "rollout/prefill_tokens": "prompt and carried tokens prefilled into pages, counted again after a "
+                              "preemption",
     "rollout/pages": "pages of the paged engine's pool per data-parallel group",
     "rollout/pages_peak": "the most pages any group held at once",
     "rollout/pages_free_after": "the fewest free pages any group had at the end (all of them: nothing leaked)",
@@ -86,7 +95,8 @@ KEYS: dict[str, str] = {
     "rollout/restarted_sequences": ("partial rollouts: sequences restarted from the prompt, older than "
                                     "rollout.max_staleness"),
     "rollout/mixed_group_frac": "dynamic sampling: fraction of the batch's groups with mixed verdicts",
-    "rollout/unmixed_groups": "dynamic sampling: groups of all-equal verdicts that filled the batch at the round cap",
+    "rollout/unmixed_groups": "dynamic sampling: groups of all-equal verdicts that filled the batch at the "
+                              "round cap",
     # The verifier, over every response sampled this step (every round).
     "reward/sampled_mean": ("dynamic sampling: mean reward of every response sampled this step, all "
                             "rounds, before the filter"),
@@ -97,10 +107,11 @@ KEYS: dict[str, str] = {
     "reward/verifier_errors": "responses whose verification raised",
     # Held-out evaluation.
     "eval/accuracy": "held-out avg@k: the mean verdict of every sample",
-    "eval/accuracy_stderr": "avg@k's standard error over the held-out problems (their accuracies' spread / √problems)",
+    "eval/accuracy_stderr": "avg@k's standard error over the held-out problems (their accuracies' spread / "
+                            "√problems)",
     "eval/problems": "held-out problems evaluated",
-    "eval/accuracy_level_{k}": ("avg@k on the held-out problems of level k: a file's `level` field (MATH's 1-5), the "
-                                "synthetic tasks' number of terms"),
+    "eval/accuracy_level_{k}": ("avg@k on the held-out problems of level k: a file's `level` field (MATH's "
+                                "1-5), the synthetic tasks' number of terms"),
     "eval/response_len_mean": "mean held-out response length (tokens)",
     "eval/no_answer_frac": "held-out responses with no answer found",
     "eval/error_frac": "held-out responses the verifier failed on",

@@ -3,6 +3,7 @@
   train      `make train`: resolve an experiment, run it       python -m vapo_jax.cli.train
   evaluate   `make eval`: avg@k / pass@k / maj@k of responses  python -m vapo_jax.cli.evaluate
   sweep      `make sweep`: every member × seed, then a report  python -m vapo_jax.cli.sweep
+  sweep_runs a sweep's runs as `make train` subprocesses, started as their stages finish, stopped together
   sweep_report  a sweep's runs.csv, table.md and plots/, rebuilt from the runs' own metrics
   plots      `make plot`: PNG curves of runs                   python -m vapo_jax.cli.plots
   memory     `make memory`: XLA's per-device memory of a run    python -m vapo_jax.cli.memory
@@ -46,7 +47,8 @@ def cpu_only_platform(environ=os.environ, *, files=ACCELERATOR_FILES) -> None:
     environ["JAX_PLATFORMS"] = "cpu"
 
 
-# The package's own sources (vapo_jax/ and experiments/): the warnings raised from them are the run's messages.
+# The package's own sources (vapo_jax/ and experiments/): the warnings raised from them are the run's
+# messages.
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN = (os.path.join(_PACKAGE, ""), os.path.join(os.path.dirname(_PACKAGE), "experiments", ""))
 
@@ -100,8 +102,8 @@ class _Outlasting:
 
 @contextlib.contextmanager
 def outlasting_output():
-  """Inside the block, stdout and stderr outlast their readers (`_Outlasting`): under `make train | tee log`, a
-  signal to the process group ends make and tee, and the run still finishes its step and saves."""
+  """Inside the block, stdout and stderr outlast their readers (`_Outlasting`): under `make train | tee log`,
+  a signal to the process group ends make and tee, and the run still finishes its step and saves."""
   saved = sys.stdout, sys.stderr
   sys.stdout, sys.stderr = _Outlasting(sys.stdout), _Outlasting(sys.stderr)
   try:

@@ -34,7 +34,8 @@ from vapo_jax import files
 from vapo_jax.cli import one_line_warnings, outlasting_output, resolve
 from vapo_jax.config import RewardConfig
 from vapo_jax.data.problems import held_out_problems
-from vapo_jax.data.records import Record, answer_text, read_rows
+from vapo_jax.data.records import Record, answer_text
+from vapo_jax.data.rows import read_rows
 from vapo_jax.errors import USER_ERROR_EXIT_CODE, ConfigError, DataError, RewardFunctionError, UserError
 from vapo_jax.rewards import accuracy, reward
 
@@ -56,24 +57,25 @@ def _problem_of(row: dict, where: str, by_id: dict[str, Record], aliases: dict[s
       return known
     renamed = [p.id for p in by_id.values() if p.id.startswith(f"{problem_id}@")]
     hint = ("no problem file is set (eval.path)" if not by_id else
-            f"the problem file's different problems with this id were renamed by their line when loaded: use one of "
-            f"{', '.join(map(repr, renamed[:5]))}" if renamed else "no problem has this id")
+            "the problem file's different problems with this id were renamed by their line when loaded: use "
+            f"one of {', '.join(map(repr, renamed[:5]))}" if renamed else "no problem has this id")
     raise DataError(f"{where}, field 'id': {problem_id!r}: {hint}, and the line has no 'answer'")
   answer = answer_text(row["answer"])
   if not answer:
     raise DataError(f"{where}, field 'answer': expected a non-empty string or number")
   problem_id = known.id if known is not None else problem_id or str(line)
-  given = inline.setdefault(problem_id, (answer, where)) if known is None else (known.answer, "the problem file")
+  given = inline.setdefault(problem_id, (answer, where)) if known is None else (known.answer,
+                                                                                "the problem file")
   if accuracy.answer_key(given[0]) != accuracy.answer_key(answer):
-    raise DataError(f"{where}, field 'answer': {answer!r}, but id {problem_id!r} has the answer {given[0]!r} in "
-                    f"{given[1]}: one id names one problem; give this problem an id of its own")
+    raise DataError(f"{where}, field 'answer': {answer!r}, but id {problem_id!r} has the answer {given[0]!r} "
+                    f"in {given[1]}: one id names one problem; give this problem an id of its own")
   source = str(row.get("source") or (known.source if known else Path(path).stem))
   return Record(str(row.get("prompt", known.prompt if known else "")), answer, problem_id, source)
 
 
 def read_responses(path: str, problems: Sequence[Record] | None,
                    aliases: dict[str, Record] | None = None) -> list[Response]:
-  """The responses of a file (read as problem files are: `records.read_rows`); every bad line is a
+  """The responses of a file (read as problem files are: `rows.read_rows`); every bad line is a
   `DataError` naming the file, the line and the field."""
   by_id, inline = {r.id: r for r in problems or ()}, {}
   rows, unit = read_rows(path)
@@ -86,7 +88,8 @@ def read_responses(path: str, problems: Sequence[Record] | None,
       raise DataError(f"{where}, field ({unit}): expected an object, got {type(row).__name__}")
     if not isinstance(text := row.get("response"), str):
       raise DataError(f"{where}, field 'response': expected a string, got {type(text).__name__}")
-    responses.append(Response(_problem_of(row, where, by_id, aliases or {}, inline, number, path), text, where))
+    responses.append(Response(_problem_of(row, where, by_id, aliases or {}, inline, number, path), text,
+                              where))
   if not responses:
     raise DataError(f"{path}: no responses")
   return responses
@@ -103,7 +106,8 @@ def write_results(samples: Sequence[accuracy.Sample], summary: dict[str, Any], o
 
 
 def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None, out_dir: str,
-                       reward_config: RewardConfig = RewardConfig(), aliases: dict[str, Record] | None = None) -> dict:
+                       reward_config: RewardConfig = RewardConfig(),
+                       aliases: dict[str, Record] | None = None) -> dict:
   """Scores a responses file as the trainer scores its rollouts (`accuracy.score`, then
   `reward.check_errors`) and writes samples.jsonl (each sample with why it failed to score, if it did)
   and summary.json (with the failures' reasons) to `out_dir`. A reward function failing on every
@@ -119,13 +123,15 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
     batch = batch._replace(first_error=f"{responses[failed[0]].where} (id {first.id!r}): {first.error}")
   summary = accuracy.summarize_by_source(samples) | {
       "responses": responses_path, "verify_responses_per_s": batch.metrics["perf/verify_responses_per_s"],
-      "failed_to_score": {"responses": len(failed), "first": batch.first_error, "reasons": accuracy.failures(samples)}}
+      "failed_to_score": {"responses": len(failed), "first": batch.first_error,
+                          "reasons": accuracy.failures(samples)}}
   write_results(samples, summary, out_dir)
   if warning := unanswered_warning(samples):
     warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl", stacklevel=2)
   try:
     reward.check_errors(batch, pool, max_error_frac=c.max_error_frac,
-                        counted_in="summary.json's failed_to_score (each sample's reason: samples.jsonl 'error')")
+                        counted_in="summary.json's failed_to_score (each sample's reason: samples.jsonl "
+                                   "'error')")
   except RewardFunctionError as e:
     raise RewardFunctionError(f"{e} Each response's reason is in {out_dir}/samples.jsonl (field 'error').") from None
   return summary
@@ -134,7 +140,8 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
 NO_ANSWER_WARNING_FRAC = 0.2  # Above this fraction of responses with no answer found, `make eval` warns.
 
 
-def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO_ANSWER_WARNING_FRAC) -> str | None:
+def unanswered_warning(samples: Sequence[accuracy.Sample],
+                       threshold: float = NO_ANSWER_WARNING_FRAC) -> str | None:
   """A warning naming the most common ending (last line, 40 characters at most) of the responses in which
   no answer form was found, when they are more than `threshold` of `samples`: an answer written in a form
   the extraction does not know is then noticed, not only scored as wrong."""
@@ -145,29 +152,30 @@ def unanswered_warning(samples: Sequence[accuracy.Sample], threshold: float = NO
   ending, count = endings.most_common(1)[0]
   return (f"no answer was found in {len(unanswered)} of {len(samples)} responses "
           f"({len(unanswered) / len(samples):.0%}); "
-          f"the most common ending of those ({count}): {ending!r}. If it gives an answer, its form is not one of "
-          "reward.answer_forms' (rewards/extract.py lists the forms)")
+          f"the most common ending of those ({count}): {ending!r}. If it gives an answer, its form is not "
+          "one of reward.answer_forms' (rewards/extract.py lists the forms)")
 
 
 def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_per_call: int = 16) -> str:
   """Samples `eval.samples_per_problem` responses per held-out problem from a checkpoint, at the eval
   temperature and top-p, through the trainer's own path (`problems.eval_problems` and
-  `experience.generate_responses`), and writes them as a responses file."""
+  `responses.generate_responses`), and writes them as a responses file."""
   import jax
 
   from vapo_jax.data import problems
   from vapo_jax.data import tokenizer as tok_lib
   from vapo_jax.models import huggingface
-  from vapo_jax.train import experience
+  from vapo_jax.train import responses
 
   e = config.eval
   if not e.path:
     raise DataError("generating evaluation samples needs eval.path (the problems)")
   run_export = os.path.join(checkpoint_dir, "export")
   if os.path.isdir(run_export) and not any(name.endswith(".safetensors") for name in os.listdir(checkpoint_dir)):
-    raise ConfigError(f"{checkpoint_dir} is a run directory, not a Hugging Face checkpoint: pass its exported "
-                      f"policy, CKPT={run_export}")
-  model = huggingface.load_causal_lm(checkpoint_dir, dtype=config.model.dtype, param_dtype=config.model.param_dtype,
+    raise ConfigError(f"{checkpoint_dir} is a run directory, not a Hugging Face checkpoint: pass its "
+                      f"exported policy, CKPT={run_export}")
+  model = huggingface.load_causal_lm(checkpoint_dir, dtype=config.model.dtype,
+                                     param_dtype=config.model.param_dtype,
                                      attention=config.model.attention, scan_layers=config.model.scan_layers,
                                      scan_unroll=config.model.scan_unroll)
   tokenizer = tok_lib.load(config.model.tokenizer or checkpoint_dir)
@@ -176,7 +184,7 @@ def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_pe
   with _written_whole(path) as f:
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
-      out, _ = experience.generate_responses(model, chunk, jax.random.fold_in(key, start), config=config,
+      out, _ = responses.generate_responses(model, chunk, jax.random.fold_in(key, start), config=config,
                                              tokenizer=tokenizer, group=e.samples_per_problem,
                                              temperature=e.temperature, top_p=e.top_p)
       out = jax.device_get(out)
@@ -205,13 +213,15 @@ def _written_whole(path: str) -> Iterator[Any]:
 
 def _print_summary(summary: dict[str, Any]) -> None:
   for name, metrics in [("overall", summary["overall"]), *summary["per_source"].items()]:
-    print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {'n/a' if v is None else v}"
+    print(f"{name}: " + "  ".join(f"{k} {v:.4g}" if isinstance(v,
+                                                               float) else f"{k} {'n/a' if v is None else v}"
                                   for k, v in metrics.items()))
 
 
 def main(argv: list[str]) -> int:
   parser = resolve.parser("vapo_jax.cli.evaluate", __doc__)
-  parser.add_argument("--responses", metavar="FILE", help="saved responses to score (.jsonl, .json, .parquet)")
+  parser.add_argument("--responses", metavar="FILE",
+                      help="saved responses to score (.jsonl, .json, .parquet)")
   parser.add_argument("--ckpt", metavar="DIR", help="a checkpoint to sample the responses from first")
   parser.add_argument("--out", metavar="DIR", help="where samples.jsonl and summary.json go "
                       "(default <run_dir>/eval/<responses' or checkpoint's name>)")
@@ -245,8 +255,8 @@ def _evaluate(config, args) -> int:
   _print_summary(summary)
   failed = summary["failed_to_score"]
   if failed["responses"]:
-    print(f"{failed['responses']} of {summary['overall']['samples']} responses failed to score (they count as "
-          f"incorrect); the first: {failed['first']}")
+    print(f"{failed['responses']} of {summary['overall']['samples']} responses failed to score (they count "
+          f"as incorrect); the first: {failed['first']}")
   print(f"{summary['overall']['samples']} samples scored in {time.perf_counter() - start:.1f}s; "
         f"written to {out_dir}/samples.jsonl and summary.json")
   return 0

@@ -34,11 +34,13 @@ def _parser():
   command.add_argument("--mesh", default="", metavar="AXIS=SIZE,...", help="the mesh (axes not named: 1)")
   command.add_argument("--layers", default="", metavar="N", help="compile the models' first N layers only")
   command.add_argument("--phases", default="", metavar="A,B", help="compile only these phases")
-  command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it shrinks to")
+  command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it "
+                                                           "shrinks to")
   command.add_argument("--profile", default="", metavar="RUN_DIR",
                        help="also price the rollout at the response lengths a run logged (its metrics.jsonl)")
   command.add_argument("--remat", action="store_true",
-                       help="also the update under every model.remat policy, and the least recomputation that fits")
+                       help="also the update under every model.remat policy, and the least recomputation "
+                            "that fits")
   return command
 
 
@@ -54,9 +56,9 @@ def mesh_sizes(text: str, axes: tuple[str, ...]) -> dict[str, int]:
 
 
 def _roofline(config, target, report, log, logged=None) -> str:
-  """The roofline of one RL step (`memory/step.py`) under two response-length profiles (every response at
-  the cap; a log-normal one, mean 0.3 of the cap) and, given `logged`, a run's logged lengths (`_logged`), for each
-  rollout engine. Programs walked from their HLO count every layer; otherwise scanned layers compile the
+  """The roofline of one RL step (`memory/step.py`) under two response-length profiles (every response at the
+  cap; a log-normal one, mean 0.3 of the cap) and, given `logged`, a run's logged lengths (`_logged`), for
+  each rollout engine. Programs walked from their HLO count every layer; otherwise scanned layers compile the
   per-step programs a second time with two layers per scan iteration, so that every layer is counted."""
   from vapo_jax.memory import xla_report
   from vapo_jax.roofline import profiles, step, text
@@ -142,8 +144,8 @@ def main(argv: list[str]) -> int:
     topologies.cpu_flags(topology)
   try:
     config, _ = resolve.resolve(argv, command)
-    return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail, options.profile,
-                    options.remat)
+    return compiled(config, topology, options.mesh, options.layers, options.phases, options.tail,
+                    options.profile, options.remat)
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -43,11 +43,13 @@ FIGURES = [
     ("explained_variance", "Critic explained variance", "1 − Var[R − V] / Var[R]",
      [("explained variance", "critic/explained_variance")]),
     ("early_advantage", "Mean advantage over the first 10 % of each response's tokens", "advantage",
-     [("as the actor sees it (whitened)", "adv/early_mean"), ("in reward units", "adv/early_mean_unwhitened")]),
+     [("as the actor sees it (whitened)", "adv/early_mean"),
+      ("in reward units", "adv/early_mean_unwhitened")]),
     ("value_bias", "Critic bias V − G by decile of the response (G: Monte-Carlo return)", "V − G",
      [(f"decile {k + 1}", f"critic/value_bias_decile_{k}") for k in range(10)]),
     ("clip_fractions", "Clipped token fractions", "fraction of tokens",
-     [("ratio < 1 − ε_low (Â < 0)", "actor/clip_frac_low"), ("ratio > 1 + ε_high (Â > 0)", "actor/clip_frac_high"),
+     [("ratio < 1 − ε_low (Â < 0)", "actor/clip_frac_low"),
+      ("ratio > 1 + ε_high (Â > 0)", "actor/clip_frac_high"),
       ("dual clip", "actor/dual_clip_frac"), ("value clip", "critic/clip_frac")]),
     ("lam_actor", "λ_actor (length-adaptive GAE)", "λ",
      [("mean", "adv/lam_actor_mean"), ("min", "adv/lam_actor_min"), ("max", "adv/lam_actor_max")]),
@@ -78,8 +80,8 @@ def read_metrics(path: str) -> list[dict]:
         if line.strip():
           bad.append(number)
   if bad:
-    warnings.warn(f"{path}: skipped {counted(len(bad), 'line')} that {'is' if len(bad) == 1 else 'are'} not a metric "
-                  f"record (first: line {bad[0]})", stacklevel=2)
+    warnings.warn(f"{path}: skipped {counted(len(bad), 'line')} that {'is' if len(bad) == 1 else 'are'} not "
+                  f"a metric record (first: line {bad[0]})", stacklevel=2)
   return list(records.values())
 
 
@@ -119,8 +121,8 @@ def aggregate(runs: Sequence[Curve]) -> tuple[np.ndarray, np.ndarray, np.ndarray
   return x, ys.mean(0), ys.min(0), ys.max(0)
 
 
-def draw_curves(ax, curves: dict[str, list[Curve]], *, markers: bool | None = None, colors: Sequence | None = None,
-                band_alpha: float = 0.2) -> int:
+def draw_curves(ax, curves: dict[str, list[Curve]], *, markers: bool | None = None,
+                colors: Sequence | None = None, band_alpha: float = 0.2) -> int:
   """Draws one line per label onto matplotlib axes `ax`; returns the most runs behind one line.
 
   `curves[label]` holds one (x, y) per run. One run: its points. Several (seeds): their mean over
@@ -143,8 +145,8 @@ def draw_curves(ax, curves: dict[str, list[Curve]], *, markers: bool | None = No
   return banded
 
 
-def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path: str, xlabel: str = "RL step",
-                markers: bool | None = None, below_zero: str | None = None) -> str:
+def plot_curves(curves: dict[str, list[Curve]], *, title: str, ylabel: str, path: str,
+                xlabel: str = "RL step", markers: bool | None = None, below_zero: str | None = None) -> str:
   """Draws one line per label (`draw_curves`) into a PNG at `path`; returns the path. `below_zero`
   names the stage before x = 0 (shaded, when any line reaches there)."""
   import matplotlib
@@ -214,8 +216,8 @@ def _save(fig, path: str) -> str:
 
 
 def plot_runs(runs: dict[str, str], out_dir: str, *, only: tuple[str, ...] | None = None) -> list[str]:
-  """The FIGURES (and SFT's loss, "sft") of runs given as {name: metrics.jsonl path}, or those named in `only`;
-  returns the PNGs written. With several runs each line is labelled `run: metric`."""
+  """The FIGURES (and SFT's loss, "sft") of runs given as {name: metrics.jsonl path}, or those named in
+  `only`; returns the PNGs written. With several runs each line is labelled `run: metric`."""
   per_run = {name: read_metrics(path) for name, path in runs.items()}
   curves = {name: run_curves(records) for name, records in per_run.items()}
   written = []
@@ -228,7 +230,8 @@ def plot_runs(runs: dict[str, str], out_dir: str, *, only: tuple[str, ...] | Non
         if key in run:
           lines[label if len(runs) == 1 else f"{name}: {label}"] = [run[key]]
     if lines:
-      written.append(plot_curves(lines, title=title, ylabel=ylabel, path=os.path.join(out_dir, f"{filename}.png"),
+      written.append(plot_curves(lines, title=title, ylabel=ylabel,
+                                 path=os.path.join(out_dir, f"{filename}.png"),
                                  below_zero="value pretraining"))
   sft = {name: _sorted([(r["step"], r["sft/nll"]) for r in records if r["stage"] == "sft" and "sft/nll" in r])
          for name, records in per_run.items()}
@@ -247,7 +250,8 @@ def main(argv: Sequence[str]) -> int:
   try:
     import matplotlib  # noqa: F401
   except ImportError:
-    print('error: plotting needs matplotlib: pip install -e ".[plot]" (make plot installs it)', file=sys.stderr)
+    print('error: plotting needs matplotlib: pip install -e ".[plot]" (make plot installs it)',
+          file=sys.stderr)
     return 2
   runs = {}
   for run in args.runs:
@@ -258,7 +262,8 @@ def main(argv: Sequence[str]) -> int:
       return 2
     name = os.path.basename(os.path.dirname(os.path.abspath(path)))
     runs[name if name not in runs else run] = path
-  out = args.out or (os.path.join(os.path.dirname(next(iter(runs.values()))), "plots") if len(runs) == 1 else "plots")
+  out = args.out or (os.path.join(os.path.dirname(next(iter(runs.values()))),
+                                  "plots") if len(runs) == 1 else "plots")
   try:
     written = plot_runs(runs, out)
   except UserError as e:  # A full disk.

@@ -34,9 +34,9 @@ def check_backend() -> list:
               f"{type(e).__name__} while starting it (is its plugin installed?)")
     if platforms:
       raise SetupError(
-          f"JAX cannot start the platform(s) JAX_PLATFORMS={platforms!r}: {reason}. Unset JAX_PLATFORMS (JAX then "
-          "picks what is installed), set it to one installed here (cpu always is), or install the backend: "
-          "pip install -U \"jax[cuda12]\" (NVIDIA GPUs) or \"jax[tpu]\" (TPU VMs).") from None
+          f"JAX cannot start the platform(s) JAX_PLATFORMS={platforms!r}: {reason}. Unset JAX_PLATFORMS (JAX "
+          "then picks what is installed), set it to one installed here (cpu always is), or install the "
+          "backend: pip install -U \"jax[cuda12]\" (NVIDIA GPUs) or \"jax[tpu]\" (TPU VMs).") from None
     raise SetupError(f"JAX cannot start any backend: {reason}") from None
 
 
@@ -66,8 +66,9 @@ def check_run_dir(run_dir: str, *, min_free_bytes: int = 0) -> list[str]:
     remove_empty(missing)
     reason = _WRITE_ERRORS.get(e.errno, e.strerror or type(e).__name__)
     where = f" ({e.filename})" if e.filename and os.path.abspath(str(e.filename)) != os.path.abspath(probe) else ""
-    raise SetupError(f"cannot write to the run directory {run_dir!r}{where}: {reason}. Choose another place with "
-                     "run_dir=/path/with/space (and name=), or fix the directory's permissions or space.") from None
+    raise SetupError(f"cannot write to the run directory {run_dir!r}{where}: {reason}. Choose another place "
+                     "with run_dir=/path/with/space (and name=), or fix the directory's permissions or "
+                     "space.") from None
   free = shutil.disk_usage(run_dir).free
   if free < min_free_bytes:
     remove_empty(missing)
@@ -98,7 +99,8 @@ def kernels(config, model_cfg, platform: str) -> str:
   m, r = config.model, config.rollout
   train = {form: attention.select(m.attention, jnp.dtype(m.dtype), platform, packed=form == "packed")
            for form in ("padded", "packed")}
-  rows = " and ".join(f"{kernel} ({form} rows)" for form, kernel in train.items()) if len(set(train.values())) > 1 \
+  rows = " and ".join(f"{kernel} ({form} rows)" for form,
+                      kernel in train.items()) if len(set(train.values())) > 1 \
       else next(iter(train.values()))
   paged = paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim,
                                                  page_tokens=r.page_tokens or common.default_page_tokens(platform))

@@ -27,13 +27,16 @@ def parser(program: str, description: str) -> ArgumentParser:
   every field of the experiment with its value) and `field.path=value` overrides; add the program's own."""
   command = ArgumentParser(prog=f"python -m {program}", description=description, add_help=False,
                          allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
-  command.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's value")
+  command.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's "
+                                                                 "value")
   command.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
                      help=f"the experiment (experiments/; default {DEFAULT_EXPERIMENT})")
   command.add_argument("--smoke", action="store_true",
-                     help="the experiment (with the overrides) rehearsed at smoke-test size, keeping every choice that "
-                          "selects code (experiments/smoke.py); the overrides are applied to it again")
-  command.add_argument("overrides", nargs="*", metavar="field.path=value", help="config overrides; later wins")
+                     help="the experiment (with the overrides) rehearsed at smoke-test size, keeping every "
+                          "choice that selects code (experiments/smoke.py); the overrides are applied to it "
+                          "again")
+  command.add_argument("overrides", nargs="*", metavar="field.path=value",
+                       help="config overrides; later wins")
   return command
 
 
@@ -60,9 +63,9 @@ def resolve(argv: list[str], command: argparse.ArgumentParser | None = None
 
 
 def full_run(config: ExperimentConfig, changes: list[str]) -> tuple[ExperimentConfig, list[str]]:
-  """What `--smoke` shrinks, and the overrides to apply to the smoke: the experiment with the overrides and those
-  of the fields the smoke does not derive from it (`smoke.DERIVED`), or, where the overrides fit only the smoke's
-  sizes, the experiment and every override."""
+  """What `--smoke` shrinks, and the overrides to apply to the smoke: the experiment with the overrides and
+  those of the fields the smoke does not derive from it (`smoke.DERIVED`), or, where the overrides fit only
+  the smoke's sizes, the experiment and every override."""
   try:
     full = overrides.apply_overrides(config, changes)
   except ConfigError:
@@ -75,5 +78,6 @@ def write_resolved_config(config: ExperimentConfig) -> str:
   run_dir = config.run_directory
   with files.reporting_write_failures(run_dir, "writing config.json"):
     os.makedirs(run_dir, exist_ok=True)
-    files.write_atomically(os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(config), indent=2))
+    files.write_atomically(os.path.join(run_dir, "config.json"),
+                           json.dumps(dataclasses.asdict(config), indent=2))
   return run_dir

@@ -4,7 +4,7 @@ figure per metric with a line per member, and a panel figure per member), rebuil
 metrics.jsonl and summary.json after every finished run (`cli/sweep.py`).
 
 Paired statistics. The members of one seed share the warm start, the reward model, the data order,
-the first rollout's keys and every evaluation's keys (`train/experience.evaluation_key`), so their
+the first rollout's keys and every evaluation's keys (`train/held_out.evaluation_key`), so their
 difference on that seed, d_s = x_member,s − x_reference,s, is free of much of the noise each carries.
 Over the n seeds both finished: Δ = mean(d), SE = sd(d)/√n (sample sd), and the minimum detectable
 effect MDE = (t_{1−α/2, n−1} + t_{power, n−1})·SE with α = 0.05 and power 0.8: the smallest true Δ a
@@ -32,19 +32,23 @@ FIGURES = [("heldout_accuracy", "Held-out accuracy", "avg@k accuracy", "eval/acc
            ("entropy", "Policy entropy", "nats per token", "actor/entropy"),
            ("explained_variance", "Critic explained variance (value pretraining at x < 0)",
             "1 − Var[R − V] / Var[R]", "critic/explained_variance"),
-           ("early_advantage", "Mean advantage over the first 10 % of response tokens (unwhitened)", "advantage",
+           ("early_advantage", "Mean advantage over the first 10 % of response tokens (unwhitened)",
+            "advantage",
             "adv/early_mean_unwhitened"),
            ("value_bias_first_decile", "Critic bias V − G over the first 10 % of response tokens", "V − G",
             "critic/value_bias_decile_0"),
-           ("clip_frac_high", "Tokens clipped above (ratio > 1 + ε_high, Â > 0)", "fraction", "actor/clip_frac_high"),
-           ("clip_frac_low", "Tokens clipped below (ratio < 1 − ε_low, Â < 0)", "fraction", "actor/clip_frac_low")]
+           ("clip_frac_high", "Tokens clipped above (ratio > 1 + ε_high, Â > 0)", "fraction",
+            "actor/clip_frac_high"),
+           ("clip_frac_low", "Tokens clipped below (ratio < 1 − ε_low, Â < 0)", "fraction",
+            "actor/clip_frac_low")]
 DECILES = [f"critic/value_bias_decile_{k}" for k in range(10)]
 # (column, label in table.md, metric): each averaged over a run's first and last WINDOW RL steps.
 MECHANISMS = [("early_adv", "early Â (reward units)", "adv/early_mean_unwhitened"),
               ("early_adv_whitened", "early Â (whitened)", "adv/early_mean"),
               ("bias_first_decile", "V − G, first decile", DECILES[0]),
               ("bias_last_decile", "V − G, last decile", DECILES[-1]),
-              ("clip_low", "clip low", "actor/clip_frac_low"), ("clip_high", "clip high", "actor/clip_frac_high"),
+              ("clip_low", "clip low", "actor/clip_frac_low"),
+              ("clip_high", "clip high", "actor/clip_frac_high"),
               ("length", "length", "rollout/response_len_mean")]
 WINDOW = 10
 ACCURACY = ["accuracy_before", "accuracy_final", "accuracy_best", "accuracy_auc"]
@@ -121,7 +125,8 @@ def _stats(values: list) -> tuple[float, float, int] | None:
   values = [v for v in values if v is not None]
   if not values:
     return None
-  return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else float("nan"), len(values)
+  return float(np.mean(values)), float(np.std(values,
+                                              ddof=1)) if len(values) > 1 else float("nan"), len(values)
 
 
 def _fmt(stats, digits: int = 3) -> str:
@@ -140,7 +145,8 @@ def _fmt_paired(paired: Paired | None) -> tuple[str, str]:
   return f"{paired.delta:+.3f} ± {paired.se:.3f}", f"{paired.mde:.3f}"
 
 
-def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict], plotted: Sequence[str] = ()) -> str:
+def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict],
+                   plotted: Sequence[str] = ()) -> str:
   """Accuracy per member (mean ± std over seeds), paired differences to the first member with their
   SE and MDE, the paper's row, the mechanism metrics at the start and end of RL, and links to the
   plots written (`plotted`: their names, `plots/<name>.png`)."""
@@ -150,21 +156,25 @@ def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict], plo
            "Held-out accuracy of finished runs: mean ± sample std over seeds. Δ: the difference to "
            f"`{reference}` (the full method) on the same seed, averaged over the seeds both finished, ± its "
            "standard error; MDE: the smallest true Δ a two-sided paired t-test (α = 0.05) detects with 80 % "
-           "power at that SE, (t_{0.975,n−1} + t_{0.8,n−1})·SE. AUC: area under the held-out accuracy curve over "
-           "the RL steps divided by their number. Paper: AIME 2024 avg@32 of the same row (Qwen2.5-32B; "
+           "power at that SE, (t_{0.975,n−1} + t_{0.8,n−1})·SE. AUC: area under the held-out accuracy curve "
+           "over the RL steps divided by their number. Paper: AIME 2024 avg@32 of the same row (Qwen2.5-32B; "
            "arXiv 2504.05118).", "",
            "| member | seeds | before RL | final | AUC | Δ final | MDE final | Δ AUC | MDE AUC | paper |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
   for member in members:
     mine = [r for r in done if r["member"] == member]
-    cells = [_fmt(_stats([r.get(c) for r in mine])) for c in ("accuracy_before", "accuracy_final", "accuracy_auc")]
+    cells = [_fmt(_stats([r.get(c) for r in mine])) for c in ("accuracy_before", "accuracy_final",
+                                                              "accuracy_auc")]
     for column in ("accuracy_final", "accuracy_auc"):
-      cells += ["–", "–"] if member == reference else _fmt_paired(paired_difference(done, member, reference, column))
+      cells += ["–",
+                "–"] if member == reference else _fmt_paired(paired_difference(done, member, reference,
+                                                                               column))
     paper = variants.paper_score(member)
     lines.append(f"| `{member}` | {len(mine)} | " + " | ".join(cells) + f" | {'–' if paper is None else paper} |")
-  lines += ["", f"Mechanisms: each run's mean over its first → last {WINDOW} RL steps, then the mean over seeds. "
-            "Early Â: the mean advantage over the first 10 % of each response's tokens (0 in expectation under an "
-            "unbiased critic, in reward units); V − G: the critic's bias against the Monte-Carlo return.", "",
+  lines += ["", f"Mechanisms: each run's mean over its first → last {WINDOW} RL steps, then the mean over "
+            "seeds. Early Â: the mean advantage over the first 10 % of each response's tokens (0 in "
+            "expectation under an unbiased critic, in reward units); V − G: the critic's bias against the "
+            "Monte-Carlo return.", "",
             "| member | " + " | ".join(label for _, label, _ in MECHANISMS) + " |",
             "| --- |" + " ---: |" * len(MECHANISMS)]
   for member in members:
@@ -227,7 +237,8 @@ def write_report(sweep: str, members: Sequence[str], runs: Sequence, status: dic
   writer = csv.DictWriter(table, fieldnames=CSV_FIELDS, extrasaction="ignore")
   writer.writeheader()
   writer.writerows(rows)
-  report = lambda: files.reporting_write_failures(sweep_dir, "writing the sweep's report", after="then report "
+  report = lambda: files.reporting_write_failures(sweep_dir, "writing the sweep's report",
+                                                  after="then report "
                                                   f"again: python -m vapo_jax.cli.sweep {sweep} --report")
   with report():
     os.makedirs(sweep_dir, exist_ok=True)

@@ -52,7 +52,8 @@ def _main(argv: list[str]) -> int:
   from vapo_jax.cli import preflight
   from vapo_jax.train import checkpoints
   from vapo_jax.train.experience import DynamicSamplingCapReached
-  from vapo_jax.train.trainer import Diverged, Trainer
+  from vapo_jax.train.metrics import Diverged
+  from vapo_jax.train.trainer import Trainer
 
   run_dir, created, started = config.run_directory, [], False
   compile_cache.install()  # Before anything compiles: each kept program checked against its key.
@@ -97,9 +98,10 @@ def _main(argv: list[str]) -> int:
 
 
 def _draw_curves(run_dir: str) -> str | None:
-  """A finished run's held-out accuracy and reward by step, `<run>/plots/reward_accuracy.png` (`cli/plots`, as `make
-  plot` draws it; `make plot` draws the other figures, 2-3 CPU seconds more), when matplotlib is installed: its path,
-  else None. A drawing that fails is one line, not the run's failure (its results are written)."""
+  """A finished run's held-out accuracy and reward by step, `<run>/plots/reward_accuracy.png` (`cli/plots`, as
+  `make plot` draws it; `make plot` draws the other figures, 2-3 CPU seconds more), when matplotlib is
+  installed: its path, else None. A drawing that fails is one line, not the run's failure (its results are
+  written)."""
   try:
     import matplotlib  # noqa: F401
   except ImportError:
@@ -110,8 +112,8 @@ def _draw_curves(run_dir: str) -> str | None:
                               os.path.join(run_dir, "plots"), only=("reward_accuracy",))
   except Exception as e:  # noqa: BLE001  (a full disk, a damaged metrics file: the run itself has finished)
     first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-    print(f"warning: the curves were not drawn ({type(e).__name__}: {first}); make plot RUN={run_dir} draws them",
-          file=sys.stderr)
+    print(f"warning: the curves were not drawn ({type(e).__name__}: {first}); make plot RUN={run_dir} draws "
+          "them", file=sys.stderr)
     return None
   return next((path for path in written if path.endswith("reward_accuracy.png")), None)
 
@@ -120,8 +122,8 @@ _interrupted_start = [False]  # Set when a signal stopped the start-up, or a sec
 
 
 def _stop_at_start() -> list[str]:
-  """Until the run starts (its own handler then takes over): Ctrl-C or SIGTERM stops the start-up at once, as a
-  KeyboardInterrupt; the returned list holds the signal's name."""
+  """Until the run starts (its own handler then takes over): Ctrl-C or SIGTERM stops the start-up at once, as
+  a KeyboardInterrupt; the returned list holds the signal's name."""
   which = ["Ctrl-C (SIGINT)"]
 
   def stop(signum, frame):
@@ -140,10 +142,11 @@ def _aborted(run_dir: str) -> int:
   _interrupted_start[0] = True  # Ends the process at once (`__main__`): nothing is left to keep.
   directory = os.path.join(run_dir, "checkpoints")
   complete = checkpoints.complete_steps(directory)
-  resume = (f"the newest complete checkpoint, {os.path.join(directory, str(complete[-1]))}, is intact: run the same "
-            "command again to resume from it" if complete else "no checkpoint is complete: the same command starts "
-            "afresh")
-  print(f"interrupted (a second Ctrl-C): stopped at once, any save in progress abandoned; {resume}.", file=sys.stderr)
+  resume = (f"the newest complete checkpoint, {os.path.join(directory, str(complete[-1]))}, is intact: run "
+            "the same command again to resume from it" if complete else "no checkpoint is complete: the same "
+            "command starts afresh")
+  print(f"interrupted (a second Ctrl-C): stopped at once, any save in progress abandoned; {resume}.",
+        file=sys.stderr)
   return checkpoints.INTERRUPTED_EXIT_CODE
 
 
@@ -155,16 +158,16 @@ def _stopped_at_start(signal_name: str, run_dir: str, created: list[str]) -> int
     shutil.rmtree(run_dir, ignore_errors=True)
   preflight.remove_empty(created)
   _interrupted_start[0] = True
-  print(f"stopped by {signal_name} during start-up, before any step: nothing was trained or saved. Run the same "
-        "command again to start.", file=sys.stderr)
+  print(f"stopped by {signal_name} during start-up, before any step: nothing was trained or saved. Run the "
+        "same command again to start.", file=sys.stderr)
   return checkpoints.INTERRUPTED_EXIT_CODE if signal_name.startswith("Ctrl-C") else 128 + signal.SIGTERM
 
 
 def closing_lines(summary: dict, run_dir: str, drawn: str | None = None) -> list[str]:
-  """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals) with the gain and its
-  standard error (each accuracy's over the problems, combined as independent: a bound from above, the two
-  evaluations sharing their problems), its directory, and its curves: `drawn`, the held-out accuracy and reward
-  figure the run drew, else the command that draws them."""
+  """A finished run's last lines: its time, held-out accuracy before and after RL (3 decimals) with the gain
+  and its standard error (each accuracy's over the problems, combined as independent: a bound from above, the
+  two evaluations sharing their problems), its directory, and its curves: `drawn`, the held-out accuracy and
+  reward figure the run drew, else the command that draws them."""
   before, after = summary["accuracy_before_rl"], summary["accuracy_after_rl"]
   accuracy = ("no held-out evaluation (eval.path is unset)" if before is None and after is None else
               f"held-out accuracy: before RL {_rounded(before)}, after RL {_rounded(after)}")
@@ -173,8 +176,10 @@ def closing_lines(summary: dict, run_dir: str, drawn: str | None = None) -> list
     accuracy += (f" ({after - before:+.3f} ± {(errors[0] ** 2 + errors[1] ** 2) ** 0.5:.3f}, "
                  f"{summary['eval_problems']:.0f} problems × {summary['eval_samples_per_problem']})")
   return [f"done in {summary['seconds']:.0f}s. {accuracy}",
-          f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, summary.json)",
-          f"curves: {drawn} (held-out accuracy and mean reward by step; make plot RUN={run_dir} draws the others)"
+          f"run directory: {run_dir} (config.json, metrics.jsonl, tensorboard/, checkpoints/, export/, "
+          "summary.json)",
+          f"curves: {drawn} (held-out accuracy and mean reward by step; make plot RUN={run_dir} draws the "
+          "others)"
           if drawn else
           f"curves: make plot RUN={run_dir} (PNGs in {os.path.join(run_dir, 'plots')}/)"]
 
@@ -186,8 +191,8 @@ def _rounded(accuracy: float | None) -> str:
 if __name__ == "__main__":
   status = main(sys.argv[1:])
   from vapo_jax.train import background_saves
-  # Stopped inside JAX's start-up work, whose teardown may crash, or after a failed save whose background threads
-  # wait minutes for signals: nothing is left to keep, so the process ends without them.
+  # Stopped inside JAX's start-up work, whose teardown may crash, or after a failed save whose background
+  # threads wait minutes for signals: nothing is left to keep, so the process ends without them.
   if _interrupted_start[0] or (status and background_saves.background_left()):
     sys.stdout.flush()
     sys.stderr.flush()

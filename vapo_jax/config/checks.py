@@ -8,7 +8,8 @@ from vapo_jax.errors import ConfigError
 frozen = dataclasses.dataclass(frozen=True, kw_only=True)
 
 
-def require(ok: bool, owner: object, field: str, message: str, value: object, *, cross_field: bool = False) -> None:
+def require(ok: bool, owner: object, field: str, message: str, value: object, *,
+            cross_field: bool = False) -> None:
   """`cross_field`: the check reads other fields too (their values may be the defaults, not the user's)."""
   if not ok:
     raise ConfigError(f"{type(owner).__name__}.{field} {message}, got {value!r}", cross_field=cross_field)
@@ -28,5 +29,6 @@ INT32_MAX = 2**31 - 1  # The programs count in int32 (decode steps, tokens, page
 def positive_int(owner, field: str, *, allow_zero: bool = False) -> None:
   """An integer in [1, 2³¹ − 1] ([0, ...] with `allow_zero`): the range the device programs' int32 counters hold."""
   value = getattr(owner, field)
-  ok = isinstance(value, int) and not isinstance(value, bool) and (0 if allow_zero else 1) <= value <= INT32_MAX
+  ok = isinstance(value, int) and not isinstance(value,
+                                                 bool) and (0 if allow_zero else 1) <= value <= INT32_MAX
   require(ok, owner, field, f"must be an integer in [{0 if allow_zero else 1}, {INT32_MAX}]", value)

@@ -3,8 +3,8 @@
 All configs are frozen, keyword-only dataclasses. Invalid values are rejected at construction
 with a message naming the field and its valid range; derived values are properties. An
 `ExperimentConfig` is the whole run: the algorithm and what it samples and learns from are here
-(`AlgoConfig`, `PackingConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's
-surroundings (model, mesh, data, evaluation, checkpoints, logs) in `sections.py`. Each VAPO
+(`AlgoConfig`, `OptimizerConfig`, `RolloutConfig`, `RewardConfig`, `SFTConfig`), the run's surroundings
+(model, mesh, packed rows, data, evaluation, checkpoints, logs) in `sections.py`. Each VAPO
 technique is one field of `AlgoConfig`, so each ablation is one `dataclasses.replace` (the section
 of the VAPO paper, arXiv 2504.05118, that introduces it in brackets):
 
@@ -22,7 +22,15 @@ import os
 from typing import Literal
 
 from vapo_jax.config.checks import frozen, in_range, positive_int, require
-from vapo_jax.config.sections import CheckpointConfig, DataConfig, EvalConfig, LogConfig, MeshConfig, ModelConfig
+from vapo_jax.config.sections import (
+  CheckpointConfig,
+  DataConfig,
+  EvalConfig,
+  LogConfig,
+  MeshConfig,
+  ModelConfig,
+  PackingConfig,
+)
 from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine, ValueTarget, names
 
 
@@ -50,8 +58,8 @@ class AlgoConfig:
   eps_low: float = 0.2  # Lower PPO clip: ratio ≥ 1 − eps_low.
   eps_high: float = 0.28  # Technique 4 (clip-higher): ratio ≤ 1 + eps_high.
   dual_clip: float | None = None  # Dual-clip constant c > 1 for negative advantages; None: off.
-  # Truncated importance sampling (TIS): each token's policy-gradient term weighted by min(π_old / π_sampler, C),
-  # correcting for a sampler that differs from the trainer (bfloat16 rollout weights, a cache's precision,
+  # Truncated importance sampling (TIS): each token's policy-gradient term weighted by min(π_old / π_sampler,
+  # C), correcting for a sampler that differs from the trainer (bfloat16 rollout weights, a cache's precision,
   # tokens sampled under older weights); C = tis_cap ≥ 1, None: off (the loss is untouched).
   tis_cap: float | None = None
   loss_agg: LossAggregation = "token-mean"  # Technique 5: policy-loss aggregation.
@@ -120,24 +128,6 @@ class AlgoConfig:
 
 
 @frozen
-class PackingConfig:
-  """Packed rows (`train/packing.py`, docs/packing.md): scoring, both updates, value
-  pretraining and the warm start run on sequences laid end to end in rows of `row_tokens`, so their
-  compute follows the real tokens. Off, every sequence is padded to the prompt bucket +
-  `rollout.max_response_tokens`: the layout the packed one is tested against."""
-
-  enabled: bool = True  # Packed rows; false: one padded sequence per row.
-  row_tokens: int | None = None  # Tokens per row; None: the prompt bucket + rollout.max_response_tokens.
-  micro_batch_rows: int | None = None  # Rows per micro-batch (scoring, updates); None: one per data-parallel device.
-
-  def __post_init__(self):
-    if self.row_tokens is not None:
-      positive_int(self, "row_tokens")
-    if self.micro_batch_rows is not None:
-      positive_int(self, "micro_batch_rows")
-
-
-@frozen
 class OptimizerConfig:
   """AdamW with linear warm-up then a constant learning rate, for actor and critic."""
 
@@ -153,7 +143,8 @@ class OptimizerConfig:
   b2: float = 0.999  # Adam β2.
   eps: float = 1e-8  # Adam ε.
   max_grad_norm: float | None = 1.0  # Global-norm gradient clipping; None: off.
-  # A non-finite loss or gradient skips its update; this many RL steps in a row with skipped updates stop the run.
+  # A non-finite loss or gradient skips its update; this many RL steps in a row with skipped updates stop the
+  # run.
   max_nonfinite_steps: int = 3
 
   def __post_init__(self):
@@ -198,9 +189,10 @@ class RolloutConfig:
   page_tokens: int | None = None  # refill: tokens per page; None: 128 on TPU, 16 elsewhere.
   block_pages: int | None = None  # refill: pages read per block of paged attention; None: per platform.
   decode_steps_per_call: int = 256  # refill: decode steps run on the device per host call.
-  # refill: prompts (a partial rollout's carried tokens with them) take their pages when their samples are about
-  # to run and are prefilled inside the decode loop, `prefill_lanes` prompts a queue at once, `prefill_chunk`
-  # tokens each per iteration (a 32,768-token prompt in 64 chunks of 512, each reading the pages before it).
+  # refill: prompts (a partial rollout's carried tokens with them) take their pages when their samples are
+  # about to run and are prefilled inside the decode loop, `prefill_lanes` prompts a queue at once,
+  # `prefill_chunk` tokens each per iteration (a 32,768-token prompt in 64 chunks of 512, each reading the
+  # pages before it).
   prefill_chunk: int = 512
   prefill_lanes: int = 4
   # refill: once the queue is empty, compact the live sequences into half the slots (or fewer)
@@ -225,17 +217,18 @@ class RolloutConfig:
     positive_int(self, "decode_budget", allow_zero=True)
     positive_int(self, "max_staleness", allow_zero=True)
     if self.decode_budget:
-      require(self.engine == "refill", self, "engine", "must be 'refill' with decode_budget > 0 (the static engine "
-              "cannot stop at a budget)", self.engine, cross_field=True)
+      require(self.engine == "refill", self, "engine", "must be 'refill' with decode_budget > 0 (the static "
+              "engine cannot stop at a budget)", self.engine, cross_field=True)
       reach = (self.max_staleness + 1) * self.decode_budget
       require(reach >= self.max_response_tokens, self, "decode_budget",
-              f"× (max_staleness + 1) = {reach} must reach max_response_tokens={self.max_response_tokens}, or a "
-              "response that long is restarted before it can finish: raise decode_budget or max_staleness",
-              self.decode_budget, cross_field=True)
+              f"× (max_staleness + 1) = {reach} must reach max_response_tokens={self.max_response_tokens}, "
+              "or a response that long is restarted before it can finish: raise decode_budget or "
+              "max_staleness", self.decode_budget, cross_field=True)
     if self.prompts_per_generation is not None:
       positive_int(self, "prompts_per_generation")
       require(self.prompts_per_step % self.prompts_per_generation == 0, self, "prompts_per_generation",
-               f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation, cross_field=True)
+               f"must divide prompts_per_step={self.prompts_per_step}", self.prompts_per_generation,
+              cross_field=True)
     for name in ("slots", "pages", "page_tokens", "block_pages"):
       if getattr(self, name) is not None:
         positive_int(self, name)
@@ -251,7 +244,8 @@ class RolloutConfig:
     in_range(self, "temperature", 0.0, 100.0)
     in_range(self, "top_p", 0.0, 1.0, lo_open=True)
     positive_int(self, "top_k", allow_zero=True)
-    require(0 < self.kv_cache_budget_gib < math.inf, self, "kv_cache_budget_gib", "must be a finite number > 0 (GiB)",
+    require(0 < self.kv_cache_budget_gib < math.inf, self, "kv_cache_budget_gib", "must be a finite number > "
+                                                                                  "0 (GiB)",
             self.kv_cache_budget_gib)
 
   @property
@@ -341,12 +335,12 @@ class ExperimentConfig:
     longest = self.rollout.max_prompt_tokens + self.rollout.max_response_tokens
     if self.packing.row_tokens is not None:
       require(self.packing.row_tokens >= longest, self, "packing.row_tokens",
-               f"must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = {longest}",
-               self.packing.row_tokens, cross_field=True)
+               "must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = "
+               f"{longest}", self.packing.row_tokens, cross_field=True)
     if self.rollout.decode_budget:
       require(not self.algo.dynamic_sampling, self, "algo.dynamic_sampling",
-               "must be false with rollout.decode_budget > 0 (partial rollouts train on the groups that complete)",
-               self.algo.dynamic_sampling, cross_field=True)
+               "must be false with rollout.decode_budget > 0 (partial rollouts train on the groups that "
+               "complete)", self.algo.dynamic_sampling, cross_field=True)
     if self.algo.overlong_buffer_tokens:
       require(self.algo.overlong_buffer_tokens < self.rollout.max_response_tokens, self,
                "algo.overlong_buffer_tokens",

@@ -96,7 +96,8 @@ def _raise(errors: list[str]) -> None:
   if len(errors) == 1:
     raise ConfigError(errors[0])
   if errors:
-    raise ConfigError(f"{len(errors)} config errors: " + "; ".join(f"({i}) {e}" for i, e in enumerate(errors, 1)))
+    raise ConfigError(f"{len(errors)} config errors: " + "; ".join(f"({i}) {e}" for i,
+                                                                   e in enumerate(errors, 1)))
 
 
 def replace_fields(config: Any, values: dict[str, Any], errors: list[str] | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""The run's surroundings: the model and its numerics, the device mesh, the data, the held-out
+"""The run's surroundings: the model and its numerics, the device mesh, packed rows, the data, the held-out
 evaluation, checkpoints and logs (the sections of `ExperimentConfig` besides the algorithm's).
 Frozen, keyword-only dataclasses, validated at construction like `experiment.py`'s."""
 
@@ -70,24 +70,26 @@ class LogConfig:
   def __post_init__(self):
     in_range(self, "collapse_length_frac", 0.0, 1.0)
     in_range(self, "collapse_entropy", 0.0, 100.0)
-    require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name", self.wandb_project)
+    require(bool(self.wandb_project.strip()), self, "wandb_project", "must be a non-empty name",
+            self.wandb_project)
 
 
 @frozen
 class ModelConfig:
   """Policy and critic networks."""
 
-  # The initial policy: a Hugging Face checkpoint directory, or a Hub model "hf:NAME[@REVISION]" (downloaded into
-  # the Hub cache, models/hub.py).
+  # The initial policy: a Hugging Face checkpoint directory, or a Hub model "hf:NAME[@REVISION]" (downloaded
+  # into the Hub cache, models/hub.py).
   checkpoint: str | None = None
-  # The critic's own checkpoint (a directory or "hf:NAME"): a value model, or a reward model (a one-output `score`
-  # head) as the paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
+  # The critic's own checkpoint (a directory or "hf:NAME"): a value model, or a reward model (a one-output
+  # `score` head) as the paper's PPO baseline starts from; None: the policy's backbone with a zero value head.
   critic_checkpoint: str | None = None
   preset: str = "tiny"  # Architecture preset when no checkpoint is given (tests, CPU runs).
   dtype: DType = "bfloat16"  # Compute dtype.
   param_dtype: DType = "float32"  # Parameter storage dtype.
   # What each decoder layer keeps for the backward pass, and what it computes again (models/remat.py: "none",
-  # "minimal", "save_dot_except_mlp", "save_qkv_proj", "offload_qkv_proj", "full"; true / false: "full" / "none").
+  # "minimal", "save_dot_except_mlp", "save_qkv_proj", "offload_qkv_proj", "full"; true / false: "full" /
+  # "none").
   remat: Remat = "full"
   # Attention kernel (models/attention.py): "auto" = splash on TPU; on GPU in bf16 cudnn (padded rows) and
   # pallas_gpu (packed rows); chunked otherwise.
@@ -105,7 +107,8 @@ class ModelConfig:
   def __post_init__(self):
     if isinstance(self.remat, bool):  # The setting's older form (config.json files of earlier runs).
       object.__setattr__(self, "remat", "full" if self.remat else "none")
-    require(self.remat in names(Remat), self, "remat", f"must be one of {', '.join(names(Remat))}", self.remat)
+    require(self.remat in names(Remat), self, "remat", f"must be one of {', '.join(names(Remat))}",
+            self.remat)
     require(self.preset in MODEL_PRESETS, self, "preset", f"must be one of {', '.join(MODEL_PRESETS)}",
              self.preset)
     positive_int(self, "logits_chunk")
@@ -138,6 +141,24 @@ class MeshConfig:
                "must be a positive integer or -1 (fill)", value)
     require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
              "allows at most one axis of -1", (self.data, self.fsdp, self.tensor), cross_field=True)
+
+
+@frozen
+class PackingConfig:
+  """Packed rows (`train/packing.py`, docs/packing.md): scoring, both updates, value
+  pretraining and the warm start run on sequences laid end to end in rows of `row_tokens`, so their
+  compute follows the real tokens. Off, every sequence is padded to the prompt bucket +
+  `rollout.max_response_tokens`: the layout the packed one is tested against."""
+
+  enabled: bool = True  # Packed rows; false: one padded sequence per row.
+  row_tokens: int | None = None  # Tokens per row; None: the prompt bucket + rollout.max_response_tokens.
+  micro_batch_rows: int | None = None  # Rows per micro-batch (scoring, updates); None: one per data-parallel device.
+
+  def __post_init__(self):
+    if self.row_tokens is not None:
+      positive_int(self, "row_tokens")
+    if self.micro_batch_rows is not None:
+      positive_int(self, "micro_batch_rows")
 
 
 @frozen

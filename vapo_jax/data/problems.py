@@ -51,26 +51,28 @@ def load_problems(path: str, config: ExperimentConfig, tokenizer=None, *, dedup:
 def training_problems(config: ExperimentConfig, tokenizer=None, eval_rows: Sequence[Record] = (), *,
                       path: str | None = None, dedup: bool | None = None, noun: str = "training problems",
                       say: Callable[[str], None] | None = None) -> list[Record]:
-  """The training problems of `path` (default `data.train_path`; the warm start passes `sft.path` and calls them
-  `noun`, "demonstrations"), loaded by `load_problems`, less those that are also evaluation problems
-  (`eval_rows`, see `eval_overlap`) when `data.drop_eval_overlap`: the drop is said through `say` (a line of the
-  run's log). Kept, they are warned about: the held-out accuracy then measures problems the run trained on."""
+  """The training problems of `path` (default `data.train_path`; the warm start passes `sft.path` and calls
+  them `noun`, "demonstrations"), loaded by `load_problems`, less those that are also evaluation problems
+  (`eval_rows`, see `eval_overlap`) when `data.drop_eval_overlap`: the drop is said through `say` (a line of
+  the run's log). Kept, they are warned about: the held-out accuracy then measures problems the run trained
+  on."""
   path = path or config.data.train_path
   records = load_problems(path, config, tokenizer, dedup=dedup)
   shared = eval_overlap(records, eval_rows)
   if not shared:
     return records
-  what = (f"{len(shared)} of {len(records)} {noun} ({path}) are also evaluation problems ({config.eval.path}), "
-          f"the same problem text and answer, e.g. id {records[shared[0]].id!r}")
+  what = (f"{len(shared)} of {len(records)} {noun} ({path}) are also evaluation problems "
+          f"({config.eval.path}), the same problem text and answer, e.g. id {records[shared[0]].id!r}")
   if not config.data.drop_eval_overlap:
-    warnings.warn(f"{what}: the held-out accuracy then measures them as trained on; data.drop_eval_overlap=true "
-                  "drops them", stacklevel=2)
+    warnings.warn(f"{what}: the held-out accuracy then measures them as trained on; "
+                  "data.drop_eval_overlap=true drops them", stacklevel=2)
     return records
   drop_at = set(shared)
   records = [r for i, r in enumerate(records) if i not in drop_at]
   if not records:
-    raise DataError(f"{path}: every one of its {len(drop_at)} {noun} is an evaluation problem of {config.eval.path}, "
-                    f"and data.drop_eval_overlap=true drops them all: use {noun} of other problems")
+    raise DataError(f"{path}: every one of its {len(drop_at)} {noun} is an evaluation problem of "
+                    f"{config.eval.path}, and data.drop_eval_overlap=true drops them all: use {noun} of "
+                    "other problems")
   if say is not None:
     say(f"data: {what}; dropped from training (data.drop_eval_overlap=true)")
   return records
@@ -107,7 +109,8 @@ def held_out_problems(config: ExperimentConfig, tokenizer=None) -> tuple[list[Re
 def encode_prompt(record: Record, tokenizer, config: ExperimentConfig) -> list[int]:
   """Token ids of a problem's prompt; over `rollout.max_prompt_tokens` is an error naming the row."""
   d = config.data
-  ids = tokenizer.encode(prompt_text(record.prompt, tokenizer, template=d.template, chat_template=d.chat_template))
+  ids = tokenizer.encode(prompt_text(record.prompt, tokenizer, template=d.template,
+                                     chat_template=d.chat_template))
   if len(ids) > config.rollout.max_prompt_tokens:
     raise DataError(f"prompt of problem id {record.id!r} ({record.source}) has {len(ids)} tokens, over "
                          f"rollout.max_prompt_tokens={config.rollout.max_prompt_tokens}")
@@ -155,13 +158,16 @@ def check_prompt_lengths(rows: Sequence[Any], tokenizer: Any, *, max_prompt_toke
   if not over:
     return list(rows)
   chat = " in the chat template" if chat_template and hasattr(tokenizer, "tokenizer") else ""
-  first = (f"{path}, problem id {_problem_and_id(rows[over[0]])[1]!r}: the prompt (template {template!r}{chat}) "
-           f"has {counts[over[0]]} tokens, over rollout.max_prompt_tokens={max_prompt_tokens}")
+  first = (f"{path}, problem id {_problem_and_id(rows[over[0]])[1]!r}: the prompt (template "
+           f"{template!r}{chat}) has {counts[over[0]]} tokens, over "
+           f"rollout.max_prompt_tokens={max_prompt_tokens}")
   if not skip_bad_rows:
-    raise DataError(f"{first}. Raise rollout.max_prompt_tokens, shorten the problem, or set data.skip_bad_rows=true "
-                    f"to leave such problems out ({len(over)} of {len(rows)} are too long)")
+    raise DataError(f"{first}. Raise rollout.max_prompt_tokens, shorten the problem, or set "
+                    f"data.skip_bad_rows=true to leave such problems out ({len(over)} of {len(rows)} are too "
+                    "long)")
   if len(over) == len(rows):
-    raise DataError(f"{path}: every prompt is over rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}")
+    raise DataError(f"{path}: every prompt is over rollout.max_prompt_tokens={max_prompt_tokens}; first: "
+                    f"{first}")
   warnings.warn(f"{path}: skipped {len(over)} of {len(rows)} problems whose prompt is over "
                 f"rollout.max_prompt_tokens={max_prompt_tokens}; first: {first}", stacklevel=2)
   dropped = set(over)

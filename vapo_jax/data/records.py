@@ -2,34 +2,35 @@
 
   records = load_records(paths.data_path("aime24/qwen25math_aime24_test.jsonl"))   # [Record]
 
-Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`,
-and Hugging Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when
-that package is installed. Each row becomes a `Record(prompt, answer, id, source, solution, level)`; the
-fields come from a schema (`SCHEMAS`, detected from the first row's keys) or from explicit field
-paths (`"reward_model.ground_truth"`, `"prompt.0.content"`). A worked solution, for the supervised
-warm start (`sft.path`), is read from a `solution` field, else a `response` field (the first that
-is present and non-empty; None otherwise). A difficulty level, for accuracy by level (MATH's 1-5, the synthetic
-tasks' number of terms), is read from a `level` field: an integer, or text ending in one ("Level 3"); None otherwise.
+Files: `.jsonl`, `.json` (a list of objects, or an object of equal-length columns), `.parquet`, and Hugging
+Face `datasets` (`hf:NAME[:CONFIG]` from the hub, or a local dataset directory) when that package is
+installed. Each row becomes a `Record(prompt, answer, id, source, solution, level)`; the fields come from a
+schema (`SCHEMAS`, detected from the first row's keys) or from explicit field paths
+(`"reward_model.ground_truth"`, `"prompt.0.content"`). A worked solution, for the supervised warm start
+(`sft.path`), is read from a `solution` field, else a `response` field (the first that is present and
+non-empty; None otherwise). A difficulty level, for accuracy by level (MATH's 1-5, the synthetic tasks' number
+of terms), is read from a `level` field: an integer, or text ending in one ("Level 3"); None otherwise.
 
 A bad row (malformed line, text that is not UTF-8, missing or empty prompt or answer, wrong type)
 is a `DataError` naming the file, the line (jsonl) or row and the field; with `skip_bad_rows` it is
 skipped and counted in one warning. No valid row at all is always an error. Duplicate problems are
 dropped (the first is kept) and those with conflicting answers are reported in a warning.
-Prompts (templates, token limits) are `problems.py`'s; the prompt sampler is `prompt_iterator.py`.
+Files are read row by row by `rows.py`; prompts (templates, token limits) are `problems.py`'s; the prompt
+sampler is `prompt_iterator.py`.
 """
 
 import collections
 import dataclasses
-import json
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from vapo_jax import kinds
+from vapo_jax.data.rows import read_rows
 from vapo_jax.errors import DataError
 
 
@@ -172,8 +173,8 @@ def _record(row: Any, fields: FieldMap, number: int, source: str) -> Record:
       solution = value
       break
   _, level = _first(row, fields.level)
-  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source), solution,
-                level_number(level))
+  return Record(prompt, answer, str(id_value), source if row_source is _MISSING else str(row_source),
+                solution, level_number(level))
 
 
 def level_number(value: Any) -> int | None:
@@ -188,113 +189,8 @@ def _check_encodable(field: str, text: str) -> None:
   try:
     text.encode("utf-8")
   except UnicodeEncodeError as e:
-    raise ValueError(f"field {field!r}: a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} (half of "
-                     "an emoji or other character cut in two), not text a tokenizer can encode") from None
-
-
-def _not_utf8(raw: bytes, position: int) -> str:
-  """What is wrong with the `raw` line's byte at `position` (0-based)."""
-  return (f"not UTF-8 text (byte 0x{raw[position]:02x} at column {position + 1}); re-save the file as "
-          "UTF-8 (e.g. iconv -f latin1 -t utf-8)")
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, Any]]:
-  with open(path, "rb") as f:  # Bytes: a line that is not UTF-8 is that line's error, not the file's.
-    for number, raw in enumerate(f, 1):
-      try:
-        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-      except UnicodeDecodeError as e:
-        yield number, ValueError(f"field (line): {_not_utf8(raw, e.start)}")
-        continue
-      if not line.strip():
-        continue
-      try:
-        yield number, json.loads(line.rstrip("\r\n"))
-      except json.JSONDecodeError as e:
-        yield number, ValueError(f"field (line): malformed JSON: {e.msg} at column {e.colno}")
-
-
-def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
-  raw = path.read_bytes()
-  try:
-    text = raw.decode("utf-8-sig")
-  except UnicodeDecodeError as e:
-    line_start = raw.rfind(b"\n", 0, e.start) + 1
-    line = raw.count(b"\n", 0, line_start) + 1
-    raise DataError(f"{path}, line {line}: {_not_utf8(raw[line_start:], e.start - line_start)}") from None
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise DataError(f"{path}, line {e.lineno}: malformed JSON: {e.msg} at column {e.colno}") from None
-  if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
-    lengths = {len(v) for v in data.values()}
-    if len(lengths) != 1:
-      raise DataError(f"{path}: columns of unequal lengths {sorted(lengths)}")
-    data = [dict(zip(data, values)) for values in zip(*data.values())]
-  if not isinstance(data, list):
-    raise DataError(f"{path}: expected a list of objects or an object of columns, got {type(data).__name__}")
-  yield from enumerate(data, 1)
-
-
-def _parquet_rows(path: Path) -> Iterator[tuple[int, Any]]:
-  import pyarrow
-  import pyarrow.parquet as pq
-
-  try:
-    table = pq.read_table(path)
-  except pyarrow.ArrowException as e:
-    raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]}); copy it again, or give a "
-                    ".jsonl or .json file") from None
-  yield from enumerate(table.to_pylist(), 1)
-
-
-def _hf_rows(spec: str, split: str) -> Iterator[tuple[int, Any]]:
-  """Rows of a hub dataset (`hf:NAME[:CONFIG]`) or a local dataset directory, loaded eagerly."""
-  try:
-    import datasets
-  except ImportError:
-    raise DataError(f"{spec}: loading a Hugging Face dataset needs `pip install datasets`") from None
-  try:
-    if spec.startswith("hf:"):
-      name, _, config = spec[3:].partition(":")
-      dataset = datasets.load_dataset(name, config or None, split=split)
-    elif (Path(spec) / "dataset_info.json").exists() or (Path(spec) / "dataset_dict.json").exists():
-      dataset = datasets.load_from_disk(spec)
-      if isinstance(dataset, datasets.DatasetDict):
-        dataset = dataset[split]
-    else:
-      dataset = datasets.load_dataset(spec, split=split)
-  except (ValueError, KeyError, FileNotFoundError, ConnectionError) as e:
-    raise DataError(f"{spec}: cannot load split {split!r}: {e}") from None
-  return enumerate(dataset, 1)
-
-
-# What a local Hugging Face dataset directory holds (save_to_disk's metadata, or data files).
-_DATASET_FILES = {".arrow", ".csv", ".json", ".jsonl", ".parquet"}
-
-
-def read_rows(path: str, *, split: str = "train") -> tuple[Iterator[tuple[int, Any]], str]:
-  """`(number, row)` pairs of a file or dataset, and the unit its numbers count ("line", "row")."""
-  p = Path(path)
-  if p.is_dir() and not any(f.suffix in _DATASET_FILES for f in p.iterdir()):
-    raise DataError(f"{path}: a directory holding no data set (no {', '.join(sorted(_DATASET_FILES))} file): give a "
-                    ".jsonl, .json or .parquet file, or a directory saved by datasets' save_to_disk")
-  if path.startswith("hf:") or p.is_dir():
-    return _hf_rows(path, split), "row"
-  if not p.is_file():
-    raise DataError(f"{path}: no such file")
-  with open(p, "rb") as f:
-    if f.read(2) == b"\x1f\x8b":
-      raise DataError(f"{path}: a gzip-compressed file: decompress it first (gunzip -k {path}) and give the "
-                      "uncompressed .jsonl, .json or .parquet file")
-  match p.suffix:
-    case ".jsonl":
-      return _jsonl_rows(p), "line"
-    case ".json":
-      return _json_rows(p), "row"
-    case ".parquet":
-      return _parquet_rows(p), "row"
-  raise DataError(f"{path}: unknown file type {p.suffix!r} (expected .jsonl, .json or .parquet)")
+    raise ValueError(f"field {field!r}: a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} "
+                     "(half of an emoji or other character cut in two), not text a tokenizer can encode") from None
 
 
 def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = None,
@@ -337,7 +233,8 @@ def load_records(path: str, *, schema: str = "auto", prompt_field: str | None = 
   return records
 
 
-def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: str, unit: str) -> list[Record]:
+def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: str,
+                    unit: str) -> list[Record]:
   """The records with every id that different problems share made `<id>@<unit><number>` (`7@line12`),
   with a warning; a problem repeated under its id stays (it is one problem: `deduplicate` keeps one).
   Held-out problems are matched to their responses by id, so one id must name one problem."""
@@ -352,8 +249,8 @@ def make_ids_unique(records: Sequence[Record], numbers: Sequence[int], *, path: 
   lines = [n for r, n in zip(records, numbers) if r.id == first]
   warnings.warn(f"{path}: {len(shared)} id(s) name different problems, e.g. id {first!r} ({unit}s "
                 f"{', '.join(map(str, lines))}); each such problem is now named by its {unit} "
-                f"({', '.join(repr(f'{first}@{unit}{n}') for n in lines)}): give every problem its own id, or use "
-                "those", stacklevel=2)
+                f"({', '.join(repr(f'{first}@{unit}{n}') for n in lines)}): give every problem its own id, "
+                "or use those", stacklevel=2)
   return renamed
 
 

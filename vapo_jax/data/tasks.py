@@ -8,9 +8,9 @@ before it and copies the rest, so the problem "7+5+9+3=" has the chain of though
   24
   Answer: 24
 
-A problem with k terms needs k − 1 steps; its response length grows several-fold from 2 to
-`max_terms` terms (quadratically), and longer problems are harder (more steps to get right). Answers are integers,
-scored by the same verifier as real math data (the `Answer:` line).
+A problem with k terms needs k − 1 steps; its response length grows several-fold from 2 to `max_terms` terms
+(quadratically), and longer problems are harder (more steps to get right). Answers are integers, scored by the
+same verifier as real math data (the `Answer:` line).
 
 The "chain" task writes a running total instead (a linear-length alternative), one addition per line,
 so the response grows linearly, about 8 bytes a term: "7+5+9+3=" →
@@ -42,7 +42,8 @@ def solution(terms: list[int]) -> tuple[str, int]:
 def make_problems(count: int, *, seed: int, min_terms: int = 2, max_terms: int = 7,
                   max_digit: int = 9) -> list[dict]:
   """`count` problems as rows with `problem`, `answer`, `solution` and `id` fields."""
-  return _problems(count, seed=seed, terms=(min_terms, max_terms), max_digit=max_digit, solve=solution, name="add")
+  return _problems(count, seed=seed, terms=(min_terms, max_terms), max_digit=max_digit, solve=solution,
+                   name="add")
 
 
 def chain_solution(terms: list[int]) -> tuple[str, int]:
@@ -68,14 +69,16 @@ def make_chain_problems(count: int, *, seed: int, min_terms: int = 2, max_terms:
   return [row | {"source": "chain"} for row in rows]
 
 
-def _problems(count: int, *, seed: int, terms: tuple[int, int], max_digit: int, solve, name: str) -> list[dict]:
+def _problems(count: int, *, seed: int, terms: tuple[int, int], max_digit: int, solve,
+              name: str) -> list[dict]:
   """`count` sums of a uniform number of terms in [terms] of digits 1..max_digit, solved by `solve`."""
   rng = np.random.default_rng(seed)
   rows = []
   for i in range(count):
     numbers = rng.integers(1, max_digit + 1, int(rng.integers(terms[0], terms[1] + 1))).tolist()
     text, answer = solve(numbers)
-    rows.append({"id": f"{name}-{seed}-{i}", "problem": "+".join(map(str, numbers)) + "=", "answer": str(answer),
+    rows.append({"id": f"{name}-{seed}-{i}", "problem": "+".join(map(str, numbers)) + "=",
+                 "answer": str(answer),
                  "solution": text, "level": len(numbers)})  # Its level: the number of terms.
   return rows
 

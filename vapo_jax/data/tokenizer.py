@@ -24,8 +24,10 @@ def _transformers():
   return transformers
 
 # Any of these is a loadable tokenizer (fast tokenizer; BPE vocabulary + merges; sentencepiece; WordPiece).
-TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",), ("vocab.txt",))
-JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json", "added_tokens.json")
+TOKENIZER_FILE_SETS = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",),
+                       ("vocab.txt",))
+JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "special_tokens_map.json",
+              "added_tokens.json")
 _DAMAGED = "the file is truncated or damaged: copy it again from the base model"
 
 
@@ -51,7 +53,8 @@ def check_files(directory: str) -> None:
     with open(path, encoding="utf-8", errors="replace") as f:
       for number, line in enumerate(f, 1):
         if not (number == 1 and line.startswith("#version")) and len(line.split()) != 2 and line.strip():
-          raise TokenizerError(f"{path}, line {number}: {line.strip()[:40]!r} is not a merge (two tokens); {_DAMAGED}")
+          raise TokenizerError(f"{path}, line {number}: {line.strip()[:40]!r} is not a merge (two tokens); "
+                               f"{_DAMAGED}")
 
 
 def load_tokenizer(directory: str) -> "transformers.PreTrainedTokenizerBase":  # noqa: F821  (imported on use)
@@ -65,22 +68,23 @@ def load_tokenizer(directory: str) -> "transformers.PreTrainedTokenizerBase":  #
                            "model.checkpoint)")
   if not any(all(os.path.isfile(os.path.join(directory, f)) for f in files) for files in TOKENIZER_FILE_SETS):
     raise TokenizerError(
-        f"{directory!r} has no tokenizer files (tokenizer.json, or vocab.json and merges.txt, or tokenizer.model): "
-        "copy the base model's tokenizer files beside the weights, or set model.tokenizer=/path/to/tokenizer")
+        f"{directory!r} has no tokenizer files (tokenizer.json, or vocab.json and merges.txt, or "
+        "tokenizer.model): copy the base model's tokenizer files beside the weights, or set "
+        "model.tokenizer=/path/to/tokenizer")
   check_files(directory)
   try:
     tokenizer = _transformers().AutoTokenizer.from_pretrained(directory, local_files_only=True)
   except Exception as e:  # noqa: BLE001  The tokenizers library raises bare Exceptions for damaged files.
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     present = ", ".join(sorted(os.listdir(directory)))
-    raise TokenizerError(f"cannot load the tokenizer in {directory!r} (files: {present}): {type(e).__name__}: "
-                         f"{first[:300]}; copy its files again from the base model") from None
+    raise TokenizerError(f"cannot load the tokenizer in {directory!r} (files: {present}): "
+                         f"{type(e).__name__}: {first[:300]}; copy its files again from the base model") from None
   if len(tokenizer) < 2 or not tokenizer.encode("1 + 1 = 2", add_special_tokens=False):
     raise TokenizerError(f"the tokenizer in {directory!r} is empty ({len(tokenizer)} tokens): its files are "
                          "incomplete; copy them again from the base model")
   if tokenizer.eos_token is None:
-    raise TokenizerError(f"the tokenizer in {directory!r} has no EOS token (eos_token in tokenizer_config.json "
-                         "or special_tokens_map.json): generation could never stop")
+    raise TokenizerError(f"the tokenizer in {directory!r} has no EOS token (eos_token in "
+                         "tokenizer_config.json or special_tokens_map.json): generation could never stop")
   tokenizer.padding_side = "left"
   if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
@@ -128,7 +132,8 @@ def load(name: str) -> ByteTokenizer | HFTokenizer:
   return HFTokenizer(load_tokenizer(directory), directory=directory)
 
 
-def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer, checkpoint_path: str | None) -> None:
+def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer,
+                            checkpoint_path: str | None) -> None:
   """Raises `TokenizerError` unless every id of `tokenizer` has a row in the model's embedding.
 
   `model_cfg` is the model's `TransformerConfig` (`vocab_size` V: for a checkpoint, from
@@ -139,14 +144,14 @@ def check_tokenizer_matches(model_cfg, tokenizer: ByteTokenizer | HFTokenizer, c
   and the run would train on the wrong tokens.
   """
   model = f"the checkpoint {checkpoint_path!r}" if checkpoint_path else "the randomly initialised model (model.preset)"
-  agree = (" (config.json's vocab_size and its tensor 'model.embed_tokens.weight' agree: the tokenizer is the one "
-           "that does not fit)" if checkpoint_path else "")
+  agree = (" (config.json's vocab_size and its tensor 'model.embed_tokens.weight' agree: the tokenizer is "
+           "the one that does not fit)" if checkpoint_path else "")
   source = getattr(tokenizer, "directory", None) or type(tokenizer).__name__
   special = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id}
   largest = max([tokenizer.vocab_size - 1, *(i for i in special.values() if i is not None)])
   if largest >= model_cfg.vocab_size:
     raise TokenizerError(
-        f"the tokenizer {source!r} uses ids up to {largest} ({tokenizer.vocab_size} tokens), but {model} has an "
-        f"embedding of only {model_cfg.vocab_size} rows{agree}: ids beyond it would be clamped silently. "
-        "Use the tokenizer that belongs to the model (model.tokenizer=, or the tokenizer files in the checkpoint "
-        "directory).")
+        f"the tokenizer {source!r} uses ids up to {largest} ({tokenizer.vocab_size} tokens), but {model} has "
+        f"an embedding of only {model_cfg.vocab_size} rows{agree}: ids beyond it would be clamped silently. "
+        "Use the tokenizer that belongs to the model (model.tokenizer=, or the tokenizer files in the "
+        "checkpoint directory).")

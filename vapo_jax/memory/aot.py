@@ -112,7 +112,8 @@ class Program(NamedTuple):
 def chip_bytes(tree) -> int:
   """Bytes per device of a tree of arrays or abstract arrays with shardings (the largest shard)."""
   total = 0
-  for x in (x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x, "dtype")):  # Not static arguments.
+  for x in (x for x in jax.tree.leaves(tree) if hasattr(x, "shape") and hasattr(x,
+                                                                                "dtype")):  # Not static arguments.
     shard = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
     total += math.prod(shard) * x.dtype.itemsize
   return total
@@ -123,8 +124,8 @@ def _outputs(lowered, shardings, fallback):
   leaves; refused, None: `fallback(shape)`)."""
   shardings = (jax.tree.unflatten(jax.tree.structure(lowered.out_info), shardings) if shardings is not None
                else jax.tree.map(lambda info: fallback(info.shape), lowered.out_info))
-  return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s), lowered.out_info,
-                      shardings)
+  return jax.tree.map(lambda info, s: jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=s),
+                      lowered.out_info, shardings)
 
 
 def lowered_fingerprint(lowered, text: str | None = None) -> str:

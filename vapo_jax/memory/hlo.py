@@ -125,9 +125,9 @@ def _start(found: dict, tuple_name: str, k: int) -> int:
 
 
 def trip_count(computations, found: dict, body: str, condition: str, operand: str) -> int | None:
-  """A while instruction's trips: XLA's `known_trip_count` when printed, else from its condition
-  `counter < constant(N)` (`counter > ...` mirrored) with the counter's start (`_start`) and step (`_step`);
-  None for any other condition (a loop that runs until its state says stop). `found`: `by_name(computations)`."""
+  """A while instruction's trips: XLA's `known_trip_count` when printed, else from its condition `counter <
+  constant(N)` (`counter > ...` mirrored) with the counter's start (`_start`) and step (`_step`); None for any
+  other condition (a loop that runs until its state says stop). `found`: `by_name(computations)`."""
   if m := _TRIPS.search(body):
     return int(m.group(1))
   rows = computations.get(condition, [])

@@ -43,7 +43,8 @@ import numpy as np
 
 from vapo_jax.memory import hlo
 
-_FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
+_FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+                   "partition-id",
                    "replica-id", "opt-barrier", "add-dependency"})
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _SPACE = re.compile(r"S\((\d+)\)")
@@ -177,7 +178,8 @@ class _Program:
 
   def fused_flops(self, comp: str, depth: int) -> float:
     if comp not in self.flops_memo:
-      self.flops_memo[comp] = sum(self.matmul_flops(t, op, b, depth) for _, t, op, b in self.computations.get(comp, []))
+      self.flops_memo[comp] = sum(self.matmul_flops(t, op, b, depth) for _, t, op,
+                                  b in self.computations.get(comp, []))
     return self.flops_memo[comp]
 
   def instruction(self, name: str, type_text: str, opcode: str, body: str, runs: float) -> Cost:
@@ -228,7 +230,8 @@ class _Program:
     outputs = [hbm_bytes(t) for t in _result_arrays(type_text)]
     for i, o in _aliased(body, len(operands)):
       if any(op in inner.split() for op in _IN_PLACE) and i < len(sizes) and o < len(outputs):
-        written = sum(b for j, name in enumerate(operands) if j != i for *_, b in hlo.arrays(self.types.get(name, "")))
+        written = sum(b for j, name in enumerate(operands) if j != i for *_,
+                      b in hlo.arrays(self.types.get(name, "")))
         result -= outputs[o] - min(written, outputs[o])  # The update lands in HBM wherever it was computed.
         sizes[i] = 0
     cost.bytes += sum(sizes) + result

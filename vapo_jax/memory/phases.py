@@ -1,5 +1,5 @@
-"""A phase of the compile report: programs that run one after another, each compiled into it with what the run holds
-beside it (`add`)."""
+"""A phase of the compile report: programs that run one after another, each compiled into it with what the run
+holds beside it (`add`)."""
 
 import dataclasses
 from collections.abc import Callable

@@ -46,22 +46,22 @@ class Chip(NamedTuple):
 
 
 def _jax_chip(version: str, hbm_bytes: int, ici_bandwidth: float) -> Chip:
-  """A chip from JAX's own table (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`: per TensorCore, times the
-  cores), the clock from it: a core's bf16 FLOP/s over its MXUs' multiply-adds per cycle."""
+  """A chip from JAX's own table (`jax.experimental.pallas.tpu.get_tpu_info_for_chip`: per TensorCore, times
+  the cores), the clock from it: a core's bf16 FLOP/s over its MXUs' multiply-adds per cycle."""
   from jax.experimental.pallas import tpu as pltpu
 
   chip = getattr(pltpu.ChipVersion, version)
   cores = chip.num_physical_tensor_cores_per_chip
   info = pltpu.get_tpu_info_for_chip(chip, cores)
   per_cycle = 2 * info.num_mxus * info.mxu_column_size ** 2
-  return Chip(hbm_bytes, info.bf16_ops_per_second * cores, info.mem_bw_bytes_per_second * cores, ici_bandwidth,
-              cores, info.bf16_ops_per_second / per_cycle)
+  return Chip(hbm_bytes, info.bf16_ops_per_second * cores, info.mem_bw_bytes_per_second * cores,
+              ici_bandwidth, cores, info.bf16_ops_per_second / per_cycle)
 
 
-# HBM the compiler allows (its refusals); FLOP/s, HBM bandwidth, cores and clock from JAX's chip table (v5p: 459
-# TFLOP/s, 2.46e12 B/s over 2 cores at 1.75 GHz); ICI from the Cloud TPU system-architecture pages: v5p 1,200 GB/s
-# bidirectional per chip (4,800 Gbps), v6e 800 GB/s bidirectional, v5e 1,600 Gbps one way. By `device_kind`:
-# libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
+# HBM the compiler allows (its refusals); FLOP/s, HBM bandwidth, cores and clock from JAX's chip table (v5p:
+# 459 TFLOP/s, 2.46e12 B/s over 2 cores at 1.75 GHz); ICI from the Cloud TPU system-architecture pages: v5p
+# 1,200 GB/s bidirectional per chip (4,800 Gbps), v6e 800 GB/s bidirectional, v5e 1,600 Gbps one way. By
+# `device_kind`: libtpu 0.0.42.1 calls a v5p chip "TPU v5", a v5e "TPU v5 lite", a v6e "TPU v6 lite".
 CHIPS = {
     "TPU v5": _jax_chip("TPU_V5P", int(95.74 * GIB), 600e9),
     "TPU v6 lite": _jax_chip("TPU_V6E", int(31.25 * GIB), 400e9),
@@ -70,15 +70,15 @@ CHIPS = {
 _TOPOLOGY = re.compile(r"^[A-Za-z0-9_ ]+:[0-9]+(x[0-9]+)*$")
 
 
-# Slice shapes each generation supports, from the Cloud TPU pages (cloud.google.com/tpu/docs/v5p, /v6e,
-# /v5e; 2026-12): v5p's 2x2x1, 2x2x2 and 2x4x4, then whole 4x4x4 cubes (every side a multiple of 4) up to
-# 16x16x24 (6,144 chips); v6e's and v5e's 2-D shapes up to 16x16 (256 chips). libtpu builds other shapes too
-# (a 320-chip v5p:8x8x5), whose programs then fail deep in the compiler; names of other generations go to libtpu.
+# Slice shapes each generation supports, from the Cloud TPU pages (cloud.google.com/tpu/docs/v5p, /v6e, /v5e;
+# 2026-12): v5p's 2x2x1, 2x2x2 and 2x4x4, then whole 4x4x4 cubes (every side a multiple of 4) up to 16x16x24
+# (6,144 chips); v6e's and v5e's 2-D shapes up to 16x16 (256 chips). libtpu builds other shapes too (a
+# 320-chip v5p:8x8x5), whose programs then fail deep in the compiler; names of other generations go to libtpu.
 _2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
 # The shapes each page's table lists (sides sorted): what an error suggests.
 COMMON_SLICES = {
-    "v5p": ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8), (8, 8, 16), (8, 16, 16),
-            (16, 16, 16), (16, 16, 24)),
+    "v5p": ((1, 2, 2), (2, 2, 2), (2, 4, 4), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8), (8, 8, 16),
+            (8, 16, 16), (16, 16, 16), (16, 16, 24)),
     "v6e": _2D,
     "v5e": _2D,
 }
@@ -100,8 +100,8 @@ def check_slice(name: str) -> None:
   above = min((chips(d) for d in valid if chips(d) >= chips(sides)), default=None)
   near = [f"{'x'.join(map(str, d))} ({chips(d)} chips)" for d in valid if chips(d) in (below, above)]
   raise ConfigError(f"--topology {name}: not a {generation} slice ({shape}: {chips(sides)} chips); "
-                    f"the nearest {generation} slices, sides in any order: {', '.join(near)} (Cloud TPU's {generation} "
-                    "page lists them)")
+                    f"the nearest {generation} slices, sides in any order: {', '.join(near)} (Cloud TPU's "
+                    f"{generation} page lists them)")
 
 
 class Topology(NamedTuple):

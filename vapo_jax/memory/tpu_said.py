@@ -103,7 +103,8 @@ def load(lowered_text: str) -> Said | None:
   try:
     shardings = None if data["refusal"] else tuple(_named(s, _active[-1][1]) for s in data["shardings"])
     text = zlib.decompress(base64.b64decode(data["text"])).decode()
-    return Said(tuple(data["memory"]) if data["memory"] else None, data["cost"], text, shardings, data["refusal"])
+    return Said(tuple(data["memory"]) if data["memory"] else None, data["cost"], text, shardings,
+                data["refusal"])
   except (ValueError, KeyError, TypeError, zlib.error):  # Written by another version: compile again.
     return None
 
@@ -114,8 +115,10 @@ def store(lowered_text: str, said: Said) -> None:
   if (key := _key(lowered_text)) is None:
     return
   shardings = [_sharding(s) if isinstance(s, NamedSharding) else None for s in said.shardings or ()]
-  if any(s is None or _named(s, _active[-1][1]) != original for s, original in zip(shardings, said.shardings or ())):
+  if any(s is None or _named(s, _active[-1][1]) != original for s,
+         original in zip(shardings, said.shardings or ())):
     return  # A sharding this file would not rebuild equal: such a program compiles each time.
   compile_cache.store_keyed(PREFIX, key, {"memory": said.memory, "cost": said.cost, "refusal": said.refusal,
-                                          "text": base64.b64encode(zlib.compress(said.text.encode(), 6)).decode(),
+                                          "text": base64.b64encode(zlib.compress(said.text.encode(),
+                                                                                 6)).decode(),
                                           "shardings": shardings})

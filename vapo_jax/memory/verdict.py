@@ -46,7 +46,8 @@ def key(config, target: topologies.Topology) -> str:
   from vapo_jax.train import build
   fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("name", "run_dir")}
   models = [dataclasses.asdict(cfg) for cfg in build.model_configs(config)]  # What the checkpoints hold now.
-  text = json.dumps([fields, models, target.platform, target.device_kind, len(target.devices), target.reported_bytes,
+  text = json.dumps([fields, models, target.platform, target.device_kind, len(target.devices),
+                     target.reported_bytes,
                      compile_cache.compiler_salt(), _sources()], sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()
 
@@ -72,8 +73,9 @@ def check(config, devices: list, *, show: bool = True, log=None) -> str:
   target = topologies.here(devices)
   if xla_report.device_bytes(config, target) is None:
     many = len(devices) > 1
-    line = (f"memory: not checked ({len(devices)} {target.platform} device{'s' * many} report{'s' * (not many)} "
-            "no memory size; mesh.device_memory_gib=<GiB> gives one; make memory prints XLA's figures)")
+    line = (f"memory: not checked ({len(devices)} {target.platform} device{'s' * many} "
+            f"report{'s' * (not many)} no memory size; mesh.device_memory_gib=<GiB> gives one; make memory "
+            "prints XLA's figures)")
     say(line)
     return line
   digest = key(config, target)

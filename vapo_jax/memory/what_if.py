@@ -7,9 +7,9 @@ For each setting that can lower a phase (`settings`), the phase is compiled once
 through the two figures (XLA's bytes are close to affine in each: micro-batch rows, pages of KV cache, prompts
 per generation, the response-length cap), rounded down to a value the setting takes, and compiled once more to
 check it. Where the compiler refused the current value, its figure is what it tried to allocate, not a point
-on the line: a third value (about half the second) is compiled for a second measured figure. A fix is
-printed with its compiled figure; where the check refutes the line, a value compiled on the way that fits is
-named, else the line says so. A choice (`model.remat`: the policies that recompute more than the current one) is
+on the line: a third value (about half the second) is compiled for a second measured figure. A fix is printed
+with its compiled figure; where the check refutes the line, a value compiled on the way that fits is named,
+else the line says so. A choice (`model.remat`: the policies that recompute more than the current one) is
 compiled value by value, least recomputation first, until one fits. `remat_policies` compiles the update under
 every policy (`make memory --remat`) and names the one that recomputes least and fits. Each compile builds the
 phase and those it takes inputs from (`xla_report.compile_run(phases=)`), so XLA's cache answers for the
@@ -82,7 +82,8 @@ def needs(report, phase: str, changes: dict) -> tuple[float, bool] | None:
   try:
     config = overrides.replace_fields(report.config, changes)
     again = xla_report.compile_run(config, report.target, layers=report.layers, phases=(phase,))
-  except (ConfigError, ValueError, MemoryError):  # MemoryError: the KV cache's own check (`common.check_pool`).
+  except (ConfigError, ValueError,
+          MemoryError):  # MemoryError: the KV cache's own check (`common.check_pool`).
     return None
   found = next(p for p in again.phases if p.name == phase)
   return found.needs, refused(found)
@@ -160,7 +161,8 @@ def remat_policies(report, log=lambda message: None) -> list[tuple[str, float | 
     else:
       try:
         config = overrides.replace_fields(report.config, {"model.remat": policy})
-        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",), log=log)
+        again = xla_report.compile_run(config, report.target, layers=report.layers, phases=("update",),
+                                       log=log)
       except (ConfigError, ValueError, MemoryError):
         rows.append((policy, None, None))
         continue

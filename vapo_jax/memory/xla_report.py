@@ -29,15 +29,15 @@ With `packing.enabled` (the default) scoring, the updates and the warm start are
 rows at the most rows a plan can give them (every sequence in a row of its own: all responses at the
 cap), so the figures bound every step's; a run compiles fewer rows when its responses are shorter.
 
-Each program's inputs are the outputs of the programs before it as compiled (a batch is laid out as
-the scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs'
-own bytes (XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them
-(the `TrainState` parts that are not arguments, the KV cache while the rollout finishes, ...).
-The device memory is the chip's HBM as the TPU compiler counts it (`topologies.CHIPS`), or what a run's own device
-reports (`topologies.here`), lowered to `mesh.device_memory_gib` when that is set; a CPU has none unless
-`mesh.device_memory_gib` gives one.
-A phase may need (1 − `mesh.memory_margin`) of it (`Report.allowed`, default 92 %): the rest is left to
-the runtime, fragmentation and the collectives' buffers, which no compiled figure shows.
+Each program's inputs are the outputs of the programs before it as compiled (a batch is laid out as the
+scoring program leaves it), as in a run. A phase needs, per device, the largest of its programs' own bytes
+(XLA's arguments + outputs − aliased + temporaries) plus what the run holds beside them (the `TrainState`
+parts that are not arguments, the KV cache while the rollout finishes, ...). The device memory is the chip's
+HBM as the TPU compiler counts it (`topologies.CHIPS`), or what a run's own device reports
+(`topologies.here`), lowered to `mesh.device_memory_gib` when that is set; a CPU has none unless
+`mesh.device_memory_gib` gives one. A phase may need (1 − `mesh.memory_margin`) of it (`Report.allowed`,
+default 92 %): the rest is left to the runtime, fragmentation and the collectives' buffers, which no compiled
+figure shows.
 """
 
 import dataclasses
@@ -117,7 +117,8 @@ class _Run:
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
     self.rules = sharding.PRESETS[m.preset]
     self.full_cfg = build.model_configs(config)[0]  # The rollout engine sizes its slots for the whole model.
-    self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype, training_rules=self.rules)
+    self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype,
+                             training_rules=self.rules)
     self.layout.check_model(self.full_cfg)
     txs = build.optimizers(config)
     self.states = {stage: build.abstract_state(config, self.mesh, self.rules, txs, stage=stage, layers=layers)
@@ -162,7 +163,8 @@ def _supervised(run: _Run, log) -> CompiledPhase:
   return phase
 
 
-def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, critic_only: bool) -> TrainBatch:
+def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *,
+             critic_only: bool) -> TrainBatch:
   """`Steps.score_program` on the verified rollout (rollout, rewards, verdicts)."""
   name = "score (critic only)" if critic_only else "score"
   size = verified[1].shape[0]
@@ -172,14 +174,16 @@ def _scoring(run: _Run, phase: CompiledPhase, log, state, verified: tuple, *, cr
   return batch
 
 
-def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, actor: bool, held: int) -> None:
+def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, actor: bool,
+            held: int) -> None:
   """`Steps.ppo_program`; `held`: the rollout, its rewards and verdicts, held until the step ends."""
   critic = run.config.algo.uses_critic
   name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
   size, algo = batch.response_mask.shape[0], run.config.algo
   rows, placement = _packed(run, size, 1 + algo.ppo_epochs, min(algo.mini_batch_responses, size))
   add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
-       (state, batch, placement), resident=held, fallback=run.training)  # Refused: outputs laid out as trained.
+       (state, batch, placement), resident=held,
+      fallback=run.training)  # Refused: outputs laid out as trained.
 
 
 def device_bytes(config: ExperimentConfig, target: Topology) -> int | None:
@@ -198,7 +202,8 @@ def allowed_bytes(device_bytes: int | None, margin: float) -> int | None:
 
 
 # In a run's order; the reshard only with rollout.tensor_parallel > 1.
-PHASES = ("supervised warm start", "reshard", "rollout", "partial rollout", "value pretraining", "scoring", "update")
+PHASES = ("supervised warm start", "reshard", "rollout", "partial rollout", "value pretraining", "scoring",
+          "update")
 
 
 def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | None = None, phases=PHASES,
@@ -224,16 +229,16 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   count = lambda params: sum(x.size for x in jax.tree.leaves(params))
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
   return Report(config, target, dict(run.mesh.shape), device_bytes(config, target), tuple(done),
-                weight_elements(state.actor, architecture.num_layers), (count(state.actor), count(state.critic)),
-                architecture, layers, run.plan, run.round)
+                weight_elements(state.actor, architecture.num_layers),
+                (count(state.actor), count(state.critic)), architecture, layers, run.plan, run.round)
 
 
 def _micro_batches(run: _Run, size: int) -> str:
   """How `size` sequences are computed, in words."""
   steps = run.steps
   if rows := steps.largest_rows(size):
-    return (f", packed: at most {rows} rows of {steps.row_tokens} tokens in micro-batches of {steps.micro_rows} "
-            "rows")
+    return (f", packed: at most {rows} rows of {steps.row_tokens} tokens in micro-batches of "
+            f"{steps.micro_rows} rows")
   return f" in micro-batches of {min(steps.micro, size)}"
 
 
@@ -245,7 +250,9 @@ def _rollout_onwards(run: _Run, log, phases) -> list[CompiledPhase]:
   if "partial rollout" in phases and config.rollout.decode_budget:
     done.append(rollout_phases.partial_round(run, log))
   lengths = out.response_lengths  # The verifier's rewards and verdicts are placed like the rollout's rows.
-  verified = (out, *(jax.ShapeDtypeStruct(lengths.shape, t, sharding=lengths.sharding) for t in (jnp.float32, bool)))
+  verified = (out,
+              *(jax.ShapeDtypeStruct(lengths.shape, t, sharding=lengths.sharding) for t in (jnp.float32,
+                                                                                            bool)))
   if "value pretraining" in phases and config.algo.uses_critic and config.algo.value_pretrain_steps:
     phase = CompiledPhase("value pretraining", "the critic alone on the rollout batch")
     state = run.state("value_pretrain")

@@ -31,9 +31,10 @@ def _decode_lines(report) -> list[str]:
     for p in phase.programs:
       if p.decode is not None and p.memory is not None:
         share = p.decode.bytes / report.weight_bytes
-        lines.append(f"  {p.name}: the decode loop moves {readable_bytes(p.decode.bytes)} per device per step in "
-                     f"{p.decode.count} collectives ({share:.2%} of the policy's "
-                     f"{readable_bytes(report.weight_bytes)} of weights; largest {readable_bytes(p.decode.largest)}"
+        lines.append(f"  {p.name}: the decode loop moves {readable_bytes(p.decode.bytes)} per device per "
+                     f"step in {p.decode.count} collectives ({share:.2%} of the policy's "
+                     f"{readable_bytes(report.weight_bytes)} of weights; largest "
+                     f"{readable_bytes(p.decode.largest)}"
                      + (f"; {readable_bytes(p.decode.branch_bytes)} more on refill steps"
                         if p.decode.branch_bytes else "") + ")")
   return lines
@@ -49,10 +50,11 @@ def table(report) -> str:
   mesh = " ".join(f"{k}={v}" for k, v in report.mesh_shape.items())
   unit = GIB if max(phase.needs for phase in report.phases) >= GIB / 4 else MIB
   lines = [f"compile report of {c.name} for {t.name}: {len(t.devices)} x {t.device_kind} ({chip}){layers}",
-           f"  mesh {mesh} (preset {c.mesh.preset}); {c.model.preset} in {c.model.dtype}, {c.model.param_dtype} "
-           f"parameters, remat {c.model.remat}",
+           f"  mesh {mesh} (preset {c.mesh.preset}); {c.model.preset} in {c.model.dtype}, "
+           f"{c.model.param_dtype} parameters, remat {c.model.remat}",
            f"  {('GiB' if unit == GIB else 'MiB') + ' per device':<50}{'args':>8}{'out':>8}{'alias':>8}{'temp':>8}"
-           f"{'own':>8}{'beside':>8}{'needs':>8}{'compile s':>10}{'TFLOP':>10}{'GB acc':>9}{'MiB/step':>10}  attention"]
+           f"{'own':>8}{'beside':>8}{'needs':>8}{'compile s':>10}{'TFLOP':>10}{'GB acc':>9}{'MiB/step':>10}  "
+           "attention"]
   for phase in report.phases:
     lines.append(f"  {phase.name} ({phase.detail})")
     lines += [_row(p, unit) for p in phase.programs] + ([f"    ({phase.skipped})"] if phase.skipped else [])
@@ -71,8 +73,8 @@ def table(report) -> str:
   share = f"{worst.needs / report.device_bytes:.1%} of {readable_bytes(report.device_bytes)}"
   return "\n".join(lines + [f"{peak}, {share}, against {readable_bytes(report.allowed)} ({1 - margin:.0%}: "
                              f"mesh.memory_margin={margin:g}): {verdict}",
-                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held while it "
-                            "runs (and inputs XLA does not read); "
+                            "  (own: args + out - alias + temp, XLA's; beside: the run's other arrays held "
+                            "while it runs (and inputs XLA does not read); "
                             "TFLOP, GB acc: cost_analysis per device, loop bodies counted once)"])
 
 
@@ -94,10 +96,10 @@ def refusal(report) -> str | None:
 
 
 def remat_table(rows, allowed: float) -> str:
-  """`what_if.remat_policies`' rows as lines: each policy's update bytes per device against what is allowed and its
-  compiled FLOPs, then the least recomputation that fits."""
-  lines = ["model.remat  update needs (allowed " + readable_bytes(allowed) + ")  compiled TFLOP per device (a loop "
-           "body once)"]
+  """`what_if.remat_policies`' rows as lines: each policy's update bytes per device against what is allowed
+  and its compiled FLOPs, then the least recomputation that fits."""
+  lines = ["model.remat  update needs (allowed " + readable_bytes(allowed) + ")  compiled TFLOP per device "
+           "(a loop body once)"]
   for policy, needs, flops in rows:
     if needs is None:
       lines.append(f"  {policy:<20} not a valid config")

@@ -65,7 +65,8 @@ from vapo_jax.models.flash import chunked
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _WARNED: set[str] = set()
-_TRACED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("vapo_jax_attention_traced", default=None)
+_TRACED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("vapo_jax_attention_traced",
+                                                                          default=None)
 
 
 @contextlib.contextmanager
@@ -128,7 +129,8 @@ def _chunked_by_device(q, k, v, given: dict, *, query_offset, causal: bool, **op
   heads, rows = _splash_specs(*found, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
   specs = {name: rows if name == "segment_ids" else PartitionSpec(*rows[:1]) for name in given}
   static = isinstance(query_offset, int)
-  local = lambda q, k, v, given, offset: chunked(q, k, v, **given, query_offset=query_offset if static else offset,
+  local = lambda q, k, v, given, offset: chunked(q, k, v, **given,
+                                                 query_offset=query_offset if static else offset,
                                                  causal=causal, **options)
   return jax.shard_map(local, mesh=found[0], in_specs=(heads, heads, heads, specs, PartitionSpec()),
                        out_specs=heads, check_vma=False)(q, k, v, given, jnp.asarray(query_offset))
@@ -196,7 +198,8 @@ def reference(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_
   q = q.reshape(b, t, k.shape[2], n // k.shape[2], h)  # [B, T, K, G, H]
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k.astype(dtype)).astype(jnp.float32) * (h ** -0.5)
   if segment_ids is None:
-    visible = visibility(key_start, key_end, queries=t, keys=k.shape[1], query_offset=query_offset, causal=causal)
+    visible = visibility(key_start, key_end, queries=t, keys=k.shape[1], query_offset=query_offset,
+                         causal=causal)
   else:
     visible = segment_visibility(segment_ids, causal=causal)
   scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -224,8 +227,8 @@ def cudnn(q, k, v, *, key_start=None, key_end=None, segment_ids=None, causal: bo
   has no packed-sequence input (cuDNN's packed layout, `q_offsets`, is reachable only through a
   private JAX module)."""
   if segment_ids is not None:
-    raise ValueError("cudnn attention takes no segment ids (packed rows): jax.nn.dot_product_attention has no "
-                     "packed-sequence input")
+    raise ValueError("cudnn attention takes no segment ids (packed rows): jax.nn.dot_product_attention has "
+                     "no packed-sequence input")
   t = q.shape[1]
   forward = (jnp.arange(t)[None] + key_start[:, None]) % t  # [B, T]: slot read into slot i.
   backward = (jnp.arange(t)[None] - key_start[:, None]) % t
@@ -272,21 +275,22 @@ KERNELS = {"cudnn": cudnn, "splash": splash, "pallas_gpu": pallas_gpu_attention}
 
 
 def _kernel_by_device(local, q, k, v, segments, *, name: str, interpret: bool) -> jax.Array:
-  """`local(q, k, v, segments)`, a kernel that XLA does not partition: on a mesh (`sharding.use_rules`, as every
-  program of a run is traced) under `jax.shard_map` over `_splash_specs`; outside a mesh, several devices are
-  refused."""
+  """`local(q, k, v, segments)`, a kernel that XLA does not partition: on a mesh (`sharding.use_rules`, as
+  every program of a run is traced) under `jax.shard_map` over `_splash_specs`; outside a mesh, several
+  devices are refused."""
   found = sharding.context()
   if found is None or found[0].size == 1:
     if jax.device_count() > 1 and not interpret and found is None:
-      raise ValueError(f"{name} cannot be partitioned by XLA over {jax.device_count()} devices; it runs under "
-                       "shard_map on a mesh (sharding.use_rules / sharding.jit)")
+      raise ValueError(f"{name} cannot be partitioned by XLA over {jax.device_count()} devices; it runs "
+                       "under shard_map on a mesh (sharding.use_rules / sharding.jit)")
     return local(q, k, v, segments)
   heads, rows = _splash_specs(*found, batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2])
   return jax.shard_map(local, mesh=found[0], in_specs=(heads, heads, heads, rows), out_specs=heads,
                        check_vma=False)(q, k, v, segments)
 
 
-def _splash_specs(mesh, rules, *, batch: int, heads: int, kv_heads: int) -> tuple[PartitionSpec, PartitionSpec]:
+def _splash_specs(mesh, rules, *, batch: int, heads: int,
+                  kv_heads: int) -> tuple[PartitionSpec, PartitionSpec]:
   """(q / k / v / output spec `[B, T, N|K, H]`, segment ids spec `[B, T]`) of splash's shard_map: rows
   over the rules' batch axes, heads over their "act_heads" axes when both N and K divide evenly."""
   rows = sharding.partition_spec(("batch",), rules, mesh.shape, (batch,))

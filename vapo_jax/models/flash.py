@@ -48,7 +48,8 @@ def validity(key_start, key_end, segment_ids) -> dict:
     raise ValueError("attention needs key_start and key_end, or segment_ids")
   if segment_ids is not None and (key_start is not None or key_end is not None):
     raise ValueError("attention takes key_start/key_end or segment_ids, not both")
-  return dict(segment_ids=segment_ids) if segment_ids is not None else dict(key_start=key_start, key_end=key_end)
+  return dict(segment_ids=segment_ids) if segment_ids is not None else dict(key_start=key_start,
+                                                                            key_end=key_end)
 
 
 def key_intervals(*, queries: int, keys: int, key_start=None, key_end=None, segment_ids=None, query_offset=0,
@@ -87,14 +88,17 @@ class _Plan(NamedTuple):
   scale: float
 
 
-def _plan(queries: int, keys: int, head_dim: int, block_q: int | None, block_k: int | None, skip: bool) -> _Plan:
+def _plan(queries: int, keys: int, head_dim: int, block_q: int | None, block_k: int | None,
+          skip: bool) -> _Plan:
   found = _DEFAULTS.get()
   bq, bk = min(block_q or found["block_q"], queries), min(block_k or found["block_k"], keys)
-  return _Plan(skip, found["per_row"], bq, bk, -(-queries // bq), -(-keys // bk), queries, keys, head_dim ** -0.5)
+  return _Plan(skip, found["per_row"], bq, bk, -(-queries // bq), -(-keys // bk), queries, keys,
+               head_dim ** -0.5)
 
 
 def chunked(q, k, v, *, key_start=None, key_end=None, segment_ids=None, query_offset=0, causal: bool = True,
-            block_q: int | None = None, block_k: int | None = None, skip_masked_blocks: bool = True) -> jax.Array:
+            block_q: int | None = None, block_k: int | None = None,
+            skip_masked_blocks: bool = True) -> jax.Array:
   """Flash attention in pure JAX (see the module doc): memory O(T·H), not O(T·S).
 
   Forward+backward needs about seven float32 copies of q (7 · 4·B·T·N·H bytes: padded and
@@ -163,7 +167,8 @@ def _key_block_span(plan: _Plan, first, end):
   return lo, jnp.maximum(lo, jnp.max(jnp.where(some, end, 0)))
 
 
-def visited_block_pairs(queries: int, keys: int, *, key_start=None, key_end=None, segment_ids=None, query_offset=0,
+def visited_block_pairs(queries: int, keys: int, *, key_start=None, key_end=None, segment_ids=None,
+                        query_offset=0,
                         causal: bool = True, block_q: int | None = None, block_k: int | None = None,
                         skip_masked_blocks: bool = True) -> tuple[jax.Array, jax.Array]:
   """(forward, backward): how many (row, query block, key block) triples `chunked`'s loops visit for
@@ -285,11 +290,13 @@ def _row_backward(plan: _Plan, q, k, v, lo, hi, out, lse, d_out):
       lo_b, hi_b = (lax.dynamic_slice_in_dim(x, q0, plan.bq, axis=1) for x in (lo, hi))
       visible = _visible(plan, lo_b, hi_b, nominal, k0)
       p = jnp.where(visible, jnp.exp(_scores(plan, qb, kb) - lse_b[..., None]), 0.0)
-      dvb = dvb + jnp.einsum("BKGTS,BKGTH->BKSH", p.astype(dob.dtype), dob, preferred_element_type=jnp.float32)
+      dvb = dvb + jnp.einsum("BKGTS,BKGTH->BKSH", p.astype(dob.dtype), dob,
+                             preferred_element_type=jnp.float32)
       dp = jnp.einsum("BKGTH,BKSH->BKGTS", dob, vb, preferred_element_type=jnp.float32)
       ds = p * (dp - delta_b[..., None]) * plan.scale
       dqb = jnp.einsum("BKGTS,BKSH->BKGTH", ds.astype(kb.dtype), kb, preferred_element_type=jnp.float32)
-      dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, q0, plan.bq, axis=3) + dqb, q0, axis=3)
+      dq = lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, q0, plan.bq, axis=3) + dqb, q0,
+                                           axis=3)
       dkb = dkb + jnp.einsum("BKGTS,BKGTH->BKSH", ds.astype(qb.dtype), qb, preferred_element_type=jnp.float32)
       return dq, dkb, dvb
 

@@ -1,11 +1,11 @@
-"""Hugging Face checkpoints out: a module exported as config.json + safetensors (sharded above a size), with the
-tokenizer's files beside it.
+"""Hugging Face checkpoints out: a module exported as config.json + safetensors (sharded above a size), with
+the tokenizer's files beside it.
 
   export(module, directory, tokenizer_dir=...)   # huggingface.py reads it back
 
 Export unstacks a stacked decoder layer `[L, ...]` into its per-layer names (`huggingface.ours_to_hf`), writes
-one tensor at a time, in shards of at most `max_shard_bytes`, and a full disk or an unwritable directory is one
-error naming the directory (the partial export removed).
+one tensor at a time, in shards of at most `max_shard_bytes`, and a full disk or an unwritable directory is
+one error naming the directory (the partial export removed).
 """
 
 import json
@@ -21,7 +21,8 @@ from vapo_jax.errors import SetupError
 from vapo_jax.models import safetensors_io
 from vapo_jax.models.huggingface import layer_of, ours_to_hf, param_paths, per_layer_paths, stacked_path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json",
                    "added_tokens.json", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
@@ -60,7 +61,8 @@ def _finish_export(directory: str, hf_config: dict, index: dict | None, tokenize
                    written: list[str]) -> None:
   """The index, the tokenizer's files and, last, config.json (without it the directory is no
   checkpoint), each name added to `written` as its file is begun."""
-  copies = [name for name in TOKENIZER_FILES if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, name))]
+  copies = [name for name in TOKENIZER_FILES if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir,
+                                                                                              name))]
   for name in (["model.safetensors.index.json"] if index is not None else []) + copies + ["config.json"]:
     written.append(name)
     if name in copies:
@@ -94,11 +96,13 @@ def export(module: nnx.Module, directory: str, *, max_shard_bytes: int = 5 * 2**
   value = lambda v, layer: v.get_value() if layer is None else layer_of(v.get_value(), layer)
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-  begin = lambda: (os.makedirs(directory, exist_ok=True), files.remove_quietly(os.path.join(directory, "config.json")))
+  begin = lambda: (os.makedirs(directory, exist_ok=True),
+                   files.remove_quietly(os.path.join(directory, "config.json")))
   failure = _attempt(begin) if main else None
   weight_map, total, written = {}, 0, []
   for name, shard in zip(names, shards):
-    tensors = [ours_to_hf(path, distributed.to_host(value(v, layer)).astype(out_dtype(v))) for path, v, layer in shard]
+    tensors = [ours_to_hf(path, distributed.to_host(value(v, layer)).astype(out_dtype(v))) for path, v,
+               layer in shard]
     if main and failure is None:
       written.append(name)
       failure = _attempt(lambda: safetensors_io.write(os.path.join(directory, name), tensors))

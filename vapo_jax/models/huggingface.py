@@ -127,8 +127,8 @@ def _open_tensors(directory: str) -> dict[str, safetensors_io.SafetensorsFile]:
                             f"{e}); restore the file from the model's original copy") from None
     for name in sorted(set(weight_map.values())):
       if not os.path.isfile(os.path.join(directory, name)):
-        raise MissingFileError(f"{index_path} names {name!r}, which is not in {directory!r}: copy the missing "
-                               "file (an incomplete download?)")
+        raise MissingFileError(f"{index_path} names {name!r}, which is not in {directory!r}: copy the "
+                               "missing file (an incomplete download?)")
     files = {name: safetensors_io.SafetensorsFile(os.path.join(directory, name))
              for name in sorted(set(weight_map.values()))}
     return {tensor: files[file] for tensor, file in weight_map.items()}
@@ -145,17 +145,19 @@ def _open_tensors(directory: str) -> dict[str, safetensors_io.SafetensorsFile]:
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def _check_vocab_size(directory: str, cfg: TransformerConfig, tensors: dict[str, safetensors_io.SafetensorsFile]):
+def _check_vocab_size(directory: str, cfg: TransformerConfig,
+                      tensors: dict[str, safetensors_io.SafetensorsFile]):
   """config.json's `vocab_size` is the embedding tensor's row count; else config.json is at fault."""
   if EMBEDDING in tensors and (rows := tensors[EMBEDDING].shape(EMBEDDING)[0]) != cfg.vocab_size:
-    raise CheckpointError(f"{os.path.join(directory, 'config.json')} says vocab_size={cfg.vocab_size}, but tensor "
-                          f"{EMBEDDING!r} in {tensors[EMBEDDING].path} has {rows} rows: config.json does not describe "
-                          f"these weights; set its vocab_size to {rows}, or restore it from the model's original copy")
+    raise CheckpointError(f"{os.path.join(directory, 'config.json')} says vocab_size={cfg.vocab_size}, but "
+                          f"tensor {EMBEDDING!r} in {tensors[EMBEDDING].path} has {rows} rows: config.json "
+                          f"does not describe these weights; set its vocab_size to {rows}, or restore it "
+                          "from the model's original copy")
 
 
 def read_config(directory: str) -> TransformerConfig:
-  """The architecture of a checkpoint directory (or Hub model, `hub`): its config.json, checked against its embedding
-  tensor."""
+  """The architecture of a checkpoint directory (or Hub model, `hub`): its config.json, checked against its
+  embedding tensor."""
   directory = hub.local(directory)
   cfg = TransformerConfig.from_pretrained(directory)
   _check_vocab_size(directory, cfg, _open_tensors(directory))
@@ -185,7 +187,8 @@ def per_layer_paths(path: str, variable: nnx.Variable) -> list[str]:
   return [f"model.layers.{i}.{path.removeprefix('model.layers.')}" for i in range(variable.get_value().shape[0])]
 
 
-# Streaming into stacked parameters: a zero stack in its sharding, one layer's tensor written at a time (donated).
+# Streaming into stacked parameters: a zero stack in its sharding, one layer's tensor written at a time
+# (donated).
 @functools.cache
 def _zeros(shape: tuple[int, ...], dtype, placement: NamedSharding | None) -> Callable[[], jax.Array]:
   """A program creating a zero array directly in `placement` (no device ever holds it whole)."""
@@ -212,12 +215,15 @@ def _hf_name(per_layer: str, params: dict[str, nnx.Variable]) -> str:
 
 def _check_complete(directory: str, params: dict[str, nnx.Variable], found: set[str], allow_missing) -> None:
   """A `CheckpointError` naming (by their Hugging Face names) the tensors of `params` not `found`."""
-  expected = {name for path, v in params.items() if path not in allow_missing for name in per_layer_paths(path, v)}
+  expected = {name for path,
+              v in params.items() if path not in allow_missing for name in per_layer_paths(path, v)}
   missing = sorted(expected - found)
   if missing:
     hf_names = [_hf_name(p, params) for p in missing]
-    raise CheckpointError(f"{directory}: missing tensors {hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
-                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in config.json")
+    raise CheckpointError(f"{directory}: missing tensors "
+                          f"{hf_names[:10]}{' ...' if len(missing) > 10 else ''} "
+                          f"(of {len(missing)}): the weights are incomplete, or not of the architecture in "
+                          "config.json")
 
 
 def _placed_parameter(current, variable, array: np.ndarray, layer: int | None, *, mesh, rules) -> jax.Array:
@@ -291,7 +297,8 @@ def load_causal_lm(directory: str, *, mesh=None, rules=None, **model_kwargs) -> 
   return load(directory, lambda: CausalLM(cfg, rngs=nnx.Rngs(0), **model_kwargs), mesh=mesh, rules=rules)
 
 
-def load_value_model(directory: str, *, from_policy: bool, mesh=None, rules=None, **model_kwargs) -> ValueModel:
+def load_value_model(directory: str, *, from_policy: bool, mesh=None, rules=None,
+                     **model_kwargs) -> ValueModel:
   """The critic: from a policy checkpoint (backbone copied, value head zero) or its own."""
   cfg = TransformerConfig.from_pretrained(directory)
   return load(directory, lambda: ValueModel(cfg, rngs=nnx.Rngs(0), **model_kwargs),
@@ -301,7 +308,9 @@ def load_value_model(directory: str, *, from_policy: bool, mesh=None, rules=None
 def check_finite(path: str, module) -> None:
   """Refuses a loaded checkpoint holding NaN or infinite weights, naming the tensors."""
   flags = jax.jit(lambda tree: jax.tree.map(lambda x: jnp.all(jnp.isfinite(x)), tree))(nnx.state(module))
-  bad = [jax.tree_util.keystr(k) for k, ok in jax.tree_util.tree_flatten_with_path(jax.device_get(flags))[0] if not ok]
+  bad = [jax.tree_util.keystr(k) for k,
+         ok in jax.tree_util.tree_flatten_with_path(jax.device_get(flags))[0] if not ok]
   if bad:
-    raise CheckpointError(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. {', '.join(bad[:3])}; "
-                          "this checkpoint cannot be trained from: use an earlier or a re-exported one")
+    raise CheckpointError(f"{path}: {len(bad)} tensor(s) hold NaN or infinite values, e.g. "
+                          f"{', '.join(bad[:3])}; this checkpoint cannot be trained from: use an earlier or "
+                          "a re-exported one")

@@ -46,7 +46,8 @@ from vapo_jax.models.sharding import constrain
 LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps it (models/sharding.py).
 # Logical axes of a contiguous cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
 CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
-# Logical axes of a paged pool `[K, L, Q, Pq, Tg, H]`: queues over the batch axes, KV heads over the tensor axis.
+# Logical axes of a paged pool `[K, L, Q, Pq, Tg, H]`: queues over the batch axes, KV heads over the tensor
+# axis.
 POOL_AXES = ("cache_kv_heads", LAYER_AXIS, "batch", None, None, None)
 
 
@@ -93,7 +94,8 @@ class KVCache:
     """(this cache, the keys' validity `[B, S]` with the call's tokens, the queries' slots `[T]` or `[B, 1]`)."""
     if self.length.ndim and steps != 1:
       raise ValueError(f"a cache with one length per row takes one token per call, got {steps}")
-    return self, write_slots(self.mask, attention_mask, self.length), self.length[..., None] + jnp.arange(steps)
+    positions = self.length[..., None] + jnp.arange(steps)
+    return self, write_slots(self.mask, attention_mask, self.length), positions
 
   def write(self, layer, k: jax.Array, v: jax.Array) -> "KVCache":
     """The call's keys and values `[B, T, K, H]` written into layer `layer` from slot `length` (per row: its own)."""
@@ -136,7 +138,8 @@ class PagedKVCache:
   block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernels, gather).
 
   @classmethod
-  def zeros(cls, cfg: TransformerConfig, *, rows: int, queues: int, pages: int, page_tokens: int, table_pages: int,
+  def zeros(cls, cfg: TransformerConfig, *, rows: int, queues: int, pages: int, page_tokens: int,
+            table_pages: int,
             dtype=jnp.bfloat16, implementation: str = "gather", block_pages: int = 1) -> "PagedKVCache":
     """An empty pool of `pages` pages per queue, `rows` rows holding nothing (their tables point nowhere)."""
     shape = (cfg.num_kv_heads, cfg.num_layers, queues, pages, page_tokens, cfg.head_dim)
@@ -159,7 +162,8 @@ class PagedKVCache:
     return KVCache.bytes_per_token(cfg, dtype)
 
   @staticmethod
-  def pool_bytes(cfg: TransformerConfig, *, queues: int, pages: int, page_tokens: int, dtype=jnp.bfloat16) -> int:
+  def pool_bytes(cfg: TransformerConfig, *, queues: int, pages: int, page_tokens: int,
+                 dtype=jnp.bfloat16) -> int:
     """Memory of the pool (keys and values), before allocating it."""
     return queues * pages * page_tokens * KVCache.bytes_per_token(cfg, dtype)
 
@@ -172,9 +176,9 @@ class PagedKVCache:
     return self.replace(live=_rows(jnp.any(mask, axis=1)), valid=_rows(mask)), None, None
 
   def write(self, layer, k: jax.Array, v: jax.Array) -> "PagedKVCache":
-    """Each live row's keys and values `[R, T, K, H]` from its token `lengths[r]`: token t at offset t mod Tg of
-    page `table[r, t // Tg]`, layer `layer` (`paged_attention.write`, in place; rows holding nothing, a chunk's
-    invalid tokens and tokens past the table write nothing)."""
+    """Each live row's keys and values `[R, T, K, H]` from its token `lengths[r]`: token t at offset t mod Tg
+    of page `table[r, t // Tg]`, layer `layer` (`paged_attention.write`, in place; rows holding nothing, a
+    chunk's invalid tokens and tokens past the table write nothing)."""
     tg, rows, steps = self.page_tokens, k.shape[0], k.shape[1]
     tokens = self.lengths[:, None] + jnp.arange(steps, dtype=jnp.int32)[None]  # [R, T]
     column = jnp.minimum(tokens // tg, self.table.shape[1] - 1)
@@ -187,17 +191,17 @@ class PagedKVCache:
     return self.replace(keys=put(self.keys, k), values=put(self.values, v))
 
   def attend_chunk(self, q: jax.Array, layer) -> jax.Array:
-    """A chunk's queries `[R, C, N, H]`, query i of row r seeing its tokens [0, lengths[r] + i] of layer `layer`
-    (this call's written): `[R, C, N, H]` (`paged_attention.attend_chunk`; the reference under "reference", the
-    gather otherwise)."""
+    """A chunk's queries `[R, C, N, H]`, query i of row r seeing its tokens [0, lengths[r] + i] of layer
+    `layer` (this call's written): `[R, C, N, H]` (`paged_attention.attend_chunk`; the reference under
+    "reference", the gather otherwise)."""
     note("prefill chunk")
     implementation = "reference" if self.implementation == "reference" else "gather"
     return paged_attention.attend_chunk(q, self.keys, self.values, self.table, self.lengths, layer,
                                         implementation=implementation, block_pages=self.block_pages)
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
-    """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of layer
-    `layer`: `[R, N, H]`; 0 for rows holding nothing."""
+    """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of
+    layer `layer`: `[R, N, H]`; 0 for rows holding nothing."""
     note("decode")
     visible = jnp.where(self.live, self.lengths + 1, 0).astype(jnp.int32)
     return paged_attention.attend(q, self.keys, self.values, self.table, visible, layer,
@@ -225,12 +229,14 @@ def write_layer(stack: jax.Array, new: jax.Array, layer, length: jax.Array) -> j
   zero = jnp.zeros((), jnp.int32)
   layer = jnp.asarray(layer, jnp.int32)
   if jnp.ndim(length) == 0:
-    return jax.lax.dynamic_update_slice(stack, new[None], (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
+    return jax.lax.dynamic_update_slice(stack, new[None],
+                                        (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
   # One token per row at (layer, row, length[row]): a scatter batched over the rows (axis 1, where the stack
   # keeps them: vmapping a slice update over axis 1 would transpose the whole stack), clamped into the slots
   # as a slice update is.
   rows, heads, _, dim = new.shape
-  at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)], axis=1)  # [B, 2]: (layer, slot).
+  at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)],
+                 axis=1)  # [B, 2]: (layer, slot).
   numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 3),
                                             scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
                                             scatter_indices_batching_dims=(0,))

@@ -63,8 +63,8 @@ def _block_logits(hidden, kernel, j, size: int, transposed: bool):
   ids = start + jnp.arange(size)
   spec = "BTD,VD->BTV" if transposed else "BTD,DV->BTV"
   logits = jnp.einsum(spec, hidden, _block(kernel, start, size, transposed), preferred_element_type=_F32)
-  # Split over the devices that split the vocabulary (tensor parallelism): each computes its share of the block's
-  # columns from the gathered kernel, and the reductions over them (max, sums) cross those devices.
+  # Split over the devices that split the vocabulary (tensor parallelism): each computes its share of the
+  # block's columns from the gathered kernel, and the reductions over them (max, sums) cross those devices.
   logits = constrain(logits, ("batch", "seq", "act_vocab"))
   return logits, ids, ids >= j * size, start
 
@@ -134,7 +134,8 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
     coef = g_lp + g_ent * (logp + ent) if entropy else g_lp
     g_z = jnp.where(own, jnp.where(ids == tokens, g_lp, 0.0) - p * coef, 0.0).astype(hidden.dtype)
     w = _block(compute, start, size, transposed)
-    g_hidden += jnp.einsum("BTV,VD->BTD" if transposed else "BTV,DV->BTD", g_z, w, preferred_element_type=_F32)
+    g_hidden += jnp.einsum("BTV,VD->BTD" if transposed else "BTV,DV->BTD", g_z, w,
+                           preferred_element_type=_F32)
     if transposed:
       g_w = jnp.einsum("BTV,BTD->VD", g_z, hidden, preferred_element_type=_F32)
     else:
@@ -155,7 +156,8 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 def token_logprobs_entropy(hidden: jax.Array, kernel: jax.Array, tokens: jax.Array, *, chunk: int,
-                           entropy: bool = False, transposed: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                           entropy: bool = False,
+                           transposed: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """log π(tokens) and (with `entropy`) H per position, from hidden states, with at most
   B·`chunk`·V logits in memory at a time (see the module docstring).
 
@@ -197,8 +199,8 @@ def response_logprobs(model, tokens: jax.Array, attention_mask: jax.Array, respo
                                 tokens[:, prompt_len:], chunk=chunk, entropy=entropy, transposed=transposed)
 
 
-def packed_token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *, chunk: int,
-                          entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
+def packed_token_logprobs(model, tokens: jax.Array, segment_ids: jax.Array, positions: jax.Array, *,
+                          chunk: int, entropy: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """log π (and H) `[R, L]` at every column of packed rows (`train.packing`): the log-probability of the
   next token of the column's own segment, from the column's hidden state (0's log-probability where
   the segment ends: callers mask it). The projection runs over all R·L columns (prompts included)."""

@@ -49,10 +49,12 @@ from jax.sharding import PartitionSpec
 from vapo_jax.models import decode_attention, pallas_gpu, sharding
 
 IMPLEMENTATIONS = ("kernel", "gpu_kernel", "gather", "reference")
-MEGACORE_CHIPS = frozenset({"TPU v4", "TPU v5", "TPU v5p"})  # Two TensorCores the kernel can split its grid over.
+MEGACORE_CHIPS = frozenset({"TPU v4", "TPU v5",
+                            "TPU v5p"})  # Two TensorCores the kernel can split its grid over.
 
 
-def default_implementation(platform: str | None = None, *, head_dim: int = 128, page_tokens: int = 128) -> str:
+def default_implementation(platform: str | None = None, *, head_dim: int = 128,
+                           page_tokens: int = 128) -> str:
   """The kernel on TPU where Mosaic takes its blocks (head dim a multiple of 128, pages of a multiple of 8
   tokens); the GPU kernel on GPU where Triton takes its tiles (`pallas_gpu.paged_rule`); the gather elsewhere
   (and, with a warning, on TPU or GPU otherwise)."""
@@ -65,8 +67,9 @@ def default_implementation(platform: str | None = None, *, head_dim: int = 128, 
   if platform != "tpu":
     return "gather"
   if head_dim % 128 or page_tokens % 8:
-    warnings.warn(f"paged attention: the TPU kernel needs a head dim that is a multiple of 128 and pages of a "
-                  f"multiple of 8 tokens (here {head_dim} and {page_tokens}); the gather runs instead", stacklevel=2)
+    warnings.warn("paged attention: the TPU kernel needs a head dim that is a multiple of 128 and pages of "
+                  f"a multiple of 8 tokens (here {head_dim} and {page_tokens}); the gather runs instead",
+                  stacklevel=2)
     return "gather"
   return "kernel"
 
@@ -77,8 +80,8 @@ def default_block_pages(page_tokens: int, platform: str | None = None) -> int:
 
 
 def attend(q, keys, values, table, lengths, layer, *, implementation: str = "gather", block_pages: int = 1):
-  """q `[R, N, H]`; pool keys and values `[K, L, Q, Pq, Tg, H]`; table `[R, W]` int32; lengths `[R]` int32 (the
-  tokens each row's query sees); layer a scalar. Returns `[R, N, H]` in q's dtype."""
+  """q `[R, N, H]`; pool keys and values `[K, L, Q, Pq, Tg, H]`; table `[R, W]` int32; lengths `[R]` int32
+  (the tokens each row's query sees); layer a scalar. Returns `[R, N, H]` in q's dtype."""
   match implementation:
     case "reference":
       return attend_reference(q, keys, values, table, lengths, layer)
@@ -128,7 +131,8 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
 
   def step(j, carry):
     ids = jnp.minimum(lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1), pages - 1)
-    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block, h).astype(dtype)  # [K, Rq, block, H]
+    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block,
+                                                    h).astype(dtype)  # [K, Rq, block, H]
     visible = (j * block + jnp.arange(block))[None] < lengths[:, None]
     return decode_attention.accumulate(carry, qg, read(keys), read(values), visible, heads="KBSH")
 
@@ -138,10 +142,11 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
 
 def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str = "gather",
                  block_pages: int = 1) -> jax.Array:
-  """A chunk of C queries per row, q `[R, C, N, H]`, query i of row r at its token `starts[r] + i`, each seeing
-  that row's tokens [0, starts[r] + i] (causal: the chunk's own keys are written before it is read); the pool and
-  table as `attend`'s. Returns `[R, C, N, H]` in q's dtype. "reference" (dense: the oracle) or the gather, which
-  reads each block of a row's pages once for its C queries (a prefill chunk's attention on every platform)."""
+  """A chunk of C queries per row, q `[R, C, N, H]`, query i of row r at its token `starts[r] + i`, each
+  seeing that row's tokens [0, starts[r] + i] (causal: the chunk's own keys are written before it is read);
+  the pool and table as `attend`'s. Returns `[R, C, N, H]` in q's dtype. "reference" (dense: the oracle) or
+  the gather, which reads each block of a row's pages once for its C queries (a prefill chunk's attention on
+  every platform)."""
   if implementation == "reference":
     k, v = contiguous(keys, table, layer), contiguous(values, table, layer)
     rows, chunk = q.shape[:2]
@@ -167,7 +172,8 @@ def _chunk_queue(q, keys, values, table, starts, *, layer, block_pages: int) -> 
   rows, chunk, n, _ = q.shape
   block, dtype = block_pages * tg, q.dtype
   qg = q.reshape(rows, chunk, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [Rq, K, G, C, H]
-  bound = starts[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None]  # [Rq, C] each query's last visible token.
+  bound = starts[:, None] + jnp.arange(chunk,
+                                       dtype=jnp.int32)[None]  # [Rq, C] each query's last visible token.
 
   def step(j, carry):
     m, l, acc = carry  # [Rq, K, G, C] (×H for acc), float32.
@@ -184,7 +190,8 @@ def _chunk_queue(q, keys, values, table, starts, *, layer, block_pages: int) -> 
     return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
   shape = qg.shape[:4]
-  carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(qg.shape, jnp.float32))
+  carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+           jnp.zeros(qg.shape, jnp.float32))
   blocks = jnp.minimum((jnp.max(bound) + block) // block, table.shape[1] // block_pages)
   _, l, acc = lax.fori_loop(0, blocks, step, carry)
   out = jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)  # [Rq, K, G, C, H]
@@ -208,7 +215,8 @@ def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, l
   devices = found[0].devices.flat if found is not None else jax.devices()
   kind = getattr(next(iter(devices)), "device_kind", "")
   local = local or _kernel_local
-  local = functools.partial(local, block_pages=block_pages, **({"device_kind": kind} if local is _kernel_local else {}))
+  local = functools.partial(local, block_pages=block_pages,
+                            **({"device_kind": kind} if local is _kernel_local else {}))
   layer = jnp.asarray(layer, jnp.int32)
   if found is None or found[0].size == 1:
     return local(q, keys, values, table, lengths, layer)
@@ -223,7 +231,8 @@ def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, l
   pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
   return jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=q_spec,
                        in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(row_axes, None),
-                                 PartitionSpec(row_axes), PartitionSpec()))(q, keys, values, table, lengths, layer)
+                                 PartitionSpec(row_axes), PartitionSpec()))(q, keys, values, table, lengths,
+                                                                            layer)
 
 
 def _axes(axes) -> tuple:
@@ -238,12 +247,13 @@ def _kernel_local(q, keys, values, table, lengths, layer, *, block_pages: int, d
 
   kv_heads, layers, queues, pages, tg, h = keys.shape
   rows = q.shape[0]
-  flat = lambda pool: pool.reshape(kv_heads, layers * queues * pages, tg, h)  # (layer, queue, page) → one axis.
+  flat = lambda pool: pool.reshape(kv_heads, layers * queues * pages, tg,
+                                   h)  # (layer, queue, page) → one axis.
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
   ids = (layer * queues + queue[:, None]) * pages + jnp.minimum(table, pages - 1)
   scaled = q * jnp.asarray(h ** -0.5, q.dtype)  # The kernel takes its queries scaled.
-  # Its matmuls take float32 queries against bfloat16 keys, which Mosaic compiles at the default precision only:
-  # a run's (or the tests') global "highest" must not reach them.
+  # Its matmuls take float32 queries against bfloat16 keys, which Mosaic compiles at the default precision
+  # only: a run's (or the tests') global "highest" must not reach them.
   with jax.default_matmul_precision("default"):
     return paged_attention(scaled, flat(keys), flat(values), lengths.astype(jnp.int32), ids.astype(jnp.int32),
                            pages_per_compute_block=block_pages,
@@ -279,13 +289,15 @@ def _write_local(pool, new, page, offset, layer):
   total = layers * queues * pages * tg
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
   slot = ((layer * queues + queue) * pages + page) * tg + offset
-  slot = jnp.where(page < pages, slot, total + jnp.arange(rows, dtype=jnp.int32))  # Out of range, each its own.
+  slot = jnp.where(page < pages, slot,
+                   total + jnp.arange(rows, dtype=jnp.int32))  # Out of range, each its own.
   flat = pool.reshape(kv_heads, total, h)
   flat = flat.at[:, slot, :].set(new.transpose(1, 0, 2).astype(pool.dtype), mode="drop", unique_indices=True)
   return flat.reshape(pool.shape)
 
 
-def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset: jax.Array, queues: int) -> jax.Array:
+def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset: jax.Array,
+                queues: int) -> jax.Array:
   """`new` `[R, K, H]` written into the pool `[K, L, Q, Pq, Tg, H]` at (layer, row r's queue, `page[r]`,
   `offset[r]`): a scatter batched over the queue axis (split over the data-parallel devices with the rows, it
   stays on each device), in place, a page ≥ Pq dropped."""
@@ -294,13 +306,13 @@ def write_token(pool: jax.Array, new: jax.Array, layer, page: jax.Array, offset:
                   offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 3)
   updates = new.astype(pool.dtype).reshape(queues, rows // queues, *new.shape[1:])  # [Q, Rq, K, H]
   numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(1, 3, 4),
-                                            scatter_dims_to_operand_dims=(1, 3, 4), operand_batching_dims=(2,),
-                                            scatter_indices_batching_dims=(0,))
+                                            scatter_dims_to_operand_dims=(1, 3, 4),
+                                            operand_batching_dims=(2,), scatter_indices_batching_dims=(0,))
   return jax.lax.scatter(pool, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def read_tokens(lengths, *, page_tokens: int, block_pages: int) -> int:
-  """Cached tokens the kernel reads in one decode step: each row the blocks of `block_pages` pages up to its own
-  `lengths[r]` (the tokens its query sees); × a token's keys and values at every layer: its bytes."""
+  """Cached tokens the kernel reads in one decode step: each row the blocks of `block_pages` pages up to its
+  own `lengths[r]` (the tokens its query sees); × a token's keys and values at every layer: its bytes."""
   block = page_tokens * block_pages
   return int(np.sum(-(-np.asarray(lengths, np.int64) // block)) * block)

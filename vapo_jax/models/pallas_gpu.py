@@ -26,7 +26,8 @@ import contextvars
 import jax
 import jax.numpy as jnp
 
-_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("vapo_jax_pallas_gpu_interpret", default=False)
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("vapo_jax_pallas_gpu_interpret",
+                                                                  default=False)
 MAX_K_SPLITS = 16  # The kernel's default split of the page axis.
 
 
@@ -65,18 +66,21 @@ def k_splits(width: int, block_pages: int) -> int:
 
 
 def paged_decode(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
-  """One device's rows: q `[r, N, H]`, pool keys and values `[k, L, q, Pq, Tg, H]`, table `[r, W]`, lengths `[r]`
-  (the tokens each row's query sees), layer a scalar → `[r, N, H]` in q's dtype; 0 where a length is 0."""
+  """One device's rows: q `[r, N, H]`, pool keys and values `[k, L, q, Pq, Tg, H]`, table `[r, W]`, lengths
+  `[r]` (the tokens each row's query sees), layer a scalar → `[r, N, H]` in q's dtype; 0 where a length is
+  0."""
   from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
   kv_heads, layers, queues, pages, tg, h = keys.shape
   rows, width = table.shape
   if width % block_pages:
     raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
-  flat = lambda pool: pool.reshape(kv_heads, layers * queues * pages, tg, h)  # (layer, queue, page) → one axis.
+  flat = lambda pool: pool.reshape(kv_heads, layers * queues * pages, tg,
+                                   h)  # (layer, queue, page) → one axis.
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
   ids = (layer * queues + queue[:, None]) * pages + jnp.minimum(table, pages - 1)
-  scaled = (q * jnp.asarray(h ** -0.5, q.dtype)).astype(keys.dtype)  # Unscaled logits; one dtype in its matmuls.
+  scaled = (q * jnp.asarray(h ** -0.5,
+                            q.dtype)).astype(keys.dtype)  # Unscaled logits; one dtype in its matmuls.
   out = paged_attention(scaled, flat(keys), flat(values), ids.astype(jnp.int32), lengths.astype(jnp.int32),
                         pages_per_compute_block=block_pages, k_splits=k_splits(width, block_pages),
                         interpret=interpreting())
@@ -91,16 +95,16 @@ def packed_rule(*, tokens: int) -> str | None:
 
 
 def packed_attention(q, k, v, segment_ids, *, causal: bool = True, block: int = 64) -> jax.Array:
-  """q `[B, T, N, H]`, k and v `[B, T, K, H]`, segment_ids `[B, T]` (0: padding) → `[B, T, N, H]`: each query sees
-  the keys of its own segment (and, when causal, at or before it); padding rows are 0."""
+  """q `[B, T, N, H]`, k and v `[B, T, K, H]`, segment_ids `[B, T]` (0: padding) → `[B, T, N, H]`: each query
+  sees the keys of its own segment (and, when causal, at or before it); padding rows are 0."""
   from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
   b, t, n, h = q.shape
   if reason := packed_rule(tokens=t):
     raise ValueError(f"the Pallas GPU attention needs {reason}")
   size = max(s for s in (block, 64, 32, 16) if s <= block and not t % s)
-  sizes = gpu_attention.BlockSizes(block_q=size, block_k=size, block_q_dkv=size, block_kv_dkv=size, block_q_dq=size,
-                                   block_kv_dq=size)
+  sizes = gpu_attention.BlockSizes(block_q=size, block_k=size, block_q_dkv=size, block_kv_dkv=size,
+                                   block_q_dq=size, block_kv_dq=size)
   groups = n // k.shape[2]
   spread = lambda x: jnp.repeat(x, groups, axis=2) if groups > 1 else x  # [B, T, N, H]
   ids = segment_ids.astype(jnp.int32)

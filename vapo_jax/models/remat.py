@@ -1,5 +1,5 @@
-"""Rematerialisation policies (`model.remat`): what a decoder layer keeps from its forward pass for the backward
-pass, and what it computes again. Least recomputation (most memory) first:
+"""Rematerialisation policies (`model.remat`): what a decoder layer keeps from its forward pass for the
+backward pass, and what it computes again. Least recomputation (most memory) first:
 
   none                 keeps everything: no second forward.
   minimal              keeps every matmul output without batch dimensions (the q/k/v/o and MLP projections);
@@ -12,9 +12,9 @@ pass, and what it computes again. Least recomputation (most memory) first:
 
   layer_step = remat.wrap(layer_step, "save_qkv_proj", prevent_cse=False)
 
-The names are those the attention gives its projections (`checkpoint_name`, models/transformer.py); MaxText names
-its policies the same way. Every policy computes the same gradients (tests/test_remat.py); only memory and time
-differ, which `make memory` compiles (`--remat`)."""
+The names are those the attention gives its projections (`checkpoint_name`, models/transformer.py); MaxText
+names its policies the same way. Every policy computes the same gradients (tests/test_remat.py); only memory
+and time differ, which `make memory` compiles (`--remat`)."""
 
 import jax
 from jax.ad_checkpoint import checkpoint_name

@@ -45,7 +45,8 @@ class SafetensorsFile:
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable safetensors header ({e}); {_DAMAGED}") from None
     if not isinstance(header, dict):
-      raise CheckpointError(f"{path}: the safetensors header is a {type(header).__name__}, not an object; {_DAMAGED}")
+      raise CheckpointError(f"{path}: the safetensors header is a {type(header).__name__}, not an object; "
+                            f"{_DAMAGED}")
     self.metadata = header.pop("__metadata__", {}) or {}
     self._offset = 8 + header_len
     for name, info in header.items():
@@ -61,11 +62,11 @@ class SafetensorsFile:
     except (KeyError, TypeError, ValueError):
       raise CheckpointError(f"{self.path}: tensor {name!r} has a malformed header entry {info!r}; {_DAMAGED}") from None
     if dtype in _DTYPES and end - begin != int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize:
-      raise CheckpointError(f"{self.path}: tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes, which "
-                            f"does not match its shape; {_DAMAGED}")
+      raise CheckpointError(f"{self.path}: tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes, "
+                            f"which does not match its shape; {_DAMAGED}")
     if not 0 <= begin <= end or self._offset + end > size:
-      raise CheckpointError(f"{self.path}: tensor {name!r} needs bytes up to {self._offset + end}, but the file "
-                            f"has {size}: it is truncated; {_DAMAGED}")
+      raise CheckpointError(f"{self.path}: tensor {name!r} needs bytes up to {self._offset + end}, but the "
+                            f"file has {size}: it is truncated; {_DAMAGED}")
 
   def keys(self) -> list[str]:
     return list(self.header)
@@ -88,7 +89,8 @@ class SafetensorsFile:
     return data.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def write(path: str, tensors: Iterable[tuple[str, np.ndarray]], metadata: dict[str, str] | None = None) -> int:
+def write(path: str, tensors: Iterable[tuple[str, np.ndarray]],
+          metadata: dict[str, str] | None = None) -> int:
   """Writes `(name, array)` pairs to `path` (atomically, via a temporary file); returns bytes written."""
   tensors = [(name, np.ascontiguousarray(array)) for name, array in tensors]
   header, offset = {}, 0

@@ -11,7 +11,7 @@ import contextvars
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -61,13 +61,13 @@ def make_mesh(*, data: int = -1, fsdp: int = 1, tensor: int = 1,
             "or run where more devices are visible")
   if -1 in sizes:
     if len(devices) % known:
-      raise ConfigError(f"{len(devices)} devices cannot be split into a mesh with sizes {sizes} ({setting}; JAX sees "
-                        f"{len(devices)} {platform} devices, not a multiple of {known}): {advice}")
+      raise ConfigError(f"{len(devices)} devices cannot be split into a mesh with sizes {sizes} ({setting}; "
+                        f"JAX sees {len(devices)} {platform} devices, not a multiple of {known}): {advice}")
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
     raise ConfigError(f"mesh sizes {dict(zip(MESH_AXES, sizes))} need {math.prod(sizes)} devices, "
-                      f"but {len(devices)} are available ({setting}; JAX sees {len(devices)} {platform} devices): "
-                      f"{advice}")
+                      f"but {len(devices)} are available ({setting}; JAX sees {len(devices)} {platform} "
+                      f"devices): {advice}")
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
@@ -149,7 +149,8 @@ def batch_sharding(shape: Sequence[int], mesh: Mesh, rules: dict[str, Any]) -> N
 def place(tree: Any, mesh: Mesh, rules: dict[str, Any]) -> Any:
   """Every leaf of `tree` on `mesh`, laid out by `batch_sharding`: a host array (the same on every process)
   becomes a global array, a device array laid out elsewhere (a key replicated on another mesh of the same
-  devices) moves, and an abstract array (`jax.ShapeDtypeStruct`, a compile report's input) takes the sharding."""
+  devices) moves, and an abstract array (`jax.ShapeDtypeStruct`, a compile report's input) takes the
+  sharding."""
   def one(x):
     target = batch_sharding(np.shape(x), mesh, rules)
     if isinstance(x, jax.ShapeDtypeStruct):
@@ -192,17 +193,32 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
       x, NamedSharding(mesh, partition_spec(logical_axes, rules, mesh.shape, x.shape)))
 
 
-def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[str, Any]) -> nnx.Module:
+_INITS: dict = {}  # (key, mesh, rules) → the jitted initialisation `create_sharded` built for that key.
+_KEEP_INITS = 8
+
+
+def create_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[str, Any], *,
+                   key: Hashable | None = None) -> nnx.Module:
   """Builds `factory()` with every parameter created directly in its sharding.
 
   The module is traced abstractly first (no memory), its shardings are derived from the
   parameters' logical axes, and initialisation runs under `jit` with those output shardings, so
-  no device ever holds a full copy of a sharded parameter.
+  no device ever holds a full copy of a sharded parameter. `key`: what determines `factory`'s module
+  and values (a trainer's: the model config and which model); a later call with the same key, mesh and
+  rules runs the program the first one compiled, untraced.
   """
+  cache_key = None if key is None else (key, mesh, tuple(sorted((k, str(v)) for k, v in rules.items())))
+  if cache_key in _INITS:
+    graphdef, init = _INITS[cache_key]
+    return nnx.merge(graphdef, init())
   graphdef, abstract_state = abstract_sharded(factory, mesh, rules)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-  state = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
+  init = jax.jit(lambda: nnx.state(factory()), out_shardings=shardings)
+  if cache_key is not None:
+    _INITS[cache_key] = graphdef, init
+    while len(_INITS) > _KEEP_INITS:
+      _INITS.pop(next(iter(_INITS)))
+  return nnx.merge(graphdef, init())
 
 
 def abstract_sharded(factory: Callable[[], nnx.Module], mesh: Mesh, rules: dict[str, Any]):

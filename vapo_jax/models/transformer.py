@@ -104,7 +104,8 @@ class Attention(nnx.Module):
     v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dtype))
     if self.qkv_bias:
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
-    q, k, v = (remat_lib.named(t, n) for t, n in ((q, remat_lib.QUERY), (k, remat_lib.KEY), (v, remat_lib.VALUE)))
+    q, k, v = (remat_lib.named(t, n) for t,
+               n in ((q, remat_lib.QUERY), (k, remat_lib.KEY), (v, remat_lib.VALUE)))
     q = constrain(_rotate(q, cos, sin), ("batch", "seq", "act_heads", None))
     k = _rotate(k, cos, sin)
     keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
@@ -158,12 +159,13 @@ class DecoderLayer(nnx.Module):
                rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.self_attn = Attention(cfg, param_dtype=param_dtype, attention=attention, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype,
+                                            rngs=rngs)
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
-    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots, layer_cache,
-                                         segment_ids)
+    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots,
+                                         layer_cache, segment_ids)
     x = x + attended
     x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ("batch", "seq", "embed")), new_cache

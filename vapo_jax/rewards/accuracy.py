@@ -106,7 +106,8 @@ def summarize_by_source(samples: Sequence[Sample]) -> dict[str, Any]:
 
 
 def score(pairs: Sequence[tuple[Any, str]], pool, *, forms: tuple[AnswerForm, ...] = DEFAULT_FORMS,
-          correct_reward: float = 1.0, incorrect_reward: float = -1.0) -> tuple[list[Sample], reward.RewardBatch]:
+          correct_reward: float = 1.0,
+          incorrect_reward: float = -1.0) -> tuple[list[Sample], reward.RewardBatch]:
   """Verifies every response on `pool` as the trainer does (`reward.compute_rewards`: a user
   function's score counts as correct from `correct_reward` on); returns the samples, each with why it
   failed to score if it did, and the batch (its metrics and errors, for `reward.check_errors`)."""
@@ -115,7 +116,8 @@ def score(pairs: Sequence[tuple[Any, str]], pool, *, forms: tuple[AnswerForm, ..
   seen: collections.Counter = collections.Counter()
   samples = []
   for i, (problem, response) in enumerate(pairs):
-    samples.append(Sample(problem.id, problem.source, seen[problem.id], response, problem.answer, batch.answers[i],
+    samples.append(Sample(problem.id, problem.source, seen[problem.id], response, problem.answer,
+                          batch.answers[i],
                           batch.forms[i], bool(batch.correct[i]), batch.statuses[i], batch.errors[i]))
     seen[problem.id] += 1
   return samples, batch

@@ -64,7 +64,8 @@ def parse_answer(text: str) -> tuple:
   parsed = math_verify.parse("\\boxed{" + text + "}", extraction_config=[math_verify.LatexExtractionConfig()],
                              parsing_timeout=None)
   if not parsed:
-    parsed = math_verify.parse(text, extraction_config=[math_verify.ExprExtractionConfig()], parsing_timeout=None)
+    parsed = math_verify.parse(text, extraction_config=[math_verify.ExprExtractionConfig()],
+                               parsing_timeout=None)
   return tuple(parsed)
 
 

@@ -71,13 +71,15 @@ def load_function(path: str) -> Callable:
     module = importlib.import_module(module_name)
   except Exception as e:  # ImportError, or whatever the module raises while it runs.
     raise RewardFunctionError(
-        f"cannot load function {path!r}: importing module {module_name!r} failed with {type(e).__name__}: {e} "
-        "(the module must be importable from the working directory or PYTHONPATH)") from None
+        f"cannot load function {path!r}: importing module {module_name!r} failed with {type(e).__name__}: "
+        f"{e} (the module must be importable from the working directory or PYTHONPATH)") from None
   fn = getattr(module, attr, None)
   if fn is None:
-    raise RewardFunctionError(f"cannot load function {path!r}: module {module_name!r} has no attribute {attr!r}")
+    raise RewardFunctionError(f"cannot load function {path!r}: module {module_name!r} has no attribute "
+                              f"{attr!r}")
   if not callable(fn):
-    raise RewardFunctionError(f"cannot load function {path!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    raise RewardFunctionError(f"cannot load function {path!r}: {attr!r} is a {type(fn).__name__}, not a "
+                              "function")
   return fn
 
 
@@ -207,8 +209,8 @@ class VerifierPool:
       remaining = deadline - time.monotonic()
       if remaining <= 0:
         raise RewardFunctionError(
-            f"importing module {module!r} (reward function {self.fn!r}) did not finish within {limit_s:g} s in "
-            f"{len(waiting)} of {len(self._workers)} verifier workers: does the module block at import "
+            f"importing module {module!r} (reward function {self.fn!r}) did not finish within {limit_s:g} s "
+            f"in {len(waiting)} of {len(self._workers)} verifier workers: does the module block at import "
             "(waiting for input, a lock, the network)? Import such work lazily inside the function.")
       ready = set(mpc.wait([w.conn for w in waiting] + [w.process.sentinel for w in waiting], remaining))
       for worker in list(waiting):
@@ -317,7 +319,8 @@ class VerifierPool:
       worker.stop(kill=True)
       raise RewardFunctionError(
           f"a verifier worker for {self.fn!r} failed to start ({why}); its traceback, if any, is above. "
-          "Workers import the main module again: guard a script's entry point with `if __name__ == '__main__':`.")
+          "Workers import the main module again: guard a script's entry point with `if __name__ == "
+          "'__main__':`.")
     if status == "crash":
       worker.process.join(timeout=1)
       message = _death(worker.process.exitcode)

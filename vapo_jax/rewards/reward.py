@@ -152,14 +152,16 @@ def compute_rewards(
   elapsed = time.perf_counter() - start
   user_scores, correct, extracted, found_forms, statuses, errors, first_error = _verdicts(
       outcomes, builtin=builtin, correct_reward=correct_reward, incorrect_reward=incorrect_reward)
-  rewards = verifier_reward(np.asarray(correct, bool), correct_reward=correct_reward, incorrect_reward=incorrect_reward)
+  rewards = verifier_reward(np.asarray(correct, bool), correct_reward=correct_reward,
+                            incorrect_reward=incorrect_reward)
   scored = [i for i, value in enumerate(user_scores) if value is not None]  # A user function's own numbers.
   rewards[scored] = np.asarray([user_scores[i] for i in scored], np.float32)
   if overlong_buffer_tokens > 0:
     if response_lengths is None or max_response_tokens is None:
       raise ValueError("the overlong penalty needs response_lengths and max_response_tokens")
     rewards = rewards + overlong_penalty(response_lengths, max_response_tokens=max_response_tokens,
-                                         buffer_tokens=overlong_buffer_tokens, penalty_factor=overlong_penalty_factor)
+                                         buffer_tokens=overlong_buffer_tokens,
+                                         penalty_factor=overlong_penalty_factor)
   if format_penalty_value and builtin:
     formatted = np.asarray([f in EXPLICIT_FORMS for f in found_forms], bool)
     rewards = rewards + format_penalty(formatted, penalty=format_penalty_value)
@@ -173,8 +175,8 @@ def compute_rewards(
       "time/verify_s": elapsed,
       "perf/verify_responses_per_s": len(responses) / max(elapsed, 1e-9),
   }
-  batch = RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics, first_error,
-                      errors)
+  batch = RewardBatch(rewards, np.asarray(correct, bool), extracted, found_forms, statuses, metrics,
+                      first_error, errors)
   if max_error_frac is not None:
     check_errors(batch, pool, max_error_frac=max_error_frac)
   return batch
@@ -199,12 +201,12 @@ def check_errors(batch: RewardBatch, pool: VerifierPool, *, max_error_frac: floa
     hint = next((h for key, h in hints.items() if key in first), "fix the function" if user else
                 "check the verifier's installation (sympy, math-verify)")
     raise RewardFunctionError(f"{what} failed on all {len(batch.statuses)} responses of the batch; the first "
-                              f"failure: {first}. Every response would score reward.incorrect (training would learn "
-                              f"nothing, an evaluation would read 0): {hint}.")
+                              f"failure: {first}. Every response would score reward.incorrect (training "
+                              f"would learn nothing, an evaluation would read 0): {hint}.")
   if frac > max_error_frac:
     warnings.warn(f"{frac:.0%} of the batch's responses failed to score with {what}, more than "
-                  f"reward.max_error_frac={max_error_frac:g}; they score incorrect. The first failure: {first}",
-                  stacklevel=2)
+                  f"reward.max_error_frac={max_error_frac:g}; they score incorrect. The first failure: "
+                  f"{first}", stacklevel=2)
   elif user and batch.first_error and not pool.failure_reported:
     warnings.warn(f"{what} failed to score a response: {batch.first_error}. Such responses score incorrect; "
                   f"this is reported once, then counted in {counted_in}", stacklevel=2)

@@ -122,10 +122,11 @@ def ppo_policy_loss(
     token_losses = jnp.where(advantages < 0, jnp.minimum(token_losses, dual), token_losses)
     metrics["dual_clip_frac"] = masked.masked_mean(dual_active, response_mask)
   if tis_cap is not None and sampler_logprobs is not None:
-    weights, tis_metrics = truncated_importance_weights(old_logprobs, sampler_logprobs, response_mask, cap=tis_cap)
+    weights, tis_metrics = truncated_importance_weights(old_logprobs, sampler_logprobs, response_mask,
+                                                        cap=tis_cap)
     token_losses, metrics = token_losses * weights, metrics | tis_metrics
-  loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator, norm_length=norm_length,
-                        segment_ids=segment_ids)
+  loss = aggregate_loss(token_losses, response_mask, mode=mode, denominator=denominator,
+                        norm_length=norm_length, segment_ids=segment_ids)
   metrics |= {
       "clip_frac_low": masked.masked_mean((ratio < 1.0 - eps_low) & (advantages < 0), response_mask),
       "clip_frac_high": masked.masked_mean((ratio > 1.0 + eps_high) & (advantages > 0), response_mask),
@@ -135,7 +136,8 @@ def ppo_policy_loss(
   return loss, metrics
 
 
-def truncated_importance_weights(old_logprobs: jax.Array, sampler_logprobs: jax.Array, response_mask: jax.Array, *,
+def truncated_importance_weights(old_logprobs: jax.Array, sampler_logprobs: jax.Array,
+                                 response_mask: jax.Array, *,
                                  cap: float) -> tuple[jax.Array, dict[str, jax.Array]]:
   """TIS weights w_t = min(exp(log π_old − log π_sampler), cap) `[B, T]` and their metrics: `tis_weight_mean`,
   `tis_clip_frac` (tokens whose ratio exceeds the cap), over valid tokens."""
@@ -189,7 +191,8 @@ def positive_example_nll_loss(
   """
   is_positive = jnp.asarray(is_positive).astype(bool)
   response_mask = jnp.asarray(response_mask).astype(bool)
-  positive_mask = response_mask & (is_positive if is_positive.ndim == response_mask.ndim else is_positive[:, None])
+  positive = is_positive if is_positive.ndim == response_mask.ndim else is_positive[:, None]
+  positive_mask = response_mask & positive
   loss = aggregate_loss(-_f32(logprobs), positive_mask, mode="token-mean", denominator=denominator)
   metrics = {
       "positive_frac": (jnp.mean(_f32(is_positive)) if is_positive.ndim < response_mask.ndim

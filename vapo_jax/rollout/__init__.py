@@ -23,13 +23,13 @@ The package, one module a part:
             rollout's round enters through `partial.decode_round`)
 
 `sample` runs the plan's engine: the static one (`static.generate_static`, optionally in rounds of prompts) or
-the refill one (`refill.engine.generate_refill`, over a paged KV cache); when every sequence has a slot and the
-pool holds them all at the cap there is nothing to refill or page, and the plan runs the static engine. Both
-sample the same tokens for the same key (sequence n of the call draws from `fold_in(key, n)`), so the
+the refill one (`refill.engine.generate_refill`, over a paged KV cache); when every sequence has a slot and
+the pool holds them all at the cap there is nothing to refill or page, and the plan runs the static engine.
+Both sample the same tokens for the same key (sequence n of the call draws from `fold_in(key, n)`), so the
 engine is a speed setting, never a change of results.
 
-Metrics (`rollout_metrics`): the `rollout/` keys, `time/rollout_s` and `perf/rollout_tokens_per_s`, each declared
-with its meaning in `vapo_jax/metric_keys.py`.
+Metrics (`rollout_metrics`): the `rollout/` keys, `time/rollout_s` and `perf/rollout_tokens_per_s`, each
+declared with its meaning in `vapo_jax/metric_keys.py`.
 """
 
 import time
@@ -62,25 +62,26 @@ def rollout_metrics(lengths: np.ndarray, finish_reason: np.ndarray, *, seconds: 
           "rollout/finish_length_frac": float(np.mean(finish_reason == common.FINISH_LENGTH))}
 
 
-def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.Array, *, sampling: common.Sampling,
+def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.Array, *,
+           sampling: common.Sampling,
            plan: RolloutPlan, pad_id: int = 0, cache_dtype=jnp.float32, jit: Callable = jax.jit,
            place: Callable | None = None, length_limits: np.ndarray | None = None
            ) -> tuple[common.Rollout, dict[str, float]]:
   """`plan.group` responses for each left-padded prompt (`common.pad_prompts`) with the plan's engine.
 
-  Returns the `Rollout` (device arrays; row n = p·G + g is sequence n of `key`) and its metrics.
-  `jit` builds the programs (the trainer's `Steps.jit` binds its mesh and sharding rules);
-  `place` puts every input of the programs, the key included, where they run (the trainer's
-  `RolloutLayout.place`; default: the default device). `length_limits` `[P·G]` in [1, max_response_tokens]
-  ends sequence n at its own length (finish reason "length"); the benchmark forces a length distribution with it.
+  Returns the `Rollout` (device arrays; row n = p·G + g is sequence n of `key`) and its metrics. `jit` builds
+  the programs (the trainer's `Steps.jit` binds its mesh and sharding rules); `place` puts every input of the
+  programs, the key included, where they run (the trainer's `RolloutLayout.place`; default: the default
+  device). `length_limits` `[P·G]` in [1, max_response_tokens] ends sequence n at its own length (finish
+  reason "length"); the benchmark forces a length distribution with it.
   """
   place = place or (lambda tree: jax.tree.map(jnp.asarray, tree))
   key = place(key)  # Every input of the programs where they run, the key too (from the training mesh).
   if (prompt_tokens.shape != (plan.prompts, plan.prompt_tokens)
       or sampling.max_response_tokens != plan.max_response_tokens):
     raise ValueError(f"the plan is for {plan.prompts} prompts of {plan.prompt_tokens} tokens and "
-                     f"{plan.max_response_tokens}-token responses; the call has prompts {prompt_tokens.shape} and "
-                     f"{sampling.max_response_tokens}-token responses")
+                     f"{plan.max_response_tokens}-token responses; the call has prompts "
+                     f"{prompt_tokens.shape} and {sampling.max_response_tokens}-token responses")
   prompts, group, sequences = plan.prompts, plan.group, plan.sequences
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
@@ -107,5 +108,5 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     rows = plan.decode_rows
     rounds = [lengths[i:i + rows] for i in range(0, sequences, rows)]
     decode_steps, row_steps = sum(int(r.max()) for r in rounds), sum(int(r.max()) * len(r) for r in rounds)
-  return out, rollout_metrics(lengths, finish, seconds=seconds, decode_steps=decode_steps, rows=plan.decode_rows,
-                              row_steps=row_steps) | figures
+  return out, rollout_metrics(lengths, finish, seconds=seconds, decode_steps=decode_steps,
+                              rows=plan.decode_rows, row_steps=row_steps) | figures

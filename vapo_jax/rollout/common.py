@@ -77,13 +77,13 @@ def cache_bytes(model_cfg, *, batch: int, prompt_tokens: int, max_response_token
 def check_cache_fits(model_cfg, *, batch, prompt_tokens, max_response_tokens, budget_bytes, dtype=jnp.float32,
                      devices=1, tensor=1) -> int:
   """Raises with what to change when the KV cache will not fit `budget_bytes` per device."""
-  needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens, max_response_tokens=max_response_tokens,
-                       dtype=dtype, devices=devices, tensor=tensor)
+  needed = cache_bytes(model_cfg, batch=batch, prompt_tokens=prompt_tokens,
+                       max_response_tokens=max_response_tokens, dtype=dtype, devices=devices, tensor=tensor)
   if needed > budget_bytes:
     raise MemoryError(
-        f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_response_tokens} new tokens needs "
-        f"{_size(needed)} per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), over the budget "
-        f"of {_size(budget_bytes)} (rollout.kv_cache_budget_gib): raise "
+        f"the KV cache for {batch} sequences of {prompt_tokens} prompt + {max_response_tokens} new tokens "
+        f"needs {_size(needed)} per device ({devices} data-parallel devices, {jnp.dtype(dtype).name}), over "
+        f"the budget of {_size(budget_bytes)} (rollout.kv_cache_budget_gib): raise "
         "rollout.kv_cache_budget_gib if the devices have the memory, lower rollout.prompts_per_step or "
         "rollout.max_response_tokens, or use more data-parallel devices")
   return needed
@@ -122,15 +122,16 @@ def longest_prompt_pages(lengths, page_tokens: int) -> int:
 def check_pool(*, pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False,
                shares: int = 1) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its longest prompt
-  (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes its
-  pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message names it
-  and the value that works: `shares` queues' pools on each device), else `kv_cache_budget_gib`'s."""
+  (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes
+  its pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message
+  names it and the value that works: `shares` queues' pools on each device), else `kv_cache_budget_gib`'s."""
   needed = held + sequence_pages(max_response_tokens, page_tokens)
   if pages < needed:
     split = f" ({shares} queues' pools on each device)" if shares > 1 else ""
     raise MemoryError(
-        f"the KV cache's pool of {counted(pages, 'page')} of {counted(page_tokens, 'token')} per queue{split} cannot "
-        f"hold its longest prompt ({counted(held, 'page')}) and one {max_response_tokens}-token response "
+        f"the KV cache's pool of {counted(pages, 'page')} of {counted(page_tokens, 'token')} per "
+        f"queue{split} cannot hold its longest prompt ({counted(held, 'page')}) and one "
+        f"{max_response_tokens}-token response "
         f"({counted(needed, 'page')} in all): "
         + (f"set rollout.pages={needed * shares} or more" if given else "raise rollout.kv_cache_budget_gib") +
         " if the devices have the memory, or lower rollout.max_response_tokens or rollout.max_prompt_tokens")
@@ -142,7 +143,8 @@ def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sor
                                     top_p=sampling.top_p, sorted_filter=sorted_filter)
 
 
-def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype, decode_block: int | None):
+def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dtype,
+            decode_block: int | None):
   """The P prompts through the model once: (last-position logits [P, V], cache [P, Tp])."""
   cache = KVCache.zeros(model.cfg, *prompt_tokens.shape, cache_dtype, decode_block=decode_block)
   return model.last_logits(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache)
@@ -158,10 +160,12 @@ def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, length
       response_tokens=jnp.where(response_mask, tokens, pad_id), response_mask=response_mask,
       response_lengths=lengths.astype(jnp.int32),
       finish_reason=jnp.where(stopped, FINISH_STOP, FINISH_LENGTH).astype(jnp.int32),
-      sampler_logprobs=jnp.where(response_mask, sampler, 0.0), policy_logprobs=jnp.where(response_mask, policy, 0.0))
+      sampler_logprobs=jnp.where(response_mask, sampler, 0.0),
+      policy_logprobs=jnp.where(response_mask, policy, 0.0))
 
 
-def pad_prompts(prompts: list[list[int]], *, pad_id: int, bucket_minimum: int = 16) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(prompts: list[list[int]], *, pad_id: int,
+                bucket_minimum: int = 16) -> tuple[np.ndarray, np.ndarray]:
   """Left-pads token lists to their bucket length: (tokens [P, Tp], mask [P, Tp])."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise ValueError("every prompt needs at least one token")

@@ -56,8 +56,8 @@ def check_tensor_parallel(tensor_parallel: int, *, devices: int, kv_heads: int |
                       f"{_divisors(devices)} (1 decodes in the training layout)")
   if kv_heads is not None and kv_heads % t:
     fits = [d for d in _divisors(kv_heads) if devices % d == 0]
-    raise ConfigError(f"rollout.tensor_parallel={t} must divide the model's {kv_heads} KV heads (the rollout splits "
-                      f"the KV cache by heads over each tensor-parallel group): choose one of {fits}")
+    raise ConfigError(f"rollout.tensor_parallel={t} must divide the model's {kv_heads} KV heads (the rollout "
+                      f"splits the KV cache by heads over each tensor-parallel group): choose one of {fits}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,7 +70,8 @@ class RolloutLayout:
   training_rules: Mapping[str, Any]
   tensor_parallel: int  # Chips per tensor-parallel group (1: the training layout itself).
   compute_dtype: jnp.dtype  # The rollout copy's dtype.
-  _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False)  # Output sharding -> cast.
+  _programs: dict = dataclasses.field(default_factory=dict, init=False,
+                                      repr=False)  # Output sharding -> cast.
 
   @property
   def data_devices(self) -> int:
@@ -82,9 +83,10 @@ class RolloutLayout:
     return sharding.jit(fn, self.mesh, self.rules, **kwargs)
 
   def place(self, tree):
-    """Every input of a rollout program, keys included, on the rollout mesh: split over its batch axes (replicated
-    when they do not divide), from the host, from the training mesh, or as abstract arrays (`sharding.place`). The
-    one placement of a rollout's inputs: the trainer's calls and the compile report's arguments go through it."""
+    """Every input of a rollout program, keys included, on the rollout mesh: split over its batch axes
+    (replicated when they do not divide), from the host, from the training mesh, or as abstract arrays
+    (`sharding.place`). The one placement of a rollout's inputs: the trainer's calls and the compile report's
+    arguments go through it."""
     return sharding.place(tree, self.mesh, self.rules)
 
   def reshard(self, params: nnx.State) -> nnx.State:
@@ -114,7 +116,8 @@ class RolloutLayout:
     (the compute dtype, the rollout shardings), allocating nothing: a compile report's input."""
     if self.tensor_parallel == 1:
       return abstract_params
-    copy = lambda v, out: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, self.compute_dtype, sharding=out))
+    copy = lambda v, out: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, self.compute_dtype,
+                                                         sharding=out))
     return jax.tree.map(copy, abstract_params, self._targets(abstract_params), is_leaf=_IS_VARIABLE)
 
   def to_training(self, tree):
@@ -151,5 +154,6 @@ def layout_for(rollout_config: RolloutConfig, training_mesh: Mesh, *, compute_dt
   if t == 1:
     return RolloutLayout(mesh=training_mesh, rules=training_rules, **common)
   check_tensor_parallel(t, devices=devices.size)
-  mesh = Mesh(devices.reshape(devices.size // t, 1, t), sharding.MESH_AXES)  # The same devices, in the same order.
+  mesh = Mesh(devices.reshape(devices.size // t, 1, t),
+              sharding.MESH_AXES)  # The same devices, in the same order.
   return RolloutLayout(mesh=mesh, rules=sharding.PRESETS["tp"], **common)

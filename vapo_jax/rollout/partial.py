@@ -12,31 +12,31 @@ and the next round continues it from there.
     # each round: call = carry.next_call(draw, queues=Q); carry.record(call, *decode(call), version=version)
   batch = carry.batch_arrays(groups, version=version)                          # the trained rows, then freed
 
-- **A round** decodes `plan.OVERPROVISION` × P·G sequences (`next_call`; its plan: `plan.plan_round`) in the slots
-  of P·G: the carried ones first, then the members of new groups drawn whole from the prompts; a slot freed
-  before the budget takes the next
-  sequence, so the slots stay full to the budget (the ones not reached wait, with no tokens, for the next round).
-  A carried sequence's prompt is its problem's prompt followed by its tokens so far: the round prefills it under
-  the current weights (its keys and values are the current policy's) and decodes on from there. Sequence `i` of
-  the run samples its token t with `fold_in(fold_in(key, i), t)` (`resumed.Resumed`), so with the weights
-  unchanged a sequence stopped and continued gives the tokens of one never stopped.
-- **Every queue its share of the oldest.** The engine's queue q serves the call's sequences [q·N/Q, (q+1)·N/Q);
-  the call deals the pending sequences, oldest first, round-robin over the Q queues, so the carried ones spread
-  over every data-parallel group rather than crowding the first.
+- **A round** decodes `plan.OVERPROVISION` × P·G sequences (`next_call`; its plan: `plan.plan_round`) in the
+  slots of P·G: the carried ones first, then the members of new groups drawn whole from the prompts; a slot
+  freed before the budget takes the next sequence, so the slots stay full to the budget (the ones not reached
+  wait, with no tokens, for the next round). A carried sequence's prompt is its problem's prompt followed by
+  its tokens so far: the round prefills it under the current weights (its keys and values are the current
+  policy's) and decodes on from there. Sequence `i` of the run samples its token t with `fold_in(fold_in(key,
+  i), t)` (`resumed.Resumed`), so with the weights unchanged a sequence stopped and continued gives the tokens
+  of one never stopped.
+- **Every queue its share of the oldest.** The engine's queue q serves the call's sequences [q·N/Q,
+  (q+1)·N/Q); the call deals the pending sequences, oldest first, round-robin over the Q queues, so the
+  carried ones spread over every data-parallel group rather than crowding the first.
 - **Complete groups only** are trained on: group baselines, the values' returns and the verifier need every
   member. A step trains on exactly P groups, the P oldest complete ones; it runs rounds, under its one set of
-  weights, until P are complete (the batch keeps the size of an unbudgeted step: P prompts × G). Complete groups
-  beyond P wait for the next step.
+  weights, until P are complete (the batch keeps the size of an unbudgeted step: P prompts × G). Complete
+  groups beyond P wait for the next step.
 - **Bounded staleness.** A token sampled by policy version u and trained at version v is v − u versions old.
   At the start of step v every member whose first token is older than `max_staleness` versions restarts from
   its prompt (its tokens dropped, the preemption's path), so no trained token is older than k versions.
   `(k + 1) · D ≥ Tr` (checked by the config) lets a restarted sequence, started first in a round, finish.
 
-The carry is arrays: each member's tokens, sampler and policy log-probs and versions in preallocated NumPy buffers
-`[M, Tr]` beside its length and finish (grown by doubling when more members are in flight), and each group's
-record, prompt and rows. A round's call and results move whole sequences (slices), never a token at a time.
-`state_dict` gives its counters (JSON) and its arrays, saved as arrays in the checkpoint: nothing lost on a stop.
-The host side of a round; `decode_round` runs it on the devices.
+The carry is arrays: each member's tokens, sampler and policy log-probs and versions in preallocated NumPy
+buffers `[M, Tr]` beside its length and finish (grown by doubling when more members are in flight), and each
+group's record, prompt and rows. A round's call and results move whole sequences (slices), never a token at a
+time. `state_dict` gives its counters (JSON) and its arrays, saved as arrays in the checkpoint: nothing lost
+on a stop. The host side of a round; `decode_round` runs it on the devices.
 """
 
 import dataclasses
@@ -89,7 +89,8 @@ class Carry:
 
   def _allocate(self, rows: int) -> None:
     """Empty buffers of `rows` members."""
-    self.buffers = {name: np.zeros((rows, self.max_response_tokens), dtype) for name, dtype in _BUFFERS.items()}
+    self.buffers = {name: np.zeros((rows, self.max_response_tokens), dtype) for name,
+                    dtype in _BUFFERS.items()}
     self.length, self.finish = np.zeros(rows, np.int32), np.full(rows, -1, np.int32)
     self.ids, self.used = np.zeros(rows, np.int64), np.zeros(rows, bool)
 
@@ -148,8 +149,8 @@ class Carry:
       prompt = prompts[int(r)]
       start = width - len(prompt) - k
       if start < 0:
-        raise ValueError(f"sequence {self.ids[r]}: {len(prompt) + k} prompt and carried tokens over the call's "
-                         f"width {width}")
+        raise ValueError(f"sequence {self.ids[r]}: {len(prompt) + k} prompt and carried tokens over the "
+                         f"call's width {width}")
       tokens[i, start:start + len(prompt)], tokens[i, width - k:] = prompt, self.buffers["tokens"][r, :k]
       mask[i, start:] = True
     return Call(rows, tokens, mask, self.ids[rows].astype(np.int32), offsets,
@@ -163,7 +164,8 @@ class Carry:
     for i, (r, k) in enumerate(zip(call.rows, np.asarray(held, np.int64))):
       start = self.length[r]
       if k + start > self.max_response_tokens:
-        raise ValueError(f"sequence {self.ids[r]}: {start} + {k} tokens over the cap {self.max_response_tokens}")
+        raise ValueError(f"sequence {self.ids[r]}: {start} + {k} tokens over the cap "
+                         f"{self.max_response_tokens}")
       for name, source in new.items():
         self.buffers[name][r, start:start + k] = source[i, :k]
       self.buffers["versions"][r, start:start + k] = version
@@ -172,8 +174,8 @@ class Carry:
     self.finish[call.rows[ended]] = np.asarray(finish)[ended]
 
   def take_complete(self, count: int) -> list[Group] | None:
-    """The `count` oldest complete groups, removed from the carry (their rows read by `batch_arrays`, which frees
-    them); None while fewer are complete."""
+    """The `count` oldest complete groups, removed from the carry (their rows read by `batch_arrays`, which
+    frees them); None while fewer are complete."""
     if not self.groups:
       return None
     complete = np.all(self.finish[np.stack([g.rows for g in self.groups])] >= 0, axis=1)
@@ -185,10 +187,12 @@ class Carry:
     return taken
 
   def batch_arrays(self, groups: list[Group], *, version: int) -> dict[str, np.ndarray]:
-    """The trained rows of complete `groups` (B = groups × G, each group's members contiguous) as host arrays: the
-    fields of a `common.Rollout` and `stale` `[B]`, each row's tokens sampled before `version`; their rows freed."""
+    """The trained rows of complete `groups` (B = groups × G, each group's members contiguous) as host arrays:
+    the fields of a `common.Rollout` and `stale` `[B]`, each row's tokens sampled before `version`; their rows
+    freed."""
     rows = np.concatenate([g.rows for g in groups])
-    prompts, prompt_mask = common.pad_prompts([g.prompt.tolist() for g in groups for _ in g.rows], pad_id=self.pad_id)
+    prompts, prompt_mask = common.pad_prompts([g.prompt.tolist() for g in groups for _ in g.rows],
+                                              pad_id=self.pad_id)
     lengths = self.length[rows].copy()
     mask = np.arange(self.max_response_tokens)[None] < lengths[:, None]
     take = lambda name, fill: np.where(mask, self.buffers[name][rows], fill)
@@ -202,8 +206,8 @@ class Carry:
   def step(self, version: int, count: int, draw: Callable, decode: Callable, *,
            queues: int = 1) -> tuple[list[Group], int, int]:
     """One RL step at policy version `version`: the stale restarted, then rounds (`next_call` with `draw` over
-    `queues` queues; `decode(call)` → the round's (tokens, sampler, policy, held, finish), `record`ed) until `count`
-    groups are complete. Returns (those groups, the sequences restarted, the rounds run)."""
+    `queues` queues; `decode(call)` → the round's (tokens, sampler, policy, held, finish), `record`ed) until
+    `count` groups are complete. Returns (those groups, the sequences restarted, the rounds run)."""
     restarted, rounds = self.restart_stale(version), 0
     while (groups := self.take_complete(count)) is None:
       call = self.next_call(draw, queues=queues)
@@ -231,8 +235,8 @@ class Carry:
       g.rows, start = np.arange(start, start + len(g.rows)), start + len(g.rows)
 
   def state_dict(self) -> tuple[dict, dict[str, np.ndarray]]:
-    """(counters, arrays): the JSON record's counters and shapes, and every group in flight as arrays (members in
-    group order, whole rows: views of the buffers; the records as UTF-8 JSON bytes)."""
+    """(counters, arrays): the JSON record's counters and shapes, and every group in flight as arrays (members
+    in group order, whole rows: views of the buffers; the records as UTF-8 JSON bytes)."""
     self._compact()
     rows, width = self._rows(), self.max_response_tokens  # Whole rows: views of the buffers, and back the same.
     prompts = [g.prompt for g in self.groups]
@@ -245,7 +249,8 @@ class Carry:
         "length": self.length[rows], "finish": self.finish[rows], "ids": self.ids[rows],
         "prompt_tokens": prompt_tokens, "prompt_lengths": np.asarray([len(p) for p in prompts], np.int32),
         "records": records}
-    counters = {"next_id": self.next_id, "groups": len(self.groups), "width": width, "prompt_width": prompt_width,
+    counters = {"next_id": self.next_id, "groups": len(self.groups), "width": width,
+                "prompt_width": prompt_width,
                 "record_bytes": len(records)}
     return counters, arrays
 
@@ -254,15 +259,16 @@ class Carry:
     """The shapes and dtypes of `state_dict`'s arrays, from its counters (a checkpoint's restore target)."""
     n, width = int(counters["groups"]) * group, int(counters["width"])
     return {name: ((n, width), np.dtype(dtype)) for name, dtype in _BUFFERS.items()} | {
-        "length": ((n,), np.dtype(np.int32)), "finish": ((n,), np.dtype(np.int32)), "ids": ((n,), np.dtype(np.int64)),
+        "length": ((n,), np.dtype(np.int32)), "finish": ((n,), np.dtype(np.int32)),
+        "ids": ((n,), np.dtype(np.int64)),
         "prompt_tokens": ((int(counters["groups"]), int(counters["prompt_width"])), np.dtype(np.int32)),
         "prompt_lengths": ((int(counters["groups"]),), np.dtype(np.int32)),
         "records": ((int(counters["record_bytes"]),), np.dtype(np.uint8))}
 
   def load_state_dict(self, counters: dict, arrays: dict[str, np.ndarray]) -> None:
-    """The carry of `state_dict`; a `ValueError` naming what is wrong when the two do not fit each other (nothing
-    is changed then). Under a lower `max_response_tokens` than the save's, a sequence holding the new cap or more
-    is cut there and ends with finish reason "length" (`capped`: how many)."""
+    """The carry of `state_dict`; a `ValueError` naming what is wrong when the two do not fit each other
+    (nothing is changed then). Under a lower `max_response_tokens` than the save's, a sequence holding the new
+    cap or more is cut there and ends with finish reason "length" (`capped`: how many)."""
     if not int(counters["groups"]):  # Nothing in flight: no arrays were saved.
       self.groups, self.next_id, self.capped = [], int(counters["next_id"]), 0
       self._allocate(0)
@@ -303,19 +309,19 @@ class Carry:
     self.next_id = int(counters["next_id"])
 
 
-def decode_round(model, call: Call, key: jax.Array, *, plan, sampling: common.Sampling, budget: int, pad_id: int,
-                 cache_dtype, jit: Callable, place: Callable):
-  """One round on the devices: the refill engine as `plan` (a budgeted `RolloutPlan` of the call, one sequence per
-  prompt) says, over `call`'s sequences, stopped at `budget` decode steps. Returns the host arrays (tokens,
-  sampler, policy `[N, Tr]`; held, finish `[N]`), the decode steps and the rows decoded (Σ slots × steps), and
-  the engine's figures."""
+def decode_round(model, call: Call, key: jax.Array, *, plan, sampling: common.Sampling, budget: int,
+                 pad_id: int, cache_dtype, jit: Callable, place: Callable):
+  """One round on the devices: the refill engine as `plan` (a budgeted `RolloutPlan` of the call, one sequence
+  per prompt) says, over `call`'s sequences, stopped at `budget` decode steps. Returns the host arrays
+  (tokens, sampler, policy `[N, Tr]`; held, finish `[N]`), the decode steps and the rows decoded (Σ slots ×
+  steps), and the engine's figures."""
   resumed = resumed_lib.Resumed(*place((call.ids, call.offsets, np.asarray(budget, np.int32))))
   tokens, mask, key = place((call.prompt_tokens, call.prompt_mask, key))
   out, steps, row_steps, figures = refill.generate_refill(
       model, tokens, mask, key, plan=plan, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit,
       length_limits=place(call.limits), resumed=resumed)
-  host = distributed.to_host((out.response_tokens, out.sampler_logprobs, out.policy_logprobs, out.response_lengths,
-                              out.finish_reason))
+  host = distributed.to_host((out.response_tokens, out.sampler_logprobs, out.policy_logprobs,
+                              out.response_lengths, out.finish_reason))
   return tuple(np.asarray(x) for x in host), steps, row_steps, figures
 
 

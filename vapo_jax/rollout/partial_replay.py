@@ -1,6 +1,6 @@
 """Partial rollouts replayed on the host: whole RL steps of rounds, each round the refill engine's replay
-(`refill/replay.simulate`) under the round's own plan, with the engine's own carry (`partial.Carry`): the roofline's
-model of a budgeted rollout in steady state (`vapo_jax/roofline`).
+(`refill/replay.simulate`) under the round's own plan, with the engine's own carry (`partial.Carry`): the
+roofline's model of a budgeted rollout in steady state (`vapo_jax/roofline`).
 
   replay = partial_rounds(profile.responses, profile.prompts, group=G, plan=round_plan, budget=D, max_staleness=k)
 """
@@ -26,13 +26,13 @@ class PartialLoad(NamedTuple):
   plan: object = None  # The round's `RolloutPlan`, as replayed.
 
 
-def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, plan, budget: int, max_staleness: int,
-                   warm: int = 4, measured: int = 4) -> PartialLoad:
-  """One queue of a round's `plan` (`plan.plan_round`: its sequences, slots, pool, lanes and chunks) replayed over
-  whole RL steps: each restarts the stale, then runs rounds of `budget` decode steps (`replay.simulate`, one
-  sequence per prompt: a prompt with its carried tokens) until its share of groups is complete. Groups come from
-  one step's `responses` `[N]` and `prompts` `[N / group]` in turn, the queue serving 1/`plan.queues` of them;
-  `warm` steps fill the pipeline, the next `measured` are counted."""
+def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, plan, budget: int,
+                   max_staleness: int, warm: int = 4, measured: int = 4) -> PartialLoad:
+  """One queue of a round's `plan` (`plan.plan_round`: its sequences, slots, pool, lanes and chunks) replayed
+  over whole RL steps: each restarts the stale, then runs rounds of `budget` decode steps (`replay.simulate`,
+  one sequence per prompt: a prompt with its carried tokens) until its share of groups is complete. Groups
+  come from one step's `responses` `[N]` and `prompts` `[N / group]` in turn, the queue serving
+  1/`plan.queues` of them; `warm` steps fill the pipeline, the next `measured` are counted."""
   queues, tr = plan.queues, plan.max_response_tokens
   per_step = len(prompts) // queues
   carry = partial.Carry(group=group, sequences=plan.prompts // queues, max_response_tokens=tr,
@@ -72,7 +72,8 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, pl
     if version >= warm:
       rounds, restarted, carried = rounds + ran, restarted + restarts, carried + carry.carried()
       stale, trained = stale + int(batch["stale"].sum()), trained + int(batch["response_lengths"].sum())
-  joined = replay.Load(*(np.concatenate([getattr(x, f) for x in loads]) for f in ("rows", "live", "read_tokens")),
+  joined = replay.Load(*(np.concatenate([getattr(x, f) for x in loads]) for f in ("rows", "live",
+                                                                                  "read_tokens")),
                        sum(x.preemptions for x in loads), sum(x.recomputed_tokens for x in loads),
                        max(x.peak_pages for x in loads), None, sum(x.prefills for x in loads),
                        *(np.concatenate([getattr(x, f) for x in loads]) for f in ("chunks", "prefill_tokens",

@@ -1,4 +1,5 @@
-"""The rollout's plan: what one rollout call runs, decided once, from the config, the model, the call and the devices.
+"""The rollout's plan: what one rollout call runs, decided once, from the config, the model, the call and the
+devices.
 
   plan = plan_rollout(config.rollout, model_cfg, prompts=P, group=G, prompt_tokens=Tp, dtype=..., devices=D)
   out, metrics = rollout.sample(model, tokens, mask, key, sampling=..., plan=plan, ...)
@@ -13,15 +14,15 @@ cache's `MemoryError` (naming the setting to change and a value that works):
   prompts prefilled into pages as their samples are about to run (`prefill_lanes` lanes a queue, chunks of
   `prefill_chunk` tokens). The pool is sized per data-parallel group (`pages`, `rollout.pages`' meaning, or as
   many as `kv_cache_budget_gib` holds but no more than the slots need at the cap beside the prompts in flight:
-  a slot's worth of each group in a slot and one prompt per lane); the slots are `rollout.slots`, or as many as
-  that pool holds with every response at the cap. The pool must hold the call's longest prompt and one whole
-  sequence (`common.check_pool`); past that, running out of pages costs recomputation, not a refusal. The
-  sequences run in `queues` queues: the most dividing the groups, the prompts, the slots and `min_slots`, so
-  each queue is a group's with its own devices; with fewer queues than groups every device holds every queue's
-  pool (replicated), so a queue holds `pages / queues` (`queue_pages`). When every sequence has a slot and its
-  queue's pool holds them all at the cap with every prompt, nothing would be refilled or paged: the static batch
-  runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`), which only the
-  refill engine can stop.
+  a slot's worth of each group in a slot and one prompt per lane); the slots are `rollout.slots`, or as many
+  as that pool holds with every response at the cap. The pool must hold the call's longest prompt and one
+  whole sequence (`common.check_pool`); past that, running out of pages costs recomputation, not a refusal.
+  The sequences run in `queues` queues: the most dividing the groups, the prompts, the slots and `min_slots`,
+  so each queue is a group's with its own devices; with fewer queues than groups every device holds every
+  queue's pool (replicated), so a queue holds `pages / queues` (`queue_pages`). When every sequence has a slot
+  and its queue's pool holds them all at the cap with every prompt, nothing would be refilled or paged: the
+  static batch runs instead (the same tokens), unless the call is a partial rollout's round (`budgeted`),
+  which only the refill engine can stop.
 """
 
 import dataclasses
@@ -90,13 +91,14 @@ class RolloutPlan:
 
   @property
   def pool_share(self) -> float:
-    """refill: the share of a queue's slots its pool holds with every response at the cap, beside the prompts in
-    flight (1: all of them; below 1 the engine can run out of pages and preempt)."""
+    """refill: the share of a queue's slots its pool holds with every response at the cap, beside the prompts
+    in flight (1: all of them; below 1 the engine can run out of pages and preempt)."""
     if self.engine != "refill":
       return 1.0
     slots = min(self.slots, self.sequences) // self.queues
     prompts = min(self.prompts // self.queues, -(-slots // self.group) + self.lanes) * self.prompt_pages
-    return min(1.0, max(0, self.queue_pages - prompts) / (slots * common.sequence_pages(self.max_response_tokens,
+    return min(1.0,
+               max(0, self.queue_pages - prompts) / (slots * common.sequence_pages(self.max_response_tokens,
                                                                                         self.page_tokens)))
 
   @property
@@ -110,12 +112,14 @@ class RolloutPlan:
     return queues_lib.shrink_sizes(self.slots, self.min_slots) if self.engine == "refill" else []
 
   def programs(self, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit, slots: int | None = None):
-    """The programs the engine runs: refill, `engine.Programs` (start, decode, finish) at `slots` rows (default:
-    `self.slots`; `shrink_sizes` the others; `engine.compaction` moves between them); static, its generate."""
+    """The programs the engine runs: refill, `engine.Programs` (start, decode, finish) at `slots` rows
+    (default: `self.slots`; `shrink_sizes` the others; `engine.compaction` moves between them); static, its
+    generate."""
     if self.engine == "static":
       return static.make_generate(sampling=sampling, samples_per_prompt=self.group, pad_id=pad_id,
                                   cache_dtype=cache_dtype, decode_block=self.decode_block, jit=jit)
-    return refill.programs(self, sampling=sampling, slots=slots, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
+    return refill.programs(self, sampling=sampling, slots=slots, pad_id=pad_id, cache_dtype=cache_dtype,
+                           jit=jit)
 
 
 def _plan_static(r, model_cfg, base: dict, *, dtype) -> RolloutPlan:
@@ -123,7 +127,8 @@ def _plan_static(r, model_cfg, base: dict, *, dtype) -> RolloutPlan:
   prompts = base["prompts"]
   per_round = min(r.prompts_per_generation or prompts, prompts)
   common.check_cache_fits(model_cfg, batch=per_round * base["group"], prompt_tokens=base["prompt_tokens"],
-                          max_response_tokens=base["max_response_tokens"], dtype=dtype, devices=base["devices"],
+                          max_response_tokens=base["max_response_tokens"], dtype=dtype,
+                          devices=base["devices"],
                           tensor=r.tensor_parallel, budget_bytes=int(r.kv_cache_budget_gib * 2**30))
   return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
 
@@ -132,16 +137,16 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
                  platform: str | None = None, prompt_lengths=None, budgeted: bool = False,
                  slot_sequences: int | None = None) -> RolloutPlan:
   """The plan of a call of `prompts` × `group` sequences of `prompt_tokens`-token (bucketed) prompts under the
-  `RolloutConfig` `r`, split over `devices` data-parallel groups (each of `r.tensor_parallel` chips, which split
-  the KV cache by heads), on `platform` (default: the one traced for, `sharding.platform()`). `prompt_lengths`
-  `[P]`: the prompts' real tokens (default: every prompt at the bucket), which their queue's pages must hold.
-  With fewer queues than groups, every device holds every queue's pool: `rollout.pages` is split over the
-  queues, else each queue's pool holds its own slots at the cap, within the budget.
-  `budgeted`: a partial rollout's round (the refill engine, whatever the sizes); `slot_sequences`: the sequences
-  the slots are sized for (default: the call's). A `MemoryError` names what to change."""
+  `RolloutConfig` `r`, split over `devices` data-parallel groups (each of `r.tensor_parallel` chips, which
+  split the KV cache by heads), on `platform` (default: the one traced for, `sharding.platform()`).
+  `prompt_lengths` `[P]`: the prompts' real tokens (default: every prompt at the bucket), which their queue's
+  pages must hold. With fewer queues than groups, every device holds every queue's pool: `rollout.pages` is
+  split over the queues, else each queue's pool holds its own slots at the cap, within the budget. `budgeted`:
+  a partial rollout's round (the refill engine, whatever the sizes); `slot_sequences`: the sequences the slots
+  are sized for (default: the call's). A `MemoryError` names what to change."""
   max_response_tokens, sequences = r.max_response_tokens, prompts * group
-  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens, max_response_tokens=max_response_tokens,
-              devices=devices, decode_block=r.decode_block)
+  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+              max_response_tokens=max_response_tokens, devices=devices, decode_block=r.decode_block)
   if r.engine == "static":
     return _plan_static(r, model_cfg, base, dtype=dtype)
   platform = platform or sharding.platform()
@@ -162,9 +167,9 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   fit = max(1, (pool - lanes * prompt_pages) * group // (per_sequence * group + prompt_pages))
   slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices), fit)) * devices
   if slots % devices:
-    raise MemoryError(f"rollout.slots={slots} does not split over the {devices} data-parallel groups (each decodes "
-                      f"its own slots from its own pages): set rollout.slots={-(-slots // devices) * devices}, a "
-                      f"multiple of {devices}")
+    raise MemoryError(f"rollout.slots={slots} does not split over the {devices} data-parallel groups (each "
+                      f"decodes its own slots from its own pages): set rollout.slots="
+                      f"{-(-slots // devices) * devices}, a multiple of {devices}")
   min_slots = devices if r.shrink_slots else 0
   queues = math.gcd(devices, prompts, slots, min_slots)
   slots = min(slots, -(-sequences // queues) * queues)
@@ -196,10 +201,10 @@ def round_width(r) -> int:
 
 
 def plan_round(r, model_cfg, *, dtype, devices: int, platform: str | None = None) -> RolloutPlan:
-  """The plan of a partial rollout's round (`rollout.decode_budget`, `rollout/partial.py`): `OVERPROVISION` × P·G
-  sequences, one per prompt (each a problem's prompt with its carried tokens, `round_width`), in the slots of an
-  unbudgeted step's P·G, on the refill engine, which admits each to pages when it is about to run and prefills
-  it in chunks. A `MemoryError` names what to change."""
+  """The plan of a partial rollout's round (`rollout.decode_budget`, `rollout/partial.py`): `OVERPROVISION` ×
+  P·G sequences, one per prompt (each a problem's prompt with its carried tokens, `round_width`), in the slots
+  of an unbudgeted step's P·G, on the refill engine, which admits each to pages when it is about to run and
+  prefills it in chunks. A `MemoryError` names what to change."""
   return plan_rollout(r, model_cfg, prompts=OVERPROVISION * r.responses_per_step, group=1,
-                      prompt_tokens=round_width(r), dtype=dtype, devices=devices, platform=platform, budgeted=True,
-                      slot_sequences=r.responses_per_step)
+                      prompt_tokens=round_width(r), dtype=dtype, devices=devices, platform=platform,
+                      budgeted=True, slot_sequences=r.responses_per_step)

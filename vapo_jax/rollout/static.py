@@ -48,8 +48,8 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
-  # Share each prompt's cache with its G samples, in a cache with room for the response (rows: axis 1 of the
-  # stacked keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
+  # Each prompt's cache shared with its G samples, with room for the response (rows: axis 1 of the stacked
+  # keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
   expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
   pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, group, axis=rows),
                                             [(0, max_response_tokens * (i == axis)) for i in range(x.ndim)])
@@ -67,9 +67,10 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
     live = ~s.done
     tokens = jnp.where(live, tokens, pad_id)
     done = s.done | jnp.isin(tokens, stop_ids) | (s.step + 1 >= limits)
-    write = lambda buffer, x: jax.lax.dynamic_update_slice(buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None],
-                                                           (0, s.step))
-    logits, cache = model(tokens[:, None], (next_position + s.step)[:, None], jnp.ones((batch, 1), bool), s.cache)
+    write = lambda buffer, x: jax.lax.dynamic_update_slice(
+        buffer, jnp.where(live, x, 0).astype(buffer.dtype)[:, None], (0, s.step))
+    logits, cache = model(tokens[:, None], (next_position + s.step)[:, None], jnp.ones((batch, 1), bool),
+                          s.cache)
     return Loop(s.step + 1, cache, logits[:, -1], done,
                 jax.lax.dynamic_update_slice(s.tokens, tokens[:, None], (0, s.step)),
                 write(s.sampler, sampler), write(s.policy, policy))

@@ -1,5 +1,5 @@
-"""The roofline of one RL step: the compiled programs' FLOPs, HBM bytes and collectives (`vapo_jax.memory`'s compile
-report) priced at a chip's peak FLOP/s and bandwidths, on a response-length profile.
+"""The roofline of one RL step: the compiled programs' FLOPs, HBM bytes and collectives (`vapo_jax.memory`'s
+compile report) priced at a chip's peak FLOP/s and bandwidths, on a response-length profile.
 
   step              the estimate: each phase's FLOPs, bytes and collectives per chip, the rollout's decode loop
                     priced step by step on the engine's replay, the MFU; partial rollouts in steady state
@@ -8,6 +8,6 @@ report) priced at a chip's peak FLOP/s and bandwidths, on a response-length prof
   decode_cost       a decode step's bytes per chip, itemised (weights, KV read, KV written, the rest), priced
   micro_batch_cost  scoring's and the update's micro-batches that run on a profile, and the update's token fill
 
-The rollout's schedule itself is the engine's replay, beside the engine (`rollout/refill/replay.py`). This tier
-sits above `vapo_jax.memory`, whose compile report it reads; nothing below reads it.
+The rollout's schedule itself is the engine's replay, beside the engine (`rollout/refill/replay.py`). This
+tier sits above `vapo_jax.memory`, whose compile report it reads; nothing below reads it.
 """

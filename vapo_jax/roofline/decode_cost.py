@@ -1,5 +1,5 @@
-"""The decode loop's cost per chip, step by step: the engine's replay (`rollout/refill/replay.py`) priced with the
-compiled decode step.
+"""The decode loop's cost per chip, step by step: the engine's replay (`rollout/refill/replay.py`) priced with
+the compiled decode step.
 
 Itemised per decode step and chip (`DecodeCost`, means over the steps):
 
@@ -22,11 +22,11 @@ of a v5p chip with `megacore_mode`, else one). FLOPs: `cost_analysis`'s (the mat
 proportion to the rows, plus attention from its definition, 4·N·H per cached token read per layer.
 Collectives: the decode loop's per-step bytes (`aot.DecodeTraffic`, nested loops by their trips), in
 proportion to the rows. A step costs the slower of its FLOPs at the chip's peak and its bytes at the HBM
-bandwidth, plus its collectives at the ICI bandwidth; `floor_s` leaves the rest out (a bound from below).
-The step is the decode loop's plain iteration (`hlo_walk.Loop.plain`: its optional branches, a preemption and a
-prefill chunk, skipped). The prompts' prefill runs in chunks inside the loop (`refill/prefill.py`): each step that
-ran one (the replay's `prefill_tokens`) adds the slower of its tokens' FLOPs (2 per parameter per token) and a
-read of the weights, and every prompt prefilled its causal attention at peak (`_prefill`).
+bandwidth, plus its collectives at the ICI bandwidth; `floor_s` leaves the rest out (a bound from below). The
+step is the decode loop's plain iteration (`hlo_walk.Loop.plain`: its optional branches, a preemption and a
+prefill chunk, skipped). The prompts' prefill runs in chunks inside the loop (`refill/prefill.py`): each step
+that ran one (the replay's `prefill_tokens`) adds the slower of its tokens' FLOPs (2 per parameter per token)
+and a read of the weights, and every prompt prefilled its causal attention at peak (`_prefill`).
 """
 
 from typing import NamedTuple
@@ -119,19 +119,21 @@ def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_
   prefill_flops, prefill_bytes, prefill_s = _prefill(load, p, chip)
   steps = max(load.steps, 1)
   return DecodeCost(engine, slots, load.steps, p.weights, (kv_read.sum() + copy / 2) / steps,
-                    (kv_written.sum() + copy / 2) / steps, rest.sum() / steps, float(step_flops.sum() + prefill_flops),
+                    (kv_written.sum() + copy / 2) / steps, rest.sum() / steps,
+                    float(step_flops.sum() + prefill_flops),
                     float(step_bytes.sum() + copy + prefill_bytes), float(collectives.sum()),
                     float(seconds.sum() + copy / chip.hbm_bandwidth + prefill_s),
                     float(load.live.mean()) if load.steps else 0.0,
                     load.preemptions, load.recomputed_tokens, load.peak_pages,
-                    float(floor.sum() + copy / chip.hbm_bandwidth + prefill_s), float(p.cycles * np.sum(scale)),
+                    float(floor.sum() + copy / chip.hbm_bandwidth + prefill_s),
+                    float(p.cycles * np.sum(scale)),
                     prefill_s, load.prefills, int(load.chunks.sum()) if load.chunks is not None else 0)
 
 
 def _prefill(load: replay.Load, p: Prices, chip) -> tuple[float, float, float]:
-  """(FLOPs, bytes, seconds) per chip of the prefill chunks `load` ran: each step with a chunk, its tokens' FLOPs
-  against one read of the weights, the slower of the two; and every prompt prefilled, its causal attention
-  (2·N·H·T²·L) at peak."""
+  """(FLOPs, bytes, seconds) per chip of the prefill chunks `load` ran: each step with a chunk, its tokens'
+  FLOPs against one read of the weights, the slower of the two; and every prompt prefilled, its causal
+  attention (2·N·H·T²·L) at peak."""
   if load.prefill_tokens is None or not load.prefill_tokens.any():
     return 0.0, 0.0, 0.0
   linear = load.prefill_tokens.astype(np.float64) * p.prefill_flops
@@ -158,25 +160,28 @@ def contiguous_slots(report, pool_bytes: float) -> int:
 
 
 def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min_slots: int) -> DecodeCost:
-  """The contiguous refill engine (`benchmarks/contiguous_refill.py`) on `profile`: `slots` rows per queue reading up to
-  the longest live row's slot in blocks of `attend_one`'s TPU block; each refill copies the prompt bucket."""
+  """The contiguous refill engine (`benchmarks/contiguous_refill.py`) on `profile`: `slots` rows per queue
+  reading up to the longest live row's slot in blocks of `attend_one`'s TPU block; each refill copies the
+  prompt bucket."""
   c = report.config
   responses, prompts = queue_share(profile, queues)
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  load = replay.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots, min_slots=min_slots,
+  load = replay.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots,
+                         min_slots=min_slots,
                            prompt_slots=tp, block=decode_attention.default_block("tpu"))
   return cost(load, p, chip, engine="contiguous", slots=slots * queues, copied_tokens=len(responses) * tp)
 
 
 def paged(report, profile, p: Prices, chip, *, plan) -> DecodeCost:
-  """The paged refill engine (`rollout/refill/engine.py`) on `profile` as its `RolloutPlan` runs it: a queue's slots,
-  pages, prefill lanes and chunks, each live row reading its own tokens; each refill copies one page (the prompt's
-  last, partly filled one)."""
+  """The paged refill engine (`rollout/refill/engine.py`) on `profile` as its `RolloutPlan` runs it: a queue's
+  slots, pages, prefill lanes and chunks, each live row reading its own tokens; each refill copies one page
+  (the prompt's last, partly filled one)."""
   responses, prompts = queue_share(profile, plan.queues)
   load = replay.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt,
                          slots=plan.slots // plan.queues, min_slots=plan.min_slots // plan.queues,
                          paged=paged_settings(plan))
-  return cost(load, p, chip, engine="paged", slots=plan.slots, copied_tokens=len(responses) * plan.page_tokens)
+  return cost(load, p, chip, engine="paged", slots=plan.slots,
+              copied_tokens=len(responses) * plan.page_tokens)
 
 
 def paged_settings(plan) -> replay.Paged:
@@ -185,12 +190,12 @@ def paged_settings(plan) -> replay.Paged:
 
 
 def partial(report, profile, p: Prices, chip, *, plan, budget: int, max_staleness: int):
-  """The paged refill engine under partial rollouts (`partial_replay.partial_rounds`: rounds of `budget` decode
-  steps as the round's `plan` runs them, the carried sequences prefilled again each round): (the decode's cost per
-  RL step, the replay)."""
+  """The paged refill engine under partial rollouts (`partial_replay.partial_rounds`: rounds of `budget`
+  decode steps as the round's `plan` runs them, the carried sequences prefilled again each round): (the
+  decode's cost per RL step, the replay)."""
   rounds = partial_replay.partial_rounds(profile.responses, profile.prompts,
-                                         group=report.config.rollout.samples_per_prompt, plan=plan, budget=budget,
-                                         max_staleness=max_staleness)
+                                         group=report.config.rollout.samples_per_prompt, plan=plan,
+                                         budget=budget, max_staleness=max_staleness)
   total = cost(rounds.load, p, chip, engine="paged", slots=plan.slots,
                copied_tokens=len(rounds.prefill) * plan.page_tokens)
   per = lambda x: x / rounds.steps
@@ -203,8 +208,9 @@ def partial(report, profile, p: Prices, chip, *, plan, budget: int, max_stalenes
 
 
 def format_costs(costs: list[tuple[str, DecodeCost]]) -> list[str]:
-  """The itemised decode bytes per chip and step, one line per (profile, engine); "no rest": the decode's seconds
-  with the rest left out (module docstring: the rest is an upper bound, so the two bracket the decode)."""
+  """The itemised decode bytes per chip and step, one line per (profile, engine); "no rest": the decode's
+  seconds with the rest left out (module docstring: the rest is an upper bound, so the two bracket the
+  decode)."""
   lines = [f"  {'decode, per chip and step':<38}{'slots':>7}{'steps':>8}{'live':>7}{'weights':>9}{'KV read':>9}"
            f"{'KV wrt':>8}{'rest':>7}{'GB/step':>9}{'decode s':>10}{'no rest':>9}{'preempt':>9}"]
   for name, d in costs:

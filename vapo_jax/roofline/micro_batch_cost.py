@@ -44,8 +44,9 @@ def collective_bytes(program, *, unknown: float, run: float | None = None) -> fl
 
 
 def walked(program, run: float) -> hlo_walk.Cost:
-  """HBM bytes, matmul FLOPs and compiler cycles per chip of the program's runs in one step, walked (`hlo_walk`),
-  with its micro-batch loops charged for the `run` micro-batches that run in all rather than the compiled ones."""
+  """HBM bytes, matmul FLOPs and compiler cycles per chip of the program's runs in one step, walked
+  (`hlo_walk`), with its micro-batch loops charged for the `run` micro-batches that run in all rather than the
+  compiled ones."""
   w = program.walked
   total = hlo_walk.Cost(bytes=w.bytes, cycles=w.cycles, kernel_bytes=w.kernel_bytes, flops=w.flops)
   for loop in micro_loops(program).values():
@@ -115,5 +116,6 @@ def fitting_micro_rows(config, tokens: np.ndarray, multiple: int, max_padding: f
   """The most rows per micro-batch, a multiple of `multiple` (the mesh's data × fsdp), that keeps the update's
   padding at most `max_padding` on `tokens`; `multiple` when none does (the least padding there is)."""
   most = max(needed_rows(config, tokens, update_parts(config)))
-  fitting = [m for m in range(multiple, most + multiple, multiple) if 1 - token_fill(config, tokens, m) <= max_padding]
+  fitting = [m for m in range(multiple, most + multiple, multiple) if 1 - token_fill(config, tokens,
+                                                                                     m) <= max_padding]
   return max(fitting, default=multiple)

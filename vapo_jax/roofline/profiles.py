@@ -1,12 +1,12 @@
-"""Response-length profiles: one RL step's response lengths `[N]` and prompt lengths `[P]` (`Profile`), on which the
-roofline replays the rollout (`rollout/refill/replay.py`) and counts the micro-batches that run.
+"""Response-length profiles: one RL step's response lengths `[N]` and prompt lengths `[P]` (`Profile`), on
+which the roofline replays the rollout (`rollout/refill/replay.py`) and counts the micro-batches that run.
 
   prompts, where = prompt_lengths(config)           # the training data's prompts, encoded as the run does
   profile = log_normal(config, prompts, where)      # or at_cap(...), from_run(..., run_dir)
 
 Every response at the cap (`at_cap`: no raggedness, the bound); a log-normal one (`log_normal`: a long tail, a
-stated mean); or a run's (`from_run`: the log-normal through the median and 90th percentile its `metrics.jsonl`
-logged). Prompt lengths come from the experiment's training data (`prompt_lengths`).
+stated mean); or a run's (`from_run`: the log-normal through the median and 90th percentile its
+`metrics.jsonl` logged). Prompt lengths come from the experiment's training data (`prompt_lengths`).
 """
 
 import json
@@ -29,8 +29,8 @@ class Profile(NamedTuple):
 
 
 def prompt_lengths(config, *, count: int = 512, seed: int = 0) -> tuple[np.ndarray, str]:
-  """(`count` prompt lengths, where they come from): prompts of `config`'s training data encoded as the run does,
-  with its tokenizer (`model.tokenizer` or `model.checkpoint`, or for a Qwen2.5 preset the repository's
+  """(`count` prompt lengths, where they come from): prompts of `config`'s training data encoded as the run
+  does, with its tokenizer (`model.tokenizer` or `model.checkpoint`, or for a Qwen2.5 preset the repository's
   `data/qwen2.5_tokenizer`); without one, every prompt at the bucket length (`rollout.max_prompt_tokens`)."""
   from vapo_jax import paths
   from vapo_jax.data import problems
@@ -58,19 +58,19 @@ def at_cap(config, prompts: np.ndarray, where: str) -> Profile:
 
 def log_normal(config, prompts: np.ndarray, where: str, *, mean_frac: float = 0.3, sigma: float = 0.9,
                seed: int = 0) -> Profile:
-  """A long tail: log-normal response lengths whose mean is `mean_frac` of the cap (before the cap clips them),
-  log-standard deviation `sigma`, clipped to [1, cap]."""
+  """A long tail: log-normal response lengths whose mean is `mean_frac` of the cap (before the cap clips
+  them), log-standard deviation `sigma`, clipped to [1, cap]."""
   r = config.rollout
   max_response_tokens = r.max_response_tokens
   mu = math.log(mean_frac * max_response_tokens) - sigma**2 / 2
   lengths = _draw(mu, sigma, r.responses_per_step, max_response_tokens, seed)
   return Profile(f"log-normal response lengths, mean {mean_frac:g} of the cap before clipping (σ {sigma:g}; "
-                 f"drawn mean {lengths.mean():.0f} tokens, {np.mean(lengths >= max_response_tokens):.1%} at the cap); "
-                 f"{where}",
-                 lengths, _prompts(prompts, r.prompts_per_step))
+                 f"drawn mean {lengths.mean():.0f} tokens, {np.mean(lengths >= max_response_tokens):.1%} at "
+                 f"the cap); {where}", lengths, _prompts(prompts, r.prompts_per_step))
 
 
-def from_run(config, prompts: np.ndarray, where: str, run_dir: str, *, last: int = 10, seed: int = 0) -> Profile:
+def from_run(config, prompts: np.ndarray, where: str, run_dir: str, *, last: int = 10,
+             seed: int = 0) -> Profile:
   """The log-normal through the median and 90th percentile of the response lengths a run logged
   (`rollout/response_len_p50`, `_p90` in `<run_dir>/metrics.jsonl`, averaged over its last `last` RL steps),
   at `config`'s cap and batch."""
@@ -82,14 +82,15 @@ def from_run(config, prompts: np.ndarray, where: str, run_dir: str, *, last: int
     raise DataError(f"{path}: cannot read the run's logged response lengths ({e})") from None
   steps = [row for row in rows if row.get("stage") == "rl" and "rollout/response_len_p50" in row][-last:]
   if not steps:
-    raise DataError(f"{path}: no RL step logged rollout/response_len_p50 (a run's metrics.jsonl has one per RL step)")
+    raise DataError(f"{path}: no RL step logged rollout/response_len_p50 (a run's metrics.jsonl has one per "
+                    "RL step)")
   p50 = float(np.mean([row["rollout/response_len_p50"] for row in steps]))
   p90 = float(np.mean([row["rollout/response_len_p90"] for row in steps]))
   sigma = max(math.log(max(p90, p50) / p50) / Z90, 1e-3)
   r = config.rollout
   lengths = _draw(math.log(p50), sigma, r.responses_per_step, r.max_response_tokens, seed)
-  return Profile(f"{path}: log-normal through its median {p50:.0f} and 90th percentile {p90:.0f} over the last "
-                 f"{len(steps)} RL steps (σ {sigma:.2f}; drawn mean {lengths.mean():.0f}); {where}",
+  return Profile(f"{path}: log-normal through its median {p50:.0f} and 90th percentile {p90:.0f} over the "
+                 f"last {len(steps)} RL steps (σ {sigma:.2f}; drawn mean {lengths.mean():.0f}); {where}",
                  lengths, _prompts(prompts, r.prompts_per_step))
 
 

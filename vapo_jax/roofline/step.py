@@ -68,7 +68,8 @@ class Estimate(NamedTuple):
 
   @property
   def seconds(self) -> float:
-    return self.priced_s if self.priced_s is not None else max(self.compute_s, self.memory_s) + self.collective_s
+    return self.priced_s if self.priced_s is not None else max(self.compute_s,
+                                                               self.memory_s) + self.collective_s
 
 
 class StepEstimate(NamedTuple):
@@ -117,7 +118,8 @@ def every_layer(scanned, twice):
   not in `twice` keep theirs. Exact when 2 divides L (see the module docstring)."""
   layers = scanned.architecture.num_layers
   if layers % 2:
-    raise ValueError(f"every_layer needs an even number of layers (unroll 2 leaves one outside the loop), got {layers}")
+    raise ValueError("every_layer needs an even number of layers (unroll 2 leaves one outside the loop), "
+                     f"got {layers}")
   names = {p.name: p for phase in twice.phases for p in phase.programs}
 
   def count(p):
@@ -125,13 +127,15 @@ def every_layer(scanned, twice):
     return p if q is None else p._replace(flops=p.flops + (layers - 1) * (q.flops - p.flops),
                                           bytes_accessed=p.bytes_accessed + (layers - 1) * (q.bytes_accessed
                                                                                             - p.bytes_accessed))
-  phases = tuple(dataclasses.replace(phase, programs=[count(p) for p in phase.programs]) for phase in scanned.phases)
+  phases = tuple(dataclasses.replace(phase,
+                                     programs=[count(p) for p in phase.programs]) for phase in scanned.phases)
   return dataclasses.replace(scanned, phases=phases)
 
 
 def walked_through(report) -> bool:
   """Whether every per-step program's FLOPs and bytes come from its walked HLO (loops by their trips), so that
-  `every_layer`'s second compile adds nothing: each walked, scoring's and the update's micro-batch loops found."""
+  `every_layer`'s second compile adds nothing: each walked, scoring's and the update's micro-batch loops
+  found."""
   programs = [(phase.name, p) for phase in report.phases if phase.name in ("rollout", "scoring", "update")
               for p in phase.programs]
   return bool(programs) and all(p.walked is not None and (name == "rollout" or micro_batch_cost.micro_loops(p))
@@ -145,12 +149,13 @@ def twice_unrolled(config):
 
 def _attention_forward(cfg, tokens) -> float:
   """Causal self-attention FLOPs of sequences of `tokens` tokens (an int or `[n]`), forward, every layer."""
-  return float(2.0 * cfg.num_heads * cfg.head_dim * np.sum(np.asarray(tokens, np.float64) ** 2) * cfg.num_layers)
+  return float(2.0 * cfg.num_heads * cfg.head_dim * np.sum(np.asarray(tokens,
+                                                                      np.float64) ** 2) * cfg.num_layers)
 
 
 def read_cores(report, chip) -> tuple[int, str | None]:
-  """(TensorCores the refill engine's cache reads run on, the paged kernel's `megacore_mode`): XLA's reads (the
-  gather, the contiguous engine) use every core; the kernel both of a megacore chip, else one."""
+  """(TensorCores the refill engine's cache reads run on, the paged kernel's `megacore_mode`): XLA's reads
+  (the gather, the contiguous engine) use every core; the kernel both of a megacore chip, else one."""
   if report.plan is None or report.plan.attention != "kernel":
     return chip.cores, None
   rows = report.decode_rows // report.plan.decode_groups
@@ -165,12 +170,15 @@ def decode(report, program, profile: profiles.Profile, engine: str, chip) -> dec
   plan = report.plan
   queues = plan.decode_groups
   if engine == "static":
-    p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
+    p = decode_cost.prices(report, program,
+                           xla_kv_tokens=report.decode_rows / queues * decode_attention.default_block(
         report.target.platform), read_cores=chip.cores)
-    costs = [decode_cost.contiguous(report, profiles.Profile("", r, profile.prompts), p, chip, slots=report.decode_rows
+    costs = [decode_cost.contiguous(report, profiles.Profile("", r, profile.prompts), p, chip,
+                                    slots=report.decode_rows
                                     // queues, queues=queues, min_slots=0)
              for r in np.split(profile.responses, plan.rounds)]
-    return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs), seconds=sum(x.seconds for x in costs),
+    return costs[0]._replace(engine="static", steps=sum(x.steps for x in costs),
+                             seconds=sum(x.seconds for x in costs),
                              flops=sum(x.flops for x in costs), bytes=sum(x.bytes for x in costs),
                              cycles=sum(x.cycles for x in costs),
                              collective_bytes=sum(x.collective_bytes for x in costs))
@@ -192,13 +200,14 @@ def _paged_prices(report, program, chip) -> decode_cost.Prices:
 
 
 def decode_partial(report, program, profile: profiles.Profile, chip, budget: tuple[int, int]):
-  """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness), each round as its
-  own plan runs it (the compiled one, `report.round`, else `plan.plan_round` of the budget): (its cost per RL
-  step, the replay `partial_replay.PartialLoad`)."""
+  """The paged decode under partial rollouts, `budget` = (decode steps a round, max_staleness), each round as
+  its own plan runs it (the compiled one, `report.round`, else `plan.plan_round` of the budget): (its cost per
+  RL step, the replay `partial_replay.PartialLoad`)."""
   c = report.config
   r = dataclasses.replace(c.rollout, decode_budget=budget[0], max_staleness=budget[1])
   round_plan = report.round or plan_lib.plan_round(r, report.architecture, dtype=np.dtype(c.model.dtype),
-                                                   devices=report.plan.devices, platform=report.target.platform)
+                                                   devices=report.plan.devices,
+                                                   platform=report.target.platform)
   return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip, plan=round_plan,
                              budget=budget[0], max_staleness=budget[1])
 
@@ -227,7 +236,8 @@ def _head_flops(report, chips: int, tokens: float) -> float:
 
 def _model_flops(report, profile: profiles.Profile) -> dict[str, float]:
   """Useful FLOPs of each phase on all chips under `profile` (module docstring); the input embedding is a
-  lookup, not a matmul, so its parameters count none (the output projection does, unless it is the embedding)."""
+  lookup, not a matmul, so its parameters count none (the output projection does, unless it is the
+  embedding)."""
   c, cfg = report.config, report.architecture
   tokens = micro_batch_cost.sequence_tokens(report, profile)
   critic_used = c.algo.uses_critic
@@ -250,15 +260,17 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
   flops = bytes_ = moved = cycles = 0.0
   found, replay, mb = None, None, micro_batch_cost
   if budget is not None and phase.name == "rollout":
-    found, replay = decode_partial(report, next(p for p in phase.programs if p.decode is not None), profile, chip,
-                                   budget)
+    found, replay = decode_partial(report, next(p for p in phase.programs if p.decode is not None), profile,
+                                   chip, budget)
   for program in phase.programs:
     if program.decode is not None:
       found = found or decode(report, program, profile, engine, chip)
       f, b, m, k = found.flops, found.bytes, found.collective_bytes, found.cycles
     elif phase.name == "rollout":
-      f, m = (program.walked.flops if program.walked else program.flops), mb.collective_bytes(program, unknown=1)
-      b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed, 0.0)
+      f, m = (program.walked.flops if program.walked else program.flops), mb.collective_bytes(program,
+                                                                                              unknown=1)
+      b, k = (program.walked.bytes, program.walked.cycles) if program.walked else (program.bytes_accessed,
+                                                                                   0.0)
       if replay is not None:  # A round's programs but its decode loop (start, finish): each round runs them.
         rounds = replay.rounds / replay.steps
         f, b, m, k = f * rounds, b * rounds, m * rounds, k * rounds
@@ -306,20 +318,22 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
     priced = None
     if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
       decoded = cost
-      priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops, (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
+      priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops,
+                                  (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
           + (moved - cost.collective_bytes) / chip.ici_bandwidth
-    found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth, moved,
-                          moved / chip.ici_bandwidth, useful[phase.name], priced,
+    found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth,
+                          moved, moved / chip.ici_bandwidth, useful[phase.name], priced,
                           cycles / chip.clock_hz if chip.clock_hz else 0.0))
   fill, m, fitting = None, 0, 0
   if c.packing.enabled:
     shards = report.mesh_shape["data"] * report.mesh_shape["fsdp"]
     m, tokens = packed_batch.micro_rows(c, shards), micro_batch_cost.sequence_tokens(report, profile)
-    fill, fitting = micro_batch_cost.token_fill(c, tokens, m), micro_batch_cost.fitting_micro_rows(c, tokens, shards)
+    fill, fitting = micro_batch_cost.token_fill(c, tokens, m), micro_batch_cost.fitting_micro_rows(c, tokens,
+                                                                                                   shards)
     if 1 - micro_batch_cost.token_fill(c, tokens, fitting) > micro_batch_cost.MAX_PADDING:
       fitting = 0  # None does: the rows themselves pad more than that (a response per row).
-  return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine, profile.name,
-                      decoded, fill, m, replay, budget, fitting)
+  return StepEstimate(tuple(found), chips, chip.peak_flops, decoded.steps if decoded else 0, engine,
+                      profile.name, decoded, fill, m, replay, budget, fitting)
 
 
 def compare(report, profiles: list[profiles.Profile]) -> list[tuple[str, StepEstimate]]:

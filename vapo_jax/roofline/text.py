@@ -13,34 +13,36 @@ def update_bound(step: StepEstimate) -> str | None:
   per_chip = p.model_flops / step.chips
   terms = {"compute": p.compute_s, "HBM bandwidth": p.memory_s, "collectives": p.collective_s}
   bound = max(terms, key=terms.get)
-  why = {"compute": (f"the compiled FLOPs are {p.flops / per_chip:.2f}x the model FLOPs (remat's second forward, "
-                     "attention's masked blocks): a model.remat policy that recomputes less, where the memory "
-                     "allows it (make memory's what-if names one)"),
-         "HBM bandwidth": ("its bytes per FLOP: larger micro-batches (packing.micro_batch_rows) reuse each gathered "
-                           "weight over more rows"),
+  why = {"compute": (f"the compiled FLOPs are {p.flops / per_chip:.2f}x the model FLOPs (remat's second "
+                     "forward, attention's masked blocks): a model.remat policy that recomputes less, where "
+                     "the memory allows it (make memory's what-if names one)"),
+         "HBM bandwidth": ("its bytes per FLOP: larger micro-batches (packing.micro_batch_rows) reuse each "
+                           "gathered weight over more rows"),
          "collectives": ("FSDP gathers every weight and reduces every gradient once per micro-batch: larger "
-                         "micro-batches (packing.micro_batch_rows) or a smaller mesh.fsdp with mesh.data > 1 move "
-                         "fewer bytes")}[bound]
+                         "micro-batches (packing.micro_batch_rows) or a smaller mesh.fsdp with mesh.data > 1 "
+                         "move fewer bytes")}[bound]
   share = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in terms.items())
   return f"update MFU {mfu:.1%} < {MFU_FLOOR:.0%}: bound by {bound} ({share}); {why}"
 
 
 def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = None) -> str:
-  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU; with `rl_steps`,
-  the run's RL at that step's price."""
-  lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI bandwidth "
-           f"of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; {step.profile}",
+  """One step's phases: FLOPs, bytes, collectives, seconds and MFU, the step's time, share and MFU; with
+  `rl_steps`, the run's RL at that step's price."""
+  lines = [f"roofline of one RL step per chip at {step.peak_flops / 1e12:.0f} TFLOP/s bf16, the HBM and ICI "
+           f"bandwidth of a {chip_name}; the {step.engine} rollout engine, {step.decode_steps} decode steps; "
+           f"{step.profile}",
            f"  {'phase':<12}{'TFLOP':>10}{'HBM GB':>10}{'ICI GB':>10}{'compute s':>11}{'memory s':>10}{'ICI s':>10}"
            f"{'cycles s':>10}{'estimate s':>12}{'MFU':>8}"]
   lines += [f"  {p.phase:<12}{p.flops / 1e12:10.1f}{p.bytes / 1e9:10.1f}{p.collective_bytes / 1e9:10.1f}"
             f"{p.compute_s:11.1f}{p.memory_s:10.1f}{p.collective_s:10.1f}{p.cycles_s:10.1f}{p.seconds:12.1f}"
             f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
-  lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their updates; "
-               "cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, kernels and gathers "
-               "counting none)")
+  lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their "
+               "updates; cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, "
+               "kernels and gathers counting none)")
   lines.append(f"  {summary(step)}")
   if rl_steps:
-    lines.append(f"  the run's RL: {rl_steps} steps x {step.seconds:.0f} s = {rl_steps * step.seconds / 3600:.1f} h "
+    lines.append(f"  the run's RL: {rl_steps} steps x {step.seconds:.0f} s = "
+                 f"{rl_steps * step.seconds / 3600:.1f} h "
                  "(value pretraining and the held-out evaluations besides)")
   if bound := update_bound(step):
     lines.append(f"  {bound}")
@@ -50,12 +52,13 @@ def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = N
 def summary(step: StepEstimate) -> str:
   rollout = step.phase("rollout").seconds
   return (f"one RL step: {step.seconds:.0f} s ({step.seconds / 60:.1f} min), the rollout {rollout:.0f} s, "
-          f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU {step.mfu:.1%} "
-          f"(the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
+          f"{step.rollout_share:.0%} of it; model FLOPs {step.model_flops / 1e15:.0f} PFLOP: MFU "
+          f"{step.mfu:.1%} (the update, critic and actor in one program: {step.phase_mfu('update'):.1%})"
           + ("" if step.update_fill is None else f"; the update's token fill {step.update_fill:.1%} in "
              f"micro-batches of {step.micro_rows} rows")
           + ("" if not step.fitting_rows or 1 - step.update_fill <= micro_batch_cost.MAX_PADDING else
-             f" (packing.micro_batch_rows={step.fitting_rows} pads at most {micro_batch_cost.MAX_PADDING:.0%})")
+             f" (packing.micro_batch_rows={step.fitting_rows} pads at most "
+             f"{micro_batch_cost.MAX_PADDING:.0%})")
           + ("" if step.decode is None or not step.decode.chunks else
              f"; prefill in the loop: {step.decode.prefills} admissions, {step.decode.chunks} chunks, "
              f"{step.decode.prefill_s:.1f} s a queue")
@@ -75,9 +78,11 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
   chip = report.target.device_kind
   names = dict.fromkeys(label.split(",")[0] for label, _ in estimates)
   lines = [f"roofline of one RL step per chip ({chip}), by response-length profile and rollout engine:"]
-  for letter, (_, step) in zip(names, ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
+  for letter, (_, step) in zip(names,
+                               ((label, s) for label, s in estimates if label.endswith(estimates[0][0][2:]))):
     lines.append(f"  profile {letter}: {step.profile}")
-  lines += decode_cost.format_costs([(label, step.decode) for label, step in estimates if step.decode is not None])
+  lines += decode_cost.format_costs([(label, step.decode) for label,
+                                     step in estimates if step.decode is not None])
   if report.refill and report.plan.attention == "kernel" and report.target.chip is not None:
     cores, mode = read_cores(report, report.target.chip)
     lines.append(f"  the paged kernel reads the cache on {cores} of the chip's {report.target.chip.cores} "
@@ -92,8 +97,8 @@ def format_comparison(report, estimates: list[tuple[str, StepEstimate]]) -> str:
       ratio = contiguous.phase("rollout").seconds / paged.phase("rollout").seconds
       floor = ((contiguous.phase("rollout").seconds - contiguous.decode.seconds + contiguous.decode.floor_s)
                / (paged.phase("rollout").seconds - paged.decode.seconds + paged.decode.floor_s))
-      lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the same "
-                   f"KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
+      lines.append(f"  profile {letter}: the paged rollout is {ratio:.2f}x the contiguous one's speed at the "
+                   f"same KV-cache bytes ({paged.decode.slots} against {contiguous.decode.slots} slots; "
                    f"{floor:.2f}x with the decode's rest left out)")
   lines += [format_estimate(step, f"{chip} ({label})", report.config.rl_steps) for label, step in estimates]
   return "\n".join(lines)

@@ -9,8 +9,9 @@
   micro_batches  splitting a mini-batch, accumulating gradients, forward passes part by part
   packing        packed rows: sequences laid end to end in rows of a static token length
   packed_batch   a packed batch's plan (made on the host) and its rows (built on the device)
-  experience     prompts → sampled responses → verifier rewards (training and evaluation)
-  held_out       held-out accuracy's statistics: avg@k's standard error, accuracy by problem level
+  experience     prompts → sampled responses → verifier rewards, for a run (training and evaluation)
+  held_out       the held-out evaluation: avg@k with its keys, its standard error, accuracy by problem level
+  responses      problems → sampled responses for a config (its plan and sampling), the warm start's batches
   partial_sampling  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
   start_up       the start-up check that runs each rollout engine of the run once, in the rollout layout
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation

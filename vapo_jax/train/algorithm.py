@@ -32,7 +32,8 @@ class Denominators(NamedTuple):
     return cls.from_lengths(algo, jnp.sum(jnp.asarray(response_mask).astype(jnp.int32), axis=-1), is_positive)
 
   @classmethod
-  def from_lengths(cls, algo: AlgoConfig, response_lengths: jax.Array, is_positive: jax.Array) -> "Denominators":
+  def from_lengths(cls, algo: AlgoConfig, response_lengths: jax.Array,
+                   is_positive: jax.Array) -> "Denominators":
     """From the mini-batch's response lengths `[B]` and verdicts `[B]` (the same padded or packed)."""
     lengths = jnp.asarray(response_lengths).astype(jnp.float32)
     tokens, sequences = jnp.sum(lengths), jnp.sum(lengths > 0).astype(jnp.float32)
@@ -90,8 +91,9 @@ def compute_advantages(
 
 def value_pretraining_converged(steps_done: int, best_ev: float | None, steps_since_best: int,
                                 algo: AlgoConfig) -> bool:
-  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: ≥ `value_pretrain_min_steps`
-  done, best explained variance ≥ `value_pretrain_min_ev`, no 0.01 rise over it for `value_pretrain_patience` steps."""
+  """Early stopping of value pretraining, only when `algo.value_pretrain_patience` is set: ≥
+  `value_pretrain_min_steps` done, best explained variance ≥ `value_pretrain_min_ev`, no 0.01 rise over it for
+  `value_pretrain_patience` steps."""
   return (algo.value_pretrain_patience is not None and steps_done >= algo.value_pretrain_min_steps
           and best_ev is not None and best_ev >= algo.value_pretrain_min_ev
           and steps_since_best >= algo.value_pretrain_patience)
@@ -124,7 +126,8 @@ def value_targets(algo: AlgoConfig, rewards: jax.Array, response_mask: jax.Array
       return returns, adv.last_token_mask(response_mask)  # At the last token the return is the outcome.
     case "prefix":
       if prefixes is None:
-        raise ValueError('value_pretrain_target="prefix" needs the prefixes\' labels (Experience.prefix_labels)')
+        raise ValueError('value_pretrain_target="prefix" needs the prefixes\' labels '
+                         '(Experience.prefix_labels)')
       rows, index = jnp.arange(returns.shape[0])[:, None], jnp.asarray(prefixes.lengths) - 1
       targets = returns.at[rows, index].set(jnp.asarray(prefixes.rewards, returns.dtype))
       return targets, adv.last_token_mask(response_mask).at[rows, index].set(True)
@@ -146,9 +149,9 @@ def batch_metrics(rewards: jax.Array, correct: jax.Array, response_mask: jax.Arr
 
 def advantage_metrics(est: Advantages, values: jax.Array | None, entropy: jax.Array, logprob_gap: jax.Array,
                       response_mask: jax.Array) -> dict[str, jax.Array]:
-  """A scored batch's estimates, token means over `response_mask`: the critic's explained variance and
-  mean value (0 without a critic), the sampling policy's entropy (`actor/entropy`), `rollout/logprob_gap` (|rollout −
-  scoring log-probs|, given per token), the mean return, λ_actor's mean / min / max and |advantage|."""
+  """A scored batch's estimates, token means over `response_mask`: the critic's explained variance and mean
+  value (0 without a critic), the sampling policy's entropy (`actor/entropy`), `rollout/logprob_gap` (|rollout
+  − scoring log-probs|, given per token), the mean return, λ_actor's mean / min / max and |advantage|."""
   mask = response_mask
   critic = {"critic/explained_variance": losses.explained_variance(values, est.returns, mask),
             "critic/value_mean": masked.masked_mean(values, mask)} if values is not None else {
@@ -158,7 +161,8 @@ def advantage_metrics(est: Advantages, values: jax.Array | None, entropy: jax.Ar
       "rollout/logprob_gap": masked.masked_mean(logprob_gap, mask),
       "critic/return_mean": masked.masked_mean(est.returns, mask),
       "adv/lam_actor_mean": jnp.mean(est.lam_actor), "adv/lam_actor_min": jnp.min(est.lam_actor),
-      "adv/lam_actor_max": jnp.max(est.lam_actor), "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
+      "adv/lam_actor_max": jnp.max(est.lam_actor),
+      "adv/mean_abs": masked.masked_mean(jnp.abs(est.advantages), mask)}
 
 
 # Relative-position bins of the per-step statistics below: deciles of each response.
@@ -210,8 +214,8 @@ def actor_loss(
   agg = dict(mode=algo.loss_agg, denominator=d.policy, norm_length=norm_length, segment_ids=segment_ids)
   policy, metrics = losses.ppo_policy_loss(
       logprobs, old_logprobs, advantages, response_mask, eps_low=algo.eps_low,
-      eps_high=algo.eps_high, dual_clip=algo.dual_clip, sampler_logprobs=sampler_logprobs, tis_cap=algo.tis_cap,
-      **agg)
+      eps_high=algo.eps_high, dual_clip=algo.dual_clip, sampler_logprobs=sampler_logprobs,
+      tis_cap=algo.tis_cap, **agg)
   metrics = {f"actor/{k}": v for k, v in metrics.items()} | {"actor/pg_loss": policy}
   total = policy
   if algo.positive_nll_coef > 0:

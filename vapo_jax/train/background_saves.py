@@ -1,5 +1,6 @@
-"""Orbax's background saves, as the run's checkpoints (`checkpoints.RunCheckpoints`) live with them: the noise they
-print beside a failed save's one-line error silenced, the directory probed, and the waits after a failure bounded.
+"""Orbax's background saves, as the run's checkpoints (`checkpoints.RunCheckpoints`) live with them: the noise
+they print beside a failed save's one-line error silenced, the directory probed, and the waits after a failure
+bounded.
 
   probe(directory)            a small file written and removed: an unwritable directory fails here
   quiet_noise()               once a process: tensorstore's writes into a closed event loop, coroutines never awaited
@@ -21,8 +22,8 @@ from vapo_jax import files
 
 
 class NoDiskFullTracebacks(logging.Filter):
-  """Orbax logs a background save's error, with its traceback, before raising it again where the run
-  waits for the save; a full disk is then reported once, in one line (`checkpoints.RunCheckpoints._saving`)."""
+  """Orbax logs a background save's error, with its traceback, before raising it again where the run waits for
+  the save; a full disk is then reported once, in one line (`checkpoints.RunCheckpoints._saving`)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
@@ -65,8 +66,8 @@ def quiet_after_failure() -> None:
   threading.excepthook = quiet_thread
   warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
   logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
-  # The background writes' futures, collected with their errors never read: asyncio's "Future exception was never
-  # retrieved" / "_GatheringFuture exception was never retrieved", one traceback each.
+  # The background writes' futures, collected with their errors never read: asyncio's "Future exception was
+  # never retrieved" / "_GatheringFuture exception was never retrieved", one traceback each.
   logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
 
 
@@ -83,8 +84,8 @@ WAIT_AFTER_FAILURE_S = 5.0  # After a failed save: how long its other background
 
 
 def wait_at_most(manager, timeout_s: float) -> None:
-  """`manager.wait_until_finished()`, given up after `timeout_s` (its error, if any, ignored): after a failed save,
-  a background write stuck on the directory runs into Orbax's time-outs of minutes."""
+  """`manager.wait_until_finished()`, given up after `timeout_s` (its error, if any, ignored): after a failed
+  save, a background write stuck on the directory runs into Orbax's time-outs of minutes."""
   waiter = threading.Thread(target=_quietly, args=(manager,), daemon=True, name="vapo-checkpoint-wait")
   waiter.start()
   waiter.join(timeout_s)
@@ -96,8 +97,8 @@ def _quietly(manager) -> None:
 
 
 def background_left() -> bool:
-  """Whether Orbax's background threads outlive a failed save (waiting on signals that never come, for minutes):
-  the process then ends without waiting for them, once its error is said."""
+  """Whether Orbax's background threads outlive a failed save (waiting on signals that never come, for
+  minutes): the process then ends without waiting for them, once its error is said."""
   return any(type(t).__module__.startswith("orbax") and t.is_alive() and not t.daemon for t in threading.enumerate())
 
 

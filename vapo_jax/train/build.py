@@ -46,15 +46,18 @@ def optimizers(config: ExperimentConfig) -> dict:
           (("actor", config.optim.actor_lr), ("critic", config.optim.critic_lr), ("sft", config.sft.lr))}
 
 
-def abstract_state(config: ExperimentConfig, mesh, rules, txs: dict, *, stage: str, layers: int | None = None):
+def abstract_state(config: ExperimentConfig, mesh, rules, txs: dict, *, stage: str,
+                   layers: int | None = None):
   """(actor graphdef, critic graphdef, `TrainState` of abstract arrays) as the trainer holds them in
   `stage` ("sft": with the warm start's optimizer state; "rl": with the reference policy when
   `algo.kl_coef` > 0). `layers`: only the first this many decoder layers (a quick look at a deep model)."""
   actor_cfg, critic_cfg = (c if layers is None else dataclasses.replace(c, num_layers=layers)
                            for c in model_configs(config))
   kwargs, seed = model_kwargs(config), config.model.init_seed
-  actor_def, actor = sharding.abstract_sharded(lambda: CausalLM(actor_cfg, rngs=nnx.Rngs(seed), **kwargs), mesh, rules)
-  critic_def, critic = sharding.abstract_sharded(lambda: ValueModel(critic_cfg, rngs=nnx.Rngs(seed), **kwargs), mesh,
+  actor_def, actor = sharding.abstract_sharded(lambda: CausalLM(actor_cfg, rngs=nnx.Rngs(seed), **kwargs),
+                                               mesh, rules)
+  critic_def, critic = sharding.abstract_sharded(lambda: ValueModel(critic_cfg, rngs=nnx.Rngs(seed),
+                                                                    **kwargs), mesh,
                                                  rules)
   key = jax.eval_shape(lambda: jax.random.key(config.seed))
   state = TrainState(

@@ -42,8 +42,8 @@ from vapo_jax.train import host_arrays
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped by SIGTERM after writing a checkpoint; run again to resume.
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: stopped by Ctrl-C after writing a checkpoint.
-# Config fields that may change between a run and its resume. `run_dir`: the checkpoints are read from the run's
-# directory, wherever it now lies (a run directory moved or copied to another parent is the same run).
+# Config fields that may change between a run and its resume. `run_dir`: the checkpoints are read from the
+# run's directory, wherever it now lies (a run directory moved or copied to another parent is the same run).
 NOT_COMPARED = ("checkpoint.", "log.wandb", "run_dir")
 # Fields holding paths: the same file spelled differently ("runs" and "/home/me/runs") is no change.
 PATH_FIELDS = ("data.train_path", "eval.path", "sft.path", "model.checkpoint", "model.critic_checkpoint",
@@ -123,8 +123,9 @@ def _split(tree) -> tuple[Any, dict | None]:
 
 
 def complete_steps(directory: str) -> list[int]:
-  """The numbers of the complete checkpoints in `directory` (Orbax renames a save to its number when it finishes;
-  one being written is a temporary directory), oldest first; none when the directory does not exist."""
+  """The numbers of the complete checkpoints in `directory` (Orbax renames a save to its number when it
+  finishes; one being written is a temporary directory), oldest first; none when the directory does not
+  exist."""
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) if os.path.isdir(directory) else []
 
 
@@ -139,7 +140,8 @@ class RunCheckpoints:
   def __init__(self, directory: str, config: CheckpointConfig):
     self.directory, self.config, self.failed, self._unchecked = os.path.abspath(directory), config, False, False
     self._skipped: set[int] = set()  # Checkpoints found unreadable (warned once each).
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep, enable_async_checkpointing=config.async_save,
+    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep,
+                                           enable_async_checkpointing=config.async_save,
                                            create=True, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
     absl_log = logging.getLogger("absl")
@@ -170,11 +172,13 @@ class RunCheckpoints:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       resume = (f"it resumes from checkpoint {complete[-1]}, which is intact" if complete else
                 "no checkpoint was complete yet, so it starts afresh")
-      raise files.write_failure(e, self.directory, what, after=f"then run the same command again: {resume}") from None
+      raise files.write_failure(e, self.directory, what,
+                                after=f"then run the same command again: {resume}") from None
 
   def save(self, step: int, state, meta: dict, *, wait: bool = False) -> None:
-    """Saves (in the background when configured: arrays are copied to host before this returns). A dict `state`'s
-    `host` entry (nested dicts of NumPy arrays) is written as files before this returns (`host_arrays`)."""
+    """Saves (in the background when configured: arrays are copied to host before this returns). A dict
+    `state`'s `host` entry (nested dicts of NumPy arrays) is written as files before this returns
+    (`host_arrays`)."""
     with self._saving("saving a checkpoint"):
       if distributed.is_main_process():
         background.probe(self.directory)  # Each save: a directory turned read-only stops the run now, in one line.
@@ -197,8 +201,8 @@ class RunCheckpoints:
     return None
 
   def restore(self, step: int, target) -> Any:
-    """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says; its `host` entry,
-    if any, is NumPy arrays filled in place from the checkpoint's host arrays."""
+    """The arrays of checkpoint `step`, placed as `target` (a pytree of ShapeDtypeStructs) says; its `host`
+    entry, if any, is NumPy arrays filled in place from the checkpoint's host arrays."""
     target, host = _split(target)
     items = {"state": ocp.args.StandardRestore(target)} if target else {}
     if host:
@@ -236,13 +240,13 @@ class RunCheckpoints:
     self._skipped.add(step)
     path = os.path.join(self.directory, str(step))
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    warnings.warn(f"checkpoint {path} is incomplete or unreadable ({type(error).__name__}: {first_line[:300]}); "
-                  "skipping it", stacklevel=3)
+    warnings.warn(f"checkpoint {path} is incomplete or unreadable ({type(error).__name__}: "
+                  f"{first_line[:300]}); skipping it", stacklevel=3)
 
   def check(self) -> None:
-    """Between steps, before anything else writes in the run directory: a background save that failed, or one in
-    flight into a directory no longer writable, is its one-line error now (naming this directory), not a wait of
-    minutes (Orbax's) at the next save or at the end."""
+    """Between steps, before anything else writes in the run directory: a background save that failed, or one
+    in flight into a directory no longer writable, is its one-line error now (naming this directory), not a
+    wait of minutes (Orbax's) at the next save or at the end."""
     if self.failed:
       return
     with self._saving("saving a checkpoint"):
@@ -334,9 +338,9 @@ def check_layer_layout(meta: dict, checkpoint_dir: str) -> None:
   layout = meta.get("layer_layout", "per-layer")
   if layout != LAYER_LAYOUT:
     raise ConfigError(
-        f"the checkpoints in {checkpoint_dir} hold {layout} decoder-layer parameters (model.layers.N.*), and this "
-        f"code stacks them (model.layers.* of shape [L, ...]); refusing to resume (it would start afresh): resume "
-        "them with the code that wrote them, or start a new run (another name= or run_dir=)")
+        f"the checkpoints in {checkpoint_dir} hold {layout} decoder-layer parameters (model.layers.N.*), and "
+        "this code stacks them (model.layers.* of shape [L, ...]); refusing to resume (it would start "
+        "afresh): resume them with the code that wrote them, or start a new run (another name= or run_dir=)")
 
 
 def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir: str) -> None:
@@ -344,10 +348,11 @@ def check_resumable(config: ExperimentConfig, saved_config: dict, checkpoint_dir
   diffs = config_differences(saved_config, config)
   if diffs and not config.checkpoint.allow_config_change:
     raise ConfigError(
-        f"the run in {checkpoint_dir} was saved with a different config; refusing to resume. Fields that differ "
-        f"(saved → now):\n  " + "\n  ".join(diffs) +
+        f"the run in {checkpoint_dir} was saved with a different config; refusing to resume. Fields that "
+        f"differ (saved → now):\n  " + "\n  ".join(diffs) +
         "\nUse the saved values, another experiment name, or pass checkpoint.allow_config_change=true.")
-  if diffs and (checkpoint_dir, tuple(diffs)) not in _WARNED_CHANGES:  # Checked at start and at the restore: said once.
+  if diffs and (checkpoint_dir,
+                tuple(diffs)) not in _WARNED_CHANGES:  # Checked at start and at the restore: said once.
     _WARNED_CHANGES.add((checkpoint_dir, tuple(diffs)))
     warnings.warn("resuming with a changed config (checkpoint.allow_config_change=true):\n  " + "\n  ".join(diffs),
                   stacklevel=2)

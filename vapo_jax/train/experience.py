@@ -11,8 +11,8 @@ this process's share of the responses (out, for the verifier), and the verifier'
 verdicts (in). Dynamic sampling also brings every process the verdicts of the whole batch and sends
 back the rows it keeps.
 
-`generate_responses` is the one path from problems to sampled responses: the trainer's rollouts, its
-held-out evaluation and `make eval` all call it.
+The problems → responses path outside a run (the plan, the sampling, `generate_responses`) is
+`responses.py`; the held-out evaluation, which samples through an `Experience`, is `held_out.py`.
 """
 
 import warnings
@@ -33,18 +33,18 @@ from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.rollout.plan import plan_round
-from vapo_jax.train import partial_sampling
+from vapo_jax.train import held_out, partial_sampling
 from vapo_jax.train.algorithm import PrefixLabels
-from vapo_jax.train.held_out import accuracy_by_level, accuracy_stderr
 from vapo_jax.train.partial_sampling import PartialSampling
+from vapo_jax.train.responses import generate_responses, plan, sampling, stop_ids
 from vapo_jax.train.state import TrainState
-from vapo_jax.train.steps import Steps, TrainBatch
+from vapo_jax.train.steps import Steps
 
 
 def verifier_rounds(rounds: list[tuple[int, float, dict]]) -> dict[str, float]:
   """The verifier's metrics over a step's sampling rounds, each (responses, Σ rewards, its metrics): fractions
-  weighted by the responses, counts and seconds summed, the rate over the sum, and `reward/sampled_mean` (every
-  response sampled, before dynamic sampling's filter)."""
+  weighted by the responses, counts and seconds summed, the rate over the sum, and `reward/sampled_mean`
+  (every response sampled, before dynamic sampling's filter)."""
   responses = sum(n for n, _, _ in rounds)
   out = {"reward/sampled_mean": sum(total for _, total, _ in rounds) / max(responses, 1)}
   for key in rounds[0][2]:
@@ -71,73 +71,6 @@ class Sampled(NamedTuple):
   prefixes: PrefixLabels | None = None
 
 
-def stop_ids(config: ExperimentConfig, tokenizer) -> tuple[int, ...]:
-  """The tokens that end a response: the tokenizer's EOS and `rollout.stop_token_ids`."""
-  return tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
-
-
-def plan(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, prompt_tokens: int, devices: int,
-         **options) -> rollout.RolloutPlan:
-  """The rollout plan (`rollout.plan_rollout`) for `prompts` × `group` sequences of `prompt_tokens`-token prompts
-  split over `devices` data-parallel devices; a KV cache that does not fit `rollout.kv_cache_budget_gib` per
-  device is a `ConfigError` naming what to change. `options`: `plan_rollout`'s (`prompt_lengths`, `platform`)."""
-  try:
-    return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
-                                dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
-  except MemoryError as e:
-    raise ConfigError(str(e)) from None
-
-
-def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
-                       group: int, temperature: float, top_p: float, top_k: int = 0, jit=jax.jit, place=None,
-                       devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
-  """`group` sampled responses for each record's prompt (B = len(records)·group; sequence n draws from
-  fold_in(key, n) whatever the engine) and the rollout's metrics, with the configured engine.
-  `jit`, `place` and `devices`: a run's mesh (`Steps.jit`, `Steps.place`, its data-parallel devices);
-  the defaults run on the default device."""
-  tokens, mask = common.pad_prompts([problems.encode_prompt(x, tokenizer, config) for x in records],
-                                    pad_id=tokenizer.pad_token_id)
-  chosen = plan(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1], devices=devices,
-                prompt_lengths=mask.sum(axis=1))
-  how = sampling(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
-  return rollout.sample(model, tokens, mask, key, sampling=how, plan=chosen, pad_id=tokenizer.pad_token_id,
-                        cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
-
-
-def sampling(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
-             top_k: int = 0) -> common.Sampling:
-  """How a rollout of the run samples (`stop_ids`: the tokens that end a response)."""
-  return common.Sampling(max_response_tokens=config.rollout.max_response_tokens, stop_token_ids=stop_token_ids,
-                         temperature=temperature, top_p=top_p, top_k=top_k)
-
-
-def demonstrations(rows: list[Record], tokenizer, config: ExperimentConfig) -> TrainBatch:
-  """The supervised warm start's host batch: each row's prompt, then its solution and EOS (cut at
-  `rollout.max_response_tokens`), as a `TrainBatch` of tokens, attention and response masks."""
-  eos, length, pad = tokenizer.eos_token_id, config.rollout.max_response_tokens, tokenizer.pad_token_id
-  prompt_tokens, prompt_mask = common.pad_prompts([problems.encode_prompt(r, tokenizer, config) for r in rows],
-                                                  pad_id=pad)
-  response = np.full((len(rows), length), pad, np.int32)
-  lengths = np.zeros(len(rows), np.int32)
-  for b, row in enumerate(rows):
-    ids = (tokenizer.encode(row.solution) + [eos])[:length]
-    response[b, :len(ids)], lengths[b] = ids, len(ids)
-  response_mask = np.arange(length)[None] < lengths[:, None]
-  tokens, attention = (np.concatenate(x, axis=1) for x in ((prompt_tokens, response), (prompt_mask, response_mask)))
-  return TrainBatch(tokens, attention, response_mask, None, None, np.zeros(len(rows), bool))
-
-# Folded into the run's seed for the evaluation's keys: a stream apart from the training's key chain.
-EVALUATION_STREAM = 0x6576616C  # "eval"
-
-
-def evaluation_key(seed: int, rl_steps_done: int) -> jax.Array:
-  """The held-out evaluation's sampling key after `rl_steps_done` RL steps (0: before RL), a function
-  of the seed and that count alone: runs of one seed (a sweep's members) evaluate with the same keys
-  at the same step, common random numbers that shrink the evaluation noise of their difference while
-  their policies are close, and evaluating leaves the training's key chain as it was."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), EVALUATION_STREAM), rl_steps_done)
-
-
 # Seeds the prefix lengths of value pretraining's "prefix" target, apart from every other stream of the run.
 PREFIX_STREAM = 0x70726566  # "pref"
 
@@ -152,10 +85,12 @@ class Experience:
   """Sampling and verifying for one run (its config, programs, rollout layout, model shape, tokenizer and
   verifier)."""
 
-  def __init__(self, config: ExperimentConfig, *, steps: Steps, layout: RolloutLayout, model_cfg, tokenizer, pool):
+  def __init__(self, config: ExperimentConfig, *, steps: Steps, layout: RolloutLayout, model_cfg, tokenizer,
+               pool):
     self.config, self.steps, self.layout = config, steps, layout
     self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
-    # An RL step's rollout, chosen once: partial rounds under a decode budget, else a whole rollout (`sample`).
+    # An RL step's rollout, chosen once: partial rounds under a decode budget, else a whole rollout
+    # (`sample`).
     self.partial = PartialSampling(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
         config.rollout.decode_budget) else None
     self.rl_rollout = self._partial_rollout if self.partial else self._whole_rollout
@@ -166,24 +101,28 @@ class Experience:
         settings=r, plan=self.plan_round(), policy=self.policy, layout=self.layout, place=self.steps.place,
         sampling=self.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
         encode=lambda record: problems.encode_prompt(record, self.tokenizer, self.config),
-        verify=lambda out, answers: (*self.place_share(scored := self.verify(out, answers), out), scored.metrics),
+        verify=lambda out,
+        answers: (*self.place_share(scored := self.verify(out, answers), out), scored.metrics),
         pad_id=self.tokenizer.pad_token_id, cache_dtype=jnp.dtype(self.config.model.dtype))
 
   def plan_round(self) -> rollout.RolloutPlan:
-    """A partial rollout's round's plan on this run's groups (`plan.plan_round`); a `ConfigError` naming the budget
-    when it cannot run."""
+    """A partial rollout's round's plan on this run's groups (`plan.plan_round`); a `ConfigError` naming the
+    budget when it cannot run."""
     r = self.config.rollout
     try:
-      return plan_round(r, self.model_cfg, dtype=jnp.dtype(self.config.model.dtype), devices=self.layout.data_devices)
+      return plan_round(r, self.model_cfg, dtype=jnp.dtype(self.config.model.dtype),
+                        devices=self.layout.data_devices)
     except MemoryError as e:
-      raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) cannot run: {e}; or "
-                        "set rollout.decode_budget=0") from None
+      raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) cannot run: "
+                        f"{e}; or set rollout.decode_budget=0") from None
 
-  def _partial_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *, version: int) -> "Sampled":
+  def _partial_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
+                       version: int) -> "Sampled":
     del key  # Partial rollouts sample each run sequence from its own key (`PartialSampling.key`).
     return Sampled(*self.partial.sample(state, prompts, version=version))
 
-  def _whole_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *, version: int) -> "Sampled":
+  def _whole_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
+                     version: int) -> "Sampled":
     del version
     return self.sample(state, prompts, key)
 
@@ -202,10 +141,12 @@ class Experience:
                     top_k=top_k)
 
   def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int,
-                         temperature: float, top_p: float, top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
-    """`generate_responses` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back as
-    global arrays laid out for scoring on the training mesh."""
-    out, stats = generate_responses(policy, records, key, config=self.config, tokenizer=self.tokenizer, group=group,
+                         temperature: float, top_p: float,
+                         top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
+    """`generate_responses` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back
+    as global arrays laid out for scoring on the training mesh."""
+    out, stats = generate_responses(policy, records, key, config=self.config, tokenizer=self.tokenizer,
+                                    group=group,
                                     temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
                                     place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
@@ -217,8 +158,10 @@ class Experience:
     plans; else a `ConfigError` naming the setting."""
     settings, evaluation = self.config.rollout, self.config.eval
     calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
-        (problems, evaluation.samples_per_problem) for problems in evaluation_calls(self.config, eval_problems)]
-    plans = [self.plan_for(prompts=prompts, group=group, prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
+        (problems, evaluation.samples_per_problem) for problems in held_out.evaluation_calls(self.config,
+                                                                                    eval_problems)]
+    plans = [self.plan_for(prompts=prompts, group=group,
+                           prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
              for prompts, group in dict.fromkeys(calls)]
     if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
       plans.append(self.partial.context.plan)
@@ -230,7 +173,8 @@ class Experience:
     the metrics are combined over processes."""
     share, tokens = distributed.local_rows(out.response_tokens)
     _, lengths = distributed.local_rows(out.response_lengths)
-    return self._score([self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)], answers[share], lengths)
+    return self._score([self.tokenizer.decode(t[:k]) for t, k in zip(tokens, lengths)], answers[share],
+                       lengths)
 
   def prefix_labels(self, out: common.Rollout, answers: list[str], rng: np.random.Generator) -> PrefixLabels:
     """Value pretraining's prefix labels (`algo.value_pretrain_target="prefix"`) of this process's share of
@@ -257,17 +201,19 @@ class Experience:
         incorrect_reward=config.reward.incorrect, forms=config.reward.answer_forms,
         max_response_tokens=config.rollout.max_response_tokens,
         overlong_buffer_tokens=config.algo.overlong_buffer_tokens,
-        overlong_penalty_factor=config.algo.overlong_penalty_factor, format_penalty_value=config.reward.format_penalty)
+        overlong_penalty_factor=config.algo.overlong_penalty_factor,
+        format_penalty_value=config.reward.format_penalty)
     scored = scored._replace(metrics=distributed.combine_metrics(scored.metrics))
-    reward_lib.check_errors(scored, self.pool, max_error_frac=config.reward.max_error_frac)  # Every process agrees.
+    reward_lib.check_errors(scored, self.pool,
+                            max_error_frac=config.reward.max_error_frac)  # Every process agrees.
     return scored
 
   def sample(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
              prefix_step: int | None = None) -> Sampled:
-    """A verified whole rollout of P prompts × G samples, the rewards and verdicts as global arrays (an RL step's
-    under `rl_rollout`, which may be partial). Under dynamic sampling, refilled with groups of mixed verdicts.
-    `prefix_step`: a value-pretraining step (the run's global step), whose "prefix" target (if it is the target)
-    needs the prefix labels (`prefix_labels`)."""
+    """A verified whole rollout of P prompts × G samples, the rewards and verdicts as global arrays (an RL
+    step's under `rl_rollout`, which may be partial). Under dynamic sampling, refilled with groups of mixed
+    verdicts. `prefix_step`: a value-pretraining step (the run's global step), whose "prefix" target (if it is
+    the target) needs the prefix labels (`prefix_labels`)."""
     config, settings = self.config, self.config.rollout
     group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     rng = prefix_rng(config.seed, prefix_step) if (
@@ -297,10 +243,11 @@ class Experience:
         break
     del policy  # As above.
     if len(kept) < settings.prompts_per_step:
-      message = (f"dynamic sampling found {len(kept)} groups with mixed verdicts of the {settings.prompts_per_step} "
-                 f"a step needs in {rounds} rounds (algo.dynamic_sampling_max_rounds="
-                 f"{config.algo.dynamic_sampling_max_rounds}); {settings.prompts_per_step - len(kept)} groups of "
-                 "all-equal verdicts (zero advantage) fill the batch")
+      message = (f"dynamic sampling found {len(kept)} groups with mixed verdicts of the "
+                 f"{settings.prompts_per_step} a step needs in {rounds} rounds "
+                 "(algo.dynamic_sampling_max_rounds="
+                 f"{config.algo.dynamic_sampling_max_rounds}); {settings.prompts_per_step - len(kept)} "
+                 "groups of all-equal verdicts (zero advantage) fill the batch")
       if config.algo.dynamic_sampling_on_cap == "raise":
         raise DynamicSamplingCapReached(message + ". Raise the cap, or set algo.dynamic_sampling_on_cap=warn")
       warnings.warn(message, stacklevel=2)
@@ -308,7 +255,8 @@ class Experience:
     rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     out = _take_rows(out, self.steps.place(rows.astype(np.int32)))
-    rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1, 2))
+    rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1,
+                                                                                                            2))
     stats = generated | verifier_rounds(verified) | {
         "time/rollout_s": rollout_s, "rollout/sampling_rounds": float(rounds),
         "rollout/mixed_group_frac": min(len(kept), len(groups)) / len(groups),
@@ -331,41 +279,6 @@ class Experience:
     n = out.response_lengths.shape[0]
     place = lambda x: distributed.global_array_from_share(np.asarray(x), out.response_lengths.sharding, n)
     return place(scored.rewards.astype(np.float32)), place(scored.correct.astype(bool))
-
-  def evaluate(self, state: TrainState, records: list[Record], *, rl_steps_done: int) -> dict:
-    """avg@k on held-out problems with the eval sampling settings, sampled with
-    `evaluation_key(seed, rl_steps_done)` (device scalars), and the fractions of responses that failed to
-    score (`eval/error_frac`: verifier time-outs, crashes, errors; they count as incorrect) and in which no
-    answer was found (`eval/no_answer_frac`)."""
-    evaluation = self.config.eval
-    key = distributed.replicate_local(evaluation_key(self.config.seed, rl_steps_done), self.steps.mesh)
-    correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, self.policy(state)
-    starts = np.cumsum([0, *evaluation_calls(self.config, len(records))])
-    for n, (i, j) in enumerate(zip(starts[:-1], starts[1:])):
-      part = records[i:j]
-      out, _ = self.generate_in_layout(policy, part, jax.random.fold_in(key, n), group=evaluation.samples_per_problem,
-                                       temperature=evaluation.temperature, top_p=evaluation.top_p)
-      scored = self.verify(out, [x.answer for x in part for _ in range(evaluation.samples_per_problem)])
-      correct.append(distributed.gather_rows(scored.correct))
-      lengths.append(distributed.gather_rows(distributed.local_rows(out.response_lengths)[1]))
-      for name in failed:  # Fractions of this call's responses (combined over processes), weighted by them.
-        failed[name] += scored.metrics[f"reward/{name}"] * len(correct[-1])
-    responses, verdicts = sum(map(len, correct)), np.concatenate(correct)
-    return {"eval/accuracy": float(verdicts.mean()), "eval/accuracy_stderr": accuracy_stderr(
-                verdicts, evaluation.samples_per_problem), "eval/problems": float(len(records)),
-            "eval/response_len_mean": float(np.concatenate(lengths).mean())} | {
-                f"eval/{name}": float(total / responses) for name, total in failed.items()} | {
-                f"eval/accuracy_level_{level}": value for level, value in accuracy_by_level(
-                    verdicts, [r.level for r in records], evaluation.samples_per_problem).items()}
-
-
-def evaluation_calls(config: ExperimentConfig, problems: int) -> list[int]:
-  """The problems of each rollout call of a held-out evaluation of `problems` problems: as many sequences a call
-  as a training rollout's (round) holds, `eval.samples_per_problem` per problem."""
-  r = config.rollout
-  per_call = max(1, (r.prompts_per_generation or r.prompts_per_step) * r.samples_per_prompt
-                 // config.eval.samples_per_problem)
-  return [min(per_call, problems - i) for i in range(0, problems, per_call)]
 
 
 @jax.jit

@@ -2,13 +2,13 @@
 
   checkpoints.RunCheckpoints.save(step, state | {"host": {"carry": {"tokens": ...}}}, meta)
 
-Partial rollouts' carry is host data of up to `N × max_response_tokens` tokens, two log-probs and versions: 5 GiB
-at `aime`'s size. Orbax's pytree handler copies such arrays before a save (so that a background save reads a
-snapshot) and compresses them through buffers of its own, about 1.7× their bytes more at the peak. This handler
-writes each array straight from its own memory (`numpy.lib.format.write_array`: a C-contiguous array is written
-by `tofile`, with no copy), blocking the save until written, and reads each one into the array it is given to
-fill (`readinto`: no second copy). Its files go into the checkpoint's temporary directory like any item's, so a
-checkpoint is renamed complete only with them.
+Partial rollouts' carry is host data of up to `N × max_response_tokens` tokens, two log-probs and versions: 5
+GiB at `aime`'s size. Orbax's pytree handler copies such arrays before a save (so that a background save reads
+a snapshot) and compresses them through buffers of its own, about 1.7× their bytes more at the peak. This
+handler writes each array straight from its own memory (`numpy.lib.format.write_array`: a C-contiguous array
+is written by `tofile`, with no copy), blocking the save until written, and reads each one into the array it
+is given to fill (`readinto`: no second copy). Its files go into the checkpoint's temporary directory like any
+item's, so a checkpoint is renamed complete only with them.
 
 Files are named by the path of each array in the nested dict (`carry.tokens.npy`). One process writes (the
 arrays are the same on every process); every process reads.
@@ -58,14 +58,15 @@ def write(directory: str, tree: dict) -> None:
 
 
 def read_into(directory: str, target: dict) -> dict:
-  """`target` (nested dicts of writable NumPy arrays) filled from `write`'s files; a file of another shape or dtype
-  than its target, or one cut short, is a `ValueError` naming it."""
+  """`target` (nested dicts of writable NumPy arrays) filled from `write`'s files; a file of another shape or
+  dtype than its target, or one cut short, is a `ValueError` naming it."""
   flat = _flat(target)
   for path, array in flat.items():
     name = os.path.join(directory, f"{path}.npy")
     with open(name, "rb") as f:
       version = np.lib.format.read_magic(f)
-      header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+      header = np.lib.format.read_array_header_1_0 if version == (1,
+                                                                  0) else np.lib.format.read_array_header_2_0
       shape, fortran, dtype = header(f)
       if tuple(shape) != array.shape or np.dtype(dtype) != array.dtype or fortran:
         raise ValueError(f"{name} holds {dtype}{list(shape)}, expected {array.dtype}{list(array.shape)}")

@@ -33,8 +33,8 @@ class MetricsWriter:
   of its own, whatever the file held before.
   """
 
-  def __init__(self, run_dir: str, *, enabled: bool = True, keep_bytes: int = 0, purge_step: int | None = None,
-               wandb: dict | None = None):
+  def __init__(self, run_dir: str, *, enabled: bool = True, keep_bytes: int = 0,
+               purge_step: int | None = None, wandb: dict | None = None):
     self.enabled, self.run_dir = enabled, run_dir
     self.path = os.path.join(run_dir, "metrics.jsonl")
     self._tb = self._wandb = None
@@ -52,7 +52,8 @@ class MetricsWriter:
         self._wandb = _start_wandb(run_dir, wandb, resume=keep_bytes > 0)
 
   def _disk_full(self):
-    return files.reporting_write_failures(self.run_dir, "writing the run's logs (metrics.jsonl, tensorboard/)")
+    return files.reporting_write_failures(self.run_dir,
+                                          "writing the run's logs (metrics.jsonl, tensorboard/)")
 
   def size(self) -> int:
     """Bytes written so far to metrics.jsonl (0 when disabled)."""
@@ -131,12 +132,13 @@ def _keep_prefix(path: str, keep_bytes: int) -> None:
     cut = min(keep_bytes, len(text))
     if len(text) < keep_bytes:
       warnings.warn(f"{path} has {len(text)} bytes, fewer than the {keep_bytes} its checkpoint recorded "
-                    "(truncated or edited since?): records from before the checkpoint may be missing", stacklevel=3)
+                    "(truncated or edited since?): records from before the checkpoint may be missing",
+                    stacklevel=3)
     elif cut < len(text) and text[cut - 1:cut] != b"\n":
       end = text.find(b"\n", cut)
       cut = len(text) if end < 0 else end + 1
-      warnings.warn(f"{path} changed since the checkpoint: byte {keep_bytes}, where its records end, is inside a "
-                    f"line; kept the whole line (the file now ends at byte {cut})", stacklevel=3)
+      warnings.warn(f"{path} changed since the checkpoint: byte {keep_bytes}, where its records end, is "
+                    f"inside a line; kept the whole line (the file now ends at byte {cut})", stacklevel=3)
     lines = text[:cut].split(b"\n")
     tail = lines.pop()  # After the last newline: a partial line, or b"".
     if tail and _is_record(tail):
@@ -167,12 +169,14 @@ def _move_aside(run_dir: str) -> None:
     return  # No records (TensorBoard's events then hold none either: the two are written together).
   names = [name for name in ("metrics.jsonl", "tensorboard") if os.path.exists(os.path.join(run_dir, name))]
   n = 1
-  while any(os.path.exists(os.path.join(run_dir, f"{name}.{n}")) for name in ("metrics.jsonl", "tensorboard")):
+  while any(os.path.exists(os.path.join(run_dir, f"{name}.{n}")) for name in ("metrics.jsonl",
+                                                                              "tensorboard")):
     n += 1
   for name in names:
     os.rename(os.path.join(run_dir, name), os.path.join(run_dir, f"{name}.{n}"))
   warnings.warn(f"{run_dir} holds logs of an earlier run but no checkpoint to resume from: moved "
-                f"{' and '.join(f'{name} to {name}.{n}' for name in names)}; this run starts new ones", stacklevel=3)
+                f"{' and '.join(f'{name} to {name}.{n}' for name in names)}; this run starts new ones",
+                stacklevel=3)
 
 
 # ----------------------------------------------------------------------------- Weights & Biases
@@ -195,7 +199,8 @@ def wandb_init_args(log, *, name: str, config: dict | None = None) -> dict | Non
     args["mode"] = log.wandb_mode if log.wandb_mode != "auto" else "online" if _wandb_key_found() else "offline"
     if log.wandb_mode == "auto" and args["mode"] == "offline":
       print("W&B: no API key found (WANDB_API_KEY or `wandb login`), so the run is logged offline into "
-            "<run_dir>/wandb; upload it later with `wandb sync <run_dir>/wandb/offline-run-*`", file=sys.stderr)
+            "<run_dir>/wandb; upload it later with `wandb sync <run_dir>/wandb/offline-run-*`",
+            file=sys.stderr)
   return args
 
 
@@ -283,4 +288,27 @@ def fetch(metrics: dict) -> dict[str, float]:
   """A step's metrics as host floats, the device scalars fetched together as one vector."""
   on_device = [k for k, v in metrics.items() if isinstance(v, jax.Array)]
   values = np.asarray(jnp.stack([metrics[k].astype(jnp.float32) for k in on_device])) if on_device else []
-  return {k: float(v) for k, v in metrics.items() if k not in on_device} | dict(zip(on_device, map(float, values)))
+  return {k: float(v) for k,
+          v in metrics.items() if k not in on_device} | dict(zip(on_device, map(float, values)))
+
+
+class Diverged(RuntimeError):
+  """Updates kept failing on non-finite losses or gradients (`optim.max_nonfinite_steps` steps in a row)."""
+
+
+def check_finite(stage: str, step: int, m: dict, progress, limit: int) -> None:
+  """Counts in `progress.nonfinite_steps` the steps in a row whose updates were skipped for non-finite losses
+  or gradients (`m`: this step's metrics), warns of each, and raises `Diverged` at `limit`
+  (`optim.max_nonfinite_steps`)."""
+  skipped = {k.split("/")[0]: v for k, v in m.items() if k.endswith("/skipped_frac") and v > 0}
+  progress.nonfinite_steps = progress.nonfinite_steps + 1 if skipped else 0
+  if not skipped:
+    return
+  which = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(skipped.items()))
+  message = (f"{stage} step {step}: non-finite loss or gradient, updates skipped ({which}; parameters "
+             f"unchanged by them), {progress.nonfinite_steps} step(s) in a row")
+  warnings.warn(message, stacklevel=2)
+  if progress.nonfinite_steps >= limit:
+    raise Diverged(f"{message}: stopping (optim.max_nonfinite_steps={limit}). Lower the learning rate, check the "
+                   "data and the last metrics in metrics.jsonl, and resume from the newest checkpoint (its "
+                   "parameters are finite) with the same command")

@@ -51,7 +51,8 @@ def unsplit(tree, shards: int = 1):
 # Metrics that are a micro-batch's share of the mini-batch value (losses with whole-batch
 # denominators, counts): summed over micro-batches. Every other metric is a mean over valid tokens:
 # weighted by each micro-batch's valid tokens, which gives the mini-batch's token mean exactly.
-SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/entropy_term", "actor/loss",
+SUMMED_METRICS = frozenset({"actor/pg_loss", "actor/nll_loss", "actor/ref_kl", "actor/entropy_term",
+                            "actor/loss",
                             "actor/positive_tokens"})
 
 
@@ -84,7 +85,8 @@ def optimizer_step(loss_fn, tx, params, opt_state, chunks, *, prefix: str, loss_
   updates, opt_state = tx.update(grads, opt_state, params)
   extra = {loss_name: loss, "grad_norm": optax.tree.norm(grads), "lr": learning_rate(opt_state),
            "skipped_frac": 1.0 - opt_state.last_finite.astype(jnp.float32)}
-  return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k, v in extra.items()}
+  return optax.apply_updates(params, updates), opt_state, metrics | {f"{prefix}/{k}": v for k,
+                                                                     v in extra.items()}
 
 
 def _map(fn, params, xs):

@@ -19,8 +19,8 @@ def make_optimizer(optim: OptimizerConfig, peak_lr: float) -> optax.GradientTran
          optax.constant_schedule(peak_lr)], [optim.warmup_updates])
   else:
     schedule = optax.constant_schedule(peak_lr)
-  adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                                                weight_decay=optim.weight_decay)
+  adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b1=optim.b1, b2=optim.b2,
+                                                eps=optim.eps, weight_decay=optim.weight_decay)
   chain = [optax.clip_by_global_norm(optim.max_grad_norm)] if optim.max_grad_norm else []
   # A non-finite gradient skips the update (parameters and moments unchanged); the trainer stops
   # the run after `optim.max_nonfinite_steps` steps of them, so optax never gives up here.
@@ -35,7 +35,8 @@ def learning_rate(opt_state) -> jax.Array:
 def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh):
   """The optimizer state laid out like the parameters (moments sharded as their parameter, the
   step count replicated); a plain `jit(tx.init)` would leave it all on one device."""
-  return jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, abstract_optimizer(tx, params, mesh)))(
+  return jax.jit(tx.init,
+                 out_shardings=jax.tree.map(lambda x: x.sharding, abstract_optimizer(tx, params, mesh)))(
       params)
 
 
@@ -44,6 +45,7 @@ def abstract_optimizer(tx: optax.GradientTransformation, params, mesh: jax.shard
   (`params` may be abstract: anything with shapes, dtypes and shardings)."""
   abstract = jax.eval_shape(tx.init, params)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shardings = optax.tree_utils.tree_map_params(tx, lambda _, s: s, abstract, jax.tree.map(lambda x: x.sharding, params),
+  shardings = optax.tree_utils.tree_map_params(tx, lambda _, s: s, abstract,
+                                               jax.tree.map(lambda x: x.sharding, params),
                                                transform_non_params=lambda _: replicated)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)

@@ -12,10 +12,10 @@ first-fit decreasing fills come first and the micro-batches after them are empty
 those (`lax.cond`), and R, the compiled size, is `packing.bucket_rows` of the rows the largest group
 needs (a power of two times m: few programs). A sequence without a response is not placed.
 
-Time index. A loss's per-token arrays sit at each response token's prediction column, the column
-before its own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
-(`packing.reference_unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only each
-sequence's (row, offset): `packing.row_layout` expands them here.
+Time index. A loss's per-token arrays sit at each response token's prediction column, the column before its
+own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
+(`packing.reference_unpack_predictions`); `RowBatch.response_mask` marks those columns. The host sends only
+each sequence's (row, offset): `packing.row_layout` expands them here.
 """
 
 from typing import NamedTuple
@@ -50,7 +50,8 @@ class RowPlan(NamedTuple):
   scoring_rows: int  # R of scoring (static).
   update_rows: int  # R of every mini-batch (static).
   scoring_metrics: dict[str, float]  # perf/padding_frac_scoring.
-  update_metrics: dict[str, float]  # perf/padding_frac_<phase>, perf/micro_batches, perf/micro_batches_compiled.
+  # perf/padding_frac_<phase>, perf/micro_batches, perf/micro_batches_compiled.
+  update_metrics: dict[str, float]
 
 
 def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_rows: int,
@@ -58,13 +59,14 @@ def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micr
   """The host's packing of a batch: `orders` `[E, K, n]` are the sequence ids of the K mini-batches of
   each of E epochs. Padding fractions count the micro-batches that run (compiled ones past the rows a
   group needs are skipped); `phase` names the update's metric ("update", "sft")."""
-  response_lengths, prompt_lengths = np.asarray(response_lengths, np.int64), np.asarray(prompt_lengths, np.int64)
+  response_lengths, prompt_lengths = np.asarray(response_lengths, np.int64), np.asarray(prompt_lengths,
+                                                                                        np.int64)
   unprompted = np.flatnonzero((response_lengths > 0) & (prompt_lengths <= 0))
   if unprompted.size:  # Response token 0 would be predicted from the previous segment's last column.
-    raise DataError(f"sequence {int(unprompted[0])} of the batch ({unprompted.size} in all) has a response of "
-                    f"{int(response_lengths[unprompted[0]])} tokens and no prompt token: a packed row predicts a "
-                    "response's first token from its prompt's last; give every problem a prompt token (a "
-                    "non-empty problem text or template), or set packing.enabled=false")
+    raise DataError(f"sequence {int(unprompted[0])} of the batch ({unprompted.size} in all) has a response "
+                    f"of {int(response_lengths[unprompted[0]])} tokens and no prompt token: a packed row "
+                    "predicts a response's first token from its prompt's last; give every problem a prompt "
+                    "token (a non-empty problem text or template), or set packing.enabled=false")
   lengths = np.where(response_lengths > 0, prompt_lengths + response_lengths, 0)
   orders = np.asarray(orders)
   groups = [np.arange(lengths.size)[None]] + list(orders)
@@ -147,7 +149,8 @@ def scoring_rows(tokens, lengths: Lengths, row, offset, *, response_len: int, ro
   """Scoring's rows of the whole batch, `RowBatch` of its model inputs `[M, m, L]`, and
   `unpack(x [M, m, L]) -> [B, Tr]`: each response token's prediction column (0 where masked)."""
   sequences = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-  _, lay, packed = _rows(tokens, response_len, lengths, sequences, row, offset, rows=rows, row_tokens=row_tokens)
+  _, lay, packed = _rows(tokens, response_len, lengths, sequences, row, offset, rows=rows,
+                         row_tokens=row_tokens)
   inputs = split_rows(RowBatch(packed, lay.segment_ids, lay.position, lay.segment_ids > 0), micro_rows)
   t = jnp.arange(response_len, dtype=jnp.int32)[None]
   valid = (t < lengths.response[:, None]) & (row[:, None] >= 0)
@@ -169,4 +172,5 @@ def mini_batch(batch, sequences, lengths: Lengths, row, offset, *, rows: int, mi
   packed = RowBatch(tokens, lay.segment_ids, lay.position, predicts, predicts & batch.is_positive[seq],
                     at(batch.returns), at(batch.old_values), at(batch.old_logprobs), at(batch.advantages),
                     at(batch.ref_logprobs), at(batch.value_mask), at(batch.sampler_logprobs))
-  return PackedBatch(split_rows(packed, micro_rows), lengths.response[sequences], batch.is_positive[sequences])
+  return PackedBatch(split_rows(packed, micro_rows), lengths.response[sequences],
+                     batch.is_positive[sequences])

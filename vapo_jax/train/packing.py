@@ -19,12 +19,12 @@ is V(s_t). `reference_unpack_predictions` reads response token t's outputs from 
 which lies in the same segment: a packed sequence with a response has at least one prompt token.
 `reference_unpack_tokens` reads the token's own column (the inverse of packing).
 
-Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the host in numpy (they
-need the lengths: one device→host copy of the masks); the gathers (`to_rows`, `reference_unpack_tokens`,
-`reference_unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds every
-token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
-(row, offset), `place_groups`'s `[B]` arrays, and `row_layout` expands them on the device into the
-columns' sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
+Host and device. `first_fit_decreasing` and `pack`'s index arithmetic run on the host in numpy (they need the
+lengths: one device→host copy of the masks); the gathers (`to_rows`, `reference_unpack_tokens`,
+`reference_unpack_predictions`) are jnp with static shapes, for use inside jitted programs. `pack` builds
+every token's index on the host, which suits tests and small batches; the trainer sends only each sequence's
+(row, offset), `place_groups`'s `[B]` arrays, and `row_layout` expands them on the device into the columns'
+sequence, position and segment id (the same rows as `pack`'s: tests/test_packing.py).
 """
 
 from typing import NamedTuple
@@ -207,4 +207,5 @@ def row_layout(row, offset, lengths, *, rows: int, row_tokens: int) -> RowLayout
   position = column - first
   real = (first >= 0) & (position < lengths[jnp.maximum(sequence, 0)])
   segment_ids = jnp.cumsum(owner >= 0, axis=1, dtype=jnp.int32)
-  return RowLayout(jnp.where(real, sequence, -1), jnp.where(real, position, 0), jnp.where(real, segment_ids, 0))
+  return RowLayout(jnp.where(real, sequence, -1), jnp.where(real, position, 0),
+                   jnp.where(real, segment_ids, 0))

@@ -1,16 +1,17 @@
-"""A training step's rollout under `rollout.decode_budget`: rounds of the refill engine until P groups are complete.
+"""A training step's rollout under `rollout.decode_budget`: rounds of the refill engine until P groups are
+complete.
 
   partial = PartialSampling(context, seed=config.seed, mesh=mesh)   # holds the `rollout.partial.Carry`
   out, rewards, correct, stats = partial.sample(state, prompts, version=v)   # P complete groups, verified
 
 Each round decodes the carried sequences and new groups' (`rollout/partial.py`) for at most `decode_budget`
-steps with the step's one set of weights; the step trains on the P oldest complete groups. What it takes from its
-run is its `Context`: the round's plan, the sampler, the policy in the rollout layout, the rollout's jit and
-placement, the prompts' encoding, the verifier and the training mesh's placement. Metrics beside the rollout's:
-`rollout/carried_sequences` (sequences decoding when the step's rounds end, continued next step),
-`rollout/stale_token_frac` (trained tokens sampled by an older policy), `rollout/restarted_sequences` (restarted
-for `max_staleness`) and `rollout/sampling_rounds`; the decode steps, rows, time and pool figures are summed over
-the rounds.
+steps with the step's one set of weights; the step trains on the P oldest complete groups. What it takes from
+its run is its `Context`: the round's plan, the sampler, the policy in the rollout layout, the rollout's jit
+and placement, the prompts' encoding, the verifier and the training mesh's placement. Metrics beside the
+rollout's: `rollout/carried_sequences` (sequences decoding when the step's rounds end, continued next step),
+`rollout/stale_token_frac` (trained tokens sampled by an older policy), `rollout/restarted_sequences`
+(restarted for `max_staleness`) and `rollout/sampling_rounds`; the decode steps, rows, time and pool figures
+are summed over the rounds.
 """
 
 import time
@@ -25,7 +26,8 @@ from vapo_jax.rollout import common, partial
 from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.train.state import TrainState
 
-# Folded into the run's seed for the partial rollouts' key: sequence i of the run samples from fold_in(key, i).
+# Folded into the run's seed for the partial rollouts' key: sequence i of the run samples from fold_in(key,
+# i).
 PARTIAL_STREAM = 0x70617274  # "part"
 SUMMED = ("rollout/preemptions", "rollout/recomputed_tokens", "rollout/prefills", "rollout/prefill_chunks",
           "rollout/prefill_tokens")
@@ -57,8 +59,8 @@ class PartialSampling:
     self.key = distributed.replicate_local(jax.random.fold_in(jax.random.key(seed), PARTIAL_STREAM), mesh)
 
   def sample(self, state: TrainState, prompts, *, version: int):
-    """P complete groups at policy version `version` (the RL steps done): the rollout and the rewards and verdicts
-    (global arrays on the training mesh), and the metrics."""
+    """P complete groups at policy version `version` (the RL steps done): the rollout and the rewards and
+    verdicts (global arrays on the training mesh), and the metrics."""
     c, r = self.context, self.context.settings
     draw = lambda n: [(list(record), c.encode(record)) for record in prompts.take(n)]
     policy = c.policy(state)
@@ -70,19 +72,22 @@ class PartialSampling:
       host, steps, row_steps, f = partial.decode_round(
           policy, call, self.key, plan=c.plan, sampling=c.sampling, budget=r.decode_budget, pad_id=c.pad_id,
           cache_dtype=c.cache_dtype, jit=c.layout.jit, place=c.layout.place)
-      for name, value in (("steps", steps), ("row_steps", row_steps), ("seconds", time.perf_counter() - start)):
+      for name, value in (("steps", steps), ("row_steps", row_steps),
+                          ("seconds", time.perf_counter() - start)):
         total[name] += value
-      figures.update({k: figures.get(k, 0.0) + v if k in SUMMED else max(figures.get(k, 0.0), v) for k, v in f.items()})
+      figures.update({k: figures.get(k, 0.0) + v if k in SUMMED else max(figures.get(k, 0.0), v) for k,
+                      v in f.items()})
       return host
 
-    groups, restarted, rounds = self.carry.step(version, r.prompts_per_step, draw, decode, queues=c.plan.queues)
+    groups, restarted, rounds = self.carry.step(version, r.prompts_per_step, draw, decode,
+                                                queues=c.plan.queues)
     policy = None  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
     arrays = self.carry.batch_arrays(groups, version=version)
     stale = arrays.pop("stale")
     out = c.place(common.Rollout(**arrays))
     rewards, correct, verified = c.verify(out, [g.record[1] for g in groups for _ in g.rows])
-    stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"], seconds=total["seconds"],
-                                    decode_steps=total["steps"], rows=c.plan.slots,
+    stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"],
+                                    seconds=total["seconds"], decode_steps=total["steps"], rows=c.plan.slots,
                                     row_steps=total["row_steps"]) | figures | {
         "rollout/pages": float(c.plan.pages),
         "rollout/sampling_rounds": float(rounds), "rollout/carried_sequences": float(self.carry.carried()),

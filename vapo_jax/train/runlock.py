@@ -60,8 +60,8 @@ class RunLock:
         os.close(fd)
         if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
           raise
-        warnings.warn(f"cannot lock {self.path} ({e.strerror}: a file system without flock?): running without "
-                      "protection against a second start in the same run directory", stacklevel=2)
+        warnings.warn(f"cannot lock {self.path} ({e.strerror}: a file system without flock?): running "
+                      "without protection against a second start in the same run directory", stacklevel=2)
         self._remove_dir_if_unused()
         return self
       if _same_file(fd, self.path):

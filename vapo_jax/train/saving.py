@@ -2,12 +2,12 @@
 
   Trainer(Saving)   # the methods below read the trainer's config, state, progress, steps, writer, log
 
-A checkpoint is (state, progress) (`checkpoints.py`), saved every `checkpoint.every_steps` steps (`_after_step`)
-and at each stage boundary (`_enter`); a new Trainer on the same run directory opens the checkpoints
-(`_open_checkpoints`: refused when `checkpoint.resume` is false or the config changed) and continues from the
-newest complete one (`_resume`, which reopens the logs where it left them). After SIGTERM or Ctrl-C the current
-step finishes, a checkpoint is saved (or the periodic one awaited) and `checkpoints.Preempted` is raised
-(`_save_or_stop`). `export` writes the policy as a Hugging Face directory.
+A checkpoint is (state, progress) (`checkpoints.py`), saved every `checkpoint.every_steps` steps
+(`_after_step`) and at each stage boundary (`_enter`); a new Trainer on the same run directory opens the
+checkpoints (`_open_checkpoints`: refused when `checkpoint.resume` is false or the config changed) and
+continues from the newest complete one (`_resume`, which reopens the logs where it left them). After SIGTERM
+or Ctrl-C the current step finishes, a checkpoint is saved (or the periodic one awaited) and
+`checkpoints.Preempted` is raised (`_save_or_stop`). `export` writes the policy as a Hugging Face directory.
 """
 
 import dataclasses
@@ -31,29 +31,32 @@ class Saving:
   def _resume(self, write_logs: bool):
     """Continues from the newest readable checkpoint, if any, and opens the logs where it left them."""
     config = self.config
-    restored = self.checkpoints.restore_latest(self._restore_target, self._accept) if self.checkpoints else None
+    restored = self.checkpoints.restore_latest(self._restore_target,
+                                               self._accept) if self.checkpoints else None
     if restored:
       self.log(f"resumed from {self.checkpoints.directory}/{restored[0]}: stage {self.progress.stage}, "
                f"step {self.progress.stage_step}")
       if self.progress.stage == "done":
         self._reopen_finished(restored[2]["config"]["rl_steps"])
-    self.saves = max(self.checkpoints.steps(), default=0) if self.checkpoints else 0  # Numbered after every one.
+    self.saves = max(self.checkpoints.steps(),
+                     default=0) if self.checkpoints else 0  # Numbered after every one.
     logs = write_logs and distributed.is_main_process()
     self.writer = metrics_lib.MetricsWriter(
         self.run_dir, enabled=logs, keep_bytes=restored[2]["metrics_bytes"] if restored else 0,
         purge_step=self.progress.global_step, wandb=metrics_lib.wandb_init_args(
             config.log, name=config.name, config=dataclasses.asdict(config)) if logs else None)
-    for name, result in (("eval_before_rl", self.progress.eval_before), ("eval_after_rl", self.progress.eval_after)):
+    for name, result in (("eval_before_rl", self.progress.eval_before),
+                         ("eval_after_rl", self.progress.eval_after)):
       if restored and result:  # TensorBoard purged from the checkpoint's step on, which may include these.
         self.writer.write(0, name, result, global_step=self.progress.global_step, jsonl=False)
 
   def _reopen_finished(self, trained: int) -> None:
-    """A finished run: with more `rl_steps` than it trained, RL goes on from its last step (the held-out evaluation
-    after RL and the export are redone); otherwise its summary stands, and one line says so."""
+    """A finished run: with more `rl_steps` than it trained, RL goes on from its last step (the held-out
+    evaluation after RL and the export are redone); otherwise its summary stands, and one line says so."""
     wanted = self.config.rl_steps
     if wanted <= trained:
-      self.log(f"this run finished its {trained} RL steps; its summary stands (to train more, set rl_steps= above "
-               f"{trained} with checkpoint.allow_config_change=true)")
+      self.log(f"this run finished its {trained} RL steps; its summary stands (to train more, set rl_steps= "
+               f"above {trained} with checkpoint.allow_config_change=true)")
       return
     self.log(f"this run finished its {trained} RL steps; training {wanted - trained} more (rl_steps={wanted})")
     self.progress.stage, self.progress.stage_step, self.progress.eval_after = "rl", trained, None
@@ -84,8 +87,8 @@ class Saving:
     self.progress.load(meta["progress"], tree)
     if (carry := self.progress.carry) is not None and carry.capped:
       warnings.warn(f"{carry.capped} carried sequence(s) held rollout.max_response_tokens="
-                    f"{self.config.rollout.max_response_tokens} tokens or more (the cap was lowered since the save): "
-                    "they end there, finish reason \"length\"", stacklevel=2)
+                    f"{self.config.rollout.max_response_tokens} tokens or more (the cap was lowered since "
+                    "the save): they end there, finish reason \"length\"", stacklevel=2)
     arrays = {k: v for k, v in tree.items() if k != host_arrays.ITEM}
     self.state = from_checkpoint(arrays, jax.random.key_impl(self.state.key))
 
@@ -123,8 +126,8 @@ class Saving:
     elif self.checkpoints is not None:
       self.checkpoints.wait()
     directory = self.checkpoints and self.checkpoints.directory
-    raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} {where}; checkpoint saved in {directory}",
-                                exit_code=self.preemption.exit_code)
+    raise checkpoints.Preempted(f"stopped by {self.preemption.signal_name} {where}; checkpoint saved in "
+                                f"{directory}", exit_code=self.preemption.exit_code)
 
   def export(self, directory: str) -> None:
     """The current policy as a Hugging Face directory, with the tokenizer's files beside it."""

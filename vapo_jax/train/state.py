@@ -83,7 +83,8 @@ class Progress:
               "nonfinite_steps": self.nonfinite_steps,
               "vp_best": self.vp_best, "vp_since_best": self.vp_since_best, "eval_before": self.eval_before,
               "eval_after": self.eval_after, "prompts": self.prompts.state_dict(),
-              "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(), "carry": counters}
+              "sft_rng": self.sft_rng.bit_generator.state, "monitor": self.monitor.state_dict(),
+              "carry": counters}
     return record, ({} if arrays is None else {ITEM: {"carry": arrays}})
 
   def array_target(self, saved: dict) -> dict:
@@ -94,18 +95,20 @@ class Progress:
     return {ITEM: {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}}
 
   def load(self, saved: dict, arrays: dict) -> None:
-    """The progress of a checkpoint's record and arrays. A damaged record (a field missing or of the wrong shape) is
-    a `ValueError` (or `KeyError`, `TypeError`) before anything changes; data that no longer match the record is
-    the prompt iterator's `DataError`."""
-    scalars = {name: saved[name] for name in ("stage", "stage_step", "global_step", "nonfinite_steps", "vp_best",
+    """The progress of a checkpoint's record and arrays. A damaged record (a field missing or of the wrong
+    shape) is a `ValueError` (or `KeyError`, `TypeError`) before anything changes; data that no longer match
+    the record is the prompt iterator's `DataError`."""
+    scalars = {name: saved[name] for name in ("stage", "stage_step", "global_step", "nonfinite_steps",
+                                              "vp_best",
                                               "vp_since_best", "eval_before", "eval_after")}
     if scalars["stage"] not in STAGES or not all(isinstance(scalars[n], int) for n in (
         "stage_step", "global_step", "nonfinite_steps", "vp_since_best")):
       raise ValueError(f"the progress record's stage or step counters are damaged: {scalars}")
     rng, monitor, prompts = dict(saved["sft_rng"]), dict(saved["monitor"]), dict(saved["prompts"])
     if self.carry is None and (saved.get("carry") or {}).get("groups"):  # Saved under a budget, resumed without.
-      warnings.warn(f"the checkpoint holds {saved['carry']['groups']} group(s) of partial rollouts in flight; without "
-                    "rollout.decode_budget they are dropped and the run samples anew", stacklevel=2)
+      warnings.warn(f"the checkpoint holds {saved['carry']['groups']} group(s) of partial rollouts in "
+                    "flight; without rollout.decode_budget they are dropped and the run samples anew",
+                    stacklevel=2)
     if self.carry is not None and saved.get("carry") is not None:
       counters = saved["carry"]
       self.carry.load_state_dict(counters, arrays[ITEM]["carry"] if counters["groups"] else {})

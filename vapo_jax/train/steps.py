@@ -56,14 +56,14 @@ from vapo_jax.train.updates import (
 
 
 def warn_padded_micro_batches(config, micro_rows: int, shards: int) -> None:
-  """Warns when `packing.micro_batch_rows` is more rows than a mini-batch's sequences fill (one a row at the most):
-  the rest of every micro-batch is padding computed."""
+  """Warns when `packing.micro_batch_rows` is more rows than a mini-batch's sequences fill (one a row at the
+  most): the rest of every micro-batch is padding computed."""
   most = min(config.algo.mini_batch_responses, config.rollout.responses_per_step)
   if micro_rows > most:
     fits = max(shards, most // shards * shards)
-    warnings.warn(f"packing.micro_batch_rows={micro_rows} is more rows than a mini-batch of {most} sequences packs "
-                  f"into (one a row at the most): {1 - most / micro_rows:.0%} of each update's micro-batch is padding "
-                  f"at least; packing.micro_batch_rows={fits} fits", stacklevel=3)
+    warnings.warn(f"packing.micro_batch_rows={micro_rows} is more rows than a mini-batch of {most} sequences "
+                  f"packs into (one a row at the most): {1 - most / micro_rows:.0%} of each update's "
+                  f"micro-batch is padding at least; packing.micro_batch_rows={fits} fits", stacklevel=3)
 
 
 _SHARED: collections.OrderedDict = collections.OrderedDict()
@@ -72,16 +72,16 @@ _KEEP = 4  # Trainers' `Steps` kept for later ones in this process (their progra
 
 def shared(config: ExperimentConfig, mesh, rules, *, actor_def, critic_def, optimizers) -> "Steps":
   """The `Steps` of a run with `config` on `mesh`: the one built for an earlier trainer in this process whose
-  programs are the same (an equal config but for the directory the run writes under, `run_dir`; the same mesh and
-  model graphs), else a new one with `optimizers()` ({"actor", "critic", "sft"}: optax transformations, which
-  follow from the config). Its checks and warnings apply to every run, reused or not."""
+  programs are the same (an equal config but for the directory the run writes under, `run_dir`; the same mesh
+  and model graphs), else a new one with `optimizers()` ({"actor", "critic", "sft"}: optax transformations,
+  which follow from the config). Its checks and warnings apply to every run, reused or not."""
   key = (dataclasses.replace(config, run_dir="runs"), mesh, actor_def, critic_def)
   if key in _SHARED:
     check(config, mesh)
   else:
     txs = optimizers()
-    _SHARED[key] = Steps(config, mesh, rules, actor_def=actor_def, critic_def=critic_def, actor_tx=txs["actor"],
-                         critic_tx=txs["critic"], sft_tx=txs["sft"])
+    _SHARED[key] = Steps(config, mesh, rules, actor_def=actor_def, critic_def=critic_def,
+                         actor_tx=txs["actor"], critic_tx=txs["critic"], sft_tx=txs["sft"])
     while len(_SHARED) > _KEEP:
       _SHARED.popitem(last=False)
   _SHARED.move_to_end(key)
@@ -103,7 +103,8 @@ class Steps:
   """The run's jitted programs, `(state, batch) -> (state, metrics)` with the state donated and laid
   out as it came in; built once from the run's config, mesh, rules, graphdefs and optimizers."""
 
-  def __init__(self, config: ExperimentConfig, mesh, rules, *, actor_def, critic_def, actor_tx, critic_tx, sft_tx):
+  def __init__(self, config: ExperimentConfig, mesh, rules, *, actor_def, critic_def, actor_tx, critic_tx,
+               sft_tx):
     self.config, self.mesh, self.rules = config, mesh, rules
     self.actor_def, self.critic_def = actor_def, critic_def
     self.txs = {"actor": actor_tx, "critic": critic_tx, "sft": sft_tx}
@@ -113,7 +114,8 @@ class Steps:
     self.rows = jax.sharding.NamedSharding(mesh, sharding.partition_spec(("batch",), rules))
     self.replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     self.packed = config.packing.enabled
-    self.row_tokens, self.micro_rows = packed_batch.row_tokens(config), packed_batch.micro_rows(config, self.shards)
+    self.row_tokens, self.micro_rows = packed_batch.row_tokens(config), packed_batch.micro_rows(config,
+                                                                                                self.shards)
     check(config, mesh)
     self._programs = {}
     self._plan_inputs = self.jit(self._plan_inputs_program, out_shardings=self.replicated)
@@ -157,7 +159,8 @@ class Steps:
     start = time.perf_counter()
     host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
     orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(host.shape[1]))
-    found = packed_batch.plan_rows(host[0], host[1], orders, row_tokens=self.row_tokens, micro_rows=self.micro_rows)
+    found = packed_batch.plan_rows(host[0], host[1], orders, row_tokens=self.row_tokens,
+                                   micro_rows=self.micro_rows)
     return found._replace(placement=distributed.global_array(found.placement, self.replicated),
                           scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
@@ -171,7 +174,8 @@ class Steps:
                                    micro_rows=self.micro_rows, phase="sft")
     return found._replace(placement=distributed.global_array(found.placement, self.replicated))
 
-  def _rows(self, batch: TrainBatch, lengths: packed_batch.Lengths, sequences, place, rows: int) -> PackedBatch:
+  def _rows(self, batch: TrainBatch, lengths: packed_batch.Lengths, sequences, place,
+            rows: int) -> PackedBatch:
     return packed_batch.mini_batch(batch, sequences, lengths, place[0], place[1], rows=rows,
                                    micro_rows=self.micro_rows, row_tokens=self.row_tokens)
 
@@ -193,18 +197,21 @@ class Steps:
     return self._program(("score", critic_only, rows), lambda: self.jit(
         functools.partial(self._score_program, critic_only=critic_only, rows=rows)))
 
-  def _forward(self, state: TrainState, tokens, attention, mask, place, *, critic_only: bool, rows: int | None):
+  def _forward(self, state: TrainState, tokens, attention, mask, place, *, critic_only: bool,
+               rows: int | None):
     """Values, log-probs, entropy and reference log-probs `[B, Tr]` (None where not computed)."""
     use_critic, use_ref = self.config.algo.uses_critic, state.ref is not None and not critic_only
     if place is None:
       chunks = {"response_len": mask.shape[1], "micro": self.micro, "shards": self.shards}
-      policy = lambda params: logprobs_and_entropy(self.actor_def, params, tokens, attention, chunk=self.chunk,
-                                                   **chunks)
+      policy = lambda params: logprobs_and_entropy(self.actor_def, params, tokens, attention,
+                                                   chunk=self.chunk, **chunks)
       value = values(self.critic_def, state.critic, tokens, attention, **chunks) if use_critic else None
     else:
       lengths = packed_batch.Lengths.of(attention, mask)
-      inputs, unpack = packed_batch.scoring_rows(tokens, lengths, place[0], place[1], response_len=mask.shape[1],
-                                                 rows=rows, micro_rows=self.micro_rows, row_tokens=self.row_tokens)
+      inputs, unpack = packed_batch.scoring_rows(tokens, lengths, place[0], place[1],
+                                                 response_len=mask.shape[1],
+                                                 rows=rows, micro_rows=self.micro_rows,
+                                                 row_tokens=self.row_tokens)
       policy = lambda params: tuple(map(unpack, packed_logprobs_and_entropy(self.actor_def, params, inputs,
                                                                             chunk=self.chunk)))
       value = unpack(packed_values(self.critic_def, state.critic, inputs)) if use_critic else None
@@ -235,11 +242,13 @@ class Steps:
     est = algorithm.compute_advantages(algo, token_rewards, jnp.where(mask, value, 0.0) if value is not None
                                        else jnp.zeros(mask.shape, jnp.float32), mask, rewards,
                                        group_size=config.rollout.samples_per_prompt)
-    stats |= algorithm.advantage_metrics(est, value, entropy, jnp.abs(out.policy_logprobs - old_logprobs), mask)
+    stats |= algorithm.advantage_metrics(est, value, entropy, jnp.abs(out.policy_logprobs - old_logprobs),
+                                         mask)
     log_ratio = jnp.where(mask, old_logprobs - out.sampler_logprobs, 0.0)  # log π_old / π_sampler per token.
     stats["rollout/sampler_kl"] = masked.masked_mean(jnp.exp(log_ratio) - 1.0 - log_ratio, mask)  # k3, ≥ 0.
     stats |= algorithm.position_metrics(
-        est, value, None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
+        est, value,
+        None if value is None else advantages.monte_carlo_returns(token_rewards, mask, gamma=algo.gamma),
         mask)
     sampled = out.sampler_logprobs if algo.tis_cap is not None else None
     return TrainBatch(tokens, attention, mask, est.returns, value, correct, old_logprobs, est.advantages, ref,
@@ -269,13 +278,15 @@ class Steps:
     return self._state_program(("ppo", actor, critic, rows), functools.partial(
         self._ppo, actor=actor, critic=critic, rows=rows), state)
 
-  def _ppo(self, state: TrainState, batch: TrainBatch, places, *, actor: bool, critic: bool, rows: int | None):
+  def _ppo(self, state: TrainState, batch: TrainBatch, places, *, actor: bool, critic: bool,
+           rows: int | None):
     algo = self.config.algo
     size = batch.response_mask.shape[0]
     mini = self._mini(size)
     micro = min(self.micro, mini)
     key, orders = mini_batch_orders(state.key, size, mini, algo.ppo_epochs)
-    lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)  # Once, for every mini-batch.
+    lengths = packed_batch.Lengths.of(batch.attention_mask,
+                                      batch.response_mask)  # Once, for every mini-batch.
     row_sharded = lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
     tr = batch.response_mask.shape[1]
 
@@ -284,12 +295,13 @@ class Steps:
             else self._rows(batch, lengths, sequences, place, rows))
       metrics = {}
       if critic:
-        params, opt, m = critic_update(self.critic_def, self.txs["critic"], state.critic, state.critic_opt, mb,
-                                       algo=algo, micro=micro, shards=self.shards)
+        params, opt, m = critic_update(self.critic_def, self.txs["critic"], state.critic, state.critic_opt,
+                                       mb, algo=algo, micro=micro, shards=self.shards)
         state, metrics = state._replace(critic=params, critic_opt=opt), metrics | m
       if actor:
         params, opt, m = actor_update(self.actor_def, self.txs["actor"], state.actor, state.actor_opt, mb,
-                                      algo=algo, micro=micro, shards=self.shards, chunk=self.chunk, response_len=tr)
+                                      algo=algo, micro=micro, shards=self.shards, chunk=self.chunk,
+                                      response_len=tr)
         state, metrics = state._replace(actor=params, actor_opt=opt), metrics | m
       return state, metrics
 
@@ -317,9 +329,10 @@ class Steps:
 
     def fn(state: TrainState, batch: TrainBatch, place):
       lengths = packed_batch.Lengths.of(batch.attention_mask, batch.response_mask)
-      mb = batch if place is None else self._rows(batch, lengths, jnp.arange(lengths.response.shape[0]), place[1], rows)
-      params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, mb, micro=micro,
-                                  shards=self.shards, chunk=self.chunk)
+      mb = batch if place is None else self._rows(batch, lengths, jnp.arange(lengths.response.shape[0]),
+                                                  place[1], rows)
+      params, opt, m = sft_update(self.actor_def, self.txs["sft"], state.actor, state.sft_opt, mb,
+                                  micro=micro, shards=self.shards, chunk=self.chunk)
       padded = {} if rows else {"perf/padding_frac_sft": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
       return state._replace(actor=params, sft_opt=opt), m | padded
     return self._state_program(("sft", micro, rows), fn, state)

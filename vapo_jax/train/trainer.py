@@ -2,13 +2,13 @@
 
   trainer = Trainer(config); summary = trainer.run()
 
-A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after the
-warm start, every `eval.every_steps` RL steps and after RL (keys: `experience.evaluation_key`). Its
-state is one immutable pytree (`state.TrainState`: parameters, optimizer states, reference policy,
-PRNG key) passed through the jitted programs of `steps.Steps`, plus a host record (`state.Progress`).
-`step` is one RL (or value-pretraining) step from prompts to update; one loop runs VAPO, its ablations, PPO,
-GRPO and DAPO (the math: `algorithm`, `advantages`, `losses`). The critic starts from `model.critic_checkpoint`
-(the paper's: a reward model, VAPO §4.1), else from the policy with a zero value head (`critic_from_actor`).
+A run is a sequence of stages, sft → value_pretrain → rl → done, with held-out evaluation after the warm
+start, every `eval.every_steps` RL steps and after RL (keys: `held_out.evaluation_key`). Its state is one
+immutable pytree (`state.TrainState`: parameters, optimizer states, reference policy, PRNG key) passed through
+the jitted programs of `steps.Steps`, plus a host record (`state.Progress`). `step` is one RL (or
+value-pretraining) step from prompts to update; one loop runs VAPO, its ablations, PPO, GRPO and DAPO (the
+math: `algorithm`, `advantages`, `losses`). The critic starts from `model.critic_checkpoint` (the paper's: a
+reward model, VAPO §4.1), else from the policy with a zero value head (`critic_from_actor`).
 
 A checkpoint is (state, progress), saved every `checkpoint.every_steps` steps and at each stage
 boundary; a new Trainer on the same run directory continues from the newest complete one, and
@@ -20,7 +20,6 @@ import functools
 import os
 import sys
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -32,52 +31,45 @@ from vapo_jax.config import ExperimentConfig, RolloutConfig
 from vapo_jax.data import problems
 from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.data.prompt_iterator import PromptIterator
-from vapo_jax.errors import ConfigError, DataError
+from vapo_jax.errors import ConfigError
 from vapo_jax.models import hf_export, huggingface, sharding
 from vapo_jax.models.config import preset as model_preset
 from vapo_jax.models.transformer import CausalLM, ValueModel
 from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout.layout import RolloutLayout, layout_for
-from vapo_jax.train import algorithm, build, checkpoints, optim, runlock, start_up
+from vapo_jax.train import algorithm, build, checkpoints, held_out, optim, runlock, start_up
 from vapo_jax.train import metrics as metrics_lib
 from vapo_jax.train import steps as steps_lib
-from vapo_jax.train.experience import Experience, demonstrations
+from vapo_jax.train.experience import Experience
+from vapo_jax.train.responses import demonstration_rows, demonstrations
 from vapo_jax.train.saving import Saving
 from vapo_jax.train.state import Progress, TrainState
 
-
-class Diverged(RuntimeError):
-  """Updates kept failing on non-finite losses or gradients (`optim.max_nonfinite_steps` steps in a row)."""
-
-
-PROGRESS_KEYS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy", "len": "rollout/response_len_mean",
+PROGRESS_KEYS = {"reward": "rollout/reward_mean", "acc": "rollout/accuracy",
+                 "len": "rollout/response_len_mean",
                  "entropy": "actor/entropy", "EV": "critic/explained_variance"}
 
 
 @functools.lru_cache(maxsize=4)
 def _layout(settings: RolloutConfig, mesh, dtype: str, preset: str) -> RolloutLayout:
-  """`layout_for`, once for the same settings and mesh in this process: a later trainer of the same run (a resume, a
-  test's second trainer) runs the rollout programs the layout jitted (`rollout.static.make_generate` and the refill
-  engine's are cached by their `jit`) without tracing them again."""
+  """`layout_for`, once for the same settings and mesh in this process: a later trainer of the same run (a
+  resume, a test's second trainer) runs the rollout programs the layout jitted (`rollout.static.make_generate`
+  and the refill engine's are cached by their `jit`) without tracing them again."""
   return layout_for(settings, mesh, compute_dtype=dtype, training_rules=sharding.PRESETS[preset])
-
-
-def by_level(evaluation: dict) -> dict[str, float]:
-  """An evaluation's accuracy by problem level ({"2": 0.61, ...}, `eval/accuracy_level_{k}`)."""
-  prefix = "eval/accuracy_level_"
-  return {key[len(prefix):]: value for key, value in evaluation.items() if key.startswith(prefix)}
 
 
 class Trainer(Saving):
   """A run's models, data, verifier and programs; `state` and `progress` are all that changes."""
 
-  def __init__(self, config: ExperimentConfig, *, devices=None, write_logs: bool = True, verbose: bool = True):
+  def __init__(self, config: ExperimentConfig, *, devices=None, write_logs: bool = True,
+               verbose: bool = True):
     self.config, self.verbose = config, verbose
     if config.model.checkpoint is None and not config.model.random_init:
       raise ConfigError(f"experiment {config.name!r} needs a model: pass model.checkpoint=/path/to/"
-                        f"{config.model.preset} (a Hugging Face directory with config.json and *.safetensors) or "
-                        "model.checkpoint=hf:NAME (a Hub model, downloaded into the Hub cache), e.g. make train "
-                        f"EXP=... ARGS=\"model.checkpoint=/ckpt/{config.model.preset}\"")
+                        f"{config.model.preset} (a Hugging Face directory with config.json and "
+                        "*.safetensors) or model.checkpoint=hf:NAME (a Hub model, downloaded into the Hub "
+                        "cache), e.g. make train EXP=... "
+                        f"ARGS=\"model.checkpoint=/ckpt/{config.model.preset}\"")
     self.run_dir = config.run_directory
     self.lock = runlock.RunLock(self.run_dir) if write_logs and distributed.is_main_process() else None
     if self.lock is not None:
@@ -92,7 +84,8 @@ class Trainer(Saving):
   def _start(self, devices, write_logs: bool):
     config = self.config
     self.checkpoints = self._open_checkpoints() if write_logs else None
-    devices = sharding.tensor_groups(jax.devices() if devices is None else devices, config.rollout.tensor_parallel)
+    devices = sharding.tensor_groups(jax.devices() if devices is None else devices,
+                                     config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
                                    devices=devices)  # Rollout tensor groups: physical neighbours (rollout/layout.py).
     rules = sharding.PRESETS[config.mesh.preset]
@@ -100,13 +93,17 @@ class Trainer(Saving):
     self.layout.check_model(build.model_configs(config)[0])
     self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
     tok_lib.check_tokenizer_matches(huggingface.read_config(config.model.checkpoint) if config.model.checkpoint
-                                    else model_preset(config.model.preset), self.tokenizer, config.model.checkpoint)
-    self.pool = reward_lib.make_pool(reward_fn=config.reward.reward_fn, workers=config.reward.verifier_workers,
+                                    else model_preset(config.model.preset), self.tokenizer,
+                                    config.model.checkpoint)
+    self.pool = reward_lib.make_pool(reward_fn=config.reward.reward_fn,
+                                     workers=config.reward.verifier_workers,
                                      timeout_s=config.reward.verifier_timeout_s,
                                      memory_limit_mb=config.reward.verifier_memory_mb)  # A bad reward_fn fails now.
     self.eval_rows = problems.eval_problems(config, self.tokenizer)
-    train = problems.training_problems(config, self.tokenizer, self.eval_rows, say=self.log)  # Overlap: warned/dropped.
-    self.sft_rows = self._demonstrations() if config.sft.steps and config.sft.path else []  # Checked now.
+    train = problems.training_problems(config, self.tokenizer, self.eval_rows,
+                                       say=self.log)  # Overlap: warned/dropped.
+    self.sft_rows = (demonstration_rows(config, self.tokenizer, self.eval_rows, say=self.log)
+                     if config.sft.steps and config.sft.path else [])  # Checked now.
     actor, critic = self._build_models(rules)
     for path, module in ((config.model.checkpoint, actor), (config.model.critic_checkpoint, critic)):
       if path:
@@ -122,7 +119,8 @@ class Trainer(Saving):
     plans = self.experience.check_cache_budget(len(self.eval_rows))  # Now, not after the warm start: every rollout.
     stage = "sft" if config.sft.steps and config.sft.path else "value_pretrain"
     init_opt = lambda name, params: optim.init_optimizer(txs[name], params, self.mesh)
-    self.state = TrainState(actor=actor_params, critic=critic_params, actor_opt=init_opt("actor", actor_params),
+    self.state = TrainState(actor=actor_params, critic=critic_params,
+                            actor_opt=init_opt("actor", actor_params),
                             critic_opt=init_opt("critic", critic_params),
                             key=distributed.replicate_local(jax.random.key(config.seed), self.mesh),
                             sft_opt=init_opt("sft", actor_params) if stage == "sft" else None)
@@ -143,15 +141,16 @@ class Trainer(Saving):
     model, kwargs = self.config.model, build.model_kwargs(self.config)
     if model.checkpoint:
       actor = huggingface.load_causal_lm(model.checkpoint, mesh=self.mesh, rules=rules, **kwargs)
-    else:
+    else:  # `key`: a later trainer of the same model config runs the first one's initialisation program.
       actor = sharding.create_sharded(lambda: CausalLM(model_preset(model.preset), rngs=nnx.Rngs(model.init_seed),
-                                                       **kwargs), self.mesh, rules)
+                                                       **kwargs), self.mesh, rules, key=("actor", model))
     if model.critic_checkpoint:
-      critic = huggingface.load_value_model(model.critic_checkpoint, from_policy=False, mesh=self.mesh, rules=rules,
-                                           **kwargs)
+      critic = huggingface.load_value_model(model.critic_checkpoint, from_policy=False, mesh=self.mesh,
+                                            rules=rules, **kwargs)
     else:
-      critic = sharding.create_sharded(lambda: ValueModel(actor.cfg, rngs=nnx.Rngs(model.init_seed), **kwargs),
-                                       self.mesh, rules)
+      cfg = actor.cfg  # Not the actor itself: the kept program's closure would keep its arrays.
+      critic = sharding.create_sharded(lambda: ValueModel(cfg, rngs=nnx.Rngs(model.init_seed), **kwargs),
+                                       self.mesh, rules, key=("critic", model, cfg))
     return actor, critic
 
   def critic_from_actor(self, state: TrainState) -> TrainState:
@@ -167,20 +166,24 @@ class Trainer(Saving):
       print(message, flush=True)
 
   # ------------------------------------------------------------------------------------ steps
-  def step(self, state: TrainState, *, value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
+  def step(self, state: TrainState, *,
+           value_pretraining: bool = False) -> tuple[TrainState, dict[str, float]]:
     """One RL step, prompts to parameter update (value pretraining: the critic alone, on λ = 1 returns). Host
-    transfers: the prompts, the verifier's share and its verdicts, packed rows' lengths and placements, the metrics."""
+    transfers: the prompts, the verifier's share and its verdicts, packed rows' lengths and placements, the
+    metrics."""
     start = time.perf_counter()
     state, key = state.split_key()
     if value_pretraining:
-      sampled = self.experience.sample(state, self.progress.prompts, key, prefix_step=self.progress.global_step)
+      sampled = self.experience.sample(state, self.progress.prompts, key,
+                                       prefix_step=self.progress.global_step)
     else:
-      sampled = self.experience.rl_rollout(state, self.progress.prompts, key, version=self.progress.stage_step)
+      sampled = self.experience.rl_rollout(state, self.progress.prompts, key,
+                                           version=self.progress.stage_step)
     out, rewards, correct, stats, prefixes = sampled
     sampled = time.perf_counter()
     row_plan = self.steps.plan_packing(state, out)  # Packed rows' plan: None unless packing.enabled.
-    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining, plan=row_plan,
-                                          prefixes=prefixes)
+    batch, batch_stats = self.steps.score(state, out, rewards, correct, critic_only=value_pretraining,
+                                          plan=row_plan, prefixes=prefixes)
     jax.block_until_ready(batch)
     scored = time.perf_counter()
     state, update_metrics = self.steps.ppo_update(state, batch, actor=not value_pretraining,
@@ -189,7 +192,8 @@ class Trainer(Saving):
     end, n = time.perf_counter(), out.response_lengths.shape[0]
     tokens = metrics["rollout/response_len_mean"] * n
     metrics |= {"time/logprobs_values_s": scored - sampled,
-                "time/update_s": end - scored, "time/step_s": end - start, "perf/tokens_per_s": tokens / (end - start),
+                "time/update_s": end - scored, "time/step_s": end - start,
+                "perf/tokens_per_s": tokens / (end - start),
                 "perf/train_tokens_per_s": (tokens + metrics["rollout/prompt_len_mean"] * n) / (end - sampled)}
     return state, metrics
 
@@ -200,36 +204,9 @@ class Trainer(Saving):
     self.history.append({"stage": stage, **m})
     if progress is not None and self.verbose and distributed.is_main_process():
       progress.update(step, m, keys)
-    self._check_finite(stage, step, m)
-
-  def _check_finite(self, stage: str, step: int, m: dict) -> None:
-    """Warns about updates skipped for non-finite losses or gradients; stops after several steps of them."""
-    skipped = {k.split("/")[0]: v for k, v in m.items() if k.endswith("/skipped_frac") and v > 0}
-    self.progress.nonfinite_steps = self.progress.nonfinite_steps + 1 if skipped else 0
-    if not skipped:
-      return
-    which = ", ".join(f"{name} {frac:.0%}" for name, frac in sorted(skipped.items()))
-    message = (f"{stage} step {step}: non-finite loss or gradient, updates skipped ({which}; parameters unchanged "
-               f"by them), {self.progress.nonfinite_steps} step(s) in a row")
-    warnings.warn(message, stacklevel=2)
-    if self.progress.nonfinite_steps >= self.config.optim.max_nonfinite_steps:
-      raise Diverged(f"{message}: stopping (optim.max_nonfinite_steps={self.config.optim.max_nonfinite_steps}). Lower "
-                     "the learning rate, check the data and the last metrics in metrics.jsonl, and resume from the "
-                     "newest checkpoint (its parameters are finite) with the same command")
+    metrics_lib.check_finite(stage, step, m, self.progress, self.config.optim.max_nonfinite_steps)
 
   # ---------------------------------------------------------------------------------- stages
-  def _demonstrations(self):
-    """The warm start's demonstrations (`sft.path` rows with a `solution`), less the held-out problems if dropped:
-    read at start-up, so that a file the warm start cannot use is refused before anything is built."""
-    config = self.config
-    rows = problems.training_problems(config, self.tokenizer, self.eval_rows, path=config.sft.path, dedup=False,
-                                      noun="demonstrations", say=self.log)
-    missing = [r.id for r in rows if r.solution is None]
-    if missing:
-      raise DataError(f"{config.sft.path}: supervised warm start needs a 'solution' (or 'response') field on "
-                      f"every row; {len(missing)} of {len(rows)} have none, e.g. id {missing[0]!r}")
-    return rows
-
   def sft_stage(self):
     """Token-level NLL on demonstrations (`sft.path` rows with a `solution`)."""
     config, rows = self.config, self.sft_rows
@@ -264,7 +241,8 @@ class Trainer(Saving):
         done.vp_best, done.vp_since_best = ev, 0
       else:
         done.vp_since_best += 1
-      converged = algorithm.value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best, config.algo)
+      converged = algorithm.value_pretraining_converged(step + 1, done.vp_best, done.vp_since_best,
+                                                        config.algo)
       if converged:
         self.log(f"value pretraining converged after {step + 1} steps (explained variance {done.vp_best:.3f})")
       self._after_step(last=converged or step == steps - 1)
@@ -288,7 +266,8 @@ class Trainer(Saving):
 
   def evaluate(self, rl_steps_done: int) -> dict[str, float]:
     """avg@k on the held-out problems with the eval sampling settings, after `rl_steps_done` RL steps."""
-    return self.experience.evaluate(self.state, self.eval_rows, rl_steps_done=rl_steps_done) if self.eval_rows else {}
+    return held_out.evaluate(self.experience, self.state, self.eval_rows,
+                                    rl_steps_done=rl_steps_done) if self.eval_rows else {}
 
   def run(self) -> dict:
     """SFT warm start → value pretraining → RL, with held-out evaluation before and after RL."""
@@ -318,14 +297,17 @@ class Trainer(Saving):
         self._enter("done")
       before, after = done.eval_before or {}, done.eval_after or {}
       summary = {"run_dir": self.run_dir, "seconds": time.perf_counter() - start,
-                 "accuracy_before_rl": before.get("eval/accuracy"), "accuracy_after_rl": after.get("eval/accuracy"),
+                 "accuracy_before_rl": before.get("eval/accuracy"),
+                 "accuracy_after_rl": after.get("eval/accuracy"),
                  "stderr_before_rl": before.get("eval/accuracy_stderr"),
-                 "stderr_after_rl": after.get("eval/accuracy_stderr"), "eval_problems": after.get("eval/problems"),
+                 "stderr_after_rl": after.get("eval/accuracy_stderr"),
+                 "eval_problems": after.get("eval/problems"),
                  "eval_samples_per_problem": config.eval.samples_per_problem} | {
                  f"accuracy_by_level_{when}": levels for when, levels in (
-                     ("before_rl", by_level(before)), ("after_rl", by_level(after))) if levels}
+                     ("before_rl", held_out.by_level(before)), ("after_rl", held_out.by_level(after))) if levels}
       if after:
-        self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: {before['eval/accuracy']:.3f})")
+        self.log(f"held-out accuracy after RL: {after['eval/accuracy']:.3f} (before: "
+                 f"{before['eval/accuracy']:.3f})")
       return self.writer.write_summary(summary, rerun=rerun)  # A finished run's re-run keeps its summary.
     finally:
       self.preemption.uninstall()

@@ -88,9 +88,11 @@ def _values(critic, mb: TrainBatch | RowBatch) -> jax.Array:
   return response_values(critic, mb.tokens, mb.attention_mask, mb.response_mask.shape[1])
 
 
-def logprobs_and_entropy(graphdef, params, tokens, attention_mask, *, response_len, chunk, micro=None, shards=1):
+def logprobs_and_entropy(graphdef, params, tokens, attention_mask, *, response_len, chunk, micro=None,
+                         shards=1):
   """log π(o_t) and the entropy `[B, Tr]`, computed `micro` sequences at a time (None: all at once)."""
-  fn = lambda p, args: response_logprobs(nnx.merge(graphdef, p), *args, response_len, chunk=chunk, entropy=True)
+  fn = lambda p, args: response_logprobs(nnx.merge(graphdef, p), *args, response_len, chunk=chunk,
+                                         entropy=True)
   return micro_batches.forward(fn, params, (tokens, attention_mask), micro, shards)
 
 
@@ -111,8 +113,8 @@ def packed_values(graphdef, params, rows: RowBatch) -> jax.Array:
   return micro_batches.forward_rows(lambda p, mb: _values(nnx.merge(graphdef, p), mb), params, rows)
 
 
-def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
-                 shards: int = 1, chunk: int, response_len: int | None = None):
+def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig,
+                 micro: int, shards: int = 1, chunk: int, response_len: int | None = None):
   """One optimizer update of the policy on a mini-batch. The entropy is computed in the loss only
   when it is a term of it (`entropy_coef > 0`); its metric comes from scoring. `response_len` (Tr,
   for seq-mean-token-sum-norm): needed for packed rows; padded, the response mask's width."""
@@ -124,19 +126,20 @@ def actor_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatc
     logprobs, entropy = _policy(nnx.merge(graphdef, p), mb, chunk=chunk, entropy=algo.entropy_coef > 0)
     loss, metrics = algorithm.actor_loss(
         algo, logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, mb.is_positive,
-        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy, denominators=denominators,
+        ref_logprobs=mb.ref_logprobs if algo.kl_coef > 0 else None, entropy=entropy,
+        denominators=denominators,
         segment_ids=mb.segment_ids if isinstance(mb, RowBatch) else None, norm_length=norm_length,
         sampler_logprobs=mb.sampler_logprobs)
     return loss, (loss, metrics)
 
   chunks = _chunks(batch, micro, shards)
-  params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks, prefix="actor",
-                                                            loss_name="loss")
+  params, opt_state, metrics = micro_batches.optimizer_step(loss_fn, tx, params, opt_state, chunks,
+                                                            prefix="actor", loss_name="loss")
   return params, opt_state, metrics
 
 
-def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig, micro: int,
-                  shards: int = 1):
+def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, algo: AlgoConfig,
+                  micro: int, shards: int = 1):
   """One optimizer update of the critic towards `batch.returns` on a mini-batch."""
   fitted = lambda b: b.response_mask if b.value_mask is None else b.value_mask
   denominator = _value_tokens(batch)
@@ -148,12 +151,12 @@ def critic_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBat
     metrics = {f"critic/{k}": val for k, val in metrics.items() if k != "explained_variance"}
     return loss, (loss, metrics)
 
-  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards), prefix="critic",
-                                      loss_name="value_loss")
+  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards),
+                                      prefix="critic", loss_name="value_loss")
 
 
-def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, micro: int, shards: int = 1,
-               chunk: int):
+def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch, *, micro: int,
+               shards: int = 1, chunk: int):
   """One supervised update: token-level NLL of the response tokens (demonstrations)."""
   denominator = jnp.sum(_sequences(batch)[0]).astype(jnp.float32)
 
@@ -162,13 +165,14 @@ def sft_update(graphdef, tx, params, opt_state, batch: TrainBatch | PackedBatch,
     loss = losses.aggregate_loss(-logprobs, mb.response_mask, mode="token-mean", denominator=denominator)
     return loss, (loss, {})
 
-  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards), prefix="sft",
-                                      loss_name="nll")
+  return micro_batches.optimizer_step(loss_fn, tx, params, opt_state, _chunks(batch, micro, shards),
+                                      prefix="sft", loss_name="nll")
 
 
 def mini_batch_orders(key: jax.Array, size: int, mini: int, epochs: int) -> tuple[jax.Array, jax.Array]:
   """The state's next key and the sequence ids `[E, K, mini]` of each epoch's K = size // mini shuffled
   mini-batches (the same in both layouts: the packed host plan fetches them)."""
   key, *epoch_keys = jax.random.split(key, epochs + 1)
-  orders = [jax.random.permutation(k, size)[:size // mini * mini].reshape(size // mini, mini) for k in epoch_keys]
+  orders = [jax.random.permutation(k, size)[:size // mini * mini].reshape(size // mini,
+                                                                          mini) for k in epoch_keys]
   return key, jnp.stack(orders)

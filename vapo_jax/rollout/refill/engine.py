@@ -20,16 +20,16 @@ to run, and a group's G samples share its pages: the prompt is stored once. Each
      ended gives back its pages.
 
 Sequence n samples its step t with `fold_in(fold_in(key, n), t)`, so a restarted sequence samples the same
-tokens, and a row's numbers depend on neither its slot nor its neighbours: the static engine's tokens, whatever
-the slots, pages, chunks or preemptions. The call ends when every queue is empty and no slot is live; in the
-tail (queues empty, at most half the slots live) the rows shrink to `min_slots`·2^k (a gather of each row's
-table and state: the pool does not move) so stragglers decode in a small batch.
+tokens, and a row's numbers depend on neither its slot nor its neighbours: the static engine's tokens,
+whatever the slots, pages, chunks or preemptions. The call ends when every queue is empty and no slot is live;
+in the tail (queues empty, at most half the slots live) the rows shrink to `min_slots`·2^k (a gather of each
+row's table and state: the pool does not move) so stragglers decode in a small batch.
 
 A queue's pool must hold its longest prompt and one whole sequence beside it (`common.check_pool`): the one
 shortage no preemption can resolve; anything more only saves recomputation. Iterations run on the device,
-`steps_per_call` of them per host call (`lax.while_loop`, leaving early when everything has finished or the slots
-can shrink; `queues.drive` is the host loop). Outputs are written by sequence (`[N, Tr]`, split over the batch
-axes): the `Rollout` has the static engine's row order.
+`steps_per_call` of them per host call (`lax.while_loop`, leaving early when everything has finished or the
+slots can shrink; `queues.drive` is the host loop). Outputs are written by sequence (`[N, Tr]`, split over the
+batch axes): the `Rollout` has the static engine's row order.
 """
 
 import functools
@@ -55,14 +55,15 @@ from vapo_jax.rollout.refill.slots import Slots
 def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None = None,
            resumed: resumed_lib.Resumed | None = None, *, sampling: common.Sampling, group: int, steps: int,
            chunk: int, shrink_at: int = 0) -> tuple[Slots, jax.Array]:
-  """Up to `steps` iterations (module docstring, step 2), leaving early when every sequence has finished or the
-  slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0), or at `resumed.budget`
-  iterations in all that decoded a row (when it gives every page back). Returns the state and its status `[4]` int32:
-  finished (or stopped at the budget), can shrink, rows needed, decode iterations run so far."""
+  """Up to `steps` iterations (module docstring, step 2), leaving early when every sequence has finished or
+  the slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0), or at `resumed.budget`
+  iterations in all that decoded a row (when it gives every page back). Returns the state and its status `[4]`
+  int32: finished (or stopped at the budget), can shrink, rows needed, decode iterations run so far."""
   n, max_response_tokens = state.outputs.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  limits = jnp.full((n,), max_response_tokens, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
+  limits = jnp.full((n,), max_response_tokens,
+                    jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
   window = rows // queues + state.lanes.shape[1]  # The sequences a prefill may be for: a queue's slots and lanes.
 
   def one_step(s: Slots) -> Slots:
@@ -82,8 +83,8 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
     outputs = q_lib.record(s.outputs, local, live, ended, stop, s.step, tokens, sampler, policy, queues)
     logits, cache = model(tokens[:, None], s.cache.lengths[:, None], live[:, None], s.cache)
     counters = s.counters.at[slots_lib.ITERATIONS].add(1).at[slots_lib.DECODED].add(jnp.any(live).astype(jnp.int32))
-    s = s._replace(cache=cache, logits=logits[:, -1], step=jnp.where(live, s.step + 1, s.step), live=live & ~ended,
-                   outputs=outputs, counters=counters)
+    s = s._replace(cache=cache, logits=logits[:, -1], step=jnp.where(live, s.step + 1, s.step),
+                   live=live & ~ended, outputs=outputs, counters=counters)
     return slots_lib.finish_prompts(slots_lib.release(s, ended), ended, group=group)
 
   def can_shrink(s: Slots) -> jax.Array:
@@ -149,46 +150,52 @@ class Programs(NamedTuple):
 
 def programs(plan, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit: Callable = jax.jit,
              slots: int | None = None) -> Programs:
-  """The three jitted programs of a refill `RolloutPlan` at `slots` rows (default: the plan's), one set per setting
-  (the decode state is donated between calls)."""
+  """The three jitted programs of a refill `RolloutPlan` at `slots` rows (default: the plan's), one set per
+  setting (the decode state is donated between calls)."""
   return _programs(plan, sampling=sampling, pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), jit=jit,
                    slots=slots or plan.slots)
 
 
 @functools.lru_cache(maxsize=32)
-def _programs(plan, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit: Callable, slots: int) -> Programs:
+def _programs(plan, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit: Callable,
+              slots: int) -> Programs:
   return Programs(
       start=jit(functools.partial(
           slots_lib.start, group=plan.group, slots=slots, queues=plan.queues, queue_pages=plan.queue_pages,
-          pad_id=pad_id, page_tokens=plan.page_tokens, block_pages=plan.block_pages, implementation=plan.attention,
+          pad_id=pad_id, page_tokens=plan.page_tokens, block_pages=plan.block_pages,
+          implementation=plan.attention,
           lanes=plan.lanes, max_response_tokens=sampling.max_response_tokens, cache_dtype=cache_dtype)),
       decode=jit(functools.partial(decode, sampling=sampling, group=plan.group, steps=plan.steps_per_call,
-                                   chunk=plan.prefill_chunk, shrink_at=q_lib.shrink_threshold(slots, plan.min_slots)),
+                                   chunk=plan.prefill_chunk,
+                                   shrink_at=q_lib.shrink_threshold(slots, plan.min_slots)),
                  donate_argnums=(1,)),
       finish=jit(functools.partial(common.finished_rollout, group=plan.group, pad_id=pad_id)))
 
 
 def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *, plan,
-                    sampling: common.Sampling, pad_id: int = 0, cache_dtype=jnp.float32, jit: Callable = jax.jit,
+                    sampling: common.Sampling, pad_id: int = 0, cache_dtype=jnp.float32,
+                    jit: Callable = jax.jit,
                     length_limits: jax.Array | None = None, resumed: resumed_lib.Resumed | None = None
                     ) -> tuple[common.Rollout, int, int, dict[str, float]]:
-  """`static.generate_static`'s `Rollout` (the same tokens and log-probs) as the refill `RolloutPlan` `plan` runs it
-  (its slots, queues, pool, prefill lanes and chunks; `rollout/plan.py` has checked that its pool holds the
-  call's longest prompt and one sequence); the decode iterations run, the rows decoded (Σ slots × iterations) and
-  the pool's figures: `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/prefills` (prompts prefilled,
-  again after being given back too), `rollout/prefill_chunks`, `rollout/prefill_tokens`, `rollout/pages_peak`
-  (the most any queue held at once) and `rollout/pages_free_after` (the fewest any queue had free at the end).
-  `resumed`: a partial rollout's call, which stops at its budget; a sequence still decoding or waiting then has the
-  tokens it holds (`progress`) as its length and `common.FINISH_UNFINISHED` as its finish reason."""
+  """`static.generate_static`'s `Rollout` (the same tokens and log-probs) as the refill `RolloutPlan` `plan`
+  runs it (its slots, queues, pool, prefill lanes and chunks; `rollout/plan.py` has checked that its pool
+  holds the call's longest prompt and one sequence); the decode iterations run, the rows decoded (Σ slots ×
+  iterations) and the pool's figures: `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/prefills`
+  (prompts prefilled, again after being given back too), `rollout/prefill_chunks`, `rollout/prefill_tokens`,
+  `rollout/pages_peak` (the most any queue held at once) and `rollout/pages_free_after` (the fewest any queue
+  had free at the end). `resumed`: a partial rollout's call, which stops at its budget; a sequence still
+  decoding or waiting then has the tokens it holds (`progress`) as its length and `common.FINISH_UNFINISHED`
+  as its finish reason."""
   if prompt_tokens.shape != (plan.prompts, plan.prompt_tokens) or sampling.max_response_tokens != \
       plan.max_response_tokens or plan.engine != "refill":
-    raise ValueError(f"the plan ({plan.engine}) is for {plan.prompts} prompts of {plan.prompt_tokens} tokens and "
-                     f"{plan.max_response_tokens}-token responses; the call has prompts {prompt_tokens.shape} and "
-                     f"{sampling.max_response_tokens}-token responses")
+    raise ValueError(f"the plan ({plan.engine}) is for {plan.prompts} prompts of {plan.prompt_tokens} tokens "
+                     f"and {plan.max_response_tokens}-token responses; the call has prompts "
+                     f"{prompt_tokens.shape} and {sampling.max_response_tokens}-token responses")
   fns, state, steps, row_steps = q_lib.drive(
-      lambda rows: programs(plan, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit, slots=rows),
-      lambda state, rows: compact(state, rows, jit=jit), model, prompt_tokens, prompt_mask, key, length_limits,
-      resumed, slots=plan.slots, min_slots=plan.min_slots)
+      lambda rows: programs(plan, sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit,
+                            slots=rows),
+      lambda state, rows: compact(state, rows, jit=jit), model, prompt_tokens, prompt_mask, key,
+      length_limits, resumed, slots=plan.slots, min_slots=plan.min_slots)
   o = state.outputs
   held = o.lengths if resumed is None else resumed_lib.progress_program(jit)(state)
   out = fns.finish(prompt_tokens, prompt_mask, o.tokens, o.sampler, o.policy, held, o.stopped)

@@ -54,8 +54,8 @@ def take(free: FreePages, want: jax.Array) -> tuple[FreePages, jax.Array]:
 
 
 def take_many(free: FreePages, counts: jax.Array, width: int) -> tuple[FreePages, jax.Array]:
-  """`counts[q, m]` pages for each entry of `[Q, M]`, in order, while free pages last (the caller asks only for
-  what is free): (the free pages left, the pages `[Q, M, width]`, Pq past each entry's count)."""
+  """`counts[q, m]` pages for each entry of `[Q, M]`, in order, while free pages last (the caller asks only
+  for what is free): (the free pages left, the pages `[Q, M, width]`, Pq past each entry's count)."""
   pages = free.pages
   queues, entries = counts.shape
   column = jnp.arange(width, dtype=jnp.int32)
@@ -73,7 +73,8 @@ def give_back(free: FreePages, pages: jax.Array, returned: jax.Array) -> FreePag
   flat_pages, flat = pages.reshape(pages.shape[0], -1), returned.reshape(returned.shape[0], -1)
   position = free.count[:, None] + jnp.cumsum(flat, axis=1, dtype=jnp.int32) - flat
   position = jnp.where(flat, position, size)  # size: dropped.
-  stack = jax.vmap(lambda s, at, p: s.at[at].set(p, mode="drop"))(free.stack, position, flat_pages.astype(jnp.int32))
+  stack = jax.vmap(lambda s, at, p: s.at[at].set(p, mode="drop"))(free.stack, position,
+                                                                  flat_pages.astype(jnp.int32))
   return FreePages(stack, free.count + jnp.sum(flat, axis=1, dtype=jnp.int32), free.peak)
 
 

@@ -3,18 +3,18 @@
 Each queue has Lq lanes. Each iteration, after the pool has given back what its live rows need and before the
 slots take new sequences (`slots.py`):
 
-  1. `begin`: the queue's free lanes take the prompts of its next sequences (`slots.candidates`, in order) that are
-     not resident, each with all its ⌈length / page⌉ pages at once while the pages the live rows do not need this
-     iteration last, so long as the queue holds at most Lq prompts ahead of its slots (being prefilled, or
-     prefilled with none of their samples decoding yet);
+  1. `begin`: the queue's free lanes take the prompts of its next sequences (`slots.candidates`, in order)
+     that are not resident, each with all its ⌈length / page⌉ pages at once while the pages the live rows do
+     not need this iteration last, so long as the queue holds at most Lq prompts ahead of its slots (being
+     prefilled, or prefilled with none of their samples decoding yet);
   2. `chunk`: every lane holding a prompt runs its next C tokens through the model, all lanes in one call
-     (`PagedKVCache`'s chunk: each token's keys and values written to the prompt's pages, each query reading the
-     prompt's pages up to itself, `paged_attention.attend_chunk`); a prompt whose last token went through keeps
-     its next-token logits and is ready for its samples (`Prompts.ready`).
+     (`PagedKVCache`'s chunk: each token's keys and values written to the prompt's pages, each query reading
+     the prompt's pages up to itself, `paged_attention.attend_chunk`); a prompt whose last token went through
+     keeps its next-token logits and is ready for its samples (`Prompts.ready`).
 
 No program holds more than a chunk of Q·Lq × C tokens of a prompt: a 32,768-token prompt is prefilled in
-32,768 / C chunks, each reading the pages the earlier ones wrote. A chunk is run only in an iteration where some
-lane holds a prompt.
+32,768 / C chunks, each reading the pages the earlier ones wrote. A chunk is run only in an iteration where
+some lane holds a prompt.
 """
 
 import jax
@@ -39,7 +39,8 @@ def begin(s: Slots, blocked: jax.Array, *, group: int, window: int) -> Slots:
   position = jnp.arange(window, dtype=jnp.int32)
   first = jax.vmap(lambda pr, nd: jnp.full(per_prompt + 1, window, jnp.int32).at[
       jnp.where(nd, pr, per_prompt)].min(position))(prompt, needs)
-  firsts = needs & (jnp.take_along_axis(first, prompt, axis=1) == position[None])  # Each prompt once, in order.
+  firsts = needs & (jnp.take_along_axis(first, prompt,
+                                        axis=1) == position[None])  # Each prompt once, in order.
   idle = p.ready() & (slots_lib.live_members(s, s.live, group) == 0) & (p.users > 0)
   ahead = jnp.sum(s.lanes < per_prompt, axis=1) + jnp.sum(by_queue(idle), axis=1)
   allowed = jnp.where(blocked, 0, jnp.maximum(lanes - ahead, 0))
@@ -93,5 +94,5 @@ def _chunk(model, s: Slots, *, tokens: int) -> Slots:
                        logits=q_lib.scatter(p.logits, at(finishing), logits, queues))
   counters = (s.counters.at[slots_lib.CHUNKS].add(jnp.sum(active, dtype=jnp.int32))
               .at[slots_lib.PREFILLED].add(jnp.sum(valid, dtype=jnp.int32)))
-  return s._replace(cache=s.cache.replace(keys=cache.keys, values=cache.values), prompts=prompts, counters=counters,
-                    lanes=jnp.where(finishing.reshape(queues, lanes), per_prompt, s.lanes))
+  return s._replace(cache=s.cache.replace(keys=cache.keys, values=cache.values), prompts=prompts,
+                    counters=counters, lanes=jnp.where(finishing.reshape(queues, lanes), per_prompt, s.lanes))

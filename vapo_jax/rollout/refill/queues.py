@@ -90,8 +90,8 @@ def record(outputs: Outputs, local, live, ended, stop, step, tokens, sampler, po
   at, end_at = jnp.where(live, local, per_queue), jnp.where(ended, local, per_queue)  # per_queue: dropped.
   write = lambda out, x: scatter(out, at, x, queues, step)
   end = lambda out, x: scatter(out, end_at, x, queues)
-  return Outputs(write(outputs.tokens, tokens), write(outputs.sampler, sampler), write(outputs.policy, policy),
-                 end(outputs.lengths, step + 1), end(outputs.stopped, stop))
+  return Outputs(write(outputs.tokens, tokens), write(outputs.sampler, sampler),
+                 write(outputs.policy, policy), end(outputs.lengths, step + 1), end(outputs.stopped, stop))
 
 
 def shrink_threshold(slots: int, min_slots: int) -> int:
@@ -132,13 +132,13 @@ def kept_rows(live: jax.Array, rows: int, queues: int) -> jax.Array:
   return jax.vmap(kept)(by_queue(live, queues)).reshape(rows)
 
 
-def drive(programs: Callable, compact: Callable, model, prompt_tokens, prompt_mask, key, *decode_args, slots: int,
-          min_slots: int):
-  """Runs a refill engine: `programs(rows)` its (start, decode, finish) at `rows` slots, `compact(state, rows)` its
-  compaction; `start(model, prompt_tokens, prompt_mask)` returns its state, `decode(model, state, key,
-  *decode_args)` the state and its status (finished or stopped, can shrink, rows needed, iterations so far).
-  Returns the last programs, the state, the decode iterations and the rows decoded (Σ slots × iterations); the
-  host reads four integers per call."""
+def drive(programs: Callable, compact: Callable, model, prompt_tokens, prompt_mask, key, *decode_args,
+          slots: int, min_slots: int):
+  """Runs a refill engine: `programs(rows)` its (start, decode, finish) at `rows` slots, `compact(state,
+  rows)` its compaction; `start(model, prompt_tokens, prompt_mask)` returns its state, `decode(model, state,
+  key, *decode_args)` the state and its status (finished or stopped, can shrink, rows needed, iterations so
+  far). Returns the last programs, the state, the decode iterations and the rows decoded (Σ slots ×
+  iterations); the host reads four integers per call."""
   fns = programs(slots)
   state = fns.start(model, prompt_tokens, prompt_mask)
   rows, steps, row_steps = slots, 0, 0

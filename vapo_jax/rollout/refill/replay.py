@@ -1,20 +1,21 @@
-"""The refill engine replayed on the host: for each decode step, how many rows run and how many cached tokens their
-attention reads, from the sequences' lengths (the roofline's model of the decode loop, `vapo_jax/roofline`).
+"""The refill engine replayed on the host: for each decode step, how many rows run and how many cached tokens
+their attention reads, from the sequences' lengths (the roofline's model of the decode loop,
+`vapo_jax/roofline`).
 
   load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4, lanes, chunk))
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
-the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the fewest
-of min_slots·2^k that hold the live ones. Paged (`Paged`), as `slots.py` and `prefill.py` run it: a prompt takes
-its pages (⌈length / page⌉) when a prefill lane takes it for the next sequences and is prefilled `chunk` tokens a
-step; its samples take slots once it is ready, a first page each and one at each page boundary, giving them
-back when they end, the prompt's when its last sample ends; when the pool runs dry the queue gives back idle
-prompts, prefills and the sequences that started last (which restart from the prompt). Reads per step
-(`paged_attention.read_tokens`, `decode_attention.read_tokens`: what the kernels read): paged, each live row its
-own tokens in whole blocks; contiguous (`paged=None`, every prompt prefilled at the start), every row up to the
-longest live row's slot in a cache of `prompt_slots` (the left-padded prompt bucket) + response slots, in blocks
-of `block`. With a `budget` it stops after that many steps, as a partial rollout's round does
-(`rollout/partial_replay.py` replays whole RL steps of them with the engine's own carry).
+the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the
+fewest of min_slots·2^k that hold the live ones. Paged (`Paged`), as `slots.py` and `prefill.py` run it: a
+prompt takes its pages (⌈length / page⌉) when a prefill lane takes it for the next sequences and is prefilled
+`chunk` tokens a step; its samples take slots once it is ready, a first page each and one at each page
+boundary, giving them back when they end, the prompt's when its last sample ends; when the pool runs dry the
+queue gives back idle prompts, prefills and the sequences that started last (which restart from the prompt).
+Reads per step (`paged_attention.read_tokens`, `decode_attention.read_tokens`: what the kernels read): paged,
+each live row its own tokens in whole blocks; contiguous (`paged=None`, every prompt prefilled at the start),
+every row up to the longest live row's slot in a cache of `prompt_slots` (the left-padded prompt bucket) +
+response slots, in blocks of `block`. With a `budget` it stops after that many steps, as a partial rollout's
+round does (`rollout/partial_replay.py` replays whole RL steps of them with the engine's own carry).
 """
 
 from typing import NamedTuple
@@ -54,8 +55,8 @@ class Load(NamedTuple):
 
 
 class _Queue:
-  """One queue's rows, pages, prompts and prefill lanes, step by step, as the refill engine keeps them (`simulate`;
-  the engine's steps: `slots.py`, `prefill.py`)."""
+  """One queue's rows, pages, prompts and prefill lanes, step by step, as the refill engine keeps them
+  (`simulate`; the engine's steps: `slots.py`, `prefill.py`)."""
 
   def __init__(self, responses, prompts, *, group: int, slots: int, paged: Paged | None):
     self.responses, self.prompts, self.group, self.paged = responses, np.asarray(prompts), group, paged
@@ -107,9 +108,9 @@ class _Queue:
     return (self.waiting[::-1] + list(fresh))[:count]
 
   def preempt(self) -> bool:
-    """Under pressure (`slots.preempt`): idle prompts, prefills (latest started first), then rows (latest started
-    first, a prompt going back with its last live row) until the live rows' pages fit. Returns whether anything
-    went back."""
+    """Under pressure (`slots.preempt`): idle prompts, prefills (latest started first), then rows (latest
+    started first, a prompt going back with its last live row) until the live rows' pages fit. Returns whether
+    anything went back."""
     need, members = self.need(), self.members()
     resident = self.p_started >= 0
     idle = [p for p in range(len(self.prompts)) if resident[p] and self.ready(p) and members[p] == 0]
@@ -179,8 +180,8 @@ class _Queue:
     return ran, tokens
 
   def admit(self, t: int, blocked: bool) -> int:
-    """Free slots take the next sequences (preempted ones first) while the next one's prompt is ready and pages
-    last (`slots.admit`); returns how many."""
+    """Free slots take the next sequences (preempted ones first) while the next one's prompt is ready and
+    pages last (`slots.admit`); returns how many."""
     open_slots = np.flatnonzero(self.seq[:self.rows] < 0)
     ready = 0
     for n in self.candidates(len(open_slots)):
@@ -225,9 +226,9 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
              paged: Paged | None = None, prompt_slots: int = 0, block: int = 512, cache_slots: int = 0,
              budget: int = 0) -> Load:
   """One queue's decode loop (module docstring): `responses` `[n]` its sequences' lengths in order, `prompts`
-  `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail; `cache_slots`: the
-  contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps that decoded a row (a partial
-  rollout's round)."""
+  `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail; `cache_slots`:
+  the contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps that decoded a row
+  (a partial rollout's round)."""
   q, t, decoded = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0, 0
   rows, live, read, chunks, prefilled = [], [], [], [], []
   while q.remaining() and not 0 < budget <= decoded:  # The budget counts the steps that decoded a row.
@@ -244,9 +245,11 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
     if paged:
       q.free -= need + take
       q.peak = max(q.peak, paged.pages - q.free)
-      read.append(paged_attention.read_tokens(q.held[running] + 1, page_tokens=q.tg, block_pages=paged.block_pages))
+      read.append(paged_attention.read_tokens(q.held[running] + 1, page_tokens=q.tg,
+                                              block_pages=paged.block_pages))
     else:
-      query = prompt_slots + np.append(q.gen[running], 0)  # No live row: the first block is read all the same.
+      query = prompt_slots + np.append(q.gen[running],
+                                       0)  # No live row: the first block is read all the same.
       read.append(decode_attention.read_tokens(query, rows=q.rows, block=block, slots=cache_slots or None))
     rows.append(q.rows)
     live.append(int(running.sum()))

@@ -1,5 +1,5 @@
-"""A partial rollout's call of the refill engine (`rollout/partial.py`): which run sequences it continues, from
-where, and until how many decode iterations; and what each sequence holds when the call stops."""
+"""A partial rollout's call of the refill engine (`rollout/partial.py`): which run sequences it continues,
+from where, and until how many decode iterations; and what each sequence holds when the call stops."""
 
 import functools
 from collections.abc import Callable
@@ -15,7 +15,8 @@ from vapo_jax.rollout.refill import queues as q_lib
 class Resumed(NamedTuple):
   """A partial rollout's call (`rollout/partial.py`): sequence n of the call is sequence `ids[n]` of the run,
   continued after its first `offsets[n]` tokens (which end its prompt), and the decode stops at `budget`
-  iterations. Sequence `ids[n]` samples its token t with `fold_in(fold_in(key, ids[n]), t)`, as if never stopped."""
+  iterations. Sequence `ids[n]` samples its token t with `fold_in(fold_in(key, ids[n]), t)`, as if never
+  stopped."""
 
   ids: jax.Array  # [N] int32.
   offsets: jax.Array  # [N] int32.
@@ -23,8 +24,8 @@ class Resumed(NamedTuple):
 
 
 def progress(s) -> jax.Array:
-  """`[N]` int32 the tokens each sequence of the refill engine's `Slots` holds: its length where it ended, its step
-  where it is live, 0 where it waits to start or to restart (its pages are gone)."""
+  """`[N]` int32 the tokens each sequence of the refill engine's `Slots` holds: its length where it ended, its
+  step where it is live, 0 where it waits to start or to restart (its pages are gone)."""
   n, queues, rows = s.outputs.lengths.shape[0], s.queued.shape[0], s.live.shape[0]
   local = jnp.clip(s.sequence - q_lib.first_sequence(rows, n, queues), 0, n // queues - 1)
   at = jnp.where(s.live, local, n // queues)  # n / Q: dropped.

@@ -1,20 +1,21 @@
-"""The refill engine's state and its steps on the slots: pages taken back under pressure, sequences admitted, pages
-handed out, prompts given back (`engine.py` runs them in its decode loop; `prefill.py` fills the prompts' pages).
+"""The refill engine's state and its steps on the slots: pages taken back under pressure, sequences admitted,
+pages handed out, prompts given back (`engine.py` runs them in its decode loop; `prefill.py` fills the
+prompts' pages).
 
 State (`Slots`): R decode rows over a pool of pages split into Q queues, the N = P·G sequences of the call
 (queue q serves sequences [q·N/Q, (q+1)·N/Q) in order, and so prompts [q·P/Q, (q+1)·P/Q)), and the call's
-`Prompts`. A prompt holds pages only while it is *resident*: from the start of its prefill (all its
-⌈length / page⌉ pages taken at once) until its last sample ends, or until the pool needs them back while none of
-its samples is decoding. Each iteration, before a token is sampled:
+`Prompts`. A prompt holds pages only while it is *resident*: from the start of its prefill (all its ⌈length /
+page⌉ pages taken at once) until its last sample ends, or until the pool needs them back while none of its
+samples is decoding. Each iteration, before a token is sampled:
 
   1. `preempt`: when the live rows need more pages this iteration than are free, the queue gives back, in this
      order until the rest fit: resident prompts none of whose samples is decoding, prompts being prefilled
      (latest started first), then rows (latest started first; a row's prompt goes back with its last live
      row). A preempted row's sequence waits to restart from its prompt, a prompt given back is prefilled again
      when next needed: the same keys, values and tokens. A queue that gave anything back admits nothing.
-  2. `admit`: free slots take the queue's next sequences, the preempted ones first, in order, while the next one's
-     prompt is resident and a page is free for each (beyond the live rows' needs); a new row's page table points
-     at its prompt's full pages.
+  2. `admit`: free slots take the queue's next sequences, the preempted ones first, in order, while the next
+     one's prompt is resident and a page is free for each (beyond the live rows' needs); a new row's page
+     table points at its prompt's full pages.
   3. `allocate`: a page for each live row whose next token starts one and for each row just taken (its first
      own page, into which its prompt's last, partly filled page is copied).
 
@@ -32,9 +33,9 @@ from vapo_jax.rollout import common
 from vapo_jax.rollout.refill import pages as pages_lib
 from vapo_jax.rollout.refill import queues as q_lib
 
-# Counters [7] int32 of `Slots.counters`, by index: iterations of the decode loop, those in which a row decoded (a
-# partial rollout's budget counts these: a call's first iterations may only prefill), preempted rows, their tokens,
-# prompts prefilled, prefill chunks run (lanes × iterations), prompt tokens prefilled.
+# Counters [7] int32 of `Slots.counters`, by index: iterations of the decode loop, those in which a row
+# decoded (a partial rollout's budget counts these: a call's first iterations may only prefill), preempted
+# rows, their tokens, prompts prefilled, prefill chunks run (lanes × iterations), prompt tokens prefilled.
 ITERATIONS, DECODED, PREEMPTIONS, RECOMPUTED, PREFILLS, CHUNKS, PREFILLED = range(7)
 _IDLE, _PREFILLING = 2**30 + 2**29, 2**30  # Preemption order keys: idle prompts, then prefills (+ start), then rows.
 
@@ -90,12 +91,14 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
                              block_pages=block_pages)
   n, rows = count * group, lambda shape, dtype, fill=0: q_lib.rows(shape, dtype, fill)
   prompts = Prompts(prompt_tokens.astype(jnp.int32), jnp.sum(prompt_mask, -1).astype(jnp.int32),
-                    rows((count, prompt_table_pages(width, page_tokens, block_pages)), jnp.int32, queue_pages),
+                    rows((count, prompt_table_pages(width, page_tokens, block_pages)), jnp.int32,
+                         queue_pages),
                     rows((count,), jnp.int32), rows((count, model.cfg.vocab_size), jnp.float32),
                     rows((count,), jnp.int32, -1), rows((count,), jnp.int32, group))
   zeros = lambda shape: jnp.zeros(shape, jnp.int32)
   return Slots(cache, rows((slots, model.cfg.vocab_size), jnp.float32), rows((slots,), jnp.int32),
-               rows((slots,), jnp.int32), rows((slots,), bool), rows((slots,), jnp.int32), rows((slots,), jnp.int32),
+               rows((slots,), jnp.int32), rows((slots,), bool), rows((slots,), jnp.int32),
+               rows((slots,), jnp.int32),
                jnp.arange(queues, dtype=jnp.int32) * (n // queues), rows((queues, n // queues), jnp.int32),
                zeros((queues,)), pages_lib.initial(queues, queue_pages, zeros((queues,))), prompts,
                rows((queues, lanes), jnp.int32, count // queues), zeros((7,)),
@@ -109,7 +112,8 @@ def prompt_table_pages(width: int, page_tokens: int, block_pages: int) -> int:
 
 
 def drained(s: Slots) -> jax.Array:
-  return jnp.all(s.queued >= q_lib.queue_ends(s.queued, s.outputs.lengths.shape[0])) & jnp.all(s.waiting_count == 0)
+  return jnp.all(s.queued >= q_lib.queue_ends(s.queued,
+                                              s.outputs.lengths.shape[0])) & jnp.all(s.waiting_count == 0)
 
 
 def finished(s: Slots) -> jax.Array:
@@ -135,7 +139,8 @@ def release(s: Slots, rows: jax.Array) -> Slots:
   returned = q_lib.by_queue(own_pages(s) & rows[:, None], queues)
   free = pages_lib.give_back(s.free, q_lib.by_queue(s.cache.table, queues), returned)
   table = jnp.where(rows[:, None], none, s.cache.table)
-  return s._replace(free=free, cache=s.cache.replace(table=table, lengths=jnp.where(rows, 0, s.cache.lengths)))
+  return s._replace(free=free,
+                    cache=s.cache.replace(table=table, lengths=jnp.where(rows, 0, s.cache.lengths)))
 
 
 def release_prompts(s: Slots, gone: jax.Array) -> Slots:
@@ -147,7 +152,8 @@ def release_prompts(s: Slots, gone: jax.Array) -> Slots:
   prompts = p._replace(table=jnp.where(gone[:, None], none, p.table), done=jnp.where(gone, 0, p.done),
                        started=jnp.where(gone, -1, p.started))
   per_queue = gone.shape[0] // queues
-  lane_gone = jnp.take_along_axis(q_lib.by_queue(gone, queues), jnp.minimum(s.lanes, per_queue - 1), axis=1) & (
+  lane_gone = jnp.take_along_axis(q_lib.by_queue(gone, queues), jnp.minimum(s.lanes, per_queue - 1),
+                                  axis=1) & (
       s.lanes < per_queue)
   return s._replace(free=free, prompts=prompts, lanes=jnp.where(lane_gone, per_queue, s.lanes))
 
@@ -161,7 +167,8 @@ def live_members(s: Slots, live: jax.Array, group: int) -> jax.Array:
   """`[P]` int32 each prompt's rows among `live` `[R]`."""
   queues, per_queue = s.queued.shape[0], s.prompts.users.shape[0] // s.queued.shape[0]
   prompt = jnp.where(live, local_sequence(s) // group, per_queue)  # per_queue: dropped.
-  count = jax.vmap(lambda p: jnp.zeros(per_queue, jnp.int32).at[p].add(1, mode="drop"))(q_lib.by_queue(prompt, queues))
+  count = jax.vmap(lambda p: jnp.zeros(per_queue, jnp.int32).at[p].add(1, mode="drop"))(q_lib.by_queue(prompt,
+                                                                                                       queues))
   return count.reshape(-1)
 
 
@@ -171,7 +178,8 @@ def preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
   queues = s.queued.shape[0]
   need = page_wants(s).astype(jnp.int32)
   short = jnp.sum(q_lib.by_queue(need, queues), axis=1) > s.free.count
-  return lax.cond(jnp.any(short), lambda s: _preempt(s, group=group), lambda s: (s, jnp.zeros(queues, bool)), s)
+  return lax.cond(jnp.any(short), lambda s: _preempt(s, group=group), lambda s: (s, jnp.zeros(queues, bool)),
+                  s)
 
 
 def _preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
@@ -196,14 +204,16 @@ def _preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
     valid, position = order[ranked] >= 0, jnp.arange(order.shape[0])
     row = valid & is_row[ranked]
     last = jnp.full(per_prompt + 1, -1).at[jnp.where(row, of[ranked], per_prompt)].max(position)
-    extra = jnp.where(row & (last[of[ranked]] == position), jnp.append(held, 0)[of[ranked]], 0)  # Its prompt too.
+    extra = jnp.where(row & (last[of[ranked]] == position), jnp.append(held, 0)[of[ranked]],
+                      0)  # Its prompt too.
     freed = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.where(valid, freed[ranked] + extra, 0))])
     removed = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(jnp.where(valid, needed[ranked], 0))])
     k = jnp.argmax(jnp.sum(needed) - removed <= count + freed)  # Giving back the first k suffices.
     chosen = jnp.zeros(order.shape[0], bool).at[ranked].set((position < k) & valid)
     return chosen[:per_prompt], chosen[per_prompt:]
 
-  gone, chosen = jax.vmap(choose)(*(by_queue(x) for x in (prompt_order, held, row_order, need, own, prompt_of)),
+  gone, chosen = jax.vmap(choose)(*(by_queue(x) for x in (prompt_order, held, row_order, need, own,
+                                                          prompt_of)),
                                   s.free.count)
   gone, chosen = gone.reshape(-1), chosen.reshape(-1) & s.live
   local = local_sequence(s)
@@ -241,7 +251,8 @@ def admit(s: Slots, blocked: jax.Array, *, group: int) -> tuple[Slots, jax.Array
   need = jnp.sum(q_lib.by_queue(page_wants(s), queues), axis=1, dtype=jnp.int32)
   next_local, exists = candidates(s, rows // queues)
   ready = jnp.take_along_axis(q_lib.by_queue(p.ready(), queues), next_local // group, axis=1)
-  startable = jnp.sum(jnp.cumprod((exists & ready).astype(jnp.int32), axis=1), axis=1)  # In order, to a not ready.
+  startable = jnp.sum(jnp.cumprod((exists & ready).astype(jnp.int32), axis=1),
+                      axis=1)  # In order, to a not ready.
   limit = jnp.where(blocked, 0, jnp.minimum(startable, jnp.maximum(s.free.count - need, 0)))
   rank = jnp.cumsum(free, axis=1, dtype=jnp.int32) - 1
   take = free & (rank < limit[:, None])
@@ -273,11 +284,12 @@ def allocate(s: Slots, taken: jax.Array, *, group: int) -> Slots:
   free, got = pages_lib.take(s.free, q_lib.by_queue(want, queues))
   got = got.reshape(-1)
   column = jnp.minimum(s.cache.lengths // tg, s.cache.table.shape[1] - 1)
-  table = jnp.where(want[:, None] & (jnp.arange(s.cache.table.shape[1])[None] == column[:, None]), got[:, None],
-                    s.cache.table)
+  table = jnp.where(want[:, None] & (jnp.arange(s.cache.table.shape[1])[None] == column[:, None]),
+                    got[:, None], s.cache.table)
   partial = taken & (s.cache.lengths % tg != 0)
   prompt_table = q_lib.gather(s.prompts.table, local_sequence(s) // group, queues)
-  source = jnp.take_along_axis(prompt_table, jnp.minimum(s.shared, prompt_table.shape[1] - 1)[:, None], axis=1)[:, 0]
+  source = jnp.take_along_axis(prompt_table, jnp.minimum(s.shared, prompt_table.shape[1] - 1)[:, None],
+                               axis=1)[:, 0]
   by_queue = lambda x: q_lib.by_queue(x, queues)
   copy = lambda pool: pages_lib.copy_pages(pool, by_queue(source), by_queue(got), by_queue(partial))
   cache = s.cache.replace(keys=copy(s.cache.keys), values=copy(s.cache.values), table=table)
