@@ -28,7 +28,7 @@ STATIC = RolloutConfig(engine="static")
 def plan(model, prompts, config: RolloutConfig, *, group: int, max_response_tokens: int = 10, devices: int = 1,
          **options):
   """`config`'s plan for `prompts` (token lists) × `group` at this length cap on `devices` data-parallel groups, its
-  pool checked against the prompts' own lengths (as `experience.generate_responses` plans); `options`:
+  pool checked against the prompts' own lengths (as `responses.generate_responses` plans); `options`:
   `plan_rollout`'s (`budgeted=True`: the refill engine whatever the sizes)."""
   config = dataclasses.replace(config, max_response_tokens=max_response_tokens)
   return rollout.plan_rollout(config, model.cfg, prompts=len(prompts), group=group, dtype=jnp.float32, devices=devices,
@@ -96,8 +96,10 @@ CASES = {"greedy-stop-at-first-step": dict(temperature=0.0),
          "top-k-top-p": dict(temperature=1.3, top_k=5, top_p=0.8)}
 
 
-# top-k-top-p in make test; the other two cases in make test-slow, for time.
-@pytest.mark.parametrize("case", [c if c == "top-k-top-p" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+# make test-slow, for time (16 s): make test holds the refill engine to the static one's tokens and log-probs with
+# top-k and top-p, whole pools and preempting ones (test_pages.py::test_preemption_restarts_sequences_with_…).
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
 def test_refill_equals_static(model, case):
   settings = dict(CASES[case])
   if case.startswith("greedy"):

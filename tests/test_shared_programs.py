@@ -2,6 +2,7 @@
 gets that trainer's `Steps` (`steps.shared`): equal configs but for `run_dir`, the same mesh and model graphs. Any
 other field gives its own; the checks and warnings of a `Steps` apply to every trainer, shared or not."""
 
+import collections
 import dataclasses
 import warnings
 
@@ -24,7 +25,8 @@ def _shared(config, mesh, made: list):
                           critic_def=critic_def, optimizers=lambda: made.append(config) or build.optimizers(config))
 
 
-def test_equal_programs_share_one_steps_and_any_other_field_does_not(smoke_config, tmp_path):
+def test_equal_programs_share_one_steps_and_any_other_field_does_not(smoke_config, tmp_path, monkeypatch):
+  monkeypatch.setattr(steps_lib, "_SHARED", collections.OrderedDict())  # Not the earlier tests' trainers'.
   mesh, made = sharding.make_mesh(data=8, devices=jax.devices()), []
   config = smoke_config()
   first = _shared(config, mesh, made)
