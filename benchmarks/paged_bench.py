@@ -68,7 +68,7 @@ def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats
         slots=slots, steps_per_call=64, min_slots=1, length_limits=place(limits))
     lengths = np.asarray(out.response_lengths)
     return out, {"rollout/decode_steps": steps, "rollout/slot_utilization": lengths.sum() / row_steps,
-                 "rollout/pages_peak": 0.0, "rollout/preemptions": 0.0}
+                 "rollout/queue_pages_peak": 0.0, "rollout/preemptions": 0.0}
 
   def run_paged(i):
     return rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec, plan=paged,
@@ -87,7 +87,7 @@ def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats
   for name, (seconds, runs, _, m) in results.items():
     rows = slots if name == "contiguous" else paged.slots
     print(f"  {name:<11}{rows:>6}{seconds:>7.2f} s{useful / seconds:>9,.0f}{m['rollout/decode_steps']:>7.0f}"
-          f"{m['rollout/slot_utilization']:>9.2f}{m['rollout/pages_peak']:>11.0f}{m['rollout/preemptions']:>9.0f}"
+          f"{m['rollout/slot_utilization']:>9.2f}{m['rollout/queue_pages_peak']:>11.0f}{m['rollout/preemptions']:>9.0f}"
           f"  median of {runs}")
   (flat_s, _, flat, _), (paged_s, _, out, _) = results.values()
   same = all(np.array_equal(np.asarray(getattr(flat, f)), np.asarray(getattr(out, f)))

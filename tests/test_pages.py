@@ -69,7 +69,7 @@ def test_chunked_prefill_equals_whole_prefill(model):
     assert_same(out, static)
     chunks.append(metrics["rollout/prefill_chunks"])
     tokens.append(metrics["rollout/prefill_tokens"])
-    assert metrics["rollout/pages_free_after"] == metrics["rollout/pages"]
+    assert metrics["rollout/queue_pages_free_after"] == metrics["rollout/queue_pages"]
   assert len(set(tokens)) == 1 and chunks[0] > chunks[1] > chunks[2] > len(prompts), (chunks, tokens)
 
 
@@ -82,13 +82,13 @@ def test_preemption_restarts_sequences_with_the_same_tokens(model):
   refilled, metrics = sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
   assert_same(refilled, static)
   assert metrics["rollout/preemptions"] >= 2 and metrics["rollout/recomputed_tokens"] > 0
-  assert metrics["rollout/pages_free_after"] == 10 and metrics["rollout/pages_peak"] == 10
+  assert metrics["rollout/queue_pages_free_after"] == 10 and metrics["rollout/queue_pages_peak"] == 10
   roomy, roomy_metrics = sample(model, PROMPTS, dataclasses.replace(tight, pages=None), group=3, key=3, **SAMPLING)
   assert_same(roomy, static)  # Pages for every slot at the cap: nothing preempted, and the queue's own replay.
   assert roomy_metrics["rollout/preemptions"] == 0 and roomy_metrics["rollout/recomputed_tokens"] == 0
   lengths = np.asarray(static.response_lengths)
   assert roomy_metrics["rollout/decode_steps"] == queue_steps(lengths, 6) < metrics["rollout/decode_steps"]
-  assert roomy_metrics["rollout/pages_free_after"] == roomy_metrics["rollout/pages"]
+  assert roomy_metrics["rollout/queue_pages_free_after"] == roomy_metrics["rollout/queue_pages"]
 
 
 def test_a_pool_that_cannot_hold_one_sequence_is_refused_naming_the_setting(model):
@@ -104,7 +104,7 @@ def test_a_pool_of_one_sequence_runs_them_one_at_a_time(model):
   tight = RolloutConfig(slots=6, pages=6, page_tokens=4)  # The longest prompt's 2 + 4 for one sequence.
   refilled, metrics = sample(model, PROMPTS, tight, group=3, key=3, **SAMPLING)
   assert_same(refilled, sample(model, PROMPTS, STATIC, group=3, key=3, **SAMPLING)[0])  # One at a time.
-  assert metrics["rollout/pages_free_after"] == 6 and metrics["rollout/prefills"] > len(PROMPTS)
+  assert metrics["rollout/queue_pages_free_after"] == 6 and metrics["rollout/prefills"] > len(PROMPTS)
 
 
 @pytest.mark.slow  # For time (4 s): the benchmark's baseline engine, not the run's.
@@ -130,10 +130,10 @@ def test_the_roofline_schedule_replays_the_engine(model):
     engine = RolloutConfig(slots=6, decode_steps_per_call=3, pages=pool, page_tokens=4, block_pages=2)
     _, metrics = sample(model, PROMPTS, engine, group=3, key=3, **SAMPLING)
     load = replay.simulate(lengths, np.array([len(p) for p in PROMPTS]), group=3, slots=6, min_slots=1,
-                           paged=replay.Paged(int(metrics["rollout/pages"]), 4, 2, lanes=4, chunk=16))
+                           paged=replay.Paged(int(metrics["rollout/queue_pages"]), 4, 2, lanes=4, chunk=16))
     assert load.steps == metrics["rollout/decode_steps"], pool
     assert lengths.sum() / load.rows.sum() == pytest.approx(metrics["rollout/slot_utilization"]), pool
     assert (load.preemptions, load.recomputed_tokens, load.peak_pages, load.prefills, load.chunks.sum(),
             load.prefill_tokens.sum()) == (
-        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/pages_peak"],
+        metrics["rollout/preemptions"], metrics["rollout/recomputed_tokens"], metrics["rollout/queue_pages_peak"],
         metrics["rollout/prefills"], metrics["rollout/prefill_chunks"], metrics["rollout/prefill_tokens"]), pool

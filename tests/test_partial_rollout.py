@@ -58,8 +58,8 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
                                                    pad_id=0, cache_dtype=np.float32, jit=jax.jit, place=place)
     assert np.all(host[3] <= 3)  # At most the budget's 3 new tokens a round (its first steps may only prefill).
     carry.record(call, *host, version=0)
-    assert figures["rollout/pages_free_after"] == pages
-    rounds, peak, carried = rounds + 1, max(peak, figures["rollout/pages_peak"]), max(carried, carry.carried())
+    assert figures["rollout/queue_pages_free_after"] == pages
+    rounds, peak, carried = rounds + 1, max(peak, figures["rollout/queue_pages_peak"]), max(carried, carry.carried())
   assert rounds >= 3 and carried > 0  # Responses up to 10 tokens at 3 a round: carried over at least twice.
   assert (peak == pages) == (pages == 14)
   assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]

@@ -145,7 +145,7 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   lengths = np.asarray(static.response_lengths)
   assert np.all(lengths <= np.asarray(limits)) and lengths[2] == 1 and steps == lengths.max()
   assert row_steps == queue_row_steps(lengths, 6, 1) < 6 * steps
-  assert figures["rollout/preemptions"] == 0 and figures["rollout/pages_free_after"] == 40
+  assert figures["rollout/preemptions"] == 0 and figures["rollout/queue_pages_free_after"] == 40
   at_limit = lengths == np.asarray(limits)
   assert np.all(np.asarray(static.finish_reason)[at_limit & ~np.isin(np.asarray(static.response_tokens)[
       np.arange(4), lengths - 1], [EOS])] == common.FINISH_LENGTH)
@@ -199,7 +199,7 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
   out, metrics = sample(model, prompts, config, group=3, key=4, devices=4, temperature=1.3, top_k=5)
   static, _ = sample(model, prompts, STATIC, group=3, key=4, temperature=1.3, top_k=5)
   assert_same(out, static)
-  assert metrics["rollout/pages"] == 2 * least and metrics["rollout/pages_peak"] <= least
+  assert metrics["rollout/queue_pages"] == least and metrics["rollout/queue_pages_free_after"] == least
   assert metrics["rollout/preemptions"] > 0
   # The roofline's schedule of the same plan (each queue replayed on its own share of the sequences, as
   # `roofline/decode_cost.paged` replays one): the engine's decode steps, preemptions and peak pages.
@@ -209,7 +209,7 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
       min_slots=chosen.min_slots // chosen.queues, paged=decode_cost.paged_settings(chosen))
       for q in range(chosen.queues)]
   assert (max(x.steps for x in loads), sum(x.preemptions for x in loads), max(x.peak_pages for x in loads)) == (
-      metrics["rollout/decode_steps"], metrics["rollout/preemptions"], metrics["rollout/pages_peak"])
+      metrics["rollout/decode_steps"], metrics["rollout/preemptions"], metrics["rollout/queue_pages_peak"])
 
 
 def test_the_plan_fits_slots_and_pages_to_the_budget():

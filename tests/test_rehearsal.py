@@ -37,8 +37,8 @@ FAST = ("aime",)
 VARYING = ("time/", "perf/")
 # The engine's own figures: how the rollout ran, not what it sampled.
 ENGINE = ("rollout/decode_steps", "rollout/slots", "rollout/slot_utilization", "rollout/preemptions",
-          "rollout/recomputed_tokens", "rollout/pages", "rollout/pages_peak", "rollout/pages_free_after",
-          "rollout/prefills", "rollout/prefill_chunks", "rollout/prefill_tokens")
+          "rollout/recomputed_tokens", "rollout/queue_pages", "rollout/queue_pages_peak",
+          "rollout/queue_pages_free_after", "rollout/prefills", "rollout/prefill_chunks", "rollout/prefill_tokens")
 # The engines' log-probs agree within 1e-5 (test_refill.py); metrics computed from them agree to that, relatively.
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -120,12 +120,12 @@ def test_a_rehearsal_runs_every_stage_with_finite_metrics_and_every_page_back(na
   for r in records:
     bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
     assert not bad, (r["stage"], r["step"], bad)
-  paged = [r for r in records if "rollout/pages" in r]
+  paged = [r for r in records if "rollout/queue_pages" in r]
   expected = smoke.plans(config, devices=8 // config.rollout.tensor_parallel, platform="cpu")
   refill = any(not isinstance(p, str) and p.engine == "refill" for p in expected.values())
   assert bool(paged) == refill, "the refill engine ran where its plan says, and only there"
   for r in paged:
-    assert r["rollout/pages_free_after"] == r["rollout/pages"], (r["stage"], r["step"], "pages not given back")
+    assert r["rollout/queue_pages_free_after"] == r["rollout/queue_pages"], (r["stage"], r["step"], "pages kept")
   if any(not isinstance(p, str) and p.preempts for p in expected.values()):
     assert sum(r["rollout/preemptions"] for r in paged) > 0, "the pool never ran out: nothing rehearsed preemption"
   assert os.path.isdir(os.path.join(run, "export")) == config.checkpoint.export_final
@@ -179,7 +179,7 @@ def test_a_finished_rehearsal_given_more_rl_steps_trains_them(rehearsals, tmp_pa
 def test_a_rehearsal_logs_the_static_engines_metrics(name, rehearsals, tmp_path):
   _, _, records = rehearsals(name)
   static = _run(_argv(name, tmp_path, "rollout.engine=static"))
-  assert "rollout/pages" not in {k for r in _records(static) for k in r}
+  assert "rollout/queue_pages" not in {k for r in _records(static) for k in r}
   _assert_close(_comparable(_records(static), ENGINE), _comparable(records, ENGINE))
 
 

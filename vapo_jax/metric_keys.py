@@ -85,9 +85,9 @@ KEYS: dict[str, str] = {
                               "most)",
     "rollout/prefill_tokens": "prompt and carried tokens prefilled into pages, counted again after a "
                               "preemption",
-    "rollout/pages": "pages of the paged engine's pool per data-parallel group",
-    "rollout/pages_peak": "the most pages any group held at once",
-    "rollout/pages_free_after": "the fewest free pages any group had at the end (all of them: nothing leaked)",
+    "rollout/queue_pages": "pages of each queue's pool in the paged engine (`rollout.pages` is per group)",
+    "rollout/queue_pages_peak": "the most pages any queue held at once",
+    "rollout/queue_pages_free_after": "the fewest free pages any queue had at the end (all of them: nothing leaked)",
     "rollout/sampling_rounds": "sampling rounds this step (1 without dynamic sampling or partial rollouts)",
     "rollout/carried_sequences": ("partial rollouts: sequences still decoding when the step's rounds ended, "
                                   "continued next step"),

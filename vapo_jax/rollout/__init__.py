@@ -90,7 +90,7 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     out, decode_steps, row_steps, figures = refill.generate_refill(
         model, *place((prompt_tokens, prompt_mask)), key, plan=plan, sampling=sampling, pad_id=pad_id,
         cache_dtype=cache_dtype, jit=jit, length_limits=None if limits is None else place(limits))
-    figures["rollout/pages"] = float(plan.pages)
+    figures["rollout/queue_pages"] = float(plan.queue_pages)
   else:
     fns = plan.programs(sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
     parts, per_round = [], plan.prompts_per_round

@@ -119,17 +119,17 @@ def longest_prompt_pages(lengths, page_tokens: int) -> int:
   return int(-(-np.max(np.asarray(lengths, np.int64), initial=0) // page_tokens))
 
 
-def check_pool(*, pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False,
+def check_pool(*, queue_pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False,
                shares: int = 1) -> None:
-  """A `MemoryError` naming the settings when a queue's pool of `pages` pages cannot hold its longest prompt
+  """A `MemoryError` naming the settings when a queue's pool of `queue_pages` pages cannot hold its longest prompt
   (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes
   its pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message
   names it and the value that works: `shares` queues' pools on each device), else `kv_cache_budget_gib`'s."""
   needed = held + sequence_pages(max_response_tokens, page_tokens)
-  if pages < needed:
+  if queue_pages < needed:
     split = f" ({shares} queues' pools on each device)" if shares > 1 else ""
     raise MemoryError(
-        f"the KV cache's pool of {counted(pages, 'page')} of {counted(page_tokens, 'token')} per "
+        f"the KV cache's pool of {counted(queue_pages, 'page')} of {counted(page_tokens, 'token')} per "
         f"queue{split} cannot hold its longest prompt ({counted(held, 'page')}) and one "
         f"{max_response_tokens}-token response "
         f"({counted(needed, 'page')} in all): "

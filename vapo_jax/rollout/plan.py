@@ -156,7 +156,7 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   prompt_pages, per_sequence = -(-prompt_tokens // tg), common.sequence_pages(max_response_tokens, tg)
   lanes, per_group = r.prefill_lanes, -(-prompts // devices)
   if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below.
-    common.check_pool(pages=r.pages or in_budget, held=prompt_pages, max_response_tokens=max_response_tokens,
+    common.check_pool(queue_pages=r.pages or in_budget, held=prompt_pages, max_response_tokens=max_response_tokens,
                       page_tokens=tg, given=bool(r.pages))
 
   def in_flight(slots: int, prompts: int) -> int:
@@ -183,7 +183,7 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   if not budgeted and slots >= sequences and queue_pages >= whole:  # Nothing to refill or page.
     return RolloutPlan(engine="static", prompts_per_round=prompts, **base)
   lengths = np.full(prompts, prompt_tokens) if prompt_lengths is None else prompt_lengths
-  common.check_pool(pages=queue_pages, held=common.longest_prompt_pages(lengths, tg),
+  common.check_pool(queue_pages=queue_pages, held=common.longest_prompt_pages(lengths, tg),
                     max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages),
                     shares=queues if queues < devices else 1)
   return RolloutPlan(

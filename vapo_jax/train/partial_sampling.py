@@ -89,7 +89,7 @@ class PartialSampling:
     stats = rollout.rollout_metrics(arrays["response_lengths"], arrays["finish_reason"],
                                     seconds=total["seconds"], decode_steps=total["steps"], rows=c.plan.slots,
                                     row_steps=total["row_steps"]) | figures | {
-        "rollout/pages": float(c.plan.pages),
+        "rollout/queue_pages": float(c.plan.queue_pages),
         "rollout/sampling_rounds": float(rounds), "rollout/carried_sequences": float(self.carry.carried()),
         "rollout/stale_token_frac": partial.stale_token_frac(stale, arrays["response_lengths"]),
         "rollout/restarted_sequences": float(restarted)}

@@ -182,8 +182,8 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   holds the call's longest prompt and one sequence); the decode iterations run, the rows decoded (Σ slots ×
   iterations) and the pool's figures: `rollout/preemptions`, `rollout/recomputed_tokens`, `rollout/prefills`
   (prompts prefilled, again after being given back too), `rollout/prefill_chunks`, `rollout/prefill_tokens`,
-  `rollout/pages_peak` (the most any queue held at once) and `rollout/pages_free_after` (the fewest any queue
-  had free at the end). `resumed`: a partial rollout's call, which stops at its budget; a sequence still
+  `rollout/queue_pages_peak` (the most any queue held at once) and `rollout/queue_pages_free_after` (the fewest
+  any queue had free at the end). `resumed`: a partial rollout's call, which stops at its budget; a sequence still
   decoding or waiting then has the tokens it holds (`progress`) as its length and `common.FINISH_UNFINISHED`
   as its finish reason."""
   if prompt_tokens.shape != (plan.prompts, plan.prompt_tokens) or sampling.max_response_tokens != \
@@ -208,5 +208,5 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
              "rollout/prefills": float(counters[slots_lib.PREFILLS]),
              "rollout/prefill_chunks": float(counters[slots_lib.CHUNKS]),
              "rollout/prefill_tokens": float(counters[slots_lib.PREFILLED]),
-             "rollout/pages_peak": float(peak.max()), "rollout/pages_free_after": float(free.min())}
+             "rollout/queue_pages_peak": float(peak.max()), "rollout/queue_pages_free_after": float(free.min())}
   return out, steps, row_steps, figures

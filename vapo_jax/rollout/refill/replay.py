@@ -2,7 +2,7 @@
 their attention reads, from the sequences' lengths (the roofline's model of the decode loop,
 `vapo_jax/roofline`).
 
-  load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(pages, 128, 4, lanes, chunk))
+  load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(queue_pages, 128, 4, lanes, chunk))
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
 the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the
@@ -27,7 +27,7 @@ from vapo_jax.rollout.refill import queues as queues_lib
 
 
 class Paged(NamedTuple):
-  pages: int  # Per queue.
+  queue_pages: int  # Pages of each queue's pool.
   page_tokens: int
   block_pages: int  # Pages the kernel reads per block.
   lanes: int = 4  # Prefill lanes per queue (`rollout.prefill_lanes`).
@@ -65,7 +65,7 @@ class _Queue:
     self.waiting, self.next_new, self.rows = [], 0, slots
     self.tg = paged.page_tokens if paged else 1
     self.prompt_pages = -(-self.prompts // self.tg)
-    self.free, self.peak = (paged.pages, 0) if paged else (0, 0)
+    self.free, self.peak = (paged.queue_pages, 0) if paged else (0, 0)
     self.p_started, self.p_done = np.full(len(self.prompts), -1), np.zeros(len(self.prompts), np.int64)
     self.users = np.full(len(self.prompts), group)
     self.lanes = [-1] * (paged.lanes if paged else 0)  # The prompt each lane fills; -1: none.
@@ -244,7 +244,7 @@ def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: i
     running = q.seq >= 0
     if paged:
       q.free -= need + take
-      q.peak = max(q.peak, paged.pages - q.free)
+      q.peak = max(q.peak, paged.queue_pages - q.free)
       read.append(paged_attention.read_tokens(q.held[running] + 1, page_tokens=q.tg,
                                               block_pages=paged.block_pages))
     else:
