@@ -24,19 +24,25 @@ unexport PYTHONDONTWRITEBYTECODE
 # setuptools' editable build warns, with its source lines, of folders named like the package: the repository's
 # own layout, nothing for a user to act on.
 PIP_QUIET := PYTHONWARNINGS=ignore
-$(STAMP): setup.py
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version' 
+comma := ,
+# $(call install,EXTRAS): .venv created if missing, then the package with EXTRAS in one pip call (one resolve).
+define install
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "vapo_jax needs Python >= 3.11, found " + sys.version'
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[plot]"
+	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[$(1)]"
+endef
+$(STAMP): setup.py
+	$(call install,plot)
 	@touch $(STAMP)
 
 # The extras, each installed once by the targets that need it: "test" (make test, lint) with "tpu" (libtpu's
-# compile-only client: make memory TOPOLOGY=, and the compile report's tests).
+# compile-only client: make memory TOPOLOGY=, and the compile report's tests). make test in a fresh clone installs
+# the run's and the tests' in one call.
 TEST_STAMP := $(VENV)/.stamp-test
-$(TEST_STAMP): setup.py $(STAMP)
-	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[test,tpu]"
-	@touch $(TEST_STAMP)
+$(TEST_STAMP): setup.py
+	$(call install,plot$(comma)test$(comma)tpu)
+	@touch $(STAMP) $(TEST_STAMP)
 TPU_STAMP := $(VENV)/.stamp-tpu
 $(TPU_STAMP): setup.py $(STAMP)
 	$(PIP_QUIET) $(PY) -m pip install --quiet --no-compile -e ".[tpu]"
