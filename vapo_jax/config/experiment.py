@@ -21,16 +21,8 @@ import math
 import os
 from typing import Literal
 
+from vapo_jax.config import sections
 from vapo_jax.config.checks import frozen, in_range, positive_int, require
-from vapo_jax.config.sections import (
-  CheckpointConfig,
-  DataConfig,
-  EvalConfig,
-  LogConfig,
-  MeshConfig,
-  ModelConfig,
-  PackingConfig,
-)
 from vapo_jax.kinds import AnswerForm, Estimator, KLEstimator, LossAggregation, RolloutEngine, ValueTarget, names
 
 
@@ -306,18 +298,18 @@ class ExperimentConfig:
   seed: int = 0  # Seed of every PRNG stream of the run.
   rl_steps: int = 1000  # RL steps (each: one rollout batch and its PPO updates).
   run_dir: str = "runs"  # Parent directory of the run directory.
-  model: ModelConfig = ModelConfig()
+  model: sections.ModelConfig = sections.ModelConfig()
   algo: AlgoConfig = AlgoConfig()
-  packing: PackingConfig = PackingConfig()
+  packing: sections.PackingConfig = sections.PackingConfig()
   optim: OptimizerConfig = OptimizerConfig()
   rollout: RolloutConfig = RolloutConfig()
   reward: RewardConfig = RewardConfig()
-  data: DataConfig = DataConfig()
-  eval: EvalConfig = EvalConfig()
+  data: sections.DataConfig = sections.DataConfig()
+  eval: sections.EvalConfig = sections.EvalConfig()
   sft: SFTConfig = SFTConfig()
-  log: LogConfig = LogConfig()
-  mesh: MeshConfig = MeshConfig()
-  checkpoint: CheckpointConfig = CheckpointConfig()
+  log: sections.LogConfig = sections.LogConfig()
+  mesh: sections.MeshConfig = sections.MeshConfig()
+  checkpoint: sections.CheckpointConfig = sections.CheckpointConfig()
 
   def __post_init__(self):
     require(bool(self.name), self, "name", "must be non-empty", self.name)
