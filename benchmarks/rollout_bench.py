@@ -46,7 +46,7 @@ from vapo_jax.models import decode_attention, hf_export
 from vapo_jax.models.config import TransformerConfig, preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import CausalLM
-from vapo_jax.rollout import common, sampling
+from vapo_jax.rollout import common, next_token
 
 PAD = 0
 # Response lengths of the long-tail case: 64 draws of a log-normal (σ 0.7, numpy seed 2) scaled to a
@@ -164,7 +164,7 @@ def top_p(repeats: int):
   """3. Top-p 0.7 filtering of [16, 151936] logits, bisection against the sort."""
   logits = jax.random.normal(jax.random.key(0), (16, 151936)) * 3.0
   fns = {name: jax.jit(lambda x, f=f: f(x, temperature=1.0, top_k=0, top_p=0.7))
-         for name, f in (("sort", sampling.filter_logits_sorted), ("bisection", sampling.filter_logits))}
+         for name, f in (("sort", next_token.filter_logits_sorted), ("bisection", next_token.filter_logits))}
   seconds, kept = {}, {}
   for name, fn in fns.items():
     kept[name] = np.isfinite(np.asarray(fn(logits)))

@@ -17,7 +17,7 @@ from vapo_jax.models import sharding
 from vapo_jax.models.config import preset
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.transformer import positions_from_mask
-from vapo_jax.rollout import common, sampling, static
+from vapo_jax.rollout import common, next_token, static
 from vapo_jax.rollout.layout import layout_for
 
 
@@ -74,7 +74,7 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     logits = full_logits(model, prompt + response)[len(prompt) - 1:len(prompt) - 1 + n]
     policy = jax.nn.log_softmax(logits, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.policy_logprobs[b, :n], policy, atol=1e-4)
-    processed = sampling.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
+    processed = next_token.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
     sampler = jax.nn.log_softmax(processed, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.sampler_logprobs[b, :n], sampler, atol=1e-4)
     assert np.all(np.isfinite(sampler))  # A sampled token is never one the filter removed.
@@ -83,7 +83,7 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     np.testing.assert_allclose(out.sampler_logprobs, out.policy_logprobs, atol=1e-6)
 
 
-@pytest.mark.parametrize("filter_fn", [sampling.filter_logits, sampling.filter_logits_sorted],
+@pytest.mark.parametrize("filter_fn", [next_token.filter_logits, next_token.filter_logits_sorted],
                          ids=["bisection", "sort"])
 def test_filter_logits_reference(filter_fn):
   logits = np.array([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]], np.float32)

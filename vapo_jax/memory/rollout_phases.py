@@ -120,7 +120,7 @@ def _decoding(run, plan: RolloutPlan):
   """(the actor's rollout copy, the sampling key, the bytes held beside the copy, `plan.programs` at the run's
   sampling settings) of a rollout phase."""
   c, layout = run.config, run.layout
-  sampling = responses.sampling(c, stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+  sampling = responses.sampling_settings(c, stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
                                  top_k=c.rollout.top_k)
   actor_def, _, state = run.states["rl"]
   model = nnx.merge(actor_def, layout.abstract_copy(state.actor))
@@ -132,7 +132,7 @@ def _decoding(run, plan: RolloutPlan):
 
 
 def partial_round(run, log) -> CompiledPhase:
-  """A partial rollout's round (`train/partial_sampling.py`) as its plan (`plan.plan_round`) runs it: the
+  """A partial rollout's round (`train/partial_rounds.py`) as its plan (`plan.plan_round`) runs it: the
   refill engine over `plan.OVERPROVISION` × P·G sequences, one per prompt, each a problem's prompt followed by
   its carried tokens, in the slots of P·G, each admitted to pages and prefilled in chunks as it is about to
   run, the decode stopped at the budget (`refill.engine.decode`'s `resumed`)."""

@@ -6,7 +6,7 @@
                                 cache_dtype=..., jit=..., place=...)
 
 The package, one module a part:
-  sampling  the token sampler: temperature, top-k and top-p by threshold bisection (sort: oracle)
+  next_token the next token from logits: temperature, top-k and top-p by threshold bisection (sort: oracle)
   common    what both engines share: `Sampling`, the `Rollout`, prompt buckets, KV-cache sizing,
             the prefill
   plan      the rollout's plan (`RolloutPlan`): the engine and its sizes for one call, decided once

@@ -29,7 +29,7 @@ from vapo_jax.models import sharding
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.models.sharding import constrain
 from vapo_jax.models.transformer import positions_from_mask
-from vapo_jax.rollout import sampling as sampling_lib
+from vapo_jax.rollout import next_token
 
 DECODE_LOOP = "decode_loop"  # `jax.named_scope` of the engines' decode loops: their op_name in compiled HLO.
 FINISH_STOP = 0  # Ended on an EOS / stop token (included in the response).
@@ -139,7 +139,7 @@ def check_pool(*, queue_pages: int, held: int, max_response_tokens: int, page_to
 
 def sample_tokens(keys: jax.Array, logits: jax.Array, sampling: Sampling, *, sorted_filter: bool = False):
   """One token per row from `[B, V]` logits with per-row keys `[B]`: (tokens, sampler, policy) `[B]`."""
-  return sampling_lib.sample_tokens(keys, logits, temperature=sampling.temperature, top_k=sampling.top_k,
+  return next_token.sample_tokens(keys, logits, temperature=sampling.temperature, top_k=sampling.top_k,
                                     top_p=sampling.top_p, sorted_filter=sorted_filter)
 
 

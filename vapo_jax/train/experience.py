@@ -33,10 +33,10 @@ from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.rollout.plan import plan_round
-from vapo_jax.train import held_out, partial_sampling
+from vapo_jax.train import held_out, partial_rounds
 from vapo_jax.train.algorithm import PrefixLabels
-from vapo_jax.train.partial_sampling import PartialSampling
-from vapo_jax.train.responses import generate_responses, plan, sampling, stop_ids
+from vapo_jax.train.partial_rounds import PartialRounds
+from vapo_jax.train.responses import generate_responses, plan, sampling_settings, stop_ids
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
 
@@ -91,13 +91,13 @@ class Experience:
     self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
     # An RL step's rollout, chosen once: partial rounds under a decode budget, else a whole rollout
     # (`sample`).
-    self.partial = PartialSampling(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
+    self.partial = PartialRounds(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
         config.rollout.decode_budget) else None
     self.rl_rollout = self._partial_rollout if self.partial else self._whole_rollout
 
-  def _partial_context(self) -> partial_sampling.Context:
+  def _partial_context(self) -> partial_rounds.Context:
     r = self.config.rollout
-    return partial_sampling.Context(
+    return partial_rounds.Context(
         settings=r, plan=self.plan_round(), policy=self.policy, layout=self.layout, place=self.steps.place,
         sampling=self.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
         encode=lambda record: problems.encode_prompt(record, self.tokenizer, self.config),
@@ -118,7 +118,7 @@ class Experience:
 
   def _partial_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
                        version: int) -> "Sampled":
-    del key  # Partial rollouts sample each run sequence from its own key (`PartialSampling.key`).
+    del key  # Partial rollouts sample each run sequence from its own key (`PartialRounds.key`).
     return Sampled(*self.partial.sample(state, prompts, version=version))
 
   def _whole_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
@@ -137,7 +137,7 @@ class Experience:
                 devices=self.layout.data_devices, **options)
 
   def sampling_for(self, *, temperature: float, top_p: float, top_k: int = 0) -> common.Sampling:
-    return sampling(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature, top_p=top_p,
+    return sampling_settings(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature, top_p=top_p,
                     top_k=top_k)
 
   def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int,

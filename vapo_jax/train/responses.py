@@ -51,12 +51,12 @@ def generate_responses(model, records: list[Record], key: jax.Array, *, config: 
                                     pad_id=tokenizer.pad_token_id)
   chosen = plan(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1],
                 devices=devices, prompt_lengths=mask.sum(axis=1))
-  how = sampling(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
+  how = sampling_settings(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
   return rollout.sample(model, tokens, mask, key, sampling=how, plan=chosen, pad_id=tokenizer.pad_token_id,
                         cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
 
 
-def sampling(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
+def sampling_settings(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
              top_k: int = 0) -> common.Sampling:
   """How a rollout of the run samples (`stop_ids`: the tokens that end a response)."""
   return common.Sampling(max_response_tokens=config.rollout.max_response_tokens,

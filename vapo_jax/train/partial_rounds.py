@@ -1,7 +1,7 @@
 """A training step's rollout under `rollout.decode_budget`: rounds of the refill engine until P groups are
 complete.
 
-  partial = PartialSampling(context, seed=config.seed, mesh=mesh)   # holds the `rollout.partial.Carry`
+  partial = PartialRounds(context, seed=config.seed, mesh=mesh)   # holds the `rollout.partial.Carry`
   out, rewards, correct, stats = partial.sample(state, prompts, version=v)   # P complete groups, verified
 
 Each round decodes the carried sequences and new groups' (`rollout/partial.py`) for at most `decode_budget`
@@ -48,7 +48,7 @@ class Context(NamedTuple):
   cache_dtype: Any
 
 
-class PartialSampling:
+class PartialRounds:
   """The partial rollouts of one run: its carry (saved in its checkpoints) and key."""
 
   def __init__(self, context: Context, *, seed: int, mesh):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vapo_jax.rollout import sampling
+from vapo_jax.rollout import next_token
 
 
 def kept_by_definition(logits: np.ndarray, *, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -25,7 +25,7 @@ def kept_by_definition(logits: np.ndarray, *, temperature: float, top_k: int, to
 
 
 _filters = {name: jax.jit(fn, static_argnames=("temperature", "top_k", "top_p"))
-            for name, fn in (("bisection", sampling.filter_logits), ("sort", sampling.filter_logits_sorted))}
+            for name, fn in (("bisection", next_token.filter_logits), ("sort", next_token.filter_logits_sorted))}
 
 
 def kept(name, logits, **settings):
@@ -84,7 +84,7 @@ def test_threshold_is_exact_in_few_bisection_steps():
   weights = jnp.ones_like(values)
   target = jnp.asarray([1.0, 7.0, 7.0, 50.0])
   for steps in (0, 3, 20):
-    tau = sampling.largest_threshold(values, weights, target, jnp.min(values, -1), steps=steps)
+    tau = next_token.largest_threshold(values, weights, target, jnp.min(values, -1), steps=steps)
     np.testing.assert_array_equal(tau, [np.sort(np.asarray(v))[::-1][int(k) - 1] for v, k in zip(values, target)])
 
 
@@ -94,7 +94,7 @@ def test_sample_tokens_bisection_equals_sort(temperature, top_k, top_p):
   filtered logits; policy = plain log-softmax; greedy = argmax with sampler 0."""
   logits = jnp.asarray(np.random.default_rng(3).normal(size=(32, 500)) * 2.5, jnp.float32)
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(5), i))(jnp.arange(32))
-  fn = jax.jit(sampling.sample_tokens, static_argnames=("temperature", "top_k", "top_p", "sorted_filter"))
+  fn = jax.jit(next_token.sample_tokens, static_argnames=("temperature", "top_k", "top_p", "sorted_filter"))
   fast = fn(keys, logits, temperature=temperature, top_k=top_k, top_p=top_p)
   slow = fn(keys, logits, temperature=temperature, top_k=top_k, top_p=top_p, sorted_filter=True)
   np.testing.assert_array_equal(fast[0], slow[0])
@@ -118,7 +118,7 @@ def test_log_softmax_at_one_token_is_the_log_softmax_entry():
   logits = np.random.default_rng(4).normal(size=(16, 3000)) * 4
   logits[:, :50] = -np.inf
   tokens = np.random.default_rng(5).integers(50, 3000, 16)
-  fast = jax.jit(sampling.log_softmax_at)(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens))
+  fast = jax.jit(next_token.log_softmax_at)(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens))
   full = jax.jit(lambda x, t: jnp.take_along_axis(jax.nn.log_softmax(x, -1), t[:, None], -1)[:, 0])
   np.testing.assert_array_equal(fast, full(jnp.asarray(logits, jnp.float32), jnp.asarray(tokens)))
   finite = logits[:, 50:]
