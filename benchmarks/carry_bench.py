@@ -33,8 +33,8 @@ BLOCK = 1024  # Rows synthesised at a time.
 def synthesised(sequences: int, tokens: int) -> partial.Carry:
   """A carry of `sequences` members of `tokens` tokens each, still decoding, drawn in groups of `GROUP`; filled a
   block of rows at a time (no whole-size temporaries: the carry's own bytes are what the process holds)."""
-  carry = partial.Carry(group=GROUP, sequences=sequences, max_response_tokens=tokens, max_staleness=4, pad_id=0,
-                        prompt_width=1024)
+  carry = partial.Carry(samples_per_prompt=GROUP, sequences=sequences, max_response_tokens=tokens,
+                        max_staleness=4, pad_id=0, prompt_width=1024)
   rng = np.random.default_rng(0)
   draw = lambda n: [([f"problem {i}", "42"], rng.integers(3, 150000, 200).tolist()) for i in range(n)]
   carry.next_call(draw)  # Draws the groups (the call's prompt array is small: prompts only).
@@ -73,14 +73,16 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--sequences", type=int, default=16384)
   parser.add_argument("--tokens", type=int, default=20480)
-  parser.add_argument("--directory", default=None, help="where to write (default: a temporary directory here)")
+  parser.add_argument("--directory", default=None,
+                      help="where to write (default: a temporary directory here)")
   args = parser.parse_args(argv)
   carry = synthesised(args.sequences, args.tokens)
   counters, arrays = carry.state_dict()
   nbytes = sum(a.nbytes for a in arrays.values())
   expected = _digests(arrays)
   directory = tempfile.mkdtemp(prefix="carry_bench_", dir=args.directory or os.getcwd())
-  saver = checkpoints.RunCheckpoints(os.path.join(directory, "checkpoints"), CheckpointConfig(async_save=False))
+  saver = checkpoints.RunCheckpoints(os.path.join(directory, "checkpoints"),
+                                     CheckpointConfig(async_save=False))
   try:
     held, _ = _resident()  # The carry, as a run holds it when it saves.
     _reset_peak()
@@ -95,8 +97,8 @@ def main(argv=None) -> None:
     target = {"host": {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in
                         partial.Carry.array_shapes(json.loads(json.dumps(counters)), GROUP).items()}}}
     restored = saver.restore(1, target)
-    copy = partial.Carry(group=GROUP, sequences=args.sequences, max_response_tokens=args.tokens, max_staleness=4,
-                         pad_id=0, prompt_width=1024)
+    copy = partial.Carry(samples_per_prompt=GROUP, sequences=args.sequences, max_response_tokens=args.tokens,
+                         max_staleness=4, pad_id=0, prompt_width=1024)
     copy.load_state_dict(counters, restored["host"]["carry"])
     del target, restored
     done = time.perf_counter()
@@ -110,8 +112,9 @@ def main(argv=None) -> None:
         f"{disk / 2**30:.2f} GiB on disk")
   print(f"  save {saved - start:.1f} s, restore {done - restore_start:.1f} s, round trip "
         f"{saved - start + done - restore_start:.1f} s (target <= 60 s)")
-  print(f"  peak host memory {peak / 2**30:.2f} GiB while saving or restoring (the process held {held / 2**30:.2f} "
-        f"GiB with the carry): {peak / nbytes:.2f}x the carry's bytes (target <= 2x; saving {save_peak / nbytes:.2f}x, "
+  print(f"  peak host memory {peak / 2**30:.2f} GiB while saving or restoring (the process held "
+        f"{held / 2**30:.2f} GiB with the carry): {peak / nbytes:.2f}x the carry's bytes (target <= 2x; "
+        f"saving {save_peak / nbytes:.2f}x, "
         f"restoring {restore_peak / nbytes:.2f}x); restored equal: {'yes' if same else 'NO'}")
 
 

@@ -86,18 +86,20 @@ class Slots(NamedTuple):
   prompts: Prompts  # The prefilled prompts, read when a slot takes a new sequence.
 
 
-def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
-          max_response_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> Slots:
+def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, samples_per_prompt: int, slots: int,
+          queues: int, max_response_tokens: int, pad_id: int, cache_dtype, decode_block: int | None) -> Slots:
   """Prefills the prompts and builds R empty slots with room for a prompt and a response."""
   prompt_mask = prompt_mask.astype(bool)
   logits, cache = common.prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
   prompts = Prompts(cache.keys, cache.values, prompt_mask, logits, jnp.sum(prompt_mask, -1).astype(jnp.int32))
   cfg, (count, prompt_len) = model.cfg, prompt_tokens.shape
-  n, width = count * group, prompt_len + max_response_tokens
-  rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype), ("batch",) + (None,) * (len(shape) - 1))
+  n, width = count * samples_per_prompt, prompt_len + max_response_tokens
+  rows = lambda shape, dtype, fill=0: constrain(jnp.full(shape, fill, dtype),
+                                                ("batch",) + (None,) * (len(shape) - 1))
   shape = (cfg.num_layers, slots, cfg.num_kv_heads, width, cfg.head_dim)
-  slot_cache = KVCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype), jnp.zeros((slots, width), bool),
+  slot_cache = KVCache(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype),
+                       jnp.zeros((slots, width), bool),
                        jnp.zeros((slots,), jnp.int32), decode_block).constrained()
   slot_logits = constrain(jnp.zeros((slots, logits.shape[-1]), jnp.float32), ("batch", "act_vocab"))
   queued = jnp.arange(queues, dtype=jnp.int32) * (n // queues)
@@ -112,7 +114,7 @@ def finished(s: Slots) -> jax.Array:
   return ~jnp.any(s.live) & jnp.all(s.queued >= queues_lib.queue_ends(s.queued, s.lengths.shape[0]))
 
 
-def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
+def take_queued(prompts: Prompts, s: Slots, *, samples_per_prompt: int) -> Slots:
   """Gives each free slot the next sequence of its queue (in order), if any is left."""
   queues, rows, prompt_len = s.queued.shape[0], s.live.shape[0], prompts.mask.shape[1]
   free = queues_lib.by_queue(~s.live, queues)  # [Q, R/Q]
@@ -122,7 +124,8 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
 
   n = s.lengths.shape[0]
   local = jnp.minimum(new - queues_lib.first_sequence(rows, n, queues), n // queues - 1)  # Within the queue.
-  read = lambda source: queues_lib.gather(source, local // group, queues)  # The queue's own prompt.
+  read = lambda source: queues_lib.gather(source, local // samples_per_prompt,
+                                          queues)  # The queue's own prompt.
   any_taken = jnp.any(take)
 
   def fill(buffer, source):
@@ -152,7 +155,7 @@ def take_queued(prompts: Prompts, s: Slots, *, group: int) -> Slots:
 
 
 def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None = None, *,
-           sampling: common.Sampling, group: int, steps: int, pad_id: int,
+           sampling: common.Sampling, samples_per_prompt: int, steps: int, pad_id: int,
            shrink_at: int = 0) -> tuple[Slots, jax.Array]:
   """Up to `steps` iterations of (refill free slots, decode one token in every slot), leaving early
   when every sequence has finished or the slots can shrink (the queues are empty and `rows_needed`
@@ -161,12 +164,13 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
   n, max_response_tokens = state.tokens.shape
   queues, rows = state.queued.shape[0], state.live.shape[0]
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
-  limits = jnp.full((n,), max_response_tokens, jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
+  limits = jnp.full((n,), max_response_tokens,
+                    jnp.int32) if length_limits is None else length_limits.astype(jnp.int32)
   first = queues_lib.first_sequence(rows, n, queues)
   prompts = state.prompts
 
   def one_step(s: Slots) -> Slots:
-    s = take_queued(prompts, s, group=group)
+    s = take_queued(prompts, s, samples_per_prompt=samples_per_prompt)
     keys = jax.vmap(lambda seq, t: jax.random.fold_in(jax.random.fold_in(key, seq), t))(s.sequence, s.step)
     tokens, sampler, policy = common.sample_tokens(keys, s.logits, sampling)
     live = s.live
@@ -177,12 +181,12 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
     at, end_at = jnp.where(live, local, n // queues), jnp.where(ended, local, n // queues)  # n / Q: dropped.
     write = lambda out, x: queues_lib.scatter(out, at, x, queues, s.step)
     end = lambda out, x: queues_lib.scatter(out, end_at, x, queues)
-    positions = queues_lib.gather(prompts.lengths, local // group, queues) + s.step
+    positions = queues_lib.gather(prompts.lengths, local // samples_per_prompt, queues) + s.step
     logits, cache = model(tokens[:, None], positions[:, None], live[:, None], s.cache)
     cache = cache.replace(length=jnp.where(live, cache.length, s.cache.length))  # Free slots stay put.
-    return Slots(cache, logits[:, -1], s.sequence, jnp.where(live, s.step + 1, s.step), live & ~ended, s.queued,
-                 s.decode_steps + 1, write(s.tokens, tokens), write(s.sampler, sampler), write(s.policy, policy),
-                 end(s.lengths, s.step + 1), end(s.stopped, stop), s.prompts)
+    return Slots(cache, logits[:, -1], s.sequence, jnp.where(live, s.step + 1, s.step), live & ~ended,
+                 s.queued, s.decode_steps + 1, write(s.tokens, tokens), write(s.sampler, sampler),
+                 write(s.policy, policy), end(s.lengths, s.step + 1), end(s.stopped, stop), s.prompts)
 
   def can_shrink(s: Slots) -> jax.Array:
     drained = jnp.all(s.queued >= queues_lib.queue_ends(s.queued, n))
@@ -215,8 +219,10 @@ def row_programs(rows: int, queues: int, jit: Callable) -> tuple[Callable, Calla
   """(order: each queue's live slots first, `rows` / Q of them; take: those rows of one array,
   donating it, laid out by its logical axes: rows are axis 1 of the stacked cache (`CACHE_AXES`), else 0)."""
   order = jit(lambda live: queues_lib.kept_rows(live, rows, queues))
-  gather = lambda x, index, axes: (_gather_layers if axes == CACHE_AXES else queues_lib.gather)(x, index, queues)
-  take = jit(lambda x, index, axes: constrain(gather(x, index, axes), axes), donate_argnums=0, static_argnums=2)
+  gather = lambda x, index, axes: (_gather_layers if axes == CACHE_AXES else queues_lib.gather)(x, index,
+                                                                                                queues)
+  take = jit(lambda x, index, axes: constrain(gather(x, index, axes), axes), donate_argnums=0,
+             static_argnums=2)
   return order, take
 
 
@@ -225,7 +231,8 @@ def row_arrays(state: Slots) -> list[tuple[jax.Array, tuple]]:
   cache's stacked keys and values (`[L, R, ...]`), its mask and lengths, the logits, sequences, steps and
   flags (`[R, ...]`)."""
   c = state.cache
-  return ([(c.keys, CACHE_AXES), (c.values, CACHE_AXES)] + [(x, queues_lib.row_axes(x)) for x in (c.mask, c.length)]
+  return ([(c.keys, CACHE_AXES),
+           (c.values, CACHE_AXES)] + [(x, queues_lib.row_axes(x)) for x in (c.mask, c.length)]
           + [(state.logits, ("batch", "act_vocab"))]
           + [(x, queues_lib.row_axes(x)) for x in (state.sequence, state.step, state.live)])
 
@@ -255,16 +262,21 @@ class Programs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def programs(*, sampling: common.Sampling, group: int, slots: int, queues: int = 1, steps_per_call: int, pad_id: int,
+def programs(*, sampling: common.Sampling, samples_per_prompt: int, slots: int, queues: int = 1,
+             steps_per_call: int, pad_id: int,
              cache_dtype, decode_block: int | None, min_slots: int = 0, jit: Callable = jax.jit) -> Programs:
   """The three jitted programs of one setting (the decode state is donated between calls)."""
   return Programs(
-      start=jit(functools.partial(start, group=group, slots=slots, queues=queues, pad_id=pad_id,
+      start=jit(functools.partial(start, samples_per_prompt=samples_per_prompt, slots=slots, queues=queues,
+                                  pad_id=pad_id,
                                   cache_dtype=cache_dtype, max_response_tokens=sampling.max_response_tokens,
                                   decode_block=decode_block)),
-      decode=jit(functools.partial(decode, sampling=sampling, group=group, steps=steps_per_call, pad_id=pad_id,
-                                   shrink_at=queues_lib.shrink_threshold(slots, min_slots)), donate_argnums=(1,)),
-      finish=jit(functools.partial(common.finished_rollout, group=group, pad_id=pad_id)))
+      decode=jit(functools.partial(decode, sampling=sampling, samples_per_prompt=samples_per_prompt,
+                                   steps=steps_per_call, pad_id=pad_id,
+                                   shrink_at=queues_lib.shrink_threshold(slots, min_slots)),
+                 donate_argnums=(1,)),
+      finish=jit(functools.partial(common.finished_rollout, samples_per_prompt=samples_per_prompt,
+                                   pad_id=pad_id)))
 
 
 def generate_contiguous(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *,
@@ -277,13 +289,15 @@ def generate_contiguous(model, prompt_tokens: jax.Array, prompt_mask: jax.Array,
   rows decoded (Σ slots × iterations). `min_slots` > 0: shrink the slots in the tail down to this many
   (a multiple of the data-parallel devices); 0: never. `length_limits` `[P·G]`, in [1, max_response_tokens]."""
   if slots % queues or prompt_tokens.shape[0] % queues or min_slots % queues:
-    raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts ({prompt_tokens.shape[0]}) "
-                     f"and min_slots ({min_slots})")
-  settings = dict(sampling=sampling, group=samples_per_prompt, queues=queues, steps_per_call=steps_per_call,
-                  pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block, min_slots=min_slots,
-                  jit=jit)
+    raise ValueError(f"{queues} queues must divide the slots ({slots}), the prompts "
+                     f"({prompt_tokens.shape[0]}) and min_slots ({min_slots})")
+  settings = dict(sampling=sampling, samples_per_prompt=samples_per_prompt, queues=queues,
+                  steps_per_call=steps_per_call,
+                  pad_id=pad_id, cache_dtype=jnp.dtype(cache_dtype), decode_block=decode_block,
+                  min_slots=min_slots, jit=jit)
   fns, state, steps, row_steps = queues_lib.drive(
       lambda rows: programs(slots=rows, **settings), lambda state, rows: compact(state, rows, jit=jit), model,
       prompt_tokens, prompt_mask, key, length_limits, slots=slots, min_slots=min_slots)
-  out = fns.finish(prompt_tokens, prompt_mask, state.tokens, state.sampler, state.policy, state.lengths, state.stopped)
+  out = fns.finish(prompt_tokens, prompt_mask, state.tokens, state.sampler, state.policy, state.lengths,
+                   state.stopped)
   return out, steps, row_steps

@@ -96,7 +96,8 @@ def kernels() -> list[str]:
     out, vjp = jax.vjp(fn, *args)
     return (out,) + vjp(weights.astype(out.dtype))
 
-  kernel = jax.jit(lambda *a: out_and_grads(lambda *x: attention.attend(*x, segment_ids=ids, impl="pallas_gpu"), *a))
+  kernel = jax.jit(lambda *a: out_and_grads(lambda *x: attention.attend(*x, segment_ids=ids,
+                                                                        impl="pallas_gpu"), *a))
   oracle = jax.jit(lambda *a: out_and_grads(lambda *x: attention.reference(*x, segment_ids=ids), *a))
   for name, have, want in zip(("output", "dq", "dk", "dv"), kernel(*qkv), oracle(*f32(*qkv))):
     err, ok = _close(have, want, rtol=3e-2)
@@ -141,8 +142,8 @@ def update(quick: bool) -> list[str]:
   lines = []
   for name, r in found.items():
     mfu = f", MFU {useful / r['wall'] / peak:.1%}" if peak else ", MFU n/a (chip not in PEAK_BF16)"
-    lines.append(f"  update {name}: {r['wall']:.2f} s (best {r['best']:.2f}), {r['tokens_per_s']:,.0f} real tokens/s"
-                 f"{mfu}")
+    lines.append(f"  update {name}: {r['wall']:.2f} s (best {r['best']:.2f}), {r['tokens_per_s']:,.0f} real "
+                 f"tokens/s{mfu}")
   lines.append(f"  packed / padded: {found['packed']['tokens_per_s'] / found['padded']['tokens_per_s']:.2f}x "
                f"({cfg.num_layers} layers, {lengths.size} sequences, {useful / 1e12:.1f} TFLOP of model work)")
   return lines
@@ -163,13 +164,13 @@ def decode(quick: bool) -> list[str]:
   from vapo_jax.models.transformer import CausalLM
   from vapo_jax.rollout import common
 
-  prompts, group, cap, page_tokens, slots = 64, 4, 256 if quick else 1024, 16, 128
+  prompts, samples_per_prompt, cap, page_tokens, slots = 64, 4, 256 if quick else 1024, 16, 128
   cfg = dataclasses.replace(preset("qwen2.5-0.5b"), num_layers=4 if quick else 24)
   model = CausalLM(cfg, dtype="bfloat16", param_dtype="bfloat16", rngs=nnx.Rngs(0))
   rng = np.random.default_rng(5)
   tokens, mask = common.pad_prompts([list(rng.integers(3, cfg.vocab_size, rng.integers(16, 65)))
                                      for _ in range(prompts)], pad_id=0)
-  drawn = rng.lognormal(0.0, 0.8, size=prompts * group)
+  drawn = rng.lognormal(0.0, 0.8, size=prompts * samples_per_prompt)
   limits = np.clip(np.round(drawn / drawn.max() * cap), 1, cap).astype(np.int32)
   pages = slots * (common.sequence_pages(cap, page_tokens) + -(-tokens.shape[1] // page_tokens))
   spec = common.Sampling(max_response_tokens=cap, stop_token_ids=(), temperature=1.0)
@@ -177,11 +178,12 @@ def decode(quick: bool) -> list[str]:
   for impl in ("gpu_kernel", "gather"):
     config = RolloutConfig(slots=slots, decode_steps_per_call=256, pages=pages, page_tokens=page_tokens,
                            max_response_tokens=cap)
-    plan = dataclasses.replace(rollout.plan_rollout(config, model.cfg, prompts=prompts, group=group,
+    plan = dataclasses.replace(rollout.plan_rollout(config, model.cfg, prompts=prompts,
+                                                    samples_per_prompt=samples_per_prompt,
                                                     prompt_tokens=tokens.shape[1], dtype=jax.numpy.bfloat16,
                                                     devices=1), attention=impl)
-    run = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(0), sampling=spec, plan=plan,
-                                              length_limits=limits, cache_dtype=jax.numpy.bfloat16)
+    run = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(0), sampling=spec,
+                                              plan=plan, length_limits=limits, cache_dtype=jax.numpy.bfloat16)
     run(0)  # Compiles.
     seconds, runs, (out, _) = timed(run, repeats=2, budget_s=60)
     results[impl] = seconds, runs, np.asarray(out.response_tokens)
@@ -189,9 +191,9 @@ def decode(quick: bool) -> list[str]:
   lines = [f"  decode {impl}: {s:.2f} s (median of {n}), {useful / s:,.0f} useful tokens/s"
            for impl, (s, n, _) in results.items()]
   same = float(np.mean(results["gpu_kernel"][2] == results["gather"][2]))
-  lines.append(f"  gpu_kernel / gather: {results['gather'][0] / results['gpu_kernel'][0]:.2f}x at equal KV bytes "
-               f"({pages} pages of {page_tokens} tokens, {slots} slots); tokens equal: {same:.1%} (bfloat16 sums in "
-               "another order may tip a sample)")
+  lines.append(f"  gpu_kernel / gather: {results['gather'][0] / results['gpu_kernel'][0]:.2f}x at equal KV "
+               f"bytes ({pages} pages of {page_tokens} tokens, {slots} slots); tokens equal: {same:.1%} "
+               "(bfloat16 sums in another order may tip a sample)")
   return lines
 
 
@@ -222,9 +224,10 @@ def main(argv: list[str]) -> int:
     print(f"gpu_check: no GPU (JAX's devices are {devices[0].platform})", file=sys.stderr)
     return 1
   quick = "--quick" in argv
-  print(f"gpu_check: {len(devices)} x {devices[0].device_kind}, jax {jax.__version__}{', quick' if quick else ''}")
-  sections = (("1 kernels", kernels), ("2 update", lambda: update(quick)), ("3 decode", lambda: decode(quick)),
-              ("4 memory", memory))
+  print(f"gpu_check: {len(devices)} x {devices[0].device_kind}, jax "
+        f"{jax.__version__}{', quick' if quick else ''}")
+  sections = (("1 kernels", kernels), ("2 update", lambda: update(quick)),
+              ("3 decode", lambda: decode(quick)), ("4 memory", memory))
   failed, start = [], time.perf_counter()
   for name, section in sections:
     began = time.perf_counter()

@@ -45,7 +45,8 @@ def tail_lengths(count: int, seed: int = 4) -> np.ndarray:
 
 def prompts(vocab: int, seed: int = 5) -> tuple[np.ndarray, np.ndarray]:
   rng = np.random.default_rng(seed)
-  return common.pad_prompts([list(rng.integers(3, vocab, rng.integers(8, 33))) for _ in range(PROMPTS)], pad_id=0)
+  return common.pad_prompts([list(rng.integers(3, vocab, rng.integers(8, 33))) for _ in range(PROMPTS)],
+                            pad_id=0)
 
 
 def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats: int):
@@ -57,8 +58,9 @@ def shape(model, tokens, mask, limits, *, slots: int, paged_factor: int, repeats
   kv_bytes = slots * (prompt_len + CAP) * token_bytes  # The contiguous engine's cache (its slot mask aside).
   pages = int(kv_bytes // (PAGE_TOKENS * token_bytes))
   paged = rollout.plan_rollout(
-      RolloutConfig(slots=slots * paged_factor, decode_steps_per_call=64, pages=pages, page_tokens=PAGE_TOKENS,
-                    max_response_tokens=CAP), model.cfg, prompts=tokens.shape[0], group=GROUP,
+      RolloutConfig(slots=slots * paged_factor, decode_steps_per_call=64, pages=pages,
+                    page_tokens=PAGE_TOKENS,
+                    max_response_tokens=CAP), model.cfg, prompts=tokens.shape[0], samples_per_prompt=GROUP,
       prompt_tokens=prompt_len, dtype=np.float32, devices=1)
   place = lambda x: jax.device_put(x)
 
@@ -100,8 +102,8 @@ def main(argv) -> int:
   quick = "--quick" in argv
   load = os.getloadavg()[0]
   start = time.perf_counter()
-  print(f"Paged refill benchmark: {jax.devices()[0].platform}, {os.cpu_count()} CPU cores, load average {load:.1f} "
-        f"at start{' (other work is running: expect noisy figures)' if load > 1 else ''}")
+  print(f"Paged refill benchmark: {jax.devices()[0].platform}, {os.cpu_count()} CPU cores, load average "
+        f"{load:.1f} at start{' (other work is running: expect noisy figures)' if load > 1 else ''}")
   model = CausalLM(preset("small"), rngs=nnx.Rngs(0))
   tokens, mask = prompts(model.cfg.vocab_size)
   limits = tail_lengths(PROMPTS * GROUP)

@@ -59,7 +59,8 @@ def bench_config(preset: str, tensor_parallel: int):
 def decode_section(args) -> tuple[list[Table], list[RatioTarget], dict]:
   rows, share, decode = [], {}, {}
   for name, t in (("training layout (fsdp)", 1), ("rollout layout (tensor_parallel=2)", 2)):
-    report = xla_report.compile_run(bench_config(args.preset, t), topologies.named("cpu:8"), phases=("rollout",))
+    report = xla_report.compile_run(bench_config(args.preset, t), topologies.named("cpu:8"),
+                                    phases=("rollout",))
     program = next(p for p in report.phases[0].programs if p.decode is not None)
     outside = sum(max(c.operand_bytes, c.result_bytes) for c in program.collectives if not c.loops)
     share[t] = program.decode.bytes / report.weight_bytes, (outside + program.decode.bytes) / report.weight_bytes
@@ -67,12 +68,14 @@ def decode_section(args) -> tuple[list[Table], list[RatioTarget], dict]:
     rows.append((name, program.decode.bytes / 2**20, share[t][0] * 100, program.decode.count, outside / 2**20,
                  program.memory.temporaries / 2**20, program.needs / 2**20))
   table = Table(f"decode program, {args.preset} preset, 8 CPU devices (MiB per device)",
-                ("layout", "in the loop, per step", "% of weights", "collectives", "before the loop, per call",
+                ("layout", "in the loop, per step", "% of weights", "collectives",
+                 "before the loop, per call",
                  "temp", "needs"), rows)
   # XLA:CPU gathers the FSDP weights once per call, before the loop (the TPU compiler, at 4 to 256 chips, inside
   # it); either way they move and sit in the temporaries.
   found = [RatioTarget("rollout layout: decode loop bytes per step / weight bytes", share[2][0], "<=", 0.01),
-           RatioTarget("training layout: decode bytes per call (one step) / weight bytes", share[1][1], ">=", 0.5)]
+           RatioTarget("training layout: decode bytes per call (one step) / weight bytes", share[1][1], ">=",
+                       0.5)]
   return [table], found, decode
 
 
@@ -83,7 +86,8 @@ def _rollout_state(config, layout, cfg):
   graphdef, params = nnx.split(actor)
   r = config.rollout
   sampling = common.Sampling(max_response_tokens=r.max_response_tokens, stop_token_ids=(-1,), temperature=1.0)
-  plan = rollout.plan_rollout(r, cfg, prompts=r.prompts_per_step, group=r.samples_per_prompt, prompt_tokens=16,
+  plan = rollout.plan_rollout(r, cfg, prompts=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt,
+                              prompt_tokens=16,
                               dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices, budgeted=True)
   plan = dataclasses.replace(plan, steps_per_call=1, min_slots=0)
   fns = plan.programs(sampling=sampling, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), jit=layout.jit)
@@ -108,7 +112,8 @@ def reshard_section(args) -> tuple[list[Table], list[RatioTarget]]:
     held[0], status = fns.decode(model, held[0], key, None)
     return status
 
-  seconds = best_seconds({"reshard": lambda: layout.reshard(params), "decode step": step}, repeats=args.repeats)
+  seconds = best_seconds({"reshard": lambda: layout.reshard(params), "decode step": step},
+                         repeats=args.repeats)
   decode = seconds["decode step"]
   rows = [("reshard (all kinds)", seconds["reshard"] * 1e3), ("one decode step", decode * 1e3),
           ("reshard / decode step", seconds["reshard"] / decode)]

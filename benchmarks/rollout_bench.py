@@ -52,20 +52,21 @@ PAD = 0
 # Response lengths of the long-tail case: 64 draws of a log-normal (σ 0.7, numpy seed 2) scaled to a
 # maximum of 256, in draw order (the longest is queued 57th); mean 64.0, mean/max 0.25.
 LONG_TAIL = (55, 34, 36, 9, 171, 108, 39, 83, 59, 33, 96, 39, 39, 28, 67, 45, 71, 32, 53, 26, 88, 55, 61, 65,
-             24, 84, 205, 15, 14, 17, 88, 53, 103, 81, 56, 59, 43, 89, 22, 36, 58, 171, 28, 23, 33, 96, 41, 123,
-             13, 107, 100, 18, 54, 114, 52, 98, 256, 59, 40, 28, 76, 42, 43, 45)
+             24, 84, 205, 15, 14, 17, 88, 53, 103, 81, 56, 59, 43, 89, 22, 36, 58, 171, 28, 23, 33, 96, 41,
+             123, 13, 107, 100, 18, 54, 114, 52, 98, 256, 59, 40, 28, 76, 42, 43, 45)
 # The small Qwen2 of the transformers comparison.
 SMALL_QWEN2 = dict(model_type="qwen2", vocab_size=32000, hidden_size=256, intermediate_size=768,
                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096)
+                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                   max_position_embeddings=4096)
 
 
-def one_device_plan(config: RolloutConfig, model, tokens, *, group: int,
+def one_device_plan(config: RolloutConfig, model, tokens, *, samples_per_prompt: int,
                     max_response_tokens: int) -> rollout.RolloutPlan:
-  """`config`'s rollout plan for the prompts `tokens` × `group` on one device."""
+  """`config`'s rollout plan for the prompts `tokens` × `samples_per_prompt` on one device."""
   return rollout.plan_rollout(dataclasses.replace(config, max_response_tokens=max_response_tokens), model.cfg,
-                              prompts=tokens.shape[0], group=group, prompt_tokens=tokens.shape[1], dtype=jnp.float32,
-                              devices=1)
+                              prompts=tokens.shape[0], samples_per_prompt=samples_per_prompt,
+                              prompt_tokens=tokens.shape[1], dtype=jnp.float32, devices=1)
 
 
 def timed(run: Callable[[int], object], *, repeats: int, budget_s: float) -> tuple[float, int, object]:
@@ -100,7 +101,8 @@ def decode_step(repeats: int):
   def run(model, cache):
     def body(i, carry):
       cache, _ = carry
-      logits, cache = model(jnp.full((batch, 1), 7), jnp.full((batch, 1), live) + i, jnp.ones((batch, 1), bool), cache)
+      logits, cache = model(jnp.full((batch, 1), 7), jnp.full((batch, 1), live) + i,
+                            jnp.ones((batch, 1), bool), cache)
       return cache, logits[:, 0]
     return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((batch, model.cfg.vocab_size))))
 
@@ -110,7 +112,8 @@ def decode_step(repeats: int):
   for name, layers, block in (("bounded", model, bounded), ("dense", model, 0), ("unrolled", loop, bounded)):
     cache = KVCache.zeros(model.cfg, batch, slots, jnp.float32, decode_block=block)
     keys = lambda seed: jax.random.normal(jax.random.key(seed), cache.keys.shape)  # [L, B, K, S, H].
-    cache = KVCache(keys(0), keys(100), jnp.arange(slots)[None].repeat(batch, 0) < live, jnp.asarray(live), block)
+    cache = KVCache(keys(0), keys(100), jnp.arange(slots)[None].repeat(batch, 0) < live, jnp.asarray(live),
+                    block)
     state = [jax.block_until_ready(fn(layers, cache))]  # Compiles; the first 16 steps.
     first = state[0][1]
 
@@ -120,15 +123,16 @@ def decode_step(repeats: int):
     seconds[name] = timed(call, repeats=repeats, budget_s=30)[0] / steps
     logits[name] = first
   error = float(jnp.max(jnp.abs(logits["bounded"] - logits["dense"])))
-  print(f"\n1. Decode step, small preset ({model.cfg.num_layers} layers), batch 16, 4,096-slot cache, 256 live tokens "
-        "(+16 per timed call)")
+  print(f"\n1. Decode step, small preset ({model.cfg.num_layers} layers), batch 16, 4,096-slot cache, 256 "
+        "live tokens (+16 per timed call)")
   print(f"  length-bounded (blocks of {bounded}) {seconds['bounded'] * 1e3:8.2f} ms/step")
   print(f"  full cache (dense, every slot)  {seconds['dense'] * 1e3:8.2f} ms/step")
   print(f"  ratio {verdict(seconds['bounded'] / seconds['dense'], 0.5, at_most=True)}; "
         f"max |Δ logits| of the first 16 steps {error:.1e}")
   unrolled_error = float(jnp.max(jnp.abs(logits["bounded"] - logits["unrolled"])))
-  print(f"  layers unrolled (Python loop)   {seconds['unrolled'] * 1e3:8.2f} ms/step; scanned / unrolled tokens/s "
-        f"{verdict(seconds['unrolled'] / seconds['bounded'], 0.9)}; max |Δ logits| {unrolled_error:.1e}")
+  print(f"  layers unrolled (Python loop)   {seconds['unrolled'] * 1e3:8.2f} ms/step; scanned / unrolled "
+        f"tokens/s {verdict(seconds['unrolled'] / seconds['bounded'], 0.9)}; max |Δ logits| "
+        f"{unrolled_error:.1e}")
 
 
 def long_tail(repeats: int):
@@ -141,9 +145,10 @@ def long_tail(repeats: int):
              "(without shrink)": RolloutConfig(slots=16, shrink_slots=False)}
   results = {}
   for name, engine in engines.items():
-    plan = one_device_plan(engine, model, tokens, group=4, max_response_tokens=spec.max_response_tokens)
-    call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec, plan=plan,
-                                               length_limits=limits)
+    plan = one_device_plan(engine, model, tokens, samples_per_prompt=4,
+                           max_response_tokens=spec.max_response_tokens)
+    call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i % 2), sampling=spec,
+                                               plan=plan, length_limits=limits)
     call(0)  # Compiles.
     seconds, runs, (_, metrics) = timed(call, repeats=repeats, budget_s=40)
     results[name] = seconds, runs, call(0)[0], metrics  # Both engines' tokens from the same key (key 0).
@@ -151,13 +156,15 @@ def long_tail(repeats: int):
         f"{np.mean(LONG_TAIL) / max(LONG_TAIL):.2f}), temperature 1, small Qwen2 (32k vocabulary)")
   print(f"  {'engine':<17} {'time':>8} {'useful tok/s':>13} {'decode steps':>13} {'slot use':>9}  timing")
   for name, (seconds, runs, _, metrics) in results.items():
-    print(f"  {name:<17} {seconds:>6.2f} s {sum(LONG_TAIL) / seconds:>13,.0f} {metrics['rollout/decode_steps']:>13.0f} "
+    print(f"  {name:<17} {seconds:>6.2f} s {sum(LONG_TAIL) / seconds:>13,.0f} "
+          f"{metrics['rollout/decode_steps']:>13.0f} "
           f"{metrics['rollout/slot_utilization']:>9.2f}  median of {runs}")
   (static_s, _, static, _), (refill_s, _, refilled, _), (fixed_s, _, fixed, _) = results.values()
   same = all(np.array_equal(np.asarray(a), np.asarray(b)) for out in (refilled, fixed) for a, b in
-             zip((static.response_tokens, static.response_lengths), (out.response_tokens, out.response_lengths)))
-  print(f"  refill / static useful tokens/s: {verdict(static_s / refill_s, 2)} ({static_s / fixed_s:.2f}× without "
-        f"shrinking the slots in the tail); identical tokens: {same}")
+             zip((static.response_tokens, static.response_lengths),
+                 (out.response_tokens, out.response_lengths)))
+  print(f"  refill / static useful tokens/s: {verdict(static_s / refill_s, 2)} ({static_s / fixed_s:.2f}× "
+        f"without shrinking the slots in the tail); identical tokens: {same}")
 
 
 def top_p(repeats: int):
@@ -204,8 +211,10 @@ def versus_transformers(quick: bool, repeats: int, budget_s: float):
       model = CausalLM(cfg, rngs=nnx.Rngs(0))
       tokens, mask = random_prompts(cfg.vocab_size, batch, prompt_len, seed=1)
       spec = common.Sampling(max_response_tokens=new_tokens, stop_token_ids=(), temperature=0.0)
-      plan = one_device_plan(RolloutConfig(), model, tokens, group=1, max_response_tokens=new_tokens)
-      call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i), sampling=spec, plan=plan)
+      plan = one_device_plan(RolloutConfig(), model, tokens, samples_per_prompt=1,
+                             max_response_tokens=new_tokens)
+      call = lambda i, plan=plan: rollout.sample(model, tokens, mask, jax.random.key(i), sampling=spec,
+                                                 plan=plan)
       call(0)  # Compiles.
       ours, runs, (out, _) = timed(call, repeats=repeats, budget_s=budget_s / 2)
       hf, torch = load_transformers(model, os.path.join(directory, f"{name}-{prompt_len}"))
@@ -216,8 +225,8 @@ def versus_transformers(quick: bool, repeats: int, budget_s: float):
 
       def generate(_):
         with torch.no_grad():
-          return hf.generate(input_ids=ids, attention_mask=ids_mask, do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=PAD)
+          return hf.generate(input_ids=ids, attention_mask=ids_mask, do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=PAD)
       generate(0)  # Warm-up.
       theirs, hf_runs, hf_out = timed(generate, repeats=repeats, budget_s=budget_s / 2)
       agree = float(np.mean(hf_out[:, prompt_len:].numpy() == np.asarray(out.response_tokens)))
@@ -232,15 +241,16 @@ def main(argv):
   quick, repeats = "--quick" in argv, 3 if "--quick" in argv else 5
   start = time.perf_counter()
   load = os.getloadavg()[0]
-  print(f"Rollout benchmark{' (--quick)' if quick else ''}: {jax.devices()[0].platform}, {jax.device_count()} "
-        f"device(s), {os.cpu_count()} CPU cores, load average {load:.1f} at start"
+  print(f"Rollout benchmark{' (--quick)' if quick else ''}: {jax.devices()[0].platform}, "
+        f"{jax.device_count()} device(s), {os.cpu_count()} CPU cores, load average {load:.1f} at start"
         f"{' (other work is running: expect noisy figures)' if load > 1 else ''}")
   decode_step(repeats)
   long_tail(repeats)
   top_p(repeats)
   if "--no-transformers" not in argv:
     versus_transformers(quick, repeats, budget_s=60 if quick else 120)
-  print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.1f} at the end")
+  print(f"\ntotal benchmark time {time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.1f} "
+        "at the end")
   return 0
 
 

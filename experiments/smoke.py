@@ -44,9 +44,10 @@ DERIVED = ("rollout.decode_budget",)
 def smoke(config: ExperimentConfig) -> ExperimentConfig:
   """`config` shrunk to run in seconds on a CPU, keeping every choice that selects code (module docstring)."""
   replace = dataclasses.replace
-  group = 4 if config.rollout.samples_per_prompt > 1 else 1
+  samples_per_prompt = 4 if config.rollout.samples_per_prompt > 1 else 1
   tensor_parallel = math.gcd(config.rollout.tensor_parallel, preset(MODEL).num_kv_heads)
-  rollout = replace(config.rollout, prompts_per_step=SEQUENCES // group, samples_per_prompt=group,
+  rollout = replace(config.rollout, prompts_per_step=SEQUENCES // samples_per_prompt,
+                    samples_per_prompt=samples_per_prompt,
                     max_prompt_tokens=PROMPT_TOKENS, max_response_tokens=RESPONSE_TOKENS,
                     prompts_per_generation=None, tensor_parallel=tensor_parallel, slots=None, pages=None,
                     page_tokens=None, decode_budget=_budget(config.rollout))
@@ -55,8 +56,8 @@ def smoke(config: ExperimentConfig) -> ExperimentConfig:
       config, rl_steps=min(config.rl_steps, 2),
       model=replace(config.model, preset=MODEL, dtype="float32", tokenizer="bytes", random_init=True,
                     checkpoint=None, critic_checkpoint=None),
-      algo=replace(config.algo, value_pretrain_steps=min(config.algo.value_pretrain_steps, 1), mini_batch_responses=16,
-                   micro_batch_responses=None,
+      algo=replace(config.algo, value_pretrain_steps=min(config.algo.value_pretrain_steps, 1),
+                   mini_batch_responses=16, micro_batch_responses=None,
                    dynamic_sampling_max_rounds=min(config.algo.dynamic_sampling_max_rounds, 1),
                    overlong_buffer_tokens=min(config.algo.overlong_buffer_tokens, 4)),
       optim=replace(config.optim, actor_lr=1e-3, critic_lr=3e-3, warmup_updates=0, weight_decay=0.0),
@@ -105,7 +106,8 @@ def _pool(config: ExperimentConfig, small) -> dict:
   share = full.pool_share if full.preempts else 1.0
   held = min(slots // groups, per_group) * share
   return dict(slots=slots, page_tokens=PAGE_TOKENS,
-              pages=prompt_pages + sequence_pages * max(1, math.floor(held) if full.preempts else math.ceil(held)))
+              pages=prompt_pages + sequence_pages * max(1,
+                                                        math.floor(held) if full.preempts else math.ceil(held)))
 
 
 def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> dict:
@@ -128,7 +130,8 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
   except Exception as e:  # noqa: BLE001  (an unreadable checkpoint: said in the table, planned for nothing)
     return {"rollout": f"{type(e).__name__}: {e}"}
   calls = {"rollout": lambda: responses.plan(config, model_cfg, prompts=r.prompts_per_step,
-                                              group=r.samples_per_prompt, devices=devices, platform=platform,
+                                              samples_per_prompt=r.samples_per_prompt, devices=devices,
+                                             platform=platform,
                                               prompt_tokens=common.prompt_bucket(r.max_prompt_tokens))}
   if r.decode_budget:
     calls["round"] = lambda: plan_round(r, model_cfg, dtype=jnp.dtype(config.model.dtype), devices=devices,
@@ -150,7 +153,8 @@ def choices(config: ExperimentConfig, *, devices: int | None = None, platform: s
          "layers": f"{'scanned' if config.model.scan_layers else 'unrolled'}, remat {config.model.remat}",
          "rollout groups": f"tensor_parallel {r.tensor_parallel}",
          "decode budget": f"{r.decode_budget} (max_staleness {r.max_staleness})" if r.decode_budget else "off",
-         "critic": "yes" if a.uses_critic else "no", "dynamic sampling": "yes" if a.dynamic_sampling else "no"}
+         "critic": "yes" if a.uses_critic else "no",
+         "dynamic sampling": "yes" if a.dynamic_sampling else "no"}
   for name, plan in plans(config, devices=devices, platform=platform).items():
     out[f"{name}: engine"] = plan if isinstance(plan, str) else _plan_text(plan)
   return out
@@ -171,5 +175,6 @@ def rehearsal_table(full: ExperimentConfig, small: ExperimentConfig, *, devices:
   width = max(map(len, a))
   rows = [f"  {name:<{width}}  {a.get(name, '-')}\n  {'':<{width}}  rehearsal: {b.get(name, '-')}"
           for name in dict.fromkeys([*a, *b])]
-  return "\n".join([f"rehearsal of {full.name} ({small.model.preset} model, {small.rollout.responses_per_step} "
+  return "\n".join([f"rehearsal of {full.name} ({small.model.preset} model, "
+                    f"{small.rollout.responses_per_step} "
                     f"sequences a step): each choice, the full run's, then the rehearsal's", *rows])

@@ -34,7 +34,8 @@ def place_module(module: nnx.Module, mesh, rules) -> nnx.Module:
   loads its models sharded from the start; tests shard one they already hold, to compare the two)."""
   graphdef, state = nnx.split(module)
   specs = sharding.state_partition_specs(state, rules, mesh)
-  state = jax.tree.map(lambda v, s: v.replace(jax.device_put(v.get_value(), jax.sharding.NamedSharding(mesh, s))),
+  state = jax.tree.map(lambda v,
+                       s: v.replace(jax.device_put(v.get_value(), jax.sharding.NamedSharding(mesh, s))),
                        state, specs, is_leaf=lambda x: isinstance(x, nnx.Variable))
   return nnx.merge(graphdef, state)
 
@@ -45,18 +46,23 @@ def training_layout_model(cfg=TP_CFG, *, mesh_shape=None, scale: float = 0.3):
   model = CausalLM(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   keys = iter(jax.random.split(jax.random.key(1), 100))
-  model = nnx.merge(graphdef, jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape), state))
+  model = nnx.merge(graphdef,
+                    jax.tree.map(lambda x: x + scale * jax.random.normal(next(keys), x.shape), state))
   mesh, rules = sharding.make_mesh(**(mesh_shape or MESHES["fsdp"])), sharding.PRESETS["fsdp"]
   return model, place_module(model, mesh, rules), mesh, rules
 
 
-def refill_plan(*, prompts: int, group: int, prompt_tokens: int, max_response_tokens: int, slots: int,
-                queue_pages: int, page_tokens: int, queues: int = 1, block_pages: int = 1, steps_per_call: int = 256,
-                min_slots: int = 0, lanes: int = 4, prefill_chunk: int | None = None, attention: str = "gather"):
+def refill_plan(*, prompts: int, samples_per_prompt: int, prompt_tokens: int, max_response_tokens: int,
+                slots: int, queue_pages: int, page_tokens: int, queues: int = 1, block_pages: int = 1,
+                steps_per_call: int = 256,
+                min_slots: int = 0, lanes: int = 4, prefill_chunk: int | None = None,
+                attention: str = "gather"):
   """A refill `RolloutPlan` of these sizes as they are (no budget, no sizing: what a test's engine call takes)."""
   from vapo_jax.rollout.plan import RolloutPlan
-  return RolloutPlan(engine="refill", prompts=prompts, group=group, prompt_tokens=prompt_tokens,
-                     max_response_tokens=max_response_tokens, devices=queues, prompts_per_round=prompts, slots=slots,
+  return RolloutPlan(engine="refill", prompts=prompts, samples_per_prompt=samples_per_prompt,
+                     prompt_tokens=prompt_tokens,
+                     max_response_tokens=max_response_tokens, devices=queues, prompts_per_round=prompts,
+                     slots=slots,
                      queues=queues, min_slots=min_slots, steps_per_call=steps_per_call, pages=queue_pages,
-                     queue_pages=queue_pages, page_tokens=page_tokens, block_pages=block_pages, attention=attention,
-                     lanes=lanes, prefill_chunk=prefill_chunk or prompt_tokens)
+                     queue_pages=queue_pages, page_tokens=page_tokens, block_pages=block_pages,
+                     attention=attention, lanes=lanes, prefill_chunk=prefill_chunk or prompt_tokens)

@@ -50,8 +50,10 @@ def test_reshard_round_trips_the_parameters_bit_for_bit(trained):
   for v, w in zip(jax.tree.leaves(state, is_leaf=IS_VARIABLE), jax.tree.leaves(moved, is_leaf=IS_VARIABLE)):
     x, y = v.get_value(), w.get_value()
     axes = v.get_metadata()["logical_axes"]
-    assert y.sharding == jax.sharding.NamedSharding(layout.mesh, sharding.partition_spec(axes, sharding.PRESETS["tp"],
-                                                                                          layout.mesh.shape, x.shape))
+    assert y.sharding == jax.sharding.NamedSharding(layout.mesh,
+                                                    sharding.partition_spec(axes, sharding.PRESETS["tp"],
+                                                                                          layout.mesh.shape,
+                                                                            x.shape))
     assert not x.is_deleted() and y.dtype == x.dtype  # Not donated; float32 stays float32.
     back = jax.device_put(y, x.sharding)
     assert back.sharding == x.sharding
@@ -83,7 +85,8 @@ def test_one_reshard_program_per_array_kind_whatever_the_depth():
   counts = []
   for layers in (2, 5):
     cfg = dataclasses.replace(TP_CFG, num_layers=layers)
-    abstract = nnx.state(nnx.eval_shape(lambda: sharding.create_sharded(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)),
+    abstract = nnx.state(nnx.eval_shape(lambda: sharding.create_sharded(lambda: CausalLM(cfg,
+                                                                                         rngs=nnx.Rngs(0)),
                                                                         mesh, rules)))
     kinds = {(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(abstract)}
     programs = layout.reshard_programs(abstract)
@@ -97,14 +100,16 @@ def test_one_reshard_program_per_array_kind_whatever_the_depth():
 
 def test_layout_refuses_groups_that_do_not_divide(trained):
   _, _, mesh, rules = trained
-  with pytest.raises(ConfigError, match=r"rollout.tensor_parallel=3 must divide the mesh's 8 devices: choose one of "
+  with pytest.raises(ConfigError, match=r"rollout.tensor_parallel=3 must divide the mesh's 8 devices: choose "
+                                        r"one of "
                                         r"\[1, 2, 4, 8\]"):
     _layout(mesh, rules, tensor_parallel=3)
   with pytest.raises(ConfigError, match=r"rollout.tensor_parallel=4 must divide the model's 2 KV heads .* "
                                         r"choose one of \[1, 2\]"):
     _layout(mesh, rules).check_model(preset("tiny"))
   _layout(mesh, rules).check_model(TP_CFG)
-  with pytest.raises(ConfigError, match=r"RolloutConfig.tensor_parallel must be an integer in \[1, 2147483647\]"):
+  with pytest.raises(ConfigError, match=r"RolloutConfig.tensor_parallel must be an integer in \[1, "
+                                        r"2147483647\]"):
     RolloutConfig(tensor_parallel=0)
 
 
@@ -121,17 +126,20 @@ def test_tensor_groups_are_physical_blocks_with_each_process_together():
   assert len([p for p, _ in itertools.groupby(processes)]) == 16  # Each host's 4 chips next to each other.
   pairs = sharding.tensor_groups(chips, 2)
   assert all(np.abs(np.subtract(a.coords, b.coords)).sum() == 1 for a, b in zip(pairs[::2], pairs[1::2]))
-  assert sharding.tensor_groups(chips, 1) == chips and sharding.tensor_groups(jax.devices(), 4) == jax.devices()
+  assert sharding.tensor_groups(chips, 1) == chips and sharding.tensor_groups(jax.devices(),
+                                                                              4) == jax.devices()
 
 
 def _decode_hlo(model, layout):
   """The refill decode program (8 slots: one per device, 4 per rollout group; 2 queues; prefill chunks of 2 lanes ×
   4 tokens, activations smaller than any weight) compiled in `layout`, and its plan."""
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
-  chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=4, slots=8, queues=2,
-                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16, lanes=2, prefill_chunk=4)
-  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), pad_id=0,
-                        cache_dtype=jnp.float32, jit=layout.jit)
+  chosen = refill_plan(prompts=8, samples_per_prompt=2, prompt_tokens=tokens.shape[1], max_response_tokens=4,
+                       slots=8, queues=2,
+                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16, lanes=2,
+                       prefill_chunk=4)
+  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)),
+                        pad_id=0, cache_dtype=jnp.float32, jit=layout.jit)
   state = fns.start(model, *layout.place((tokens, mask)))
   return fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text(), chosen
 
@@ -161,13 +169,15 @@ def test_decode_program_moves_no_weight_in_the_rollout_layout(trained):
   chunk = chosen.lanes * chosen.prefill_chunk * TP_CFG.hidden_size * 4
   # Nothing weight-sized; nor a refill's prompt cache or logits (one queue per group: with one queue for all,
   # XLA all-gathers every layer's prompt keys and values across the groups).
-  assert found and max(max(c.operand_bytes, c.result_bytes) for c in found) <= max(2 * activation, chunk) < smallest, (
+  assert found and max(max(c.operand_bytes, c.result_bytes) for c in found) <= max(2 * activation,
+                                                                                   chunk) < smallest, (
       found, smallest)
   assert any(c.conditional and c.operand_bytes == chunk for c in found)  # The prefill, on refill steps only.
   loop = {c.loops[0][0] for c in found if c.loops}
   assert len(loop) == 1  # The decode while loop; the attention's block loops hold none.
   reductions = [c for c in found if c.loops and c.op == "all-reduce" and c.operand_bytes >= activation]
-  runs = lambda c: math.prod(trips or 1 for _, trips in c.loops[1:])  # Once per layer inside the layers' scan.
+  runs = lambda c: math.prod(trips or 1 for _,
+                             trips in c.loops[1:])  # Once per layer inside the layers' scan.
   assert sum(map(runs, reductions)) >= 2 * TP_CFG.num_layers  # Attention and MLP outputs of every layer.
   moved = [max(c.operand_bytes, c.result_bytes) for c in hlo.collectives(training_hlo)]
   assert max(moved) >= smallest and sum(moved) >= sum(x.size * x.dtype.itemsize for x in kernels) // 2
@@ -215,8 +225,10 @@ def test_hlo_collectives_by_hand():
   assert set(found) == {"g", "both", "ag"}
   assert found["g"] == hlo.Collective("all-gather", "g", 4 * 32 * 2, 16 * 32 * 2, ("bf16[4,32]",), ())
   both = found["both"]
-  assert (both.op, both.operand_bytes, both.result_bytes, both.loops) == ("all-reduce", 8 * 64 * 4 + 4, 8 * 64 * 4,
+  assert (both.op, both.operand_bytes, both.result_bytes, both.loops) == ("all-reduce", 8 * 64 * 4 + 4,
+                                                                          8 * 64 * 4,
                                                                            (("loop", 7),))
-  assert both.shapes == ("f32[8,64]", "s32[]") and found["ag"].op == "all-gather" and found["ag"].result_bytes == 1024
+  assert both.shapes == ("f32[8,64]",
+                         "s32[]") and found["ag"].op == "all-gather" and found["ag"].result_bytes == 1024
   assert hlo.bytes_per_iteration(list(found.values()), "loop") == 8 * 64 * 4 + 4 + 16 * 32 * 2
   assert hlo.arrays("(f32[2,3]{1,0}, pred[])") == [("f32", (2, 3), 24), ("pred", (), 1)]

@@ -30,7 +30,8 @@ def test_the_margin_is_checked_and_defaults_to_8_percent():
   for bad in (-0.01, 1.0):
     with pytest.raises(ConfigError, match=r"MeshConfig\.memory_margin must be in \[0\.0, 1\.0\)"):
       MeshConfig(memory_margin=bad)
-  assert xla_report.allowed_bytes(100 * GIB, 0.08) == int(92 * GIB) and xla_report.allowed_bytes(None, 0.08) is None
+  assert xla_report.allowed_bytes(100 * GIB, 0.08) == int(92 * GIB) and xla_report.allowed_bytes(None,
+                                                                                                 0.08) is None
 
 
 @pytest.mark.slow  # For time (45 s): make test covers make train's refusal (test_trainer_failures.py).
@@ -43,13 +44,16 @@ def test_the_start_up_check_and_make_memory_refuse_a_phase_over_the_margin(smoke
   report = xla_report.compile_run(config, topologies.here(jax.devices()))
   peak = max(p.needs for p in report.phases)
   gib = _device_gib(peak, 0.95)
-  at = lambda **mesh: dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, device_memory_gib=gib, **mesh))
+  at = lambda **mesh: dataclasses.replace(config,
+                                          mesh=dataclasses.replace(config.mesh, device_memory_gib=gib,
+                                                                   **mesh))
   with monkeypatch.context() as patch:
     patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))  # Where a verdict that fits is kept.
     with pytest.raises(ConfigError, match=r"mesh\.memory_margin=0\.08"):
       preflight.check_memory(at(), jax.devices(), show=False)
     fits = verdict.check(at(memory_margin=0.0), jax.devices(), show=False)
-    patch.setattr(xla_report, "compile_run", lambda *a, **k: pytest.fail("compiled again"))  # Kept: read back.
+    patch.setattr(xla_report, "compile_run", lambda *a,
+                  **k: pytest.fail("compiled again"))  # Kept: read back.
     assert verdict.check(at(memory_margin=0.0), jax.devices(), show=False) == fits and "fits (" in fits
     assert verdict.key(at(memory_margin=0.0), topologies.here(jax.devices())) != \
         verdict.key(at(memory_margin=0.01), topologies.here(jax.devices()))
@@ -67,13 +71,15 @@ def test_the_start_up_check_and_make_memory_refuse_a_phase_over_the_margin(smoke
 def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   """XLA's figure for the rollout at 93 % of a given device memory: refused at the default margin, naming
   the phase, the margin and a setting; accepted with no margin."""
-  config = smoke_config({"eval.path": None, "mesh.device_memory_gib": 1.0, "rollout.slots": 24})  # 3 per device.
+  config = smoke_config({"eval.path": None, "mesh.device_memory_gib": 1.0,
+                         "rollout.slots": 24})  # 3 per device.
   target = topologies.named("cpu:8")
   report = xla_report.compile_run(config, target, phases=("rollout",))
   needs = report.phases[0].needs
 
   def at(**mesh):
-    c = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, device_memory_gib=_device_gib(needs, 0.93),
+    c = dataclasses.replace(config,
+                            mesh=dataclasses.replace(config.mesh, device_memory_gib=_device_gib(needs, 0.93),
                                                              **mesh))
     return dataclasses.replace(report, config=c, device_bytes=xla_report.device_bytes(c, target))
   over = at()
@@ -84,7 +90,7 @@ def test_the_compile_report_refuses_a_phase_over_the_margin(smoke_config):
   assert message.splitlines()[1].startswith("  rollout needs ") and named, message
   allowed = re.search(r"([\d.]+) KiB per device allowed", message)
   plan = responses.plan(config, build.model_configs(config)[0], prompts=config.rollout.prompts_per_step,
-                         group=config.rollout.samples_per_prompt, devices=8,
+                         samples_per_prompt=config.rollout.samples_per_prompt, devices=8,
                          prompt_tokens=common.prompt_bucket(config.rollout.max_prompt_tokens))
   # Fewer pages than the run's own, and at least a prompt and a response's; compiled, they fit the margin.
   assert plan.least_pages <= int(named[1]) < plan.pages and float(named[2]) <= float(allowed[1]), message
@@ -121,6 +127,7 @@ def test_a_kept_verdict_is_keyed_by_the_model_the_checkpoint_holds_and_a_file_of
 
 
 def test_make_memorys_profile_is_read_before_anything_compiles(monkeypatch, capsys, tmp_path):
-  monkeypatch.setattr(xla_report, "compile_run", lambda *a, **k: pytest.fail("compiled before reading --profile"))
+  monkeypatch.setattr(xla_report, "compile_run", lambda *a, **k: pytest.fail("compiled before reading "
+                                                                             "--profile"))
   assert memory_cli.main(["--exp", "tiny", "--profile", str(tmp_path / "no_such_run")]) == 2
   assert "no_such_run/metrics.jsonl: cannot read the run's logged response lengths" in capsys.readouterr().err

@@ -19,9 +19,10 @@ GROUP, MAX_NEW = 3, 10
 
 
 def _carry(sequences: int, *, max_staleness: int = 1) -> partial.Carry:
-  width = common.prompt_bucket(max(map(len, PROMPTS)) + MAX_NEW - 1)  # A prompt and up to Tr − 1 carried tokens.
-  return partial.Carry(group=GROUP, sequences=sequences, max_response_tokens=MAX_NEW, max_staleness=max_staleness,
-                       pad_id=0, prompt_width=width)
+  width = common.prompt_bucket(max(map(len,
+                                       PROMPTS)) + MAX_NEW - 1)  # A prompt and up to Tr − 1 carried tokens.
+  return partial.Carry(samples_per_prompt=GROUP, sequences=sequences, max_response_tokens=MAX_NEW,
+                       max_staleness=max_staleness, pad_id=0, prompt_width=width)
 
 
 def _drawer():
@@ -41,14 +42,18 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
   """4 prompts × 3 samples, the top-k/top-p sampler, a budget of 3 decode steps a round in 8 slots, each round's
   prompts and carried tokens prefilled in chunks of 3 as they take their pages: every sequence of the 4 groups has
   the unbudgeted rollout's tokens, log-probs, length and finish reason; every page comes back after every round."""
-  spec = common.Sampling(max_response_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5, top_p=0.8)
+  spec = common.Sampling(max_response_tokens=MAX_NEW, stop_token_ids=(EOS,), temperature=1.3, top_k=5,
+                         top_p=0.8)
   tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
   key = jax.random.key(3)
   reference = make_generate(sampling=spec, samples_per_prompt=GROUP, pad_id=0)(model, tokens, mask, key)
   carry, draw = _carry(len(PROMPTS) * GROUP), _drawer()
-  plan = RolloutPlan(engine="refill", prompts=carry.sequences, group=1, prompt_tokens=carry.prompt_width,
-                     max_response_tokens=MAX_NEW, devices=1, prompts_per_round=carry.sequences, slots=8, min_slots=1,
-                     steps_per_call=2, pages=pages, queue_pages=pages, page_tokens=2, block_pages=1, attention="gather",
+  plan = RolloutPlan(engine="refill", prompts=carry.sequences, samples_per_prompt=1,
+                     prompt_tokens=carry.prompt_width,
+                     max_response_tokens=MAX_NEW, devices=1, prompts_per_round=carry.sequences, slots=8,
+                     min_slots=1,
+                     steps_per_call=2, pages=pages, queue_pages=pages, page_tokens=2, block_pages=1,
+                     attention="gather",
                      lanes=2, prefill_chunk=3)  # Carried prefixes of up to 16 tokens prefilled 3 at a time.
   place = lambda tree: jax.tree.map(jax.numpy.asarray, tree)
   rounds, peak, carried = 0, 0.0, 0
@@ -59,7 +64,8 @@ def test_stopped_at_the_budget_and_continued_is_the_rollout_never_stopped(model,
     assert np.all(host[3] <= 3)  # At most the budget's 3 new tokens a round (its first steps may only prefill).
     carry.record(call, *host, version=0)
     assert figures["rollout/queue_pages_free_after"] == pages
-    rounds, peak, carried = rounds + 1, max(peak, figures["rollout/queue_pages_peak"]), max(carried, carry.carried())
+    rounds, peak, carried = rounds + 1, max(peak, figures["rollout/queue_pages_peak"]), max(carried,
+                                                                                            carry.carried())
   assert rounds >= 3 and carried > 0  # Responses up to 10 tokens at 3 a round: carried over at least twice.
   assert (peak == pages) == (pages == 14)
   assert [g.record for g in groups] == [["0"], ["1"], ["2"], ["3"]]
@@ -87,7 +93,8 @@ def _simulate(*, steps: int, budget: int, max_staleness: int, prompts: int = 3, 
     target = np.asarray([lengths.setdefault(int(i), int(rng.integers(1, MAX_NEW + 1))) for i in call.ids])
     held = np.minimum(target - call.offsets, budget)
     ended = call.offsets + held == target
-    tokens = call.ids[:, None] * 100 + call.offsets[:, None] + np.arange(MAX_NEW)[None]  # Token t of sequence i.
+    tokens = call.ids[:, None] * 100 + call.offsets[:,
+                                                    None] + np.arange(MAX_NEW)[None]  # Token t of sequence i.
     finish = np.where(ended, common.FINISH_STOP, common.FINISH_UNFINISHED)
     return tokens, np.zeros((n, MAX_NEW)), np.zeros((n, MAX_NEW)), held, finish
 
@@ -129,7 +136,8 @@ def test_the_carry_round_trips_through_its_counters_and_arrays():
   carry, draw = _carry(3 * GROUP, max_staleness=2), _drawer()
   call = carry.next_call(draw)
   carry.record(call, np.ones((len(call.rows), MAX_NEW), np.int32), np.full((9, MAX_NEW), -0.1, np.float32),
-               np.full((9, MAX_NEW), -0.2, np.float32), np.arange(9) % 4, np.full(9, common.FINISH_UNFINISHED), 0)
+               np.full((9, MAX_NEW), -0.2, np.float32), np.arange(9) % 4,
+               np.full(9, common.FINISH_UNFINISHED), 0)
   counters, arrays = carry.state_dict()
   copy = _carry(3 * GROUP, max_staleness=2)
   copy.load_state_dict(json.loads(json.dumps(counters)), arrays)
@@ -139,7 +147,8 @@ def test_the_carry_round_trips_through_its_counters_and_arrays():
     np.testing.assert_array_equal(arrays2[name], arrays[name], err_msg=name)
   again = copy.next_call(draw)
   np.testing.assert_array_equal(again.prompt_tokens, carry.next_call(draw).prompt_tokens)
-  lowered = partial.Carry(group=GROUP, sequences=9, max_response_tokens=2, max_staleness=2, pad_id=0, prompt_width=16)
+  lowered = partial.Carry(samples_per_prompt=GROUP, sequences=9, max_response_tokens=2, max_staleness=2,
+                          pad_id=0, prompt_width=16)
   lowered.load_state_dict(counters, arrays)  # Lengths 0..3: those at 2 or 3 reach the new cap of 2.
   assert lowered.capped == int(np.sum(arrays["length"] >= 2)) > 0 and lowered.length.max() == 2
   assert np.all(lowered.finish[lowered.length == 2] == common.FINISH_LENGTH)
@@ -150,7 +159,8 @@ def test_the_carry_round_trips_through_its_counters_and_arrays():
 
 
 def test_a_budget_that_cannot_finish_a_restarted_response_is_refused():
-  with pytest.raises(ConfigError, match=r"decode_budget × \(max_staleness \+ 1\) = 40 must reach max_response_tokens"):
+  with pytest.raises(ConfigError, match=r"decode_budget × \(max_staleness \+ 1\) = 40 must reach "
+                                        r"max_response_tokens"):
     RolloutConfig(max_response_tokens=64, decode_budget=20, max_staleness=1)
   with pytest.raises(ConfigError, match="engine must be 'refill'"):
     RolloutConfig(max_response_tokens=64, decode_budget=32, engine="static")
@@ -162,8 +172,10 @@ def test_a_partial_rollouts_round_is_compiled_and_checked(tmp_path):
   """With `rollout.decode_budget` the report also compiles a round: 2 × P·G sequences, one per prompt, each
   prompt a problem's with up to a response's carried tokens, in the slots of P·G, the decode taking the
   round's sequence numbers, offsets and budget; the run's verdict covers it."""
-  config = build_smoke_config(tmp_path, {"eval.path": None, "rollout.decode_budget": 8, "rollout.max_staleness": 1})
-  report = xla_report.compile_run(config, topologies.named("v5p:2x2x1"), phases=("rollout", "partial rollout"))
+  config = build_smoke_config(tmp_path,
+                              {"eval.path": None, "rollout.decode_budget": 8, "rollout.max_staleness": 1})
+  report = xla_report.compile_run(config, topologies.named("v5p:2x2x1"),
+                                  phases=("rollout", "partial rollout"))
   assert [p.name for p in report.phases] == ["rollout", "partial rollout"] and not report.over()
   phase = report.phases[1]
   r = config.rollout
@@ -182,22 +194,24 @@ def _rounds_on(model, devices: int, *, steps: int = 10, budget: int = 4, prompts
   from vapo_jax.models import sharding
   from vapo_jax.rollout.plan import plan_round
 
-  r = RolloutConfig(prompts_per_step=prompts, samples_per_prompt=4, max_prompt_tokens=8, max_response_tokens=16,
+  r = RolloutConfig(prompts_per_step=prompts, samples_per_prompt=4, max_prompt_tokens=8,
+                    max_response_tokens=16,
                     decode_budget=budget, max_staleness=3, page_tokens=4, decode_steps_per_call=8,
                     prefill_lanes=4 * prompts)
   plan = plan_round(r, model.cfg, dtype=np.float32, devices=devices)
   mesh, rules = sharding.make_mesh(data=devices, devices=jax.devices()[:devices]), sharding.PRESETS["dp"]
   sharded = place_module(model, mesh, rules)
-  jit, place = (lambda fn, **kw: sharding.jit(fn, mesh, rules, **kw)), (lambda t: sharding.place(t, mesh, rules))
+  jit, place = (lambda fn,
+                **kw: sharding.jit(fn, mesh, rules, **kw)), (lambda t: sharding.place(t, mesh, rules))
   spec = common.Sampling(max_response_tokens=16, stop_token_ids=(), temperature=1.0)
-  carry = partial.Carry(group=4, sequences=plan.prompts, max_response_tokens=16, max_staleness=3, pad_id=0,
-                        prompt_width=plan.prompt_tokens)
+  carry = partial.Carry(samples_per_prompt=4, sequences=plan.prompts, max_response_tokens=16, max_staleness=3,
+                        pad_id=0, prompt_width=plan.prompt_tokens)
   draw, lengths = _drawer(), np.random.default_rng(7).lognormal(1.2, 0.8, 4096).clip(1, 16).astype(int)
 
   def decode(call):
     limited = dataclasses.replace(call, limits=np.minimum(call.limits, lengths[call.ids] - call.offsets))
-    host, *_ = partial.decode_round(sharded, limited, jax.random.key(5), plan=plan, sampling=spec, budget=budget,
-                                    pad_id=0, cache_dtype=np.float32, jit=jit, place=place)
+    host, *_ = partial.decode_round(sharded, limited, jax.random.key(5), plan=plan, sampling=spec,
+                                    budget=budget, pad_id=0, cache_dtype=np.float32, jit=jit, place=place)
     return host
 
   stale, trained, rounds = 0, 0, 0

@@ -25,22 +25,25 @@ from vapo_jax.roofline import decode_cost
 STATIC = RolloutConfig(engine="static")
 
 
-def plan(model, prompts, config: RolloutConfig, *, group: int, max_response_tokens: int = 10, devices: int = 1,
-         **options):
-  """`config`'s plan for `prompts` (token lists) × `group` at this length cap on `devices` data-parallel groups, its
-  pool checked against the prompts' own lengths (as `responses.generate_responses` plans); `options`:
-  `plan_rollout`'s (`budgeted=True`: the refill engine whatever the sizes)."""
+def plan(model, prompts, config: RolloutConfig, *, samples_per_prompt: int, max_response_tokens: int = 10,
+         devices: int = 1, **options):
+  """`config`'s plan for `prompts` (token lists) × `samples_per_prompt` at this length cap on `devices`
+  data-parallel groups, its pool checked against the prompts' own lengths (as `responses.generate_responses`
+  plans); `options`: `plan_rollout`'s (`budgeted=True`: the refill engine whatever the sizes)."""
   config = dataclasses.replace(config, max_response_tokens=max_response_tokens)
-  return rollout.plan_rollout(config, model.cfg, prompts=len(prompts), group=group, dtype=jnp.float32, devices=devices,
+  return rollout.plan_rollout(config, model.cfg, prompts=len(prompts), samples_per_prompt=samples_per_prompt,
+                              dtype=jnp.float32, devices=devices,
                               prompt_tokens=common.prompt_bucket(max(map(len, prompts))),
                               prompt_lengths=np.array([len(p) for p in prompts]), **options)
 
 
-def sample(model, prompts, config: RolloutConfig, *, group, key=0, limits=None, devices: int = 1, **settings):
+def sample(model, prompts, config: RolloutConfig, *, samples_per_prompt, key=0, limits=None, devices: int = 1,
+           **settings):
   """`rollout.sample` with `config`'s plan (`plan`), the sampler's `settings`; (rollout, metrics)."""
   spec = common.Sampling(**({"max_response_tokens": 10, "stop_token_ids": (EOS,)} | settings))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
-  chosen = plan(model, prompts, config, group=group, max_response_tokens=spec.max_response_tokens, devices=devices)
+  chosen = plan(model, prompts, config, samples_per_prompt=samples_per_prompt,
+                max_response_tokens=spec.max_response_tokens, devices=devices)
   return rollout.sample(model, tokens, mask, jax.random.key(key), sampling=spec, plan=chosen, pad_id=0,
                         length_limits=limits)
 
@@ -50,7 +53,8 @@ def assert_same(refilled: common.Rollout, static: common.Rollout, *, rtol: float
                 "finish_reason"):
     np.testing.assert_array_equal(getattr(refilled, field), getattr(static, field), err_msg=field)
   for field in ("sampler_logprobs", "policy_logprobs"):
-    np.testing.assert_allclose(getattr(refilled, field), getattr(static, field), atol=1e-5, rtol=rtol, err_msg=field)
+    np.testing.assert_allclose(getattr(refilled, field), getattr(static, field), atol=1e-5, rtol=rtol,
+                               err_msg=field)
 
 
 def queue_steps(lengths, slots: int) -> int:
@@ -96,8 +100,9 @@ CASES = {"greedy-stop-at-first-step": dict(temperature=0.0),
          "top-k-top-p": dict(temperature=1.3, top_k=5, top_p=0.8)}
 
 
-# make test-slow, for time (16 s): make test holds the refill engine to the static one's tokens and log-probs with
-# top-k and top-p, whole pools and preempting ones (test_pages.py::test_preemption_restarts_sequences_with_…).
+# make test-slow, for time (16 s): make test holds the refill engine to the static one's tokens and log-probs
+# with top-k and top-p, whole pools and preempting ones
+# (test_pages.py::test_preemption_restarts_sequences_with_…).
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_refill_equals_static(model, case):
@@ -105,13 +110,14 @@ def test_refill_equals_static(model, case):
   if case.startswith("greedy"):
     tokens, mask = common.pad_prompts(PROMPTS, pad_id=0)
     settings["stop_token_ids"] = (EOS, int(_first_greedy_token(model, tokens, mask)[1]))
-  static, static_metrics = sample(model, PROMPTS, STATIC, group=3, key=3, **settings)
+  static, static_metrics = sample(model, PROMPTS, STATIC, samples_per_prompt=3, key=3, **settings)
   engine = RolloutConfig(slots=5, decode_steps_per_call=3)  # 12 sequences; several host calls.
-  refilled, metrics = sample(model, PROMPTS, engine, group=3, key=3, **settings)
+  refilled, metrics = sample(model, PROMPTS, engine, samples_per_prompt=3, key=3, **settings)
   assert_same(refilled, static)
   lengths = np.asarray(static.response_lengths)
   if case.startswith("greedy"):
-    assert lengths[3:6].tolist() == [1, 1, 1] and np.all(np.asarray(static.finish_reason)[3:6] == common.FINISH_STOP)
+    assert lengths[3:6].tolist() == [1, 1,
+                                     1] and np.all(np.asarray(static.finish_reason)[3:6] == common.FINISH_STOP)
   if case.startswith("temperature"):
     assert np.all(lengths == 10) and np.all(np.asarray(static.finish_reason) == common.FINISH_LENGTH)
   if case.startswith("top"):
@@ -121,10 +127,11 @@ def test_refill_equals_static(model, case):
   row_steps = queue_row_steps(lengths, 5, 1)
   assert metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / row_steps)
   assert row_steps < 5 * queue_steps(lengths, 5) or np.all(lengths == lengths[0])
-  fixed, fixed_metrics = sample(model, PROMPTS, dataclasses.replace(engine, shrink_slots=False), group=3, key=3,
-                                **settings)
+  fixed, fixed_metrics = sample(model, PROMPTS, dataclasses.replace(engine, shrink_slots=False),
+                                samples_per_prompt=3, key=3, **settings)
   assert_same(fixed, static)
-  assert fixed_metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (5 * queue_steps(lengths, 5)))
+  assert fixed_metrics["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (5 * queue_steps(lengths,
+                                                                                                     5)))
   for name in ("rollout/response_len_p50", "rollout/response_len_p90", "rollout/finish_stop_frac"):
     assert metrics[name] == static_metrics[name]
 
@@ -137,8 +144,8 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
   limits = jnp.asarray([3, 10, 1, 7], jnp.int32)
   static = make_generate(sampling=spec, samples_per_prompt=1, pad_id=0)(
       model, tokens, mask, jax.random.key(9), 0, limits)
-  chosen = plan(model, PROMPTS, RolloutConfig(slots=6, pages=40, page_tokens=4, decode_steps_per_call=4), group=1,
-                budgeted=True)
+  chosen = plan(model, PROMPTS, RolloutConfig(slots=6, pages=40, page_tokens=4, decode_steps_per_call=4),
+                samples_per_prompt=1, budgeted=True)
   refilled, steps, row_steps, figures = refill.generate_refill(
       model, tokens, mask, jax.random.key(9), plan=chosen, sampling=spec, length_limits=limits)
   assert_same(refilled, static)
@@ -151,17 +158,21 @@ def test_fewer_sequences_than_slots_and_length_limits(model):
       np.arange(4), lengths - 1], [EOS])] == common.FINISH_LENGTH)
 
 
-# For time (19 s each): make test runs the refill engine sharded in aime's rehearsal (tensor-parallel groups, fsdp_tp).
-@pytest.mark.parametrize("slots", [pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
+# For time (19 s each): make test runs the refill engine sharded in aime's rehearsal (tensor-parallel groups,
+# fsdp_tp).
+@pytest.mark.parametrize("slots",
+                         [pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)])
 def test_sharded_refill_equals_unsharded(model, slots):
-  """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking to 8 in the
-  tail: 8 data-parallel groups, a queue each, split over 8 devices; the static engine's tokens on one."""
-  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]] + [[4, 5], [6]] * (4 if slots == 16 else 0)
+  """16 sequences in 8 slots (one per device) / 32 sequences of lengths ≤ 1..8 in 16 slots, shrinking to 8 in
+  the tail: 8 data-parallel groups, a queue each, split over 8 devices; the static engine's tokens on one."""
+  prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]] + [[4, 5],
+                                                                          [6]] * (4 if slots == 16 else 0)
   limits = None if slots == 8 else np.arange(2 * len(prompts), dtype=np.int32) % 8 + 1
   engine = RolloutConfig(slots=slots, decode_steps_per_call=4)
-  chosen = plan(model, prompts, engine, group=2, max_response_tokens=8, devices=8)
+  chosen = plan(model, prompts, engine, samples_per_prompt=2, max_response_tokens=8, devices=8)
   assert (chosen.engine, chosen.queues, chosen.min_slots) == ("refill", 8, 8)
-  expected, _ = sample(model, prompts, STATIC, group=2, key=5, max_response_tokens=8, limits=limits)
+  expected, _ = sample(model, prompts, STATIC, samples_per_prompt=2, key=5, max_response_tokens=8,
+                       limits=limits)
   lengths = np.asarray(expected.response_lengths)
   mesh = sharding.make_mesh(data=8)
   rules = sharding.PRESETS["dp"]
@@ -182,22 +193,24 @@ def test_sharded_refill_equals_unsharded(model, slots):
 
 
 def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(model):
-  """2 prompts over 4 data-parallel groups: 2 queues (the most dividing the groups and the prompts), each holding
-  half of a group's pages (the pool is replicated over the groups); the engine allocates what the plan says, the
-  pool runs short and preempts, and the rollout is the static engine's; the roofline's replay of the plan's queues
-  gives the engine's schedule."""
+  """2 prompts over 4 data-parallel groups: 2 queues (the most dividing the groups and the prompts), each
+  holding half of a group's pages (the pool is replicated over the groups); the engine allocates what the plan
+  says, the pool runs short and preempts, and the rollout is the static engine's; the roofline's replay of the
+  plan's queues gives the engine's schedule."""
   prompts = PROMPTS[:2]
-  least = plan(model, prompts, RolloutConfig(slots=4, pages=1000, page_tokens=4), group=3, devices=4).least_pages
+  least = plan(model, prompts, RolloutConfig(slots=4, pages=1000, page_tokens=4), samples_per_prompt=3,
+               devices=4).least_pages
   config = RolloutConfig(slots=4, pages=2 * least, page_tokens=4, decode_steps_per_call=3)
-  chosen = plan(model, prompts, config, group=3, devices=4)
+  chosen = plan(model, prompts, config, samples_per_prompt=3, devices=4)
   assert (chosen.engine, chosen.queues, chosen.pages, chosen.queue_pages) == ("refill", 2, 2 * least, least)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
   spec = common.Sampling(max_response_tokens=10, stop_token_ids=(EOS,), temperature=1.3, top_k=5)
   fns = chosen.programs(sampling=spec, pad_id=0, cache_dtype=jnp.float32, jit=jax.jit)
   state = fns.start(model, tokens, mask)
   assert state.cache.keys.shape[2:4] == (2, least) and state.free.stack.shape == (2, least)
-  out, metrics = sample(model, prompts, config, group=3, key=4, devices=4, temperature=1.3, top_k=5)
-  static, _ = sample(model, prompts, STATIC, group=3, key=4, temperature=1.3, top_k=5)
+  out, metrics = sample(model, prompts, config, samples_per_prompt=3, key=4, devices=4, temperature=1.3,
+                        top_k=5)
+  static, _ = sample(model, prompts, STATIC, samples_per_prompt=3, key=4, temperature=1.3, top_k=5)
   assert_same(out, static)
   assert metrics["rollout/queue_pages"] == least and metrics["rollout/queue_pages_free_after"] == least
   assert metrics["rollout/preemptions"] > 0
@@ -205,25 +218,28 @@ def test_fewer_queues_than_groups_share_a_pool_the_plan_and_the_engine_agree_on(
   # `roofline/decode_cost.paged` replays one): the engine's decode steps, preemptions and peak pages.
   lengths, share = np.asarray(static.response_lengths), len(prompts) * 3 // chosen.queues
   loads = [replay.simulate(lengths[q * share:(q + 1) * share], np.array([len(p) for p in prompts])[
-      q * share // 3:(q + 1) * share // 3], group=3, slots=chosen.slots // chosen.queues,
+      q * share // 3:(q + 1) * share // 3], samples_per_prompt=3, slots=chosen.slots // chosen.queues,
       min_slots=chosen.min_slots // chosen.queues, paged=decode_cost.paged_settings(chosen))
       for q in range(chosen.queues)]
-  assert (max(x.steps for x in loads), sum(x.preemptions for x in loads), max(x.peak_pages for x in loads)) == (
+  assert (max(x.steps for x in loads), sum(x.preemptions for x in loads),
+          max(x.peak_pages for x in loads)) == (
       metrics["rollout/decode_steps"], metrics["rollout/preemptions"], metrics["rollout/queue_pages_peak"])
 
 
 def test_the_plan_fits_slots_and_pages_to_the_budget():
-  """The pool per data-parallel group is what `kv_cache_budget_gib` holds per chip (pages of 128 tokens split by KV
-  heads over a group's chips), the default slots what it holds with every response at the cap beside the prompts in
-  flight; the pages shrink to what the slots need when every sequence has a slot."""
+  """The pool per data-parallel group is what `kv_cache_budget_gib` holds per chip (pages of 128 tokens split
+  by KV heads over a group's chips), the default slots what it holds with every response at the cap beside the
+  prompts in flight; the pages shrink to what the slots need when every sequence has a slot."""
   from vapo_jax.models.config import preset
   from vapo_jax.models.kv_cache import KVCache
 
   cfg = preset("qwen2.5-32b")
-  page_bytes = 128 * KVCache.bytes_per_token(cfg, jnp.bfloat16) // 8  # A group of 8 chips splits the KV heads.
+  page_bytes = 128 * KVCache.bytes_per_token(cfg,
+                                             jnp.bfloat16) // 8  # A group of 8 chips splits the KV heads.
   r = RolloutConfig(max_response_tokens=20480, kv_cache_budget_gib=40.0, tensor_parallel=8, page_tokens=128)
-  on = lambda config, prompts=512, group=16, devices=32, **options: rollout.plan_rollout(
-      config, cfg, prompts=prompts, group=group, prompt_tokens=1024, dtype=jnp.bfloat16, devices=devices, **options)
+  on = lambda config, prompts=512, samples_per_prompt=16, devices=32, **options: rollout.plan_rollout(
+      config, cfg, prompts=prompts, samples_per_prompt=samples_per_prompt, prompt_tokens=1024,
+      dtype=jnp.bfloat16, devices=devices, **options)
   chosen = on(r)
   pages = 40 * 2**30 // page_bytes
   per_sequence, prompt_pages, lanes = 20480 // 128 + 1, 1024 // 128, 4  # 16 prompts of 8 pages per group.
@@ -234,10 +250,12 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
   in_flight = min(16, -(-per_group // 16) + lanes) * prompt_pages
   assert chosen.pages == chosen.queue_pages == in_flight + per_group * per_sequence <= pages
   assert chosen.least_pages == prompt_pages + per_sequence
-  fits = lambda **call: on(r, prompts=32, group=8, **call)  # 256 sequences: 8 a group, each with a slot...
+  fits = lambda **call: on(r, prompts=32, samples_per_prompt=8,
+                           **call)  # 256 sequences: 8 a group, each with a slot...
   assert fits().engine == "static"  # ...and the pool holds them all at the cap: nothing to refill or page.
   assert fits(budgeted=True).pages == 8 * per_sequence + 1024 // 128  # Refilled anyway: only their pages.
-  small = on(r, prompts=20, group=15)  # 300 sequences of 20 prompts: 4 queues (dividing the prompts and the groups).
+  small = on(r, prompts=20,
+             samples_per_prompt=15)  # 300 sequences of 20 prompts: 4 queues (dividing the prompts and the groups).
   assert (small.queues, small.slots, small.engine) == (4, 300, "refill")
   assert small.queue_pages == pages // 4 and small.pages == 4 * (pages // 4)  # Each device holds the 4 pools.
   fixed = on(RolloutConfig(slots=64, decode_steps_per_call=32, pages=5000, page_tokens=64))
@@ -245,10 +263,12 @@ def test_the_plan_fits_slots_and_pages_to_the_budget():
           fixed.page_tokens) == (64, 32, 32, 32, 5000, 5000, 64)
   assert on(RolloutConfig(slots=64, shrink_slots=False)).min_slots == 0
   static = on(RolloutConfig(engine="static", prompts_per_generation=8), devices=256)
-  assert (static.engine, static.prompts_per_round, static.rounds, static.decode_rows) == ("static", 8, 64, 128)
+  assert (static.engine, static.prompts_per_round, static.rounds, static.decode_rows) == ("static", 8, 64,
+                                                                                          128)
   with pytest.raises(MemoryError, match="pool of .* cannot hold .* raise rollout.kv_cache_budget_gib"):
     on(RolloutConfig(kv_cache_budget_gib=1.0), devices=256)
-  with pytest.raises(MemoryError, match="rollout.slots=60 does not split over the 32 .* set rollout.slots=64"):
+  with pytest.raises(MemoryError,
+                     match="rollout.slots=60 does not split over the 32 .* set rollout.slots=64"):
     on(RolloutConfig(slots=60))
 
 
@@ -261,14 +281,15 @@ def test_tensor_parallel_layout_equals_static():
   config = RolloutConfig(tensor_parallel=4, slots=8, decode_steps_per_call=4, max_response_tokens=8,
                          samples_per_prompt=2, prompts_per_step=8)
   layout = layout_for(config, mesh, compute_dtype="float32", training_rules=rules)
-  engine = rollout.plan_rollout(config, model.cfg, prompts=8, group=2, prompt_tokens=16, dtype=jnp.float32,
-                                devices=layout.data_devices)
+  engine = rollout.plan_rollout(config, model.cfg, prompts=8, samples_per_prompt=2, prompt_tokens=16,
+                                dtype=jnp.float32, devices=layout.data_devices)
   per_group = 4 * 1 + 4 * 2  # 4 prompts of one page; 4 slots of a response page and the last prompt page's copy.
   assert (engine.engine, engine.slots, engine.steps_per_call, engine.min_slots, engine.queues, engine.pages,
           engine.queue_pages) == ("refill", 8, 4, 2, 2, per_group, per_group)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
   limits = (np.arange(16, dtype=np.int32) * 5) % 8 + 1
-  expected, _ = sample(model, prompts, STATIC, group=2, key=5, temperature=0.0, max_response_tokens=8, limits=limits)
+  expected, _ = sample(model, prompts, STATIC, samples_per_prompt=2, key=5, temperature=0.0,
+                       max_response_tokens=8, limits=limits)
   graphdef, state = nnx.split(trained)
   spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,), temperature=0.0)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
@@ -277,7 +298,8 @@ def test_tensor_parallel_layout_equals_static():
     out, metrics = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5),
                                   sampling=spec, plan=engine, pad_id=0, jit=layout.jit, place=layout.place,
                                   length_limits=limits)
-  assert out.response_tokens.sharding.shard_shape(out.response_tokens.shape) == (8, 8)  # Split over the groups.
+  assert out.response_tokens.sharding.shard_shape(out.response_tokens.shape) == (8,
+                                                                                 8)  # Split over the groups.
   assert_same(out, expected, rtol=1e-5)
   lengths = np.asarray(expected.response_lengths)
   assert metrics["rollout/decode_steps"] == max(queue_steps(lengths[:8], 4), queue_steps(lengths[8:], 4))

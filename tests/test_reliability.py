@@ -31,7 +31,8 @@ GROUP, CAP = 2, 8
 
 
 def _carry(cap: int = CAP) -> partial.Carry:
-  return partial.Carry(group=GROUP, sequences=4, max_response_tokens=cap, max_staleness=2, pad_id=0, prompt_width=16)
+  return partial.Carry(samples_per_prompt=GROUP, sequences=4, max_response_tokens=cap, max_staleness=2,
+                       pad_id=0, prompt_width=16)
 
 
 def _progress(carry) -> Progress:
@@ -67,7 +68,8 @@ def _save_two(tmp_path, first: dict, second: dict, arrays: tuple[dict, dict]):
   mesh = sharding.make_mesh(data=8, fsdp=1, tensor=1)
   config = resolve.resolve(["--exp", "tiny", "checkpoint.async_save=false"])[0]
   found = checkpoints.RunCheckpoints(str(tmp_path), config.checkpoint)
-  state = {"w": jax.device_put(np.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))}
+  state = {"w": jax.device_put(np.arange(8.0),
+                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))}
   for step, (record, extra) in enumerate(zip((first, second), arrays), start=1):
     found.save(step, {"state": state} | extra, {"progress": record, "n": step}, wait=True)
   found.close()
@@ -99,23 +101,26 @@ def test_a_lowered_cap_ends_the_carried_sequences_that_reached_it_with_one_line(
   config = resolve.resolve(["--exp", "tiny", "rollout.max_response_tokens=5"])[0]
   run = _Run(config, _progress(_carry(cap=5)), None)
   run.state = type("S", (), {"key": jax.random.key(0)})()
-  monkeypatch.setattr(saving, "from_checkpoint", lambda tree, impl: sorted(tree))  # The state: none saved here.
+  monkeypatch.setattr(saving, "from_checkpoint", lambda tree,
+                      impl: sorted(tree))  # The state: none saved here.
   with pytest.warns(UserWarning) as said:
     run._accept(arrays, {"progress": record})
   assert run.state == []  # The carry's arrays are the progress's, not the state's.
   lines = [str(w.message) for w in said]
-  assert lines == ["2 carried sequence(s) held rollout.max_response_tokens=5 tokens or more (the cap was lowered "
-                   "since the save): they end there, finish reason \"length\""]
+  assert lines == ["2 carried sequence(s) held rollout.max_response_tokens=5 tokens or more (the cap was "
+                   "lowered since the save): they end there, finish reason \"length\""]
   carry = run.progress.carry
-  assert carry.capped == 2 and carry.length[:4].tolist() == [5, 2, 5, 2] and carry.finish[:4].tolist()[::2] == [
+  assert carry.capped == 2 and carry.length[:4].tolist() == [5, 2, 5,
+                                                             2] and carry.finish[:4].tolist()[::2] == [
       partial.common.FINISH_LENGTH] * 2
 
 
 def test_a_resume_without_the_budget_says_that_the_carried_groups_are_dropped():
   record, arrays = _progress(_in_flight([3, 3, 3, 3])).checkpoint()
   unbudgeted = _progress(None)
-  with pytest.warns(UserWarning, match=r"^the checkpoint holds 2 group\(s\) of partial rollouts in flight; without "
-                                       r"rollout.decode_budget they are dropped and the run samples anew$"):
+  with pytest.warns(UserWarning, match=r"^the checkpoint holds 2 group\(s\) of partial rollouts in flight; "
+                                       r"without rollout.decode_budget they are dropped and the run samples "
+                                       r"anew$"):
     unbudgeted.load(record, arrays)
   assert unbudgeted.stage_step == 0 and unbudgeted.carry is None
 
@@ -129,8 +134,8 @@ def test_a_second_ctrl_c_names_the_newest_complete_checkpoint_in_one_line(tmp_pa
   code = ("import sys; from vapo_jax.cli import train; status = train._aborted(sys.argv[1]); "
           "assert train._interrupted_start[0]; sys.exit(status)")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  done = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=120)
+  done = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
   assert done.returncode == 130, done.stderr
   assert done.stderr.splitlines() == [
       f"interrupted (a second Ctrl-C): stopped at once, any save in progress abandoned; the newest complete "
@@ -142,14 +147,16 @@ def test_a_refused_warm_start_file_leaves_no_run_directory(tmp_path, capsys):
   demonstrations = tmp_path / "sft.jsonl"
   demonstrations.write_text('{"problem": "1 + 1", "answer": "2"}\n')
   runs = tmp_path / "runs"
-  argv = ["--exp", "tiny", "--smoke", f"run_dir={runs}", "name=x", f"sft.path={demonstrations}", "sft.steps=2"]
+  argv = ["--exp", "tiny", "--smoke", f"run_dir={runs}", "name=x", f"sft.path={demonstrations}",
+          "sft.steps=2"]
   assert train.main(argv) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith(f"error: {demonstrations}: supervised warm start needs a 'solution'"), err[-3:]
   assert not runs.exists()
 
 
-def test_a_warm_start_file_of_evaluation_problems_is_refused_at_start_naming_its_demonstrations(tmp_path, capsys):
+def test_a_warm_start_file_of_evaluation_problems_is_refused_at_start_naming_its_demonstrations(tmp_path,
+                                                                                                capsys):
   """Every demonstration is a held-out problem and `data.drop_eval_overlap=true` would drop them all: refused when
   the run starts (before any model is built), calling them demonstrations, and no run directory is left."""
   import json
@@ -157,10 +164,12 @@ def test_a_warm_start_file_of_evaluation_problems_is_refused_at_start_naming_its
   from vapo_jax.cli import train
   from vapo_jax.data import problems
   runs = tmp_path / "runs"
-  argv = ["--exp", "tiny", "--smoke", f"run_dir={runs}", "name=x", "sft.steps=2", "data.drop_eval_overlap=true"]
+  argv = ["--exp", "tiny", "--smoke", f"run_dir={runs}", "name=x", "sft.steps=2",
+          "data.drop_eval_overlap=true"]
   held_out = problems.eval_problems(resolve.resolve(argv)[0])
   demonstrations = tmp_path / "sft.jsonl"
-  demonstrations.write_text("".join(json.dumps({"problem": r.prompt, "answer": r.answer, "solution": r.answer})
+  demonstrations.write_text("".join(json.dumps({"problem": r.prompt, "answer": r.answer,
+                                                "solution": r.answer})
                                     + "\n" for r in held_out))
   assert train.main(argv + [f"sft.path={demonstrations}"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
@@ -175,8 +184,8 @@ def test_make_eval_on_a_run_directory_points_to_its_export(tmp_path):
   (run / "export").mkdir(parents=True)
   (run / "config.json").write_text("{}")
   config = resolve.resolve(["--exp", "tiny"])[0]
-  with pytest.raises(ConfigError, match=rf"^{run} is a run directory, not a Hugging Face checkpoint: pass its "
-                                        rf"exported policy, CKPT={run}/export$"):
+  with pytest.raises(ConfigError, match=rf"^{run} is a run directory, not a Hugging Face checkpoint: pass "
+                                        rf"its exported policy, CKPT={run}/export$"):
     evaluate.sample_from_checkpoint(config, str(run), str(tmp_path / "out.jsonl"))
 
 
@@ -184,9 +193,10 @@ def test_packed_micro_batches_larger_than_a_mini_batch_warn_naming_a_size_that_f
   from vapo_jax.train.steps import warn_padded_micro_batches
   config = resolve.resolve(["--exp", "tiny", "algo.mini_batch_responses=8", "rollout.prompts_per_step=2",
                             "rollout.samples_per_prompt=8"])[0]
-  with pytest.warns(UserWarning, match=r"^packing.micro_batch_rows=128 is more rows than a mini-batch of 8 sequences "
-                                       r"packs into \(one a row at the most\): 94% of each update's micro-batch is "
-                                       r"padding at least; packing.micro_batch_rows=8 fits$"):
+  with pytest.warns(UserWarning, match=r"^packing.micro_batch_rows=128 is more rows than a mini-batch of 8 "
+                                       r"sequences packs into \(one a row at the most\): 94% of each "
+                                       r"update's micro-batch is padding at least; "
+                                       r"packing.micro_batch_rows=8 fits$"):
     warn_padded_micro_batches(config, 128, 8)
   with warnings.catch_warnings():
     warnings.simplefilter("error")

@@ -21,18 +21,21 @@ from vapo_jax.rollout import common, next_token, static
 from vapo_jax.rollout.layout import layout_for
 
 
-def run(model, prompts, *, key=0, group=1, engine=RolloutConfig(engine="static"), metrics=False, **sampling):
+def run(model, prompts, *, key=0, samples_per_prompt=1, engine=RolloutConfig(engine="static"), metrics=False,
+        **sampling):
   sampling = common.Sampling(**({"max_response_tokens": 10, "stop_token_ids": (EOS,)} | sampling))
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
-  plan = static_plan(model, engine, tokens, group, sampling.max_response_tokens)
-  out, stats = rollout.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, plan=plan, pad_id=0)
+  plan = static_plan(model, engine, tokens, samples_per_prompt, sampling.max_response_tokens)
+  out, stats = rollout.sample(model, tokens, mask, jax.random.key(key), sampling=sampling, plan=plan,
+                              pad_id=0)
   return (out, stats) if metrics else out
 
 
-def static_plan(model, engine: RolloutConfig, tokens, group: int, max_response_tokens: int) -> rollout.RolloutPlan:
+def static_plan(model, engine: RolloutConfig, tokens, samples_per_prompt: int,
+                max_response_tokens: int) -> rollout.RolloutPlan:
   return rollout.plan_rollout(dataclasses.replace(engine, max_response_tokens=max_response_tokens), model.cfg,
-                              prompts=tokens.shape[0], group=group, prompt_tokens=tokens.shape[1], dtype=jnp.float32,
-                              devices=1)
+                              prompts=tokens.shape[0], samples_per_prompt=samples_per_prompt,
+                              prompt_tokens=tokens.shape[1], dtype=jnp.float32, devices=1)
 
 
 @jax.jit
@@ -65,7 +68,8 @@ def test_greedy_equals_uncached_argmax(model):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [pytest.param(1.0, 0, 1.0, marks=pytest.mark.slow),
-                                                     pytest.param(0.7, 0, 1.0, marks=pytest.mark.slow), (1.3, 5, 0.8)])
+                                                     pytest.param(0.7, 0, 1.0, marks=pytest.mark.slow),
+                                                     (1.3, 5, 0.8)])
 def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
   out = run(model, PROMPTS, temperature=temperature, top_k=top_k, top_p=top_p, key=3)
   for b, prompt in enumerate(PROMPTS):
@@ -74,7 +78,8 @@ def test_logprobs_match_full_forward(model, temperature, top_k, top_p):
     logits = full_logits(model, prompt + response)[len(prompt) - 1:len(prompt) - 1 + n]
     policy = jax.nn.log_softmax(logits, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.policy_logprobs[b, :n], policy, atol=1e-4)
-    processed = next_token.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k, top_p=top_p)
+    processed = next_token.filter_logits_sorted(jnp.asarray(logits), temperature=temperature, top_k=top_k,
+                                                top_p=top_p)
     sampler = jax.nn.log_softmax(processed, -1)[np.arange(n), response]
     np.testing.assert_allclose(out.sampler_logprobs[b, :n], sampler, atol=1e-4)
     assert np.all(np.isfinite(sampler))  # A sampled token is never one the filter removed.
@@ -99,14 +104,14 @@ def test_filter_logits_reference(filter_fn):
 
 
 def test_group_sampling_shares_prefill_exactly(model):
-  group = 3
-  shared = run(model, PROMPTS, group=group, key=7)
-  repeated = run(model, [p for p in PROMPTS for _ in range(group)], group=1, key=7)
+  samples_per_prompt = 3
+  shared = run(model, PROMPTS, samples_per_prompt=samples_per_prompt, key=7)
+  repeated = run(model, [p for p in PROMPTS for _ in range(samples_per_prompt)], samples_per_prompt=1, key=7)
   np.testing.assert_array_equal(shared.response_tokens, repeated.response_tokens)
   np.testing.assert_array_equal(shared.response_lengths, repeated.response_lengths)
   np.testing.assert_allclose(shared.policy_logprobs, repeated.policy_logprobs, atol=1e-5)
   # The G samples of one prompt differ from each other.
-  assert len({tuple(np.asarray(r)) for r in shared.response_tokens[:group]}) > 1
+  assert len({tuple(np.asarray(r)) for r in shared.response_tokens[:samples_per_prompt]}) > 1
 
 
 def test_deterministic_for_a_key(model):
@@ -177,11 +182,12 @@ def test_tensor_parallel_layout_equals_unsharded(settings):
   model, trained, mesh, rules = training_layout_model()
   layout = layout_for(RolloutConfig(tensor_parallel=4), mesh, compute_dtype="float32", training_rules=rules)
   prompts = PROMPTS + [[7, 7, 7], [1], [50, 51], [60, 61, 62, 63, 64]]
-  expected = run(model, prompts, key=5, group=2, max_response_tokens=8, **settings)
+  expected = run(model, prompts, key=5, samples_per_prompt=2, max_response_tokens=8, **settings)
   graphdef, state = nnx.split(trained)
   spec = common.Sampling(max_response_tokens=8, stop_token_ids=(EOS,), **settings)
   tokens, mask = common.pad_prompts(prompts, pad_id=0)
-  out, _ = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5), sampling=spec,
+  out, _ = rollout.sample(nnx.merge(graphdef, layout.reshard(state)), tokens, mask, jax.random.key(5),
+                          sampling=spec,
                           plan=static_plan(model, RolloutConfig(engine="static"), tokens, 2, 8), pad_id=0,
                           jit=layout.jit, place=layout.place)
   assert (out.response_tokens.sharding.mesh.shape == layout.mesh.shape
@@ -189,11 +195,12 @@ def test_tensor_parallel_layout_equals_unsharded(settings):
   np.testing.assert_array_equal(out.response_tokens, expected.response_tokens)
   np.testing.assert_array_equal(out.response_lengths, expected.response_lengths)
   for field in ("policy_logprobs", "sampler_logprobs"):
-    np.testing.assert_allclose(getattr(out, field), getattr(expected, field), rtol=1e-5, atol=1e-5, err_msg=field)
+    np.testing.assert_allclose(getattr(out, field), getattr(expected, field), rtol=1e-5, atol=1e-5,
+                               err_msg=field)
 
 
 def test_metrics(model):
-  out, m = run(model, PROMPTS, group=3, key=7, metrics=True)
+  out, m = run(model, PROMPTS, samples_per_prompt=3, key=7, metrics=True)
   lengths = np.asarray(out.response_lengths)
   assert m["rollout/decode_steps"] == lengths.max() and m["rollout/slots"] == 12
   assert m["rollout/slot_utilization"] == pytest.approx(lengths.sum() / (12 * lengths.max()))
@@ -206,8 +213,10 @@ def test_metrics(model):
 
 @pytest.mark.slow  # make test-slow (kept out of make test for time: CI runs make test in under 10 minutes)
 def test_rounds_sample_like_one_call(model):
-  whole = run(model, PROMPTS, group=3, key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
-  rounds = run(model, PROMPTS, group=3, key=7, engine=RolloutConfig(engine="static", prompts_per_generation=2))
+  whole = run(model, PROMPTS, samples_per_prompt=3,
+              key=7)  # The same call as test_group_sampling_shares_prefill_exactly.
+  rounds = run(model, PROMPTS, samples_per_prompt=3, key=7,
+               engine=RolloutConfig(engine="static", prompts_per_generation=2))
   np.testing.assert_array_equal(rounds.response_tokens, whole.response_tokens)
   np.testing.assert_allclose(rounds.policy_logprobs, whole.policy_logprobs, atol=1e-5)
 

@@ -67,7 +67,8 @@ def test_a_scanned_program_holds_one_layer_and_its_parameters_are_stacked():
   assert q.get_metadata()["logical_axes"] == ("layers", "embed", "heads", "head_dim")
   assert not np.allclose(q[...][0], q[...][1])  # Each layer drew its own initial weights.
   one = CausalLM(dataclasses.replace(cfg, num_layers=1), rngs=nnx.Rngs(0))
-  matmuls = lambda m: jax.jit(lambda m, *a: m(*a)[0]).lower(m, *batch(cfg)).as_text().count("stablehlo.dot_general")
+  matmuls = lambda m: jax.jit(lambda m, *a: m(*a)[0]).lower(m,
+                                                            *batch(cfg)).as_text().count("stablehlo.dot_general")
   assert matmuls(model) == matmuls(one)  # The program traces one layer, whatever the depth.
 
 
@@ -89,7 +90,8 @@ def _losses(actor, critic, tokens, positions, mask, targets):
   logits = actor(tokens, positions, mask)[0][:, :-1]
   logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
   values = critic(tokens, positions, mask)[0]
-  return -jnp.sum(logprobs * mask[:, 1:]) / jnp.sum(mask[:, 1:]), jnp.sum(mask * (values - targets) ** 2) / mask.sum()
+  return -jnp.sum(logprobs * mask[:, 1:]) / jnp.sum(mask[:,
+                                                         1:]), jnp.sum(mask * (values - targets) ** 2) / mask.sum()
 
 
 # make test runs remat=True (aime's setting: the scan's backward pass recomputing its body); remat=False, the
@@ -156,7 +158,8 @@ def test_scanned_equals_unrolled_prefill_and_eight_decode_steps_in_the_rollout_l
   # token moves them by ~0.1.
   chain, terms = model.cfg.num_layers * (1 + 8), max(model.cfg.hidden_size, model.cfg.intermediate_size)
   rtol = chain * terms ** 0.5 * np.finfo(np.float32).eps
-  for a, b in zip(jax.tree.leaves((p1, c1, l1)), jax.tree.leaves((p2, c2, l2))):  # Caches (every layer's keys,
+  for a, b in zip(jax.tree.leaves((p1, c1, l1)),
+                  jax.tree.leaves((p2, c2, l2))):  # Caches (every layer's keys,
     b = np.asarray(b)                                                               # values), then logits.
     np.testing.assert_allclose(np.asarray(a), b, atol=rtol * np.max(np.abs(b)), rtol=rtol)
 
@@ -174,20 +177,24 @@ def test_greedy_tokens_identical_scanned_and_unrolled_in_both_engines(trained):
   outputs = []
   for m in (model, unrolled(model)):
     fn = static.make_generate(sampling=sampling, samples_per_prompt=2, pad_id=0, jit=layout.jit)
-    chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=6, slots=8, queues=2,
+    chosen = refill_plan(prompts=8, samples_per_prompt=2, prompt_tokens=tokens.shape[1],
+                         max_response_tokens=6, slots=8, queues=2,
                          steps_per_call=3, min_slots=2, queue_pages=12, page_tokens=16)
-    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, plan=chosen, sampling=sampling, jit=layout.jit)
+    refilled, _, _, _ = refill.generate_refill(m, tokens, mask, key, plan=chosen, sampling=sampling,
+                                               jit=layout.jit)
     outputs.append((fn(m, tokens, mask, key), refilled))
   for a, b in zip(outputs[0], outputs[1]):
     np.testing.assert_array_equal(np.asarray(a.response_tokens), np.asarray(b.response_tokens))
-  np.testing.assert_array_equal(np.asarray(outputs[0][0].response_tokens), np.asarray(outputs[0][1].response_tokens))
+  np.testing.assert_array_equal(np.asarray(outputs[0][0].response_tokens),
+                                np.asarray(outputs[0][1].response_tokens))
 
 
 def test_hugging_face_load_export_load_is_byte_equal(tmp_path):
   source = FIXTURES / "qwen2_untied"
   model = huggingface.load_causal_lm(str(source))
   hf_export.export(model, str(tmp_path))
-  original, written = (safetensors_io.SafetensorsFile(str(d / "model.safetensors")) for d in (source, tmp_path))
+  original, written = (safetensors_io.SafetensorsFile(str(d / "model.safetensors")) for d in (source,
+                                                                                              tmp_path))
   assert set(written.keys()) == set(original.keys())  # Per-layer names, as transformers writes them.
   for name in original.keys():
     a, b = np.asarray(original.get(name)), np.asarray(written.get(name))
@@ -219,7 +226,8 @@ def _update_hlo(layers: int) -> str:
 
   def update(state, opt, tokens):
     def loss(state):
-      logits = nnx.merge(graphdef, state)(tokens, jnp.broadcast_to(jnp.arange(16), (8, 16)), jnp.ones((8, 16), bool))[0]
+      logits = nnx.merge(graphdef, state)(tokens, jnp.broadcast_to(jnp.arange(16), (8, 16)),
+                                          jnp.ones((8, 16), bool))[0]
       return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1))
     grads = jax.grad(loss)(state)
     updates, opt = tx.update(grads, opt, state)
@@ -240,16 +248,17 @@ def test_the_compiled_update_is_the_same_size_at_four_and_eight_layers():
 def test_no_cache_sized_copy_in_the_decode_loop(trained):
   model, layout = _rollout_layout(trained)
   tokens, mask = common.pad_prompts([[5, 6, 7], [9, 10], [40], [3, 3, 8, 21]] * 2, pad_id=0)
-  chosen = refill_plan(prompts=8, group=2, prompt_tokens=tokens.shape[1], max_response_tokens=4, slots=8, queues=2,
-                       steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16)
-  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)), pad_id=0,
-                        cache_dtype=jnp.float32, jit=layout.jit)
+  chosen = refill_plan(prompts=8, samples_per_prompt=2, prompt_tokens=tokens.shape[1], max_response_tokens=4,
+                       slots=8, queues=2, steps_per_call=4, min_slots=2, queue_pages=12, page_tokens=16)
+  fns = refill.programs(chosen, sampling=common.Sampling(max_response_tokens=4, stop_token_ids=(2,)),
+                        pad_id=0, cache_dtype=jnp.float32, jit=layout.jit)
   state = fns.start(model, *layout.place((tokens, mask)))
   text = fns.decode.lower(model, state, layout.place(jax.random.key(0)), None).compile().as_text()
   pool = state.cache.keys.addressable_shards[0].data.shape  # [K, L, Q, Pq, Tg, H] on one device.
   layer = pool[:1] + pool[2:]
   cache_like = {tuple(sorted(pool)), tuple(sorted(layer))}  # The pool, or one layer of it, in any layout.
-  copies = _large_copies(text, int(np.prod(layer)) * 4 // 8)  # An eighth of a layer's pool: weights' copies too.
+  copies = _large_copies(text,
+                         int(np.prod(layer)) * 4 // 8)  # An eighth of a layer's pool: weights' copies too.
   assert copies  # The check finds copies (of the scan's weight slices, laid out for the CPU's dots) ...
   dims = lambda copy: tuple(sorted(int(d) for d in copy.split("[")[1].split("]")[0].split(",")))
   assert not [c for c in copies if dims(c) in cache_like], copies  # ... and none of a layer's cache.
@@ -261,4 +270,5 @@ def _large_copies(text: str, min_bytes: int) -> list[str]:
   _, computations, _ = hlo.parse(text)
   return [f"{name}: {type_text}" for instructions in computations.values()
           for name, type_text, opcode, _ in instructions
-          if opcode in ("copy", "copy-start") and max((b for *_, b in hlo.arrays(type_text)), default=0) >= min_bytes]
+          if opcode in ("copy", "copy-start") and max((b for *_, b in hlo.arrays(type_text)),
+                                                      default=0) >= min_bytes]

@@ -31,7 +31,8 @@ QUICK = {"sft.steps": 0, "eval.path": None}  # No warm start and no held-out eva
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_algorithm_runs_with_finite_losses(tmp_path, smoke_config, name):
   # VAPO runs every stage (warm start, evaluation, value pretraining, RL); the others RL only.
-  trainer = Trainer(smoke_config(None if name == "vapo" else QUICK, algorithm=name), write_logs=True, verbose=False)
+  trainer = Trainer(smoke_config(None if name == "vapo" else QUICK, algorithm=name), write_logs=True,
+                    verbose=False)
   summary = trainer.run()
   rl = [h for h in trainer.history if h["stage"] == "rl"]
   assert len(rl) == 2
@@ -134,7 +135,8 @@ def test_one_and_eight_devices_give_the_same_losses_and_parameters(smoke_config)
   runs = []
   for devices in ([jax.devices()[0]], jax.devices()):
     cfg = smoke_config(QUICK | {"reward.reward_fn": PARITY_REWARD, "algo.value_pretrain_steps": 1,
-                                "algo.mini_batch_responses": 16, "algo.micro_batch_responses": 8, "rl_steps": 1,
+                                "algo.mini_batch_responses": 16, "algo.micro_batch_responses": 8,
+                                "rl_steps": 1,
                                 "optim.eps": 1e-3})
     trainer = Trainer(cfg, devices=devices, write_logs=False, verbose=False)
     assert trainer.mesh.size == len(devices)
@@ -170,7 +172,8 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
     original = getattr(distributed, name)
     monkeypatch.setattr(distributed, name, lambda x, *a, _f=original: placed.append(np.shape(x)) or _f(x, *a))
   value = jax_array.ArrayImpl._value
-  monkeypatch.setattr(jax_array.ArrayImpl, "_value", property(lambda x: fetched.append(x.shape) or value.fget(x)))
+  monkeypatch.setattr(jax_array.ArrayImpl, "_value",
+                      property(lambda x: fetched.append(x.shape) or value.fget(x)))
   with jax.transfer_guard_host_to_device("disallow"):
     trainer.state, metrics = trainer.step(trainer.state)
   monkeypatch.undo()
@@ -179,7 +182,8 @@ def test_an_rl_step_moves_only_its_declared_host_transfers(smoke_config, monkeyp
   # The rollout's lengths and finish reasons (its metrics), the verifier's response ids and lengths,
   # packed: the prompt and response lengths and the epoch's order [2 + 1, B], then the step's device
   # metrics as one vector.
-  assert fetched[:-1] == [(32,), (32,), (32, 16), (32,)] + [(3, 32)] * packed and len(fetched[-1]) == 1, fetched
+  assert fetched[:-1] == [(32,), (32,), (32, 16),
+                          (32,)] + [(3, 32)] * packed and len(fetched[-1]) == 1, fetched
   assert 20 < fetched[-1][0] < len(metrics) and "actor/pg_loss" in metrics and "rollout/response_len_p90" in metrics
   assert {"perf/padding_frac_scoring", "perf/padding_frac_update", "perf/micro_batches",
           "perf/train_tokens_per_s"} <= metrics.keys()
@@ -198,12 +202,16 @@ def test_a_tensor_parallel_rollout_samples_the_training_layouts_tokens(smoke_con
   assert dict(trainer.experience.layout.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
   one = Experience(cfg, steps=trainer.steps, layout=layout_for(
       dataclasses.replace(cfg.rollout, tensor_parallel=1), trainer.mesh, compute_dtype=cfg.model.dtype,
-      training_rules=trainer.steps.rules), model_cfg=trainer.model_cfg, tokenizer=trainer.tokenizer, pool=trainer.pool)
+      training_rules=trainer.steps.rules), model_cfg=trainer.model_cfg, tokenizer=trainer.tokenizer,
+                   pool=trainer.pool)
   records, key = next(trainer.progress.prompts), jax.random.key(3)
-  settings = dict(group=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-  tp, _ = trainer.experience.generate_in_layout(trainer.experience.policy(trainer.state), records, key, **settings)
+  settings = dict(samples_per_prompt=cfg.rollout.samples_per_prompt, temperature=cfg.rollout.temperature,
+                  top_p=cfg.rollout.top_p)
+  tp, _ = trainer.experience.generate_in_layout(trainer.experience.policy(trainer.state), records, key,
+                                                **settings)
   reference, _ = one.generate_in_layout(one.policy(trainer.state), records, key, **settings)
-  assert tp.response_tokens.sharding.is_equivalent_to(reference.response_tokens.sharding, 2)  # The training layout.
+  assert tp.response_tokens.sharding.is_equivalent_to(reference.response_tokens.sharding,
+                                                      2)  # The training layout.
   np.testing.assert_array_equal(tp.response_tokens, reference.response_tokens)
   np.testing.assert_allclose(tp.policy_logprobs, reference.policy_logprobs, rtol=1e-5, atol=1e-5)
   trainer.state, metrics = trainer.step(trainer.state)

@@ -185,7 +185,7 @@ def sample_from_checkpoint(config, checkpoint_dir: str, path: str, *, prompts_pe
     for start in range(0, len(rows), prompts_per_call):
       chunk = rows[start:start + prompts_per_call]
       out, _ = responses.generate_responses(model, chunk, jax.random.fold_in(key, start), config=config,
-                                             tokenizer=tokenizer, group=e.samples_per_problem,
+                                             tokenizer=tokenizer, samples_per_prompt=e.samples_per_problem,
                                              temperature=e.temperature, top_p=e.top_p)
       out = jax.device_get(out)
       for b, (ids, n) in enumerate(zip(out.response_tokens, out.response_lengths)):

@@ -49,15 +49,17 @@ def rollout(run, log) -> tuple[CompiledPhase, common.Rollout]:
   """The programs of the training rollout's plan (`plan.programs`), as `Experience.sample` calls them: the
   actor's rollout copy (the actor itself with tensor_parallel 1) decoding on the rollout mesh."""
   c, layout = run.config, run.layout
-  prompts, group = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
+  prompts, samples_per_prompt = c.rollout.prompts_per_step, c.rollout.samples_per_prompt
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
   with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
-    run.plan = plan = responses.plan(c, run.full_cfg, prompts=prompts, group=group, prompt_tokens=tp,
+    run.plan = plan = responses.plan(c, run.full_cfg, prompts=prompts, samples_per_prompt=samples_per_prompt,
+                                     prompt_tokens=tp,
                                       devices=layout.data_devices)
   model, key, beside, programs = _decoding(run, plan)
   if plan.engine == "refill":
-    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {group} samples in {plan.slots} "
-                             f"slots, {plan.queues} queue(s), tensor_parallel={layout.tensor_parallel}, "
+    phase = CompiledPhase("rollout", f"refill engine, {prompts} prompts x {samples_per_prompt} samples in "
+                             f"{plan.slots} slots, {plan.queues} queue(s), "
+                             f"tensor_parallel={layout.tensor_parallel}, "
                              f"{plan.queue_pages} pages of {plan.page_tokens} tokens per queue "
                              f"({plan.attention}), prefilled in "
                              f"{plan.lanes} lane(s) of {plan.prefill_chunk}-token chunks")
@@ -73,8 +75,9 @@ def rollout(run, log) -> tuple[CompiledPhase, common.Rollout]:
 
 def _static(run, phase: CompiledPhase, log, plan: RolloutPlan, fn, model, key, beside: int) -> common.Rollout:
   """The static engine's generate: the first round's program, and the later rounds' (their offset passed)."""
-  per_round, rounds, group, tp = plan.prompts_per_round, plan.rounds, plan.group, plan.prompt_tokens
-  phase.detail = (f"static engine, {rounds} round(s) of {per_round} prompts x {group} samples, "
+  per_round, rounds, tp = plan.prompts_per_round, plan.rounds, plan.prompt_tokens
+  samples_per_prompt = plan.samples_per_prompt
+  phase.detail = (f"static engine, {rounds} round(s) of {per_round} prompts x {samples_per_prompt} samples, "
                   f"tensor_parallel={run.layout.tensor_parallel}")
   tokens = tuple(run.rows((per_round, tp), dtype, rollout=True) for dtype in (jnp.int32, jnp.bool_))
   out = add(phase, log, "generate", fn, (model, *tokens, key), resident=beside, fallback=run.decoding)
@@ -120,7 +123,8 @@ def _decoding(run, plan: RolloutPlan):
   """(the actor's rollout copy, the sampling key, the bytes held beside the copy, `plan.programs` at the run's
   sampling settings) of a rollout phase."""
   c, layout = run.config, run.layout
-  sampling = responses.sampling_settings(c, stop_ids(c), temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+  sampling = responses.sampling_settings(c, stop_ids(c), temperature=c.rollout.temperature,
+                                         top_p=c.rollout.top_p,
                                  top_k=c.rollout.top_k)
   actor_def, _, state = run.states["rl"]
   model = nnx.merge(actor_def, layout.abstract_copy(state.actor))
@@ -132,7 +136,7 @@ def _decoding(run, plan: RolloutPlan):
 
 
 def partial_round(run, log) -> CompiledPhase:
-  """A partial rollout's round (`train/partial_rounds.py`) as its plan (`plan.plan_round`) runs it: the
+  """A partial rollout's round (`train/budgeted_rollout.py`) as its plan (`plan.plan_round`) runs it: the
   refill engine over `plan.OVERPROVISION` × P·G sequences, one per prompt, each a problem's prompt followed by
   its carried tokens, in the slots of P·G, each admitted to pages and prefilled in chunks as it is about to
   run, the decode stopped at the budget (`refill.engine.decode`'s `resumed`)."""

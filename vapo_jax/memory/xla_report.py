@@ -144,11 +144,12 @@ class _Run:
     return (self.layout.place if rollout else self.steps.place)(jax.ShapeDtypeStruct(shape, dtype))
 
 
-def _packed(run: _Run, size: int, groups: int, group: int) -> tuple[int | None, jax.ShapeDtypeStruct | None]:
-  """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `group` sequences
+def _packed(run: _Run, size: int, groups: int, samples_per_prompt: int) -> tuple[int | None,
+                                                                                 jax.ShapeDtypeStruct | None]:
+  """With `packing.enabled`: the most rows a plan compiles for `groups` groups of `samples_per_prompt` sequences
   (one sequence a row: every response at the cap; `packing.bucket_rows` of that) and the placement
   `[groups, 2, size]` as `Steps.plan_packing` leaves it. Padded: (None, None)."""
-  rows = run.steps.largest_rows(group)
+  rows = run.steps.largest_rows(samples_per_prompt)
   return rows, rows and jax.ShapeDtypeStruct((groups, 2, size), jnp.int32, sharding=run.steps.replicated)
 
 

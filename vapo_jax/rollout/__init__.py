@@ -1,6 +1,6 @@
 """Rollout: G sampled responses for each of P prompts with the model being trained, on the devices.
 
-  plan = rollout.plan_rollout(config.rollout, model_cfg, prompts=P, group=G, prompt_tokens=Tp,
+  plan = rollout.plan_rollout(config.rollout, model_cfg, prompts=P, samples_per_prompt=G, prompt_tokens=Tp,
                               dtype=cache_dtype, devices=data-parallel devices)   # layout.data_devices
   out, metrics = rollout.sample(model, prompt_tokens, prompt_mask, key, sampling=..., plan=plan, pad_id=...,
                                 cache_dtype=..., jit=..., place=...)
@@ -82,7 +82,7 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     raise ValueError(f"the plan is for {plan.prompts} prompts of {plan.prompt_tokens} tokens and "
                      f"{plan.max_response_tokens}-token responses; the call has prompts "
                      f"{prompt_tokens.shape} and {sampling.max_response_tokens}-token responses")
-  prompts, group, sequences = plan.prompts, plan.group, plan.sequences
+  prompts, samples_per_prompt, sequences = plan.prompts, plan.samples_per_prompt, plan.sequences
   limits = None if length_limits is None else np.asarray(length_limits, np.int32)
   start = time.perf_counter()
   figures = {}
@@ -95,10 +95,10 @@ def sample(model, prompt_tokens: np.ndarray, prompt_mask: np.ndarray, key: jax.A
     fns = plan.programs(sampling=sampling, pad_id=pad_id, cache_dtype=cache_dtype, jit=jit)
     parts, per_round = [], plan.prompts_per_round
     for first in range(0, prompts, per_round):
-      seqs = slice(first * group, (first + per_round) * group)
+      seqs = slice(first * samples_per_prompt, (first + per_round) * samples_per_prompt)
       tokens, mask = place((prompt_tokens[first:first + per_round], prompt_mask[first:first + per_round]))
       # The first round's offset is the program's constant 0; later ones are placed (no implicit transfer).
-      offset = () if first == 0 else (place(np.asarray(first * group, np.int32)),)
+      offset = () if first == 0 else (place(np.asarray(first * samples_per_prompt, np.int32)),)
       parts.append(fns(model, tokens, mask, key, *offset) if limits is None else
                    fns(model, tokens, mask, key, *(offset or (0,)), place(limits[seqs])))
     out = parts[0] if len(parts) == 1 else common.Rollout(*(jnp.concatenate(fields) for fields in zip(*parts)))

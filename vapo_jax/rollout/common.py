@@ -119,8 +119,8 @@ def longest_prompt_pages(lengths, page_tokens: int) -> int:
   return int(-(-np.max(np.asarray(lengths, np.int64), initial=0) // page_tokens))
 
 
-def check_pool(*, queue_pages: int, held: int, max_response_tokens: int, page_tokens: int, given: bool = False,
-               shares: int = 1) -> None:
+def check_pool(*, queue_pages: int, held: int, max_response_tokens: int, page_tokens: int,
+               given: bool = False, shares: int = 1) -> None:
   """A `MemoryError` naming the settings when a queue's pool of `queue_pages` pages cannot hold its longest prompt
   (`held` pages) and one whole sequence beside it: the one shortage no preemption can resolve (a prompt takes
   its pages when its samples are about to run). `given`: the pages are `rollout.pages` as set (the message
@@ -150,10 +150,10 @@ def prefill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, cache_dt
   return model.last_logits(prompt_tokens, positions_from_mask(prompt_mask), prompt_mask, cache)
 
 
-def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, lengths, stopped, *, group: int,
-                     pad_id: int) -> Rollout:
+def finished_rollout(prompt_tokens, prompt_mask, tokens, sampler, policy, lengths, stopped, *,
+                     samples_per_prompt: int, pad_id: int) -> Rollout:
   """The `Rollout` of `[B, Tr]` decoded tokens and log-probs, valid up to `lengths` `[B]`."""
-  expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
+  expand = lambda x: constrain(jnp.repeat(x, samples_per_prompt, axis=0), ("batch",) + (None,) * (x.ndim - 1))
   response_mask = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
   return Rollout(
       prompt_tokens=expand(prompt_tokens), prompt_mask=expand(prompt_mask.astype(bool)),

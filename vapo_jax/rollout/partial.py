@@ -6,7 +6,7 @@ carried: its tokens so far (with their log-probs and the policy version that sam
 and the next round continues it from there.
 
   plan = plan_round(config.rollout, ...)                             # `rollout/plan.py`: the round's sizes
-  carry = Carry(group=G, sequences=plan.prompts, max_response_tokens=Tr, max_staleness=k, pad_id=0,
+  carry = Carry(samples_per_prompt=G, sequences=plan.prompts, max_response_tokens=Tr, max_staleness=k, pad_id=0,
                 prompt_width=plan.prompt_tokens)
   groups, restarted, rounds = carry.step(version, P, draw, decode, queues=Q)   # an RL step's rounds: P groups
     # each round: call = carry.next_call(draw, queues=Q); carry.record(call, *decode(call), version=version)
@@ -78,9 +78,10 @@ class Call:
 class Carry:
   """The groups in flight between rounds and steps (module docstring)."""
 
-  def __init__(self, *, group: int, sequences: int, max_response_tokens: int, max_staleness: int, pad_id: int,
-               prompt_width: int):
-    self.group, self.sequences, self.max_response_tokens = group, sequences, max_response_tokens
+  def __init__(self, *, samples_per_prompt: int, sequences: int, max_response_tokens: int, max_staleness: int,
+               pad_id: int, prompt_width: int):
+    self.samples_per_prompt, self.sequences = samples_per_prompt, sequences
+    self.max_response_tokens = max_response_tokens
     self.max_staleness, self.pad_id, self.prompt_width = max_staleness, pad_id, prompt_width
     self.groups: list[Group] = []
     self.next_id = 0  # The next new sequence's number.
@@ -134,10 +135,10 @@ class Carry:
     """The next round's `sequences` sequences, dealt round-robin over `queues` queues; `draw(n)` gives n new
     groups' (record, prompt tokens), drawn whole while fewer are pending."""
     while len(pending := self.pending()) < self.sequences:
-      for record, prompt in draw(-(-(self.sequences - len(pending)) // self.group)):
-        rows = self._take_rows(self.group)
-        self.ids[rows] = np.arange(self.next_id, self.next_id + self.group)
-        self.next_id += self.group
+      for record, prompt in draw(-(-(self.sequences - len(pending)) // self.samples_per_prompt)):
+        rows = self._take_rows(self.samples_per_prompt)
+        self.ids[rows] = np.arange(self.next_id, self.next_id + self.samples_per_prompt)
+        self.next_id += self.samples_per_prompt
         self.groups.append(Group(list(record), np.asarray(prompt, np.int32), rows))
     picked = pending[:self.sequences]
     rows = picked.reshape(-1, queues).T.reshape(-1)  # Queue q's share: the q-th, (q + Q)-th, ... oldest.
@@ -255,9 +256,9 @@ class Carry:
     return counters, arrays
 
   @staticmethod
-  def array_shapes(counters: dict, group: int) -> dict[str, tuple[tuple, np.dtype]]:
+  def array_shapes(counters: dict, samples_per_prompt: int) -> dict[str, tuple[tuple, np.dtype]]:
     """The shapes and dtypes of `state_dict`'s arrays, from its counters (a checkpoint's restore target)."""
-    n, width = int(counters["groups"]) * group, int(counters["width"])
+    n, width = int(counters["groups"]) * samples_per_prompt, int(counters["width"])
     return {name: ((n, width), np.dtype(dtype)) for name, dtype in _BUFFERS.items()} | {
         "length": ((n,), np.dtype(np.int32)), "finish": ((n,), np.dtype(np.int32)),
         "ids": ((n,), np.dtype(np.int64)),
@@ -273,7 +274,7 @@ class Carry:
       self.groups, self.next_id, self.capped = [], int(counters["next_id"]), 0
       self._allocate(0)
       return
-    shapes = self.array_shapes(counters, self.group)
+    shapes = self.array_shapes(counters, self.samples_per_prompt)
     for name, (shape, _) in shapes.items():
       got = arrays.get(name)
       if got is None or tuple(np.shape(got)) != shape:
@@ -305,7 +306,8 @@ class Carry:
     self.ids[:n], self.used[:n] = arrays["ids"], True
     prompt_lengths = np.asarray(arrays["prompt_lengths"])
     self.groups = [Group(record, np.asarray(arrays["prompt_tokens"][i, :prompt_lengths[i]], np.int32),
-                         np.arange(i * self.group, (i + 1) * self.group)) for i, record in enumerate(records)]
+                         np.arange(i * self.samples_per_prompt, (i + 1) * self.samples_per_prompt)) for i,
+                   record in enumerate(records)]
     self.next_id = int(counters["next_id"])
 
 

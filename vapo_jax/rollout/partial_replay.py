@@ -2,7 +2,8 @@
 (`refill/replay.simulate`) under the round's own plan, with the engine's own carry (`partial.Carry`): the
 roofline's model of a budgeted rollout in steady state (`vapo_jax/roofline`).
 
-  replay = partial_rounds(profile.responses, profile.prompts, group=G, plan=round_plan, budget=D, max_staleness=k)
+  replay = partial_rounds(profile.responses, profile.prompts, samples_per_prompt=G, plan=round_plan, budget=D,
+                          max_staleness=k)
 """
 
 from typing import NamedTuple
@@ -26,7 +27,7 @@ class PartialLoad(NamedTuple):
   plan: object = None  # The round's `RolloutPlan`, as replayed.
 
 
-def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, plan, budget: int,
+def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, samples_per_prompt: int, plan, budget: int,
                    max_staleness: int, warm: int = 4, measured: int = 4) -> PartialLoad:
   """One queue of a round's `plan` (`plan.plan_round`: its sequences, slots, pool, lanes and chunks) replayed
   over whole RL steps: each restarts the stale, then runs rounds of `budget` decode steps (`replay.simulate`,
@@ -35,8 +36,8 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, pl
   1/`plan.queues` of them; `warm` steps fill the pipeline, the next `measured` are counted."""
   queues, tr = plan.queues, plan.max_response_tokens
   per_step = len(prompts) // queues
-  carry = partial.Carry(group=group, sequences=plan.prompts // queues, max_response_tokens=tr,
-                        max_staleness=max_staleness, pad_id=0,
+  carry = partial.Carry(samples_per_prompt=samples_per_prompt, sequences=plan.prompts // queues,
+                        max_response_tokens=tr, max_staleness=max_staleness, pad_id=0,
                         prompt_width=plan.prompt_tokens)
   drawn = [0]
 
@@ -44,7 +45,8 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, pl
     out = []
     for j in range(drawn[0], drawn[0] + n):
       g = j % len(prompts)
-      out.append((responses[g * group:(g + 1) * group].tolist(), [0] * int(prompts[g])))
+      out.append((responses[g * samples_per_prompt:(g + 1) * samples_per_prompt].tolist(),
+                  [0] * int(prompts[g])))
     drawn[0] += n
     return out
 
@@ -55,7 +57,7 @@ def partial_rounds(responses: np.ndarray, prompts: np.ndarray, *, group: int, pl
     targets = {int(r): length for g in carry.groups for r, length in zip(g.rows, g.record)}
     target = np.asarray([targets[int(r)] for r in call.rows])
     held = call.prompt_mask.sum(axis=1)
-    load = replay.simulate(target - call.offsets, held, group=1, slots=plan.slots // queues,
+    load = replay.simulate(target - call.offsets, held, samples_per_prompt=1, slots=plan.slots // queues,
                            min_slots=plan.min_slots // queues, paged=paged, budget=budget)
     loads.append(load)
     prefill.append(held)

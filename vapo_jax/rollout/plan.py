@@ -1,7 +1,8 @@
 """The rollout's plan: what one rollout call runs, decided once, from the config, the model, the call and the
 devices.
 
-  plan = plan_rollout(config.rollout, model_cfg, prompts=P, group=G, prompt_tokens=Tp, dtype=..., devices=D)
+  plan = plan_rollout(config.rollout, model_cfg, prompts=P, samples_per_prompt=G, prompt_tokens=Tp, dtype=...,
+                      devices=D)
   out, metrics = rollout.sample(model, tokens, mask, key, sampling=..., plan=plan, ...)
   fns = plan.programs(sampling=..., pad_id=..., cache_dtype=..., jit=...)   # what `sample` and `make memory` run
 
@@ -46,7 +47,7 @@ class RolloutPlan:
 
   engine: RolloutEngine  # What runs: "static" or "refill".
   prompts: int  # P.
-  group: int  # G samples per prompt.
+  samples_per_prompt: int  # G samples per prompt.
   prompt_tokens: int  # Tp: the prompt bucket.
   max_response_tokens: int  # Tr: the length cap.
   devices: int  # Data-parallel groups of the rollout layout.
@@ -67,7 +68,7 @@ class RolloutPlan:
 
   @property
   def sequences(self) -> int:
-    return self.prompts * self.group
+    return self.prompts * self.samples_per_prompt
 
   @property
   def decode_groups(self) -> int:
@@ -82,7 +83,7 @@ class RolloutPlan:
   @property
   def decode_rows(self) -> int:
     """Rows the decode loop runs at first: the slots, or a static round's sequences."""
-    return self.slots if self.engine == "refill" else self.prompts_per_round * self.group
+    return self.slots if self.engine == "refill" else self.prompts_per_round * self.samples_per_prompt
 
   @property
   def prompt_pages(self) -> int:
@@ -96,7 +97,8 @@ class RolloutPlan:
     if self.engine != "refill":
       return 1.0
     slots = min(self.slots, self.sequences) // self.queues
-    prompts = min(self.prompts // self.queues, -(-slots // self.group) + self.lanes) * self.prompt_pages
+    prompts = min(self.prompts // self.queues,
+                  -(-slots // self.samples_per_prompt) + self.lanes) * self.prompt_pages
     return min(1.0,
                max(0, self.queue_pages - prompts) / (slots * common.sequence_pages(self.max_response_tokens,
                                                                                         self.page_tokens)))
@@ -116,7 +118,8 @@ class RolloutPlan:
     (default: `self.slots`; `shrink_sizes` the others; `engine.compaction` moves between them); static, its
     generate."""
     if self.engine == "static":
-      return static.make_generate(sampling=sampling, samples_per_prompt=self.group, pad_id=pad_id,
+      return static.make_generate(sampling=sampling, samples_per_prompt=self.samples_per_prompt,
+                                  pad_id=pad_id,
                                   cache_dtype=cache_dtype, decode_block=self.decode_block, jit=jit)
     return refill.programs(self, sampling=sampling, slots=slots, pad_id=pad_id, cache_dtype=cache_dtype,
                            jit=jit)
@@ -126,26 +129,26 @@ def _plan_static(r, model_cfg, base: dict, *, dtype) -> RolloutPlan:
   """The static engine's plan: rounds of `rollout.prompts_per_generation` prompts, their cache within the budget."""
   prompts = base["prompts"]
   per_round = min(r.prompts_per_generation or prompts, prompts)
-  common.check_cache_fits(model_cfg, batch=per_round * base["group"], prompt_tokens=base["prompt_tokens"],
-                          max_response_tokens=base["max_response_tokens"], dtype=dtype,
-                          devices=base["devices"],
+  common.check_cache_fits(model_cfg, batch=per_round * base["samples_per_prompt"], prompt_tokens=base["prompt_tokens"],
+                          max_response_tokens=base["max_response_tokens"], dtype=dtype, devices=base["devices"],
                           tensor=r.tensor_parallel, budget_bytes=int(r.kv_cache_budget_gib * 2**30))
   return RolloutPlan(engine="static", prompts_per_round=per_round, **base)
 
 
-def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, dtype, devices: int,
-                 platform: str | None = None, prompt_lengths=None, budgeted: bool = False,
+def plan_rollout(r, model_cfg, *, prompts: int, samples_per_prompt: int, prompt_tokens: int, dtype,
+                 devices: int, platform: str | None = None, prompt_lengths=None, budgeted: bool = False,
                  slot_sequences: int | None = None) -> RolloutPlan:
-  """The plan of a call of `prompts` × `group` sequences of `prompt_tokens`-token (bucketed) prompts under the
-  `RolloutConfig` `r`, split over `devices` data-parallel groups (each of `r.tensor_parallel` chips, which
-  split the KV cache by heads), on `platform` (default: the one traced for, `sharding.platform()`).
-  `prompt_lengths` `[P]`: the prompts' real tokens (default: every prompt at the bucket), which their queue's
-  pages must hold. With fewer queues than groups, every device holds every queue's pool: `rollout.pages` is
-  split over the queues, else each queue's pool holds its own slots at the cap, within the budget. `budgeted`:
-  a partial rollout's round (the refill engine, whatever the sizes); `slot_sequences`: the sequences the slots
-  are sized for (default: the call's). A `MemoryError` names what to change."""
-  max_response_tokens, sequences = r.max_response_tokens, prompts * group
-  base = dict(prompts=prompts, group=group, prompt_tokens=prompt_tokens,
+  """The plan of a call of `prompts` × `samples_per_prompt` sequences of `prompt_tokens`-token (bucketed)
+  prompts under the `RolloutConfig` `r`, split over `devices` data-parallel groups (each of
+  `r.tensor_parallel` chips, which split the KV cache by heads), on `platform` (default: the one traced for,
+  `sharding.platform()`). `prompt_lengths` `[P]`: the prompts' real tokens (default: every prompt at the
+  bucket), which their queue's pages must hold. With fewer queues than groups, every device holds every
+  queue's pool: `rollout.pages` is split over the queues, else each queue's pool holds its own slots at the
+  cap, within the budget. `budgeted`: a partial rollout's round (the refill engine, whatever the sizes);
+  `slot_sequences`: the sequences the slots are sized for (default: the call's). A `MemoryError` names what to
+  change."""
+  max_response_tokens, sequences = r.max_response_tokens, prompts * samples_per_prompt
+  base = dict(prompts=prompts, samples_per_prompt=samples_per_prompt, prompt_tokens=prompt_tokens,
               max_response_tokens=max_response_tokens, devices=devices, decode_block=r.decode_block)
   if r.engine == "static":
     return _plan_static(r, model_cfg, base, dtype=dtype)
@@ -156,15 +159,14 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   prompt_pages, per_sequence = -(-prompt_tokens // tg), common.sequence_pages(max_response_tokens, tg)
   lanes, per_group = r.prefill_lanes, -(-prompts // devices)
   if prompt_lengths is None:  # Every prompt at the bucket (the start-up check); else checked below.
-    common.check_pool(queue_pages=r.pages or in_budget, held=prompt_pages, max_response_tokens=max_response_tokens,
-                      page_tokens=tg, given=bool(r.pages))
+    common.check_pool(queue_pages=r.pages or in_budget, held=prompt_pages,
+                      max_response_tokens=max_response_tokens, page_tokens=tg, given=bool(r.pages))
 
   def in_flight(slots: int, prompts: int) -> int:
     """Pages of `slots` slots at the cap beside the prompts in flight of a queue of `prompts` prompts."""
-    return slots * per_sequence + min(prompts, -(-slots // group) + lanes) * prompt_pages
-
+    return slots * per_sequence + min(prompts, -(-slots // samples_per_prompt) + lanes) * prompt_pages
   pool = r.pages or in_budget
-  fit = max(1, (pool - lanes * prompt_pages) * group // (per_sequence * group + prompt_pages))
+  fit = max(1, (pool - lanes * prompt_pages) * samples_per_prompt // (per_sequence * samples_per_prompt + prompt_pages))
   slots = r.slots or max(1, min(-(-(slot_sequences or sequences) // devices), fit)) * devices
   if slots % devices:
     raise MemoryError(f"rollout.slots={slots} does not split over the {devices} data-parallel groups (each "
@@ -175,8 +177,8 @@ def plan_rollout(r, model_cfg, *, prompts: int, group: int, prompt_tokens: int, 
   slots = min(slots, -(-sequences // queues) * queues)
   whole = prompts // queues * prompt_pages + sequences // queues * per_sequence
   if queues < devices:  # Every device holds all Q queues' pools (replicated): a group's memory is Q shares.
-    queue_pages = r.pages // queues if r.pages else min(in_budget // queues, in_flight(slots // queues,
-                                                                                     prompts // queues))
+    queue_pages = (r.pages // queues if r.pages
+                   else min(in_budget // queues, in_flight(slots // queues, prompts // queues)))
     pages = queue_pages * queues
   else:
     pages = queue_pages = r.pages or min(in_budget, in_flight(slots // devices, per_group))
@@ -205,6 +207,6 @@ def plan_round(r, model_cfg, *, dtype, devices: int, platform: str | None = None
   P·G sequences, one per prompt (each a problem's prompt with its carried tokens, `round_width`), in the slots
   of an unbudgeted step's P·G, on the refill engine, which admits each to pages when it is about to run and
   prefills it in chunks. A `MemoryError` names what to change."""
-  return plan_rollout(r, model_cfg, prompts=OVERPROVISION * r.responses_per_step, group=1,
+  return plan_rollout(r, model_cfg, prompts=OVERPROVISION * r.responses_per_step, samples_per_prompt=1,
                       prompt_tokens=round_width(r), dtype=dtype, devices=devices, platform=platform,
                       budgeted=True, slot_sequences=r.responses_per_step)

@@ -43,15 +43,15 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   length (finish reason "length"); None: max_response_tokens for every row.
   """
   prompts, prompt_len = prompt_tokens.shape
-  group, max_response_tokens = samples_per_prompt, sampling.max_response_tokens
-  batch = prompts * group
+  samples_per_prompt, max_response_tokens = samples_per_prompt, sampling.max_response_tokens
+  batch = prompts * samples_per_prompt
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
   # Each prompt's cache shared with its G samples, with room for the response (rows: axis 1 of the stacked
   # keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
-  expand = lambda x: constrain(jnp.repeat(x, group, axis=0), ("batch",) + (None,) * (x.ndim - 1))
-  pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, group, axis=rows),
+  expand = lambda x: constrain(jnp.repeat(x, samples_per_prompt, axis=0), ("batch",) + (None,) * (x.ndim - 1))
+  pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, samples_per_prompt, axis=rows),
                                             [(0, max_response_tokens * (i == axis)) for i in range(x.ndim)])
   cache = KVCache(pad_slots(prefill_cache.keys, 1, 3), pad_slots(prefill_cache.values, 1, 3),
                   pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block).constrained()
@@ -78,7 +78,7 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   def cond(s: Loop):
     return (s.step < max_response_tokens) & ~jnp.all(s.done)
 
-  next_logits = constrain(jnp.repeat(logits, group, axis=0), ("batch", "act_vocab"))
+  next_logits = constrain(jnp.repeat(logits, samples_per_prompt, axis=0), ("batch", "act_vocab"))
   init = Loop(jnp.zeros((), jnp.int32), cache, next_logits, jnp.zeros((batch,), bool),
               jnp.full((batch, max_response_tokens), pad_id, jnp.int32),
               jnp.zeros((batch, max_response_tokens), jnp.float32),
@@ -90,7 +90,7 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), max_response_tokens)
   lengths = jnp.minimum(first_stop + 1, limits)
   return finished_rollout(prompt_tokens, prompt_mask, final.tokens, final.sampler, final.policy, lengths,
-                          first_stop < limits, group=group, pad_id=pad_id)
+                          first_stop < limits, samples_per_prompt=samples_per_prompt, pad_id=pad_id)
 
 
 @functools.lru_cache(maxsize=32)

@@ -166,7 +166,7 @@ def contiguous(report, profile, p: Prices, chip, *, slots: int, queues: int, min
   c = report.config
   responses, prompts = queue_share(profile, queues)
   tp = common.prompt_bucket(c.rollout.max_prompt_tokens)
-  load = replay.simulate(responses, prompts, group=c.rollout.samples_per_prompt, slots=slots,
+  load = replay.simulate(responses, prompts, samples_per_prompt=c.rollout.samples_per_prompt, slots=slots,
                          min_slots=min_slots,
                            prompt_slots=tp, block=decode_attention.default_block("tpu"))
   return cost(load, p, chip, engine="contiguous", slots=slots * queues, copied_tokens=len(responses) * tp)
@@ -177,7 +177,7 @@ def paged(report, profile, p: Prices, chip, *, plan) -> DecodeCost:
   slots, pages, prefill lanes and chunks, each live row reading its own tokens; each refill copies one page
   (the prompt's last, partly filled one)."""
   responses, prompts = queue_share(profile, plan.queues)
-  load = replay.simulate(responses, prompts, group=report.config.rollout.samples_per_prompt,
+  load = replay.simulate(responses, prompts, samples_per_prompt=report.config.rollout.samples_per_prompt,
                          slots=plan.slots // plan.queues, min_slots=plan.min_slots // plan.queues,
                          paged=paged_settings(plan))
   return cost(load, p, chip, engine="paged", slots=plan.slots,
@@ -194,8 +194,8 @@ def partial(report, profile, p: Prices, chip, *, plan, budget: int, max_stalenes
   decode steps as the round's `plan` runs them, the carried sequences prefilled again each round): (the
   decode's cost per RL step, the replay)."""
   rounds = partial_replay.partial_rounds(profile.responses, profile.prompts,
-                                         group=report.config.rollout.samples_per_prompt, plan=plan,
-                                         budget=budget, max_staleness=max_staleness)
+                                         samples_per_prompt=report.config.rollout.samples_per_prompt,
+                                         plan=plan, budget=budget, max_staleness=max_staleness)
   total = cost(rounds.load, p, chip, engine="paged", slots=plan.slots,
                copied_tokens=len(rounds.prefill) * plan.page_tokens)
   per = lambda x: x / rounds.steps

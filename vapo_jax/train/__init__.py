@@ -12,7 +12,7 @@
   experience     prompts → sampled responses → verifier rewards, for a run (training and evaluation)
   held_out       the held-out evaluation: avg@k with its keys, its standard error, accuracy by problem level
   responses      problems → sampled responses for a config (its plan and sampling), the warm start's batches
-  partial_rounds  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
+  budgeted_rollout  an RL step's partial rollout (rollout.decode_budget): rounds until P groups are complete
   start_up       the start-up check that runs each rollout engine of the run once, in the rollout layout
   trainer        the run's stages: supervised warm start, value pretraining, RL; evaluation
   saving         the trainer's checkpoints, resume, stop on a signal and export

@@ -33,9 +33,9 @@ from vapo_jax.rewards import reward as reward_lib
 from vapo_jax.rollout import common
 from vapo_jax.rollout.layout import RolloutLayout
 from vapo_jax.rollout.plan import plan_round
-from vapo_jax.train import held_out, partial_rounds
+from vapo_jax.train import budgeted_rollout, held_out
 from vapo_jax.train.algorithm import PrefixLabels
-from vapo_jax.train.partial_rounds import PartialRounds
+from vapo_jax.train.budgeted_rollout import BudgetedRollout
 from vapo_jax.train.responses import generate_responses, plan, sampling_settings, stop_ids
 from vapo_jax.train.state import TrainState
 from vapo_jax.train.steps import Steps
@@ -91,13 +91,13 @@ class Experience:
     self.model_cfg, self.tokenizer, self.pool = model_cfg, tokenizer, pool
     # An RL step's rollout, chosen once: partial rounds under a decode budget, else a whole rollout
     # (`sample`).
-    self.partial = PartialRounds(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
+    self.partial = BudgetedRollout(self._partial_context(), seed=config.seed, mesh=steps.mesh) if (
         config.rollout.decode_budget) else None
     self.rl_rollout = self._partial_rollout if self.partial else self._whole_rollout
 
-  def _partial_context(self) -> partial_rounds.Context:
+  def _partial_context(self) -> budgeted_rollout.Context:
     r = self.config.rollout
-    return partial_rounds.Context(
+    return budgeted_rollout.Context(
         settings=r, plan=self.plan_round(), policy=self.policy, layout=self.layout, place=self.steps.place,
         sampling=self.sampling_for(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
         encode=lambda record: problems.encode_prompt(record, self.tokenizer, self.config),
@@ -118,7 +118,7 @@ class Experience:
 
   def _partial_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
                        version: int) -> "Sampled":
-    del key  # Partial rollouts sample each run sequence from its own key (`PartialRounds.key`).
+    del key  # Partial rollouts sample each run sequence from its own key (`BudgetedRollout.key`).
     return Sampled(*self.partial.sample(state, prompts, version=version))
 
   def _whole_rollout(self, state: TrainState, prompts: PromptIterator, key: jax.Array, *,
@@ -131,22 +131,24 @@ class Experience:
     once generation is done."""
     return nnx.merge(self.steps.actor_def, self.layout.reshard(state.actor))
 
-  def plan_for(self, *, prompts: int, group: int, prompt_tokens: int, **options) -> rollout.RolloutPlan:
+  def plan_for(self, *, prompts: int, samples_per_prompt: int, prompt_tokens: int,
+               **options) -> rollout.RolloutPlan:
     """`plan` for a rollout call of this run (its data-parallel devices)."""
-    return plan(self.config, self.model_cfg, prompts=prompts, group=group, prompt_tokens=prompt_tokens,
-                devices=self.layout.data_devices, **options)
+    return plan(self.config, self.model_cfg, prompts=prompts, samples_per_prompt=samples_per_prompt,
+                prompt_tokens=prompt_tokens, devices=self.layout.data_devices, **options)
 
   def sampling_for(self, *, temperature: float, top_p: float, top_k: int = 0) -> common.Sampling:
-    return sampling_settings(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature, top_p=top_p,
+    return sampling_settings(self.config, stop_ids(self.config, self.tokenizer), temperature=temperature,
+                             top_p=top_p,
                     top_k=top_k)
 
-  def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *, group: int,
-                         temperature: float, top_p: float,
+  def generate_in_layout(self, policy: nnx.Module, records: list[Record], key: jax.Array, *,
+                         samples_per_prompt: int, temperature: float, top_p: float,
                          top_k: int = 0) -> tuple[common.Rollout, dict[str, float]]:
     """`generate_responses` with `policy` (from `self.policy`) in the rollout layout; the rollout comes back
     as global arrays laid out for scoring on the training mesh."""
     out, stats = generate_responses(policy, records, key, config=self.config, tokenizer=self.tokenizer,
-                                    group=group,
+                                    samples_per_prompt=samples_per_prompt,
                                     temperature=temperature, top_p=top_p, top_k=top_k, jit=self.layout.jit,
                                     place=self.layout.place, devices=self.layout.data_devices)
     return self.layout.to_training(out), stats
@@ -160,9 +162,9 @@ class Experience:
     calls = [(settings.prompts_per_step, settings.samples_per_prompt)] + [  # The training rollout's first.
         (problems, evaluation.samples_per_problem) for problems in held_out.evaluation_calls(self.config,
                                                                                     eval_problems)]
-    plans = [self.plan_for(prompts=prompts, group=group,
+    plans = [self.plan_for(prompts=prompts, samples_per_prompt=samples_per_prompt,
                            prompt_tokens=common.prompt_bucket(settings.max_prompt_tokens))
-             for prompts, group in dict.fromkeys(calls)]
+             for prompts, samples_per_prompt in dict.fromkeys(calls)]
     if self.partial is not None:  # A partial rollout's round: one sequence per prompt, the carried tokens in it.
       plans.append(self.partial.context.plan)
     return plans
@@ -215,7 +217,7 @@ class Experience:
     verdicts. `prefix_step`: a value-pretraining step (the run's global step), whose "prefix" target (if it is
     the target) needs the prefix labels (`prefix_labels`)."""
     config, settings = self.config, self.config.rollout
-    group, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
+    samples_per_prompt, policy = settings.samples_per_prompt, self.policy(state)  # One set of weights for the step.
     rng = prefix_rng(config.seed, prefix_step) if (
         prefix_step is not None and config.algo.value_pretrain_target == "prefix") else None
     labels = lambda out, answers: None if rng is None else self.prefix_labels(out, answers, rng)
@@ -224,20 +226,20 @@ class Experience:
       del policy  # The rollout copy (tensor_parallel > 1) is dropped: its memory is free for scoring.
       rewards, correct = self.place_share(scored, out)
       return Sampled(out, rewards, correct, generated | scored.metrics | {"rollout/sampling_rounds": 1.0},
-                     labels(out, [x.answer for x in records for _ in range(group)]))
+                     labels(out, [x.answer for x in records for _ in range(samples_per_prompt)]))
     kept, spare, parts, answers, rounds, rollout_s, verified = [], [], [], [], 0, 0.0, []
     while True:
       key, sample_key = jax.random.split(key)
       records, out, scored, generated = self._sample_round(policy, prompts, sample_key)
-      answers += [x.answer for x in records for _ in range(group)]
+      answers += [x.answer for x in records for _ in range(samples_per_prompt)]
       rollout_s += generated["time/rollout_s"]
-      correct = distributed.gather_rows(scored.correct).reshape(len(records), group)
-      rewards = distributed.gather_rows(scored.rewards).reshape(len(records), group)
+      correct = distributed.gather_rows(scored.correct).reshape(len(records), samples_per_prompt)
+      rewards = distributed.gather_rows(scored.rewards).reshape(len(records), samples_per_prompt)
       verified.append((rewards.size, float(rewards.sum()), scored.metrics))
       offset = sum(len(p[0].response_lengths) for p in parts)
       parts.append((out, rewards, correct))
       for p, accuracy in enumerate(correct.mean(axis=1)):
-        (kept if 0 < accuracy < 1 else spare).append(offset // group + p)
+        (kept if 0 < accuracy < 1 else spare).append(offset // samples_per_prompt + p)
       rounds += 1
       if len(kept) >= settings.prompts_per_step or rounds > config.algo.dynamic_sampling_max_rounds:
         break
@@ -252,7 +254,7 @@ class Experience:
         raise DynamicSamplingCapReached(message + ". Raise the cap, or set algo.dynamic_sampling_on_cap=warn")
       warnings.warn(message, stacklevel=2)
     groups = np.asarray((kept + spare)[:settings.prompts_per_step])
-    rows = (groups[:, None] * group + np.arange(group)).reshape(-1)
+    rows = (groups[:, None] * samples_per_prompt + np.arange(samples_per_prompt)).reshape(-1)
     out = _concat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
     out = _take_rows(out, self.steps.place(rows.astype(np.int32)))
     rewards, correct = (self.steps.place(np.concatenate([p[i] for p in parts]).reshape(-1)[rows]) for i in (1,
@@ -268,7 +270,8 @@ class Experience:
     settings, verified: (records, rollout, verifier's `RewardBatch`, rollout metrics)."""
     settings = self.config.rollout
     records = next(prompts)
-    out, generated = self.generate_in_layout(policy, records, key, group=settings.samples_per_prompt,
+    out, generated = self.generate_in_layout(policy, records, key,
+                                             samples_per_prompt=settings.samples_per_prompt,
                                              temperature=settings.temperature, top_p=settings.top_p,
                                              top_k=settings.top_k)
     scored = self.verify(out, [x.answer for x in records for _ in range(settings.samples_per_prompt)])

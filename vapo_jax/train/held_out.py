@@ -55,11 +55,12 @@ def evaluate(experience, state: TrainState, records: list[Record], *, rl_steps_d
   answer was found (`eval/no_answer_frac`)."""
   config, k = experience.config, experience.config.eval.samples_per_problem
   key = distributed.replicate_local(evaluation_key(config.seed, rl_steps_done), experience.steps.mesh)
-  correct, lengths, failed, policy = [], [], {"error_frac": 0.0, "no_answer_frac": 0.0}, experience.policy(state)
+  correct, lengths, failed, policy = [], [], {"error_frac": 0.0,
+                                              "no_answer_frac": 0.0}, experience.policy(state)
   starts = np.cumsum([0, *evaluation_calls(config, len(records))])
   for n, (i, j) in enumerate(zip(starts[:-1], starts[1:])):
     part = records[i:j]
-    out, _ = experience.generate_in_layout(policy, part, jax.random.fold_in(key, n), group=k,
+    out, _ = experience.generate_in_layout(policy, part, jax.random.fold_in(key, n), samples_per_prompt=k,
                                            temperature=config.eval.temperature, top_p=config.eval.top_p)
     scored = experience.verify(out, [x.answer for x in part for _ in range(k)])
     correct.append(distributed.gather_rows(scored.correct))
@@ -69,7 +70,8 @@ def evaluate(experience, state: TrainState, records: list[Record], *, rl_steps_d
   responses, verdicts = sum(map(len, correct)), np.concatenate(correct)
   levels = accuracy_by_level(verdicts, [r.level for r in records], k)
   return {"eval/accuracy": float(verdicts.mean()), "eval/accuracy_stderr": accuracy_stderr(verdicts, k),
-          "eval/problems": float(len(records)), "eval/response_len_mean": float(np.concatenate(lengths).mean())
+          "eval/problems": float(len(records)),
+          "eval/response_len_mean": float(np.concatenate(lengths).mean())
           } | {f"eval/{name}": float(total / responses) for name, total in failed.items()} | {
               f"eval/accuracy_level_{level}": value for level, value in levels.items()}
 

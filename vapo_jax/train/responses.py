@@ -1,8 +1,8 @@
 """Problems → sampled responses for a config, inside a run or outside one: its rollout plan and sampling, the
 tokens that end a response, and the supervised warm start's batch of demonstrations.
 
-  plan(config, model_cfg, prompts=P, group=G, prompt_tokens=Tp, devices=D)   # a ConfigError if it cannot fit
-  out, metrics = generate_responses(model, records, key, config=config, tokenizer=tokenizer, group=G, ...)
+  plan(config, model_cfg, prompts=P, samples_per_prompt=G, prompt_tokens=Tp, devices=D)  # ConfigError: cannot fit
+  out, metrics = generate_responses(model, records, key, config=config, tokenizer=tokenizer, samples_per_prompt=G, ...)
 
 `generate_responses` is the one path from problems to sampled responses: the trainer's rollouts, its
 held-out evaluation and `make eval` all call it.
@@ -26,37 +26,39 @@ def stop_ids(config: ExperimentConfig, tokenizer) -> tuple[int, ...]:
   return tuple(sorted({tokenizer.eos_token_id, *config.rollout.stop_token_ids}))
 
 
-def plan(config: ExperimentConfig, model_cfg, *, prompts: int, group: int, prompt_tokens: int, devices: int,
-         **options) -> rollout.RolloutPlan:
-  """The rollout plan (`rollout.plan_rollout`) for `prompts` × `group` sequences of `prompt_tokens`-token
+def plan(config: ExperimentConfig, model_cfg, *, prompts: int, samples_per_prompt: int, prompt_tokens: int,
+         devices: int, **options) -> rollout.RolloutPlan:
+  """The rollout plan (`rollout.plan_rollout`) for `prompts` × `samples_per_prompt` sequences of `prompt_tokens`-token
   prompts split over `devices` data-parallel devices; a KV cache that does not fit
   `rollout.kv_cache_budget_gib` per device is a `ConfigError` naming what to change. `options`:
   `plan_rollout`'s (`prompt_lengths`, `platform`)."""
   try:
-    return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts, group=group,
-                                prompt_tokens=prompt_tokens,
+    return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts,
+                                samples_per_prompt=samples_per_prompt, prompt_tokens=prompt_tokens,
                                 dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
   except MemoryError as e:
     raise ConfigError(str(e)) from None
 
 
 def generate_responses(model, records: list[Record], key: jax.Array, *, config: ExperimentConfig, tokenizer,
-                       group: int, temperature: float, top_p: float, top_k: int = 0, jit=jax.jit, place=None,
-                       devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
-  """`group` sampled responses for each record's prompt (B = len(records)·group; sequence n draws from
+                       samples_per_prompt: int, temperature: float, top_p: float, top_k: int = 0, jit=jax.jit,
+                       place=None, devices: int = 1) -> tuple[common.Rollout, dict[str, float]]:
+  """`samples_per_prompt` sampled responses for each record's prompt (B = len(records)·group; sequence n draws from
   fold_in(key, n) whatever the engine) and the rollout's metrics, with the configured engine.
   `jit`, `place` and `devices`: a run's mesh (`Steps.jit`, `Steps.place`, its data-parallel devices);
   the defaults run on the default device."""
   tokens, mask = common.pad_prompts([problems.encode_prompt(x, tokenizer, config) for x in records],
                                     pad_id=tokenizer.pad_token_id)
-  chosen = plan(config, model.cfg, prompts=len(records), group=group, prompt_tokens=tokens.shape[1],
-                devices=devices, prompt_lengths=mask.sum(axis=1))
-  how = sampling_settings(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p, top_k=top_k)
+  chosen = plan(config, model.cfg, prompts=len(records), samples_per_prompt=samples_per_prompt,
+                prompt_tokens=tokens.shape[1], devices=devices, prompt_lengths=mask.sum(axis=1))
+  how = sampling_settings(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p,
+                          top_k=top_k)
   return rollout.sample(model, tokens, mask, key, sampling=how, plan=chosen, pad_id=tokenizer.pad_token_id,
                         cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
 
 
-def sampling_settings(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float, top_p: float,
+def sampling_settings(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float,
+                      top_p: float,
              top_k: int = 0) -> common.Sampling:
   """How a rollout of the run samples (`stop_ids`: the tokens that end a response)."""
   return common.Sampling(max_response_tokens=config.rollout.max_response_tokens,

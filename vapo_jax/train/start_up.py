@@ -59,7 +59,7 @@ def _run_one(experience, policy, key: jax.Array, engine: str) -> None:
                             prompts_per_generation=None,
                             engine="static" if engine == "static" else "refill", decode_budget=0)
   width = common.prompt_bucket(1)
-  plan = rollout.plan_rollout(one, experience.model_cfg, prompts=1, group=1, prompt_tokens=width,
+  plan = rollout.plan_rollout(one, experience.model_cfg, prompts=1, samples_per_prompt=1, prompt_tokens=width,
                               dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices,
                               budgeted=engine != "static")
   r = config.rollout

@@ -91,7 +91,7 @@ class Progress:
     """What `checkpoint`'s arrays were, from a saved record: NumPy arrays of their shapes (the restore's target)."""
     if self.carry is None or not (saved.get("carry") or {}).get("groups"):
       return {}
-    shapes = self.carry.array_shapes(saved["carry"], self.carry.group)
+    shapes = self.carry.array_shapes(saved["carry"], self.carry.samples_per_prompt)
     return {ITEM: {"carry": {name: np.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}}}
 
   def load(self, saved: dict, arrays: dict) -> None:

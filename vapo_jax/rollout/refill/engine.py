@@ -53,8 +53,8 @@ from vapo_jax.rollout.refill.slots import Slots
 
 
 def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None = None,
-           resumed: resumed_lib.Resumed | None = None, *, sampling: common.Sampling, group: int, steps: int,
-           chunk: int, shrink_at: int = 0) -> tuple[Slots, jax.Array]:
+           resumed: resumed_lib.Resumed | None = None, *, sampling: common.Sampling, samples_per_prompt: int,
+           steps: int, chunk: int, shrink_at: int = 0) -> tuple[Slots, jax.Array]:
   """Up to `steps` iterations (module docstring, step 2), leaving early when every sequence has finished or
   the slots can shrink (the queues are empty and `rows_needed` ≤ `shrink_at` > 0), or at `resumed.budget`
   iterations in all that decoded a row (when it gives every page back). Returns the state and its status `[4]`
@@ -67,10 +67,11 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
   window = rows // queues + state.lanes.shape[1]  # The sequences a prefill may be for: a queue's slots and lanes.
 
   def one_step(s: Slots) -> Slots:
-    s, blocked = slots_lib.preempt(s, group=group)
-    s = prefill.chunk(model, prefill.begin(s, blocked, group=group, window=window), tokens=chunk)
-    s, taken = slots_lib.admit(s, blocked, group=group)
-    s = slots_lib.allocate(s, taken, group=group)
+    s, blocked = slots_lib.preempt(s, samples_per_prompt=samples_per_prompt)
+    s = prefill.chunk(model, prefill.begin(s, blocked, samples_per_prompt=samples_per_prompt, window=window),
+                      tokens=chunk)
+    s, taken = slots_lib.admit(s, blocked, samples_per_prompt=samples_per_prompt)
+    s = slots_lib.allocate(s, taken, samples_per_prompt=samples_per_prompt)
     live, local = s.live, slots_lib.local_sequence(s)
     ids, t = s.sequence, s.step
     if resumed is not None:  # Sequence `ids[n]` continued at its token `offsets[n]`: its key and step as begun.
@@ -85,7 +86,7 @@ def decode(model, state: Slots, key: jax.Array, length_limits: jax.Array | None 
     counters = s.counters.at[slots_lib.ITERATIONS].add(1).at[slots_lib.DECODED].add(jnp.any(live).astype(jnp.int32))
     s = s._replace(cache=cache, logits=logits[:, -1], step=jnp.where(live, s.step + 1, s.step),
                    live=live & ~ended, outputs=outputs, counters=counters)
-    return slots_lib.finish_prompts(slots_lib.release(s, ended), ended, group=group)
+    return slots_lib.finish_prompts(slots_lib.release(s, ended), ended, samples_per_prompt=samples_per_prompt)
 
   def can_shrink(s: Slots) -> jax.Array:
     return (shrink_at > 0) & slots_lib.drained(s) & (q_lib.rows_needed(s.live, queues) <= shrink_at)
@@ -161,15 +162,17 @@ def _programs(plan, *, sampling: common.Sampling, pad_id: int, cache_dtype, jit:
               slots: int) -> Programs:
   return Programs(
       start=jit(functools.partial(
-          slots_lib.start, group=plan.group, slots=slots, queues=plan.queues, queue_pages=plan.queue_pages,
+          slots_lib.start, samples_per_prompt=plan.samples_per_prompt, slots=slots, queues=plan.queues,
+          queue_pages=plan.queue_pages,
           pad_id=pad_id, page_tokens=plan.page_tokens, block_pages=plan.block_pages,
           implementation=plan.attention,
           lanes=plan.lanes, max_response_tokens=sampling.max_response_tokens, cache_dtype=cache_dtype)),
-      decode=jit(functools.partial(decode, sampling=sampling, group=plan.group, steps=plan.steps_per_call,
-                                   chunk=plan.prefill_chunk,
+      decode=jit(functools.partial(decode, sampling=sampling, samples_per_prompt=plan.samples_per_prompt,
+                                   steps=plan.steps_per_call, chunk=plan.prefill_chunk,
                                    shrink_at=q_lib.shrink_threshold(slots, plan.min_slots)),
                  donate_argnums=(1,)),
-      finish=jit(functools.partial(common.finished_rollout, group=plan.group, pad_id=pad_id)))
+      finish=jit(functools.partial(common.finished_rollout, samples_per_prompt=plan.samples_per_prompt,
+                                   pad_id=pad_id)))
 
 
 def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key: jax.Array, *, plan,
@@ -208,5 +211,6 @@ def generate_refill(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
              "rollout/prefills": float(counters[slots_lib.PREFILLS]),
              "rollout/prefill_chunks": float(counters[slots_lib.CHUNKS]),
              "rollout/prefill_tokens": float(counters[slots_lib.PREFILLED]),
-             "rollout/queue_pages_peak": float(peak.max()), "rollout/queue_pages_free_after": float(free.min())}
+             "rollout/queue_pages_peak": float(peak.max()),
+             "rollout/queue_pages_free_after": float(free.min())}
   return out, steps, row_steps, figures

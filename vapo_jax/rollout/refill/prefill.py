@@ -27,21 +27,21 @@ from vapo_jax.rollout.refill import slots as slots_lib
 from vapo_jax.rollout.refill.slots import Slots
 
 
-def begin(s: Slots, blocked: jax.Array, *, group: int, window: int) -> Slots:
+def begin(s: Slots, blocked: jax.Array, *, samples_per_prompt: int, window: int) -> Slots:
   """Step 1 of the module docstring over each queue's next `window` sequences; none where `blocked` `[Q]`."""
   queues, lanes = s.lanes.shape
   p, tg = s.prompts, s.cache.page_tokens
   per_prompt = p.users.shape[0] // queues
   by_queue = lambda x: q_lib.by_queue(x, queues)
   next_local, exists = slots_lib.candidates(s, window)
-  prompt = next_local // group  # [Q, M]
+  prompt = next_local // samples_per_prompt  # [Q, M]
   needs = exists & (jnp.take_along_axis(by_queue(p.started), prompt, axis=1) < 0)
   position = jnp.arange(window, dtype=jnp.int32)
   first = jax.vmap(lambda pr, nd: jnp.full(per_prompt + 1, window, jnp.int32).at[
       jnp.where(nd, pr, per_prompt)].min(position))(prompt, needs)
   firsts = needs & (jnp.take_along_axis(first, prompt,
                                         axis=1) == position[None])  # Each prompt once, in order.
-  idle = p.ready() & (slots_lib.live_members(s, s.live, group) == 0) & (p.users > 0)
+  idle = p.ready() & (slots_lib.live_members(s, s.live, samples_per_prompt) == 0) & (p.users > 0)
   ahead = jnp.sum(s.lanes < per_prompt, axis=1) + jnp.sum(by_queue(idle), axis=1)
   allowed = jnp.where(blocked, 0, jnp.maximum(lanes - ahead, 0))
   cost = jnp.where(firsts, -(-jnp.take_along_axis(by_queue(p.lengths), prompt, axis=1) // tg), 0)

@@ -2,7 +2,8 @@
 their attention reads, from the sequences' lengths (the roofline's model of the decode loop,
 `vapo_jax/roofline`).
 
-  load = simulate(responses[:n], prompts[:p], group=G, slots=R, paged=Paged(queue_pages, 128, 4, lanes, chunk))
+  load = simulate(responses[:n], prompts[:p], samples_per_prompt=G, slots=R,
+                  paged=Paged(queue_pages, 128, 4, lanes, chunk))
 
 `simulate` replays one queue (a data-parallel group) of the engine (`engine.py`) step by step: free slots take
 the next sequences in order; in the tail (queue empty, at most half the rows live) the rows shrink to the
@@ -58,8 +59,9 @@ class _Queue:
   """One queue's rows, pages, prompts and prefill lanes, step by step, as the refill engine keeps them
   (`simulate`; the engine's steps: `slots.py`, `prefill.py`)."""
 
-  def __init__(self, responses, prompts, *, group: int, slots: int, paged: Paged | None):
-    self.responses, self.prompts, self.group, self.paged = responses, np.asarray(prompts), group, paged
+  def __init__(self, responses, prompts, *, samples_per_prompt: int, slots: int, paged: Paged | None):
+    self.responses, self.prompts, self.paged = responses, np.asarray(prompts), paged
+    self.samples_per_prompt = samples_per_prompt
     self.seq, self.held, self.gen = np.full(slots, -1), np.zeros(slots, np.int64), np.zeros(slots, np.int64)
     self.started, self.shared = np.zeros(slots, np.int64), np.zeros(slots, np.int64)
     self.waiting, self.next_new, self.rows = [], 0, slots
@@ -67,7 +69,7 @@ class _Queue:
     self.prompt_pages = -(-self.prompts // self.tg)
     self.free, self.peak = (paged.queue_pages, 0) if paged else (0, 0)
     self.p_started, self.p_done = np.full(len(self.prompts), -1), np.zeros(len(self.prompts), np.int64)
-    self.users = np.full(len(self.prompts), group)
+    self.users = np.full(len(self.prompts), samples_per_prompt)
     self.lanes = [-1] * (paged.lanes if paged else 0)  # The prompt each lane fills; -1: none.
     self.preemptions = self.recomputed = self.prefills = 0
     self.prefilled: list[int] = []  # Each prefill's prompt length, in order.
@@ -92,7 +94,7 @@ class _Queue:
   def members(self) -> np.ndarray:
     """`[P]` each prompt's live rows."""
     live = self.seq >= 0
-    return np.bincount(self.seq[live] // self.group, minlength=len(self.prompts))
+    return np.bincount(self.seq[live] // self.samples_per_prompt, minlength=len(self.prompts))
 
   def need(self) -> int:
     return int(((self.seq >= 0) & (self.held % self.tg == 0)).sum())
@@ -130,7 +132,7 @@ class _Queue:
       need -= int(self.held[x] % self.tg == 0)
       self.free += self.own(x)
       chosen.append(x)
-      p = self.seq[x] // self.group
+      p = self.seq[x] // self.samples_per_prompt
       left[p] -= 1
       if left[p] == 0:
         gone.append(p)
@@ -153,7 +155,7 @@ class _Queue:
     allowed = 0 if blocked else max(lanes - sum(lane >= 0 for lane in self.lanes) - idle, 0)
     budget, firsts = self.free - self.need(), []
     for n in self.candidates(self.rows + lanes):
-      p = n // self.group
+      p = n // self.samples_per_prompt
       if self.p_started[p] < 0 and p not in firsts:
         firsts.append(p)
     for p in firsts[:allowed]:
@@ -185,14 +187,14 @@ class _Queue:
     open_slots = np.flatnonzero(self.seq[:self.rows] < 0)
     ready = 0
     for n in self.candidates(len(open_slots)):
-      if self.paged and not self.ready(n // self.group):
+      if self.paged and not self.ready(n // self.samples_per_prompt):
         break
       ready += 1
     take = ready if not self.paged else 0 if blocked else min(ready, max(self.free - self.need(), 0))
     for i in open_slots[:take]:
       self.seq[i] = self.waiting.pop() if self.waiting else self.next_new
       self.next_new += self.seq[i] == self.next_new
-      p = self.seq[i] // self.group
+      p = self.seq[i] // self.samples_per_prompt
       self.held[i], self.gen[i], self.started[i] = (self.prompts[p] if self.paged else 0), 0, t
       self.shared[i] = self.prompts[p] // self.tg if self.paged else 0
     return take
@@ -200,7 +202,7 @@ class _Queue:
   def end(self, ended) -> None:
     for i in np.flatnonzero(ended):
       self.ended_at[self.seq[i]] = self.gen[i]
-      p = self.seq[i] // self.group
+      p = self.seq[i] // self.samples_per_prompt
       if self.paged:
         self.free += self.own(i)
         self.users[p] -= 1
@@ -222,14 +224,16 @@ class _Queue:
       array[:len(kept)] = moved
 
 
-def simulate(responses: np.ndarray, prompts: np.ndarray, *, group: int, slots: int, min_slots: int = 1,
+def simulate(responses: np.ndarray, prompts: np.ndarray, *, samples_per_prompt: int, slots: int,
+             min_slots: int = 1,
              paged: Paged | None = None, prompt_slots: int = 0, block: int = 512, cache_slots: int = 0,
              budget: int = 0) -> Load:
   """One queue's decode loop (module docstring): `responses` `[n]` its sequences' lengths in order, `prompts`
   `[n / group]` their prompts'; `slots` rows at first, shrinking to min_slots·2^k in the tail; `cache_slots`:
   the contiguous cache's slots (0: unbounded); `budget` > 0: stopped after that many steps that decoded a row
   (a partial rollout's round)."""
-  q, t, decoded = _Queue(responses, prompts, group=group, slots=slots, paged=paged), 0, 0
+  q, t, decoded = _Queue(responses, prompts, samples_per_prompt=samples_per_prompt, slots=slots,
+                         paged=paged), 0, 0
   rows, live, read, chunks, prefilled = [], [], [], [], []
   while q.remaining() and not 0 < budget <= decoded:  # The budget counts the steps that decoded a row.
     blocked = False

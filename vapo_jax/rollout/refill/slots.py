@@ -80,7 +80,8 @@ class Slots(NamedTuple):
   outputs: q_lib.Outputs
 
 
-def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int, slots: int, queues: int,
+def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, samples_per_prompt: int, slots: int,
+          queues: int,
           queue_pages: int, page_tokens: int, block_pages: int, implementation: str, max_response_tokens: int,
           pad_id: int, cache_dtype, lanes: int) -> Slots:
   """R empty slots, an empty pool of `queue_pages` pages per queue, the prompts not yet resident."""
@@ -89,12 +90,12 @@ def start(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, *, group: int
   cache = PagedKVCache.zeros(model.cfg, rows=slots, queues=queues, pages=queue_pages, page_tokens=page_tokens,
                              table_pages=table_width, dtype=cache_dtype, implementation=implementation,
                              block_pages=block_pages)
-  n, rows = count * group, lambda shape, dtype, fill=0: q_lib.rows(shape, dtype, fill)
+  n, rows = count * samples_per_prompt, lambda shape, dtype, fill=0: q_lib.rows(shape, dtype, fill)
   prompts = Prompts(prompt_tokens.astype(jnp.int32), jnp.sum(prompt_mask, -1).astype(jnp.int32),
                     rows((count, prompt_table_pages(width, page_tokens, block_pages)), jnp.int32,
                          queue_pages),
                     rows((count,), jnp.int32), rows((count, model.cfg.vocab_size), jnp.float32),
-                    rows((count,), jnp.int32, -1), rows((count,), jnp.int32, group))
+                    rows((count,), jnp.int32, -1), rows((count,), jnp.int32, samples_per_prompt))
   zeros = lambda shape: jnp.zeros(shape, jnp.int32)
   return Slots(cache, rows((slots, model.cfg.vocab_size), jnp.float32), rows((slots,), jnp.int32),
                rows((slots,), jnp.int32), rows((slots,), bool), rows((slots,), jnp.int32),
@@ -163,35 +164,35 @@ def page_wants(s: Slots) -> jax.Array:
   return s.live & (s.cache.lengths % s.cache.page_tokens == 0)
 
 
-def live_members(s: Slots, live: jax.Array, group: int) -> jax.Array:
+def live_members(s: Slots, live: jax.Array, samples_per_prompt: int) -> jax.Array:
   """`[P]` int32 each prompt's rows among `live` `[R]`."""
   queues, per_queue = s.queued.shape[0], s.prompts.users.shape[0] // s.queued.shape[0]
-  prompt = jnp.where(live, local_sequence(s) // group, per_queue)  # per_queue: dropped.
+  prompt = jnp.where(live, local_sequence(s) // samples_per_prompt, per_queue)  # per_queue: dropped.
   count = jax.vmap(lambda p: jnp.zeros(per_queue, jnp.int32).at[p].add(1, mode="drop"))(q_lib.by_queue(prompt,
                                                                                                        queues))
   return count.reshape(-1)
 
 
-def preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
+def preempt(s: Slots, *, samples_per_prompt: int) -> tuple[Slots, jax.Array]:
   """Step 1 of the module docstring (only where a queue's live rows need more pages than it has free). Returns
   the state and which queues gave anything back `[Q]`."""
   queues = s.queued.shape[0]
   need = page_wants(s).astype(jnp.int32)
   short = jnp.sum(q_lib.by_queue(need, queues), axis=1) > s.free.count
-  return lax.cond(jnp.any(short), lambda s: _preempt(s, group=group), lambda s: (s, jnp.zeros(queues, bool)),
-                  s)
+  return lax.cond(jnp.any(short), lambda s: _preempt(s, samples_per_prompt=samples_per_prompt),
+                  lambda s: (s, jnp.zeros(queues, bool)), s)
 
 
-def _preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
+def _preempt(s: Slots, *, samples_per_prompt: int) -> tuple[Slots, jax.Array]:
   queues, rows = s.queued.shape[0], s.live.shape[0]
   per, p = s.outputs.lengths.shape[0] // queues, s.prompts
   per_prompt, pages = p.users.shape[0] // queues, s.cache.pages
   need, own = page_wants(s).astype(jnp.int32), jnp.sum(own_pages(s), axis=1, dtype=jnp.int32)
-  held, members = p.held(pages), live_members(s, s.live, group)
+  held, members = p.held(pages), live_members(s, s.live, samples_per_prompt)
   idle, prefilling = (held > 0) & p.ready() & (members == 0), (held > 0) & ~p.ready()
   prompt_order = jnp.where(idle, _IDLE, jnp.where(prefilling, _PREFILLING + p.started, -1))
   row_order = jnp.where(s.live, s.started * rows + jnp.arange(rows, dtype=jnp.int32), -1)
-  prompt_of = jnp.where(s.live, local_sequence(s) // group, per_prompt)
+  prompt_of = jnp.where(s.live, local_sequence(s) // samples_per_prompt, per_prompt)
   by_queue = lambda x: q_lib.by_queue(x, queues)
 
   def choose(prompt_order, held, row_order, need, own, prompt_of, count):  # One queue's prompts, then rows.
@@ -224,7 +225,8 @@ def _preempt(s: Slots, *, group: int) -> tuple[Slots, jax.Array]:
               .at[RECOMPUTED].add(jnp.sum(jnp.where(chosen, s.step, 0), dtype=jnp.int32)))
   s = release(s, chosen)._replace(live=s.live & ~chosen, waiting=waiting, counters=counters,
                                   waiting_count=s.waiting_count + jnp.sum(by_queue(chosen), axis=1))
-  gone = gone | ((members > 0) & (live_members(s, s.live, group) == 0))  # A prompt with its last live row.
+  gone = gone | ((members > 0) & (live_members(s, s.live,
+                                               samples_per_prompt) == 0))  # A prompt with its last live row.
   blocked = jnp.any(by_queue(chosen), axis=1) | jnp.any(by_queue(gone), axis=1)
   return release_prompts(s, gone), blocked
 
@@ -243,14 +245,14 @@ def candidates(s: Slots, count: int) -> tuple[jax.Array, jax.Array]:
   return jnp.clip(local, 0, per - 1), rank < (s.waiting_count + fresh)[:, None]
 
 
-def admit(s: Slots, blocked: jax.Array, *, group: int) -> tuple[Slots, jax.Array]:
+def admit(s: Slots, blocked: jax.Array, *, samples_per_prompt: int) -> tuple[Slots, jax.Array]:
   """Step 2 of the module docstring; none where `blocked` `[Q]`. Returns the state and the rows taken `[R]`."""
   queues, rows = s.queued.shape[0], s.live.shape[0]
   n, tg, p = s.outputs.lengths.shape[0], s.cache.page_tokens, s.prompts
   free = q_lib.by_queue(~s.live, queues)  # [Q, R/Q]
   need = jnp.sum(q_lib.by_queue(page_wants(s), queues), axis=1, dtype=jnp.int32)
   next_local, exists = candidates(s, rows // queues)
-  ready = jnp.take_along_axis(q_lib.by_queue(p.ready(), queues), next_local // group, axis=1)
+  ready = jnp.take_along_axis(q_lib.by_queue(p.ready(), queues), next_local // samples_per_prompt, axis=1)
   startable = jnp.sum(jnp.cumprod((exists & ready).astype(jnp.int32), axis=1),
                       axis=1)  # In order, to a not ready.
   limit = jnp.where(blocked, 0, jnp.minimum(startable, jnp.maximum(s.free.count - need, 0)))
@@ -260,7 +262,7 @@ def admit(s: Slots, blocked: jax.Array, *, group: int) -> tuple[Slots, jax.Array
   taken = jnp.sum(take, axis=1, dtype=jnp.int32)
   from_stack = jnp.minimum(taken, s.waiting_count)
   take, local = take.reshape(rows), local.reshape(rows)
-  prompt = lambda x: q_lib.gather(x, local // group, queues)  # The queue's own prompt's.
+  prompt = lambda x: q_lib.gather(x, local // samples_per_prompt, queues)  # The queue's own prompt's.
   length = prompt(p.lengths)
   shared = length // tg
   column = jnp.arange(s.cache.table.shape[1], dtype=jnp.int32)[None]
@@ -277,7 +279,7 @@ def admit(s: Slots, blocked: jax.Array, *, group: int) -> tuple[Slots, jax.Array
   return s, take
 
 
-def allocate(s: Slots, taken: jax.Array, *, group: int) -> Slots:
+def allocate(s: Slots, taken: jax.Array, *, samples_per_prompt: int) -> Slots:
   """Step 3 of the module docstring."""
   queues, tg = s.queued.shape[0], s.cache.page_tokens
   want = page_wants(s) | taken
@@ -287,7 +289,7 @@ def allocate(s: Slots, taken: jax.Array, *, group: int) -> Slots:
   table = jnp.where(want[:, None] & (jnp.arange(s.cache.table.shape[1])[None] == column[:, None]),
                     got[:, None], s.cache.table)
   partial = taken & (s.cache.lengths % tg != 0)
-  prompt_table = q_lib.gather(s.prompts.table, local_sequence(s) // group, queues)
+  prompt_table = q_lib.gather(s.prompts.table, local_sequence(s) // samples_per_prompt, queues)
   source = jnp.take_along_axis(prompt_table, jnp.minimum(s.shared, prompt_table.shape[1] - 1)[:, None],
                                axis=1)[:, 0]
   by_queue = lambda x: q_lib.by_queue(x, queues)
@@ -296,11 +298,11 @@ def allocate(s: Slots, taken: jax.Array, *, group: int) -> Slots:
   return s._replace(cache=cache, free=free)
 
 
-def finish_prompts(s: Slots, ended: jax.Array, *, group: int) -> Slots:
+def finish_prompts(s: Slots, ended: jax.Array, *, samples_per_prompt: int) -> Slots:
   """One fewer user for each ended row's prompt; a prompt left with none goes back (`release_prompts`)."""
   queues = s.queued.shape[0]
   per_queue = s.prompts.users.shape[0] // queues
-  prompt = jnp.where(ended, local_sequence(s) // group, per_queue)  # per_queue: dropped.
+  prompt = jnp.where(ended, local_sequence(s) // samples_per_prompt, per_queue)  # per_queue: dropped.
   users = jax.vmap(lambda u, p: u.at[p].add(-1, mode="drop"))(q_lib.by_queue(s.prompts.users, queues),
                                                                q_lib.by_queue(prompt, queues)).reshape(-1)
   done = (users == 0) & (s.prompts.users > 0)

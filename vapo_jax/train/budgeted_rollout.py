@@ -1,7 +1,7 @@
 """A training step's rollout under `rollout.decode_budget`: rounds of the refill engine until P groups are
 complete.
 
-  partial = PartialRounds(context, seed=config.seed, mesh=mesh)   # holds the `rollout.partial.Carry`
+  partial = BudgetedRollout(context, seed=config.seed, mesh=mesh)   # holds the `rollout.partial.Carry`
   out, rewards, correct, stats = partial.sample(state, prompts, version=v)   # P complete groups, verified
 
 Each round decodes the carried sequences and new groups' (`rollout/partial.py`) for at most `decode_budget`
@@ -48,12 +48,12 @@ class Context(NamedTuple):
   cache_dtype: Any
 
 
-class PartialRounds:
+class BudgetedRollout:
   """The partial rollouts of one run: its carry (saved in its checkpoints) and key."""
 
   def __init__(self, context: Context, *, seed: int, mesh):
     r, self.context = context.settings, context
-    self.carry = partial.Carry(group=r.samples_per_prompt, sequences=context.plan.prompts,
+    self.carry = partial.Carry(samples_per_prompt=r.samples_per_prompt, sequences=context.plan.prompts,
                                max_response_tokens=r.max_response_tokens, max_staleness=r.max_staleness,
                                pad_id=context.pad_id, prompt_width=context.plan.prompt_tokens)
     self.key = distributed.replicate_local(jax.random.fold_in(jax.random.key(seed), PARTIAL_STREAM), mesh)
