@@ -2,6 +2,7 @@
 the bound, and nothing without both variables; a keyed file is read back only under its own key (a mismatched
 key, a damaged file, an unreadable or read-only directory: a miss, never an error); XLA's entries are sealed."""
 
+import contextlib
 import os
 
 import pytest
@@ -25,6 +26,23 @@ def test_the_least_recently_used_files_go_down_to_the_bound(tmp_path):
   assert compile_cache.bound(environ) == 2 * MIB
   assert sorted(p.name for p in tmp_path.iterdir()) == ["entry2-cache", "entry3-cache"]
   assert compile_cache.bound(environ) == 0  # Within the bound: nothing more goes.
+
+
+def test_a_file_renamed_by_another_process_while_bound_lists_them_is_passed_over(tmp_path, monkeypatch):
+  """Another process writing the cache (a test process, a sweep's run) renames its temporary file between the
+  listing and the file's stat: that file is passed over, the rest bounded, and the run starts."""
+  _cache(tmp_path, [1, 1, 1, 1])
+  (tmp_path / "entry9-seal.tmp-1").write_bytes(b"x")
+  scandir = os.scandir
+
+  def renamed_after_listing(path):
+    entries = list(scandir(path))
+    (tmp_path / "entry9-seal.tmp-1").rename(tmp_path / "entry9-seal")
+    return contextlib.nullcontext(entries)
+  monkeypatch.setattr(compile_cache.os, "scandir", renamed_after_listing)
+  environ = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path), "VAPO_JAX_CACHE_MAX_GIB": str(2.5 * MIB / 2**30)}
+  assert compile_cache.bound(environ) == 2 * MIB
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["entry2-cache", "entry3-cache", "entry9-seal"]
 
 
 def test_nothing_happens_without_both_variables_or_a_directory(tmp_path):

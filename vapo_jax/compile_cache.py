@@ -89,9 +89,12 @@ def bound(environ=os.environ) -> int:
   entries = []
   with os.scandir(path) as it:
     for entry in it:
-      if entry.is_file(follow_symlinks=False):
-        stat = entry.stat(follow_symlinks=False)
-        entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
+      try:
+        if entry.is_file(follow_symlinks=False):
+          stat = entry.stat(follow_symlinks=False)
+          entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
+      except FileNotFoundError:  # Renamed or removed since the listing (another process writing the cache).
+        pass
   excess, deleted = sum(size for _, size, _ in entries) - float(limit) * 2**30, 0
   for _, size, file in sorted(entries):
     if excess - deleted <= 0:
