@@ -64,8 +64,8 @@ def _problem_of(row: dict, where: str, by_id: dict[str, Record], aliases: dict[s
   if not answer:
     raise DataError(f"{where}, field 'answer': expected a non-empty string or number")
   problem_id = known.id if known is not None else problem_id or str(line)
-  given = inline.setdefault(problem_id, (answer, where)) if known is None else (known.answer,
-                                                                                "the problem file")
+  given = (inline.setdefault(problem_id, (answer, where)) if known is None
+           else (known.answer, "the problem file"))
   if accuracy.answer_key(given[0]) != accuracy.answer_key(answer):
     raise DataError(f"{where}, field 'answer': {answer!r}, but id {problem_id!r} has the answer {given[0]!r} "
                     f"in {given[1]}: one id names one problem; give this problem an id of its own")
@@ -88,8 +88,8 @@ def read_responses(path: str, problems: Sequence[Record] | None,
       raise DataError(f"{where}, field ({unit}): expected an object, got {type(row).__name__}")
     if not isinstance(text := row.get("response"), str):
       raise DataError(f"{where}, field 'response': expected a string, got {type(text).__name__}")
-    responses.append(Response(_problem_of(row, where, by_id, aliases or {}, inline, number, path), text,
-                              where))
+    problem = _problem_of(row, where, by_id, aliases or {}, inline, number, path)
+    responses.append(Response(problem, text, where))
   if not responses:
     raise DataError(f"{path}: no responses")
   return responses
@@ -130,8 +130,8 @@ def evaluate_responses(responses_path: str, *, problems: Sequence[Record] | None
     warnings.warn(f"{warning}; see the samples with form 'none' in {out_dir}/samples.jsonl", stacklevel=2)
   try:
     reward.check_errors(batch, pool, max_error_frac=c.max_error_frac,
-                        counted_in="summary.json's failed_to_score (each sample's reason: samples.jsonl "
-                                   "'error')")
+                        counted_in="summary.json's failed_to_score (each sample's reason: "
+                                   "samples.jsonl 'error')")
   except RewardFunctionError as e:
     raise RewardFunctionError(f"{e} Each response's reason is in {out_dir}/samples.jsonl (field 'error').") from None
   return summary

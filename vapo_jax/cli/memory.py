@@ -34,13 +34,13 @@ def _parser():
   command.add_argument("--mesh", default="", metavar="AXIS=SIZE,...", help="the mesh (axes not named: 1)")
   command.add_argument("--layers", default="", metavar="N", help="compile the models' first N layers only")
   command.add_argument("--phases", default="", metavar="A,B", help="compile only these phases")
-  command.add_argument("--tail", action="store_true", help="also the decode loop at every slot count it "
-                                                           "shrinks to")
+  command.add_argument("--tail", action="store_true",
+                       help="also the decode loop at every slot count it shrinks to")
   command.add_argument("--profile", default="", metavar="RUN_DIR",
                        help="also price the rollout at the response lengths a run logged (its metrics.jsonl)")
   command.add_argument("--remat", action="store_true",
-                       help="also the update under every model.remat policy, and the least recomputation "
-                            "that fits")
+                       help="also the update under every model.remat policy, and the least "
+                            "recomputation that fits")
   return command
 
 

@@ -27,14 +27,14 @@ def parser(program: str, description: str) -> ArgumentParser:
   every field of the experiment with its value) and `field.path=value` overrides; add the program's own."""
   command = ArgumentParser(prog=f"python -m {program}", description=description, add_help=False,
                          allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
-  command.add_argument("-h", "--help", action="store_true", help="show this usage and every config field's "
-                                                                 "value")
+  command.add_argument("-h", "--help", action="store_true",
+                       help="show this usage and every config field's value")
   command.add_argument("--exp", nargs="?", const="", default=DEFAULT_EXPERIMENT, metavar="NAME",
                      help=f"the experiment (experiments/; default {DEFAULT_EXPERIMENT})")
   command.add_argument("--smoke", action="store_true",
                      help="the experiment (with the overrides) rehearsed at smoke-test size, keeping every "
-                          "choice that selects code (experiments/smoke.py); the overrides are applied to it "
-                          "again")
+                          "choice that selects code (experiments/smoke.py); the overrides are applied to "
+                          "it again")
   command.add_argument("overrides", nargs="*", metavar="field.path=value",
                        help="config overrides; later wins")
   return command

@@ -70,15 +70,14 @@ def _parser() -> ArgumentParser:
   parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2], help="comma-separated seeds (default 0,1,2)")
   parser.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
   parser.add_argument("--members", help="comma-separated subset of the sweep's members (default: all)")
-  parser.add_argument("--root", default=DEFAULT_ROOT, help="parent of the sweep's directory (default "
-                                                           f"{DEFAULT_ROOT})")
-  parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size "
-                                                           "(experiments/smoke.py)")
+  parser.add_argument("--root", default=DEFAULT_ROOT,
+                      help=f"parent of the sweep's directory (default {DEFAULT_ROOT})")
+  parser.add_argument("--smoke", action="store_true", help="every run at smoke-test size (experiments/smoke.py)")
   parser.add_argument("--no-shared-stages", action="store_true",
                       help="no shared warm start or reward model: each run does its own warm start, its "
                            "critic from its policy")
-  parser.add_argument("--print-commands", action="store_true", help="print one `make train` line per run; "
-                                                                    "run nothing")
+  parser.add_argument("--print-commands", action="store_true",
+                      help="print one `make train` line per run; run nothing")
   parser.add_argument("--report", action="store_true", help="only rebuild runs.csv, table.md and plots/")
   return parser
 

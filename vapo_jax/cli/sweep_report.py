@@ -166,9 +166,8 @@ def markdown_table(sweep: str, members: Sequence[str], rows: Sequence[dict],
     cells = [_fmt(_stats([r.get(c) for r in mine])) for c in ("accuracy_before", "accuracy_final",
                                                               "accuracy_auc")]
     for column in ("accuracy_final", "accuracy_auc"):
-      cells += ["–",
-                "–"] if member == reference else _fmt_paired(paired_difference(done, member, reference,
-                                                                               column))
+      paired = None if member == reference else paired_difference(done, member, reference, column)
+      cells += ["–", "–"] if paired is None else _fmt_paired(paired)
     paper = variants.paper_score(member)
     lines.append(f"| `{member}` | {len(mine)} | " + " | ".join(cells) + f" | {'–' if paper is None else paper} |")
   lines += ["", f"Mechanisms: each run's mean over its first → last {WINDOW} RL steps, then the mean over "
