@@ -8,6 +8,7 @@ across the two processes, and saves its parameters with Orbax as multi-process r
 
 import dataclasses
 import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -247,6 +248,22 @@ def test_initialize_is_a_no_op_for_one_process():
   with pytest.raises(RuntimeError, match="VAPO_LOCAL_DEVICES=3 needs distributed.initialize"):
     distributed.initialize(environ={"VAPO_LOCAL_DEVICES": "3"})  # JAX already runs on 8 devices here.
 
+
+
+@pytest.mark.parametrize("xla_flags, expected", [("", 2), ("--xla_force_host_platform_device_count=3", 3)])
+def test_a_configs_cpu_devices_apply_where_nothing_else_says_how_many(xla_flags, expected):
+  """`mesh.cpu_devices` makes that many CPU devices in a fresh process; XLA_FLAGS' count comes first."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VAPO_LOCAL_DEVICES")}
+  code = ("from vapo_jax import distributed; import jax; distributed.initialize(cpu_devices=2); "
+          "print(jax.device_count())")
+  out = subprocess.run([sys.executable, "-c", code], env=env | {"XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, check=True, timeout=120)
+  assert out.stdout.split()[-1] == str(expected)
+
+
+def test_a_started_process_keeps_its_devices():
+  assert not distributed.initialize(environ={}, cpu_devices=2)  # JAX already runs on 8 devices here.
+  assert jax.device_count() == 8
 
 if __name__ == "__main__":
   worker(sys.argv[2])

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import xla_bridge  # backends_are_initialized: no public form.
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -31,12 +32,14 @@ COORDINATOR = "VAPO_COORDINATOR"  # host:port of process 0's coordination servic
 NUM_PROCESSES = "VAPO_NUM_PROCESSES"  # How many processes take part.
 PROCESS_ID = "VAPO_PROCESS_ID"  # This process's index, 0 .. VAPO_NUM_PROCESSES - 1.
 LOCAL_DEVICES = "VAPO_LOCAL_DEVICES"  # CPU only: how many CPU devices this process provides.
+HOST_DEVICE_COUNT = "--xla_force_host_platform_device_count"  # XLA_FLAGS' CPU device count.
 DISTRIBUTED = "VAPO_DISTRIBUTED"  # 1: let `jax.distributed.initialize()` detect the cluster.
 _EXPLICIT = (COORDINATOR, NUM_PROCESSES, PROCESS_ID)
 _OWNER = "VAPO_DISTRIBUTED_PID"  # Set by `initialize`: the process of the run that its children descend from.
 
 
-def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeout_s: int = 300,
+def initialize(*, environ: Mapping[str, str] | None = None, cpu_devices: int | None = None,
+               initialization_timeout_s: int = 300,
                heartbeat_timeout_s: int = 100, shutdown_timeout_s: int = 300,
                exit_on_error: bool = True) -> bool:
   """Joins this process to the others when launched as several; returns whether it did.
@@ -45,6 +48,10 @@ def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeo
   Calling it again is a no-op, and so is calling it in a process that a member of the run
   started: spawn and forkserver children of `multiprocessing` (the verifier pool) import the
   main module again with the parent's environment, and joining a second time aborts the run.
+
+  `cpu_devices` (`mesh.cpu_devices`) is the CPU devices to make where nothing else says how many:
+  `VAPO_LOCAL_DEVICES` and XLA_FLAGS' `--xla_force_host_platform_device_count` come first, and a
+  process whose JAX has already started keeps its devices. It changes nothing on an accelerator.
 
   `initialization_timeout_s` bounds the wait for every process to connect;
   `heartbeat_timeout_s` how soon a dead peer is noticed; `shutdown_timeout_s` how long a
@@ -57,7 +64,11 @@ def initialize(*, environ: Mapping[str, str] | None = None, initialization_timeo
     return True
   if os.environ.get(_OWNER, str(os.getpid())) != str(os.getpid()):
     return False  # A helper (e.g. a verifier) that a member of the run started, re-running its main module.
-  cpu_devices = _positive_int(env, LOCAL_DEVICES) if env.get(LOCAL_DEVICES) else None
+  if env.get(LOCAL_DEVICES):
+    cpu_devices = _positive_int(env, LOCAL_DEVICES)
+  elif (HOST_DEVICE_COUNT in env.get("XLA_FLAGS", "") or cpu_devices is None
+        or xla_bridge.backends_are_initialized()):
+    cpu_devices = None
   flag = env.get(DISTRIBUTED, "")
   if flag not in ("", "0", "1"):
     raise ValueError(f"{DISTRIBUTED}={flag!r} must be 1 (initialise from the cluster environment) or 0")

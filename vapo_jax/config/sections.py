@@ -123,6 +123,10 @@ class MeshConfig:
   data: int = -1  # Data-parallel size; -1 fills the devices left over.
   fsdp: int = 1  # Parameter-sharding (ZeRO-3) size.
   tensor: int = 1  # Tensor-parallel size.
+  # On a host without an accelerator, the CPU devices JAX makes, each running its share on its own thread: a
+  # `dp` mesh over them uses that many cores. None: JAX's one. VAPO_LOCAL_DEVICES and XLA_FLAGS'
+  # --xla_force_host_platform_device_count come first (`distributed.initialize`).
+  cpu_devices: int | None = None
   device_memory_gib: float | None = None  # Memory per device the programs must fit; None: the device's own.
   check_memory: bool = True  # At start-up, refuse a run whose compiled programs exceed the memory.
   memory_margin: float = 0.08  # Share of the device memory kept free: a phase may need at most (1 - margin).
@@ -132,6 +136,8 @@ class MeshConfig:
   windowed_einsum: bool = True
 
   def __post_init__(self):
+    if self.cpu_devices is not None:
+      positive_int(self, "cpu_devices")
     if self.device_memory_gib is not None:
       in_range(self, "device_memory_gib", 0.0, 1e6, lo_open=True)
     in_range(self, "memory_margin", 0.0, 1.0, hi_open=True)
