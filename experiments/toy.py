@@ -70,6 +70,7 @@ def vapo() -> ExperimentConfig:
       # α = 1: see the module docstring (toy_vapo_paper_alpha runs the paper's 0.05). 16 updates per step.
       "algo.value_pretrain_steps": 20, "algo.mini_batch_responses": 8, "optim.critic_lr": 1e-4,
       "optim.actor_lr": 5e-5,  # The toy tables' (tiny's own is 1e-4 since its retuning).
+      "mesh.cpu_devices": None,  # The toy tables' one CPU device (tiny's own is 2 since its retuning).
       # 176 tokens: room above the longest solution (131) for DAPO's overlong buffer (the last 35).
       "rollout.max_response_tokens": 176, "reward.verifier_workers": 1,
       "data.train_path": TRAIN, "eval.path": HELD_OUT, "eval.every_steps": RL_STEPS // 4,

@@ -11,7 +11,7 @@ from vapo_jax.data.tokenizer import ByteTokenizer
 
 
 def test_arithmetic_problems_are_fixed_by_their_seed():
-  rows = tasks.from_spec("synthetic:arithmetic?terms=2-5&count=4000&seed=0")  # The tiny experiment's training set.
+  rows = tasks.from_spec("synthetic:arithmetic?terms=2-5&count=4000&seed=0")  # docs/results.md's earlier runs.
   assert rows[0] == {"id": "add-0-0", "problem": "6+5+3+3+1=", "answer": "18",
                      "solution": "11+3+3+1\n14+3+1\n17+1\n18\nAnswer: 18", "level": 5}  # Level: its terms.
   # The problems as they were before rows carried their level (the digest of every other field).
