@@ -60,8 +60,7 @@ def _main(argv: list[str]) -> int:
   stopped_by = _stop_at_start()
   try:
     distributed.tpu_compiler_flags(config.mesh)  # Before libtpu starts.
-    distributed.initialize(cpu_devices=config.mesh.cpu_devices)  # Several processes (a pod, or VAPO_*
-    # variables), the CPU devices: before any JAX computation.
+    distributed.initialize(cpu_devices=config.mesh.cpu_devices)  # Processes, CPU devices: before any JAX.
     devices = preflight.check_backend()
     created = preflight.check_run_dir(run_dir)
     preflight.check_memory(config, devices, show=distributed.is_main_process())
