@@ -245,8 +245,9 @@ def test_initialize_is_a_no_op_for_one_process():
   assert not distributed.initialize(environ={"VAPO_COORDINATOR": "h:1", "VAPO_NUM_PROCESSES": "1",
                                              "VAPO_PROCESS_ID": "0", "VAPO_DISTRIBUTED": "0"})
   assert not distributed.initialize(environ={"TPU_WORKER_HOSTNAMES": "only-one-host"})
+  assert jax.device_count() == 8  # JAX runs (on the tests' 8 devices) before the call, whichever test came first.
   with pytest.raises(RuntimeError, match="VAPO_LOCAL_DEVICES=3 needs distributed.initialize"):
-    distributed.initialize(environ={"VAPO_LOCAL_DEVICES": "3"})  # JAX already runs on 8 devices here.
+    distributed.initialize(environ={"VAPO_LOCAL_DEVICES": "3"})
 
 
 
@@ -262,7 +263,8 @@ def test_a_configs_cpu_devices_apply_where_nothing_else_says_how_many(xla_flags,
 
 
 def test_a_started_process_keeps_its_devices():
-  assert not distributed.initialize(environ={}, cpu_devices=2)  # JAX already runs on 8 devices here.
+  assert jax.device_count() == 8  # JAX runs before the call, whichever test came first.
+  assert not distributed.initialize(environ={}, cpu_devices=2)
   assert jax.device_count() == 8
 
 if __name__ == "__main__":
