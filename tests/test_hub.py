@@ -1,11 +1,16 @@
 """Hub models (`models/hub.py`): `hf:NAME[@REVISION]` read from a Hub cache built on disk (no network: the cache's
 own layout, `models--OWNER--NAME/{refs,snapshots}`, with `HF_HUB_OFFLINE`), loaded as the directory it holds; and
-every failure one `CheckpointError` line naming the repository and what to do."""
+every failure one `CheckpointError` line naming the repository and what to do. On several processes the first
+downloads and the others read its cache after it (the workers are this file run as a script,
+`python tests/test_hub.py worker OUT_DIR CACHE SOURCE`, started by `multiprocess_launch.launch`)."""
 
 import errno
+import json
 import os
 import pathlib
 import shutil
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +19,7 @@ from huggingface_hub import constants
 from huggingface_hub import errors as hub_errors
 
 from model_utils import FIXTURES
+from multiprocess_launch import launch
 from vapo_jax.data import tokenizer as tok_lib
 from vapo_jax.errors import CheckpointError, MissingFileError
 from vapo_jax.models import hub, huggingface
@@ -133,3 +139,40 @@ def test_a_hub_model_without_its_config_is_one_line_naming_the_snapshot(offline_
   with pytest.raises(MissingFileError, match=r"no config.json in checkpoint directory '.*models--tiny--noconfig/"
                                              r"snapshots/"):
     huggingface.load_causal_lm("hf:tiny/noconfig")
+
+
+def test_on_several_processes_the_first_downloads_and_the_others_read_the_cache_after_it(tmp_path):
+  """Two processes resolve one `hf:` name: process 0 downloads (a stand-in for `snapshot_download` that takes 2 s
+  to fill the cache), process 1 waits at the barrier, then reads the cache only (`local_files_only`)."""
+  cache = tmp_path / "hub"
+  cache.mkdir()
+  launch(__file__, ["worker", str(tmp_path), str(cache), str(FIXTURES / "qwen2_untied")], num_processes=2,
+         devices_per_process=1, timeout_s=120, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"})
+  said = [json.loads((tmp_path / f"process_{i}.json").read_text()) for i in range(2)]
+  snapshot = str(cache / "models--tiny--qwen2" / "snapshots" / COMMIT)
+  assert [s["directory"] for s in said] == [snapshot, snapshot]
+  assert [s["cached_only"] for s in said] == [[False], [True]]  # Only the first process downloads.
+
+
+def worker(out_dir: str, cache: str, source: str):
+  import huggingface_hub
+  import jax
+
+  from vapo_jax import distributed
+  assert distributed.initialize(initialization_timeout_s=60, shutdown_timeout_s=60)
+  real, cached_only = huggingface_hub.snapshot_download, []
+
+  def download(repo, *, local_files_only, **kwargs):
+    cached_only.append(local_files_only)
+    if not local_files_only:  # A slow download: a process reading the cache before it ends finds nothing.
+      time.sleep(2)
+      _cached(pathlib.Path(cache), repo, pathlib.Path(source))
+    return real(repo, local_files_only=True, **kwargs)
+  huggingface_hub.snapshot_download = download
+  directory = hub.local("hf:tiny/qwen2")
+  pathlib.Path(out_dir, f"process_{jax.process_index()}.json").write_text(
+      json.dumps({"directory": directory, "cached_only": cached_only}))
+
+
+if __name__ == "__main__":
+  worker(*sys.argv[2:5])
