@@ -154,6 +154,18 @@ def test_on_several_processes_the_first_downloads_and_the_others_read_the_cache_
   assert [s["cached_only"] for s in said] == [[False], [True]]  # Only the first process downloads.
 
 
+def test_on_several_processes_a_failed_download_is_said_by_every_process_without_waiting(tmp_path):
+  """Process 0's download fails (no such repository): it still reaches the barrier, so process 1 says at once that
+  the first process did not download the model, instead of waiting there for a time-out."""
+  cache = tmp_path / "hub"
+  cache.mkdir()
+  launch(__file__, ["worker", str(tmp_path), str(cache), "missing"], num_processes=2, devices_per_process=1,
+         timeout_s=60, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"})
+  said = [json.loads((tmp_path / f"process_{i}.json").read_text())["error"] for i in range(2)]
+  assert "hf:tiny/qwen2: no such repository on the Hub" in said[0], said
+  assert "hf:tiny/qwen2: not in the Hub cache" in said[1] and "the first process did not download it" in said[1]
+
+
 def worker(out_dir: str, cache: str, source: str):
   import huggingface_hub
   import jax
@@ -164,14 +176,18 @@ def worker(out_dir: str, cache: str, source: str):
 
   def download(repo, *, local_files_only, **kwargs):
     cached_only.append(local_files_only)
+    if not local_files_only and source == "missing":
+      raise _http(hub_errors.RepositoryNotFoundError, 404)
     if not local_files_only:  # A slow download: a process reading the cache before it ends finds nothing.
       time.sleep(2)
       _cached(pathlib.Path(cache), repo, pathlib.Path(source))
     return real(repo, local_files_only=True, **kwargs)
   huggingface_hub.snapshot_download = download
-  directory = hub.local("hf:tiny/qwen2")
-  pathlib.Path(out_dir, f"process_{jax.process_index()}.json").write_text(
-      json.dumps({"directory": directory, "cached_only": cached_only}))
+  try:
+    said = {"directory": hub.local("hf:tiny/qwen2"), "cached_only": cached_only}
+  except CheckpointError as e:
+    said = {"error": str(e)}
+  pathlib.Path(out_dir, f"process_{jax.process_index()}.json").write_text(json.dumps(said))
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ def _snapshot(spec: str) -> str:
     return _download(spec, repo, revision, cached_only=False)
   from jax.experimental import multihost_utils
   if jax.process_index() == 0:
-    found = _download(spec, repo, revision, cached_only=False)
-    multihost_utils.sync_global_devices(f"hub {spec}")
-    return found
+    try:
+      return _download(spec, repo, revision, cached_only=False)
+    finally:  # Failed too: the others, let through, find no snapshot and say so now, not at a time-out.
+      multihost_utils.sync_global_devices(f"hub {spec}")
   multihost_utils.sync_global_devices(f"hub {spec}")  # The first process has downloaded it (or failed: it says so).
   return _download(spec, repo, revision, cached_only=True)
 
