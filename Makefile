@@ -89,7 +89,7 @@ bench: $(STAMP)  ## Print the benchmarks: GAE vs baselines; 0.5B forward tokens/
 # The GPU check runs with .venv's Python where make install made one, else the machine's own (a lent GPU machine
 # installs nothing: its Python has jax with the CUDA plugin, flax, optax, orbax-checkpoint, transformers, numpy).
 .PHONY: gpu-check
-gpu-check:  ## On an NVIDIA GPU: its kernels against the oracles, update tokens/s and MFU, paged decode vs gather, make memory (QUICK=1: small shapes); "no GPU" elsewhere.
+gpu-check:  ## On an NVIDIA GPU: its kernels against the oracles, update tokens/s and MFU, paged decode vs gather, make memory, one RL step of math with its MFU (QUICK=1: small shapes); "no GPU" elsewhere.
 	PYTHONPATH=$(CURDIR) $(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(QUICK),--quick)
 
 eval: $(STAMP)  ## Score EXP's eval set: RESPONSES=file.jsonl (saved samples) or CKPT=dir.

@@ -22,6 +22,10 @@ its seconds; a section that fails prints one line and the rest still run (exit 1
              of pages (equal KV bytes): Qwen2.5-0.5B's shape, bfloat16, 64 prompts × 4 samples, a long tail of
              lengths up to 1,024 (--quick: 256); useful tokens/s of each, and whether the tokens agree.
   4 memory   `make memory EXP=tiny` on this machine's devices with bfloat16 compute: XLA's figures and verdict.
+  5 rl step  one RL step of `math` (experiments/one_host.py: Qwen2.5-0.5B, 64 prompts × 8 samples of up to 4,096
+             tokens; --quick: 16 prompts, 512 tokens) from random weights through the trainer, on every device:
+             the step's seconds by phase and its MFU (the step's model FLOPs, `step_flops`, over the devices'
+             bfloat16 peak). Random weights rarely stop: most responses run to the cap, the step's longest.
 """
 
 import importlib.util
@@ -109,17 +113,34 @@ def kernels() -> list[str]:
   return lines
 
 
-def model_flops(cfg, prompt: int, lengths, *, vocab_scored: bool = True) -> float:
-  """FLOPs of one PPO update's model work on the real tokens (no padding, no rematerialisation): for the actor
-  and the critic, a scoring forward (×1) and the update's forward and backward (×3) of every linear layer over
-  every token (2 FLOPs per weight), causal attention within each sequence, and the actor's vocabulary head."""
+def _forward_flops(cfg, prompt, lengths) -> tuple[float, float, float]:
+  """(linear, attention, vocabulary head) FLOPs of one model's forward over sequences of `prompt` + `lengths`
+  tokens: every linear layer over every token (2 FLOPs per weight), causal attention within each sequence, the
+  output projection over every token."""
   import numpy as np
   d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   totals = prompt + np.asarray(lengths, np.int64)
-  linear = 2 * cfg.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) * totals.sum()
+  linear = 2 * cfg.num_layers * (d * (n + 2 * k) * h + n * h * d + 3 * d * f) * float(totals.sum())
   attend = 2 * 2 * cfg.num_layers * n * h * float((totals * (totals + 1) / 2).sum())
-  head = 2 * d * cfg.vocab_size * totals.sum() if vocab_scored else 0
-  return 4 * (2 * (linear + attend) + head)
+  return linear, attend, 2.0 * d * cfg.vocab_size * float(totals.sum())
+
+
+def model_flops(cfg, prompt: int, lengths, *, vocab_scored: bool = True) -> float:
+  """FLOPs of one PPO update's model work on the real tokens (no padding, no rematerialisation): for the actor
+  and the critic, a scoring forward (×1) and the update's forward and backward (×3) (`_forward_flops`), the
+  vocabulary head the actor's only."""
+  linear, attend, head = _forward_flops(cfg, prompt, lengths)
+  return 4 * (2 * (linear + attend) + (head if vocab_scored else 0))
+
+
+def step_flops(cfg, prompt: int, lengths) -> float:
+  """FLOPs of one RL step's model work with a critic: the rollout's forward of the policy over every prompt and
+  response token (prefill and decode; the vocabulary head on the tokens it samples from: the responses'), and
+  the update's (`model_flops`)."""
+  import numpy as np
+  linear, attend, _ = _forward_flops(cfg, prompt, lengths)
+  sampled = 2.0 * cfg.hidden_size * cfg.vocab_size * float(np.sum(lengths))
+  return linear + attend + sampled + model_flops(cfg, prompt, lengths)
 
 
 def update(quick: bool) -> list[str]:
@@ -197,6 +218,79 @@ def decode(quick: bool) -> list[str]:
   return lines
 
 
+def _installed(name: str) -> bool:
+  return importlib.util.find_spec(name) is not None
+
+
+def rl_step_config(quick: bool, devices: int, run_dir: str, *, installed=_installed):
+  """`math` (experiments/one_host.py) as section 5 runs it: random weights, the Qwen2.5 tokenizer in `data/`, no
+  held-out evaluation, the rollout's tensor-parallel groups as large as the devices allow; --quick: 16 prompts ×
+  8 samples of up to 512 tokens. Where this Python cannot read the training parquet (no pyarrow), MATH-500's
+  jsonl is the training set; without jinja2 (the chat template), the prompts are plain. Returns (the config,
+  what differs from the experiment for want of a package)."""
+  import math
+
+  import experiments
+  from vapo_jax import paths
+  from vapo_jax.config import overrides
+
+  config = experiments.get_experiment("math")
+  changes = [f"run_dir={run_dir}", "model.random_init=true", f"model.tokenizer={paths.data_path('qwen2.5_tokenizer')}",
+             "eval.path=None", "data.drop_eval_overlap=false",
+             f"rollout.tensor_parallel={math.gcd(config.rollout.tensor_parallel, devices)}"]
+  if quick:
+    changes += ["rollout.prompts_per_step=16", "rollout.max_response_tokens=512"]
+  notes = []
+  if not installed("pyarrow"):
+    changes.append(f"data.train_path={paths.data_path('math500/test.jsonl')}")
+    notes.append("MATH-500's problems (no pyarrow to read the training parquet)")
+  if not installed("jinja2"):
+    changes.append("data.chat_template=false")
+    notes.append("plain prompts (no jinja2 for the chat template)")
+  return overrides.apply_overrides(config, changes), notes
+
+
+def rl_step(quick: bool, *, shrink=None) -> list[str]:
+  """Section 5: two RL steps of `math` (`rl_step_config`) through the trainer (`Trainer.step`: rollout,
+  verifier, scoring, critic and actor updates); the first compiles, the second is timed. MFU = the step's model
+  FLOPs (`step_flops` at the step's mean prompt and response lengths: its attention a lower bound) / time /
+  (the chip's bfloat16 peak × devices). `shrink`: a function of the config applied last (the tests' CPU
+  run)."""
+  import tempfile
+
+  import jax
+  import numpy as np
+
+  from vapo_jax.train.trainer import Trainer
+
+  devices = jax.devices()
+  with tempfile.TemporaryDirectory() as run_dir:
+    config, notes = rl_step_config(quick, len(devices), run_dir)
+    config = shrink(config) if shrink else config
+    trainer = Trainer(config, write_logs=False, verbose=False)
+    try:
+      state, first = trainer.step(trainer.state)
+      _, second = trainer.step(state)
+    finally:
+      trainer.close()
+  r, cfg = config.rollout, trainer.model_cfg
+  n, prompt, response = r.prompts_per_step * r.samples_per_prompt, second["rollout/prompt_len_mean"], second[
+      "rollout/response_len_mean"]
+  flops, seconds = step_flops(cfg, prompt, np.full(n, response)), second["time/step_s"]
+  peak, kind = peak_flops(devices[0].device_kind), devices[0].device_kind
+  mfu = f"MFU {flops / seconds / (peak * len(devices)):.1%}" if peak else "MFU n/a (chip not in PEAK_BF16)"
+  layers = f"{cfg.num_layers} layer{'s' if cfg.num_layers != 1 else ''}"
+  return [f"  math ({config.model.preset}, {layers}, random weights, {config.model.dtype}): "
+          f"{r.prompts_per_step} prompts x {r.samples_per_prompt} samples, responses up to "
+          f"{r.max_response_tokens:,} tokens{''.join('; ' + note for note in notes)}",
+          f"  first step {first['time/step_s']:.1f} s (with its compiles); second {seconds:.1f} s: rollout "
+          f"{second['time/rollout_s']:.1f}, scoring {second['time/logprobs_values_s']:.1f}, update "
+          f"{second['time/update_s']:.1f}",
+          f"  {n} responses of {response:,.0f} tokens on average ({second['rollout/truncated_frac']:.0%} at the "
+          f"cap) after {prompt:,.0f}-token prompts: {flops / 1e12:,.1f} TFLOP of model work, {mfu} over "
+          f"{len(devices)} x {kind}"]
+
+
 def memory() -> list[str]:
   """Section 4: `make memory EXP=tiny` on this machine's devices, bfloat16 compute."""
   from vapo_jax.cli import memory as memory_cli
@@ -227,7 +321,7 @@ def main(argv: list[str]) -> int:
   print(f"gpu_check: {len(devices)} x {devices[0].device_kind}, jax "
         f"{jax.__version__}{', quick' if quick else ''}")
   sections = (("1 kernels", kernels), ("2 update", lambda: update(quick)),
-              ("3 decode", lambda: decode(quick)), ("4 memory", memory))
+              ("3 decode", lambda: decode(quick)), ("4 memory", memory), ("5 rl step", lambda: rl_step(quick)))
   failed, start = [], time.perf_counter()
   for name, section in sections:
     began = time.perf_counter()

@@ -38,7 +38,8 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_1():
 
 def test_every_section_imports_only_what_a_gpu_machine_has():
   imports = ("benchmarks.gpu_check", "benchmarks.packing_bench", "benchmarks.rollout_bench", "vapo_jax.cli.memory",
-             "vapo_jax.memory.verdict", "vapo_jax.memory.xla_report", "vapo_jax.rollout")
+             "vapo_jax.memory.verdict", "vapo_jax.memory.xla_report", "vapo_jax.rollout", "vapo_jax.train.trainer",
+             "experiments")
   code = BLOCKER + "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in imports)
   done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT,
                                                                          JAX_PLATFORMS="cpu"),
@@ -61,3 +62,37 @@ def test_the_kernel_section_passes_with_the_kernels_interpreted(monkeypatch):
   with pallas_gpu.interpret():
     lines = gpu_check.kernels()
   assert len(lines) == 5 and all(line.endswith("(ok)") for line in lines), lines
+
+
+def test_the_rl_step_flops_add_the_rollouts_forward_to_the_updates():
+  cfg = dataclasses.replace(preset("tiny"), num_layers=1, hidden_size=4, intermediate_size=6, num_heads=2,
+                            num_kv_heads=1, head_dim=2, vocab_size=10)
+  # The update's 7,488 (above), and the rollout's forward: linear 720 + attention 96 + the head on the 2 sampled
+  # tokens 2 · 4 · 10 · 2 = 160.
+  assert gpu_check.step_flops(cfg, 1, [2]) == 7488 + 976
+
+
+def test_without_pyarrow_and_jinja2_the_rl_step_trains_on_math_500_with_plain_prompts(tmp_path):
+  from vapo_jax.data import problems, tokenizer
+
+  config, notes = gpu_check.rl_step_config(False, 8, str(tmp_path), installed=lambda name: False)
+  assert config.data.train_path.endswith("math500/test.jsonl") and not config.data.chat_template
+  assert len(notes) == 2 and config.model.random_init and config.eval.path is None
+  assert (config.rollout.prompts_per_step, config.rollout.max_response_tokens) == (64, 4096)  # The experiment's.
+  rows = problems.training_problems(config, tokenizer.load(config.model.tokenizer))
+  assert len(rows) == 500
+  full, _ = gpu_check.rl_step_config(True, 1, str(tmp_path), installed=lambda name: True)
+  assert full.data.train_path.endswith("train.parquet") and full.data.chat_template
+  assert (full.rollout.tensor_parallel, full.rollout.max_response_tokens) == (1, 512)
+
+
+@pytest.mark.slow  # For time (40 s): make test runs `math` through the trainer in its rehearsal (test_rehearsal.py).
+def test_the_rl_step_section_runs_math_shrunk_on_the_cpu_devices():
+  """Section 5's code on the 8 CPU devices, `math` shrunk by the rehearsal (experiments/smoke.py): two steps
+  through the trainer, their seconds and the step's FLOPs."""
+  from experiments import smoke
+  lines = gpu_check.rl_step(True, shrink=smoke.smoke)
+  assert len(lines) == 3 and lines[2].endswith("MFU n/a (chip not in PEAK_BF16) over 8 x cpu"), lines
+  assert lines[0].startswith("  math (micro, 1 layer, random weights, float32): 8 prompts x 4 samples"), lines
+  # 32 responses of 16 tokens (random weights run to the cap) after the prompts: the step's FLOPs at those lengths.
+  assert "32 responses of 16 tokens on average (100% at the cap)" in lines[2], lines

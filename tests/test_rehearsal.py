@@ -7,7 +7,8 @@ the same metrics as the experiment rehearsed on the static engine (the engine is
 of results), where the experiment can run on it (a partial rollout needs the refill engine).
 
 `aime` runs in make test (its rollout is the one that had never run: the refill engine in tensor-parallel
-groups on an `fsdp_tp` mesh), but for its static-engine run; the others in make test-slow. `test_plans_agree`
+groups on an `fsdp_tp` mesh), but for its static-engine run; `math` (one host: FSDP, the refill engine in pairs)
+runs every stage in make test and resumes in make test-slow; the others are in make test-slow. `test_plans_agree`
 holds the rehearsal to the full run's plan for `aime`, its baselines and its budgeted variant."""
 
 import json
@@ -33,7 +34,7 @@ REHEARSED = {  # name: (experiment, overrides)
     "toy": ("toy", ()),
     "math": ("math", ()),
 }
-FAST = ("aime",)
+FAST = {"aime": ("runs", "resumes"), "math": ("runs",)}  # name: the tests of it that make test runs.
 VARYING = ("time/", "perf/")
 # The engine's own figures: how the rollout ran, not what it sampled.
 ENGINE = ("rollout/decode_steps", "rollout/slots", "rollout/slot_utilization", "rollout/preemptions",
@@ -107,11 +108,11 @@ def rehearsals(tmp_path_factory):
   return rehearse
 
 
-def _rehearsed(name: str):
-  return pytest.param(name, marks=() if name in FAST else pytest.mark.slow)
+def _rehearsed(name: str, test: str):
+  return pytest.param(name, marks=() if test in FAST.get(name, ()) else pytest.mark.slow)
 
 
-@pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED])
+@pytest.mark.parametrize("name", [_rehearsed(name, "runs") for name in REHEARSED])
 def test_a_rehearsal_runs_every_stage_with_finite_metrics_and_every_page_back(name, rehearsals):
   config, run, records = rehearsals(name)
   stages = [r["stage"] for r in records]
@@ -139,7 +140,7 @@ def test_a_rehearsal_runs_every_stage_with_finite_metrics_and_every_page_back(na
   assert os.listdir(os.path.join(run, "plots")) == ["reward_accuracy.png"]  # make plot draws the others.
 
 
-@pytest.mark.parametrize("name", [_rehearsed(name) for name in REHEARSED])
+@pytest.mark.parametrize("name", [_rehearsed(name, "resumes") for name in REHEARSED])
 def test_a_rehearsal_resumed_after_its_first_rl_step_logs_the_same_metrics(name, rehearsals, tmp_path):
   _, run, records = rehearsals(name)
   copy = tmp_path / "resumed"
