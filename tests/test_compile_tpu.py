@@ -234,8 +234,13 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   for p in step.phases:
     assert p.compute_s == p.flops / chip.peak_flops and p.collective_s == p.collective_bytes / chip.ici_bandwidth
     assert 0 < step.phase_mfu(p.phase) < 1 and p.model_flops > 0 and p.flops > 0 and p.bytes > 0, p.phase
-    if p.phase != "rollout":
-      assert p.seconds == max(p.compute_s, p.memory_s) + p.collective_s, p.phase
+    if p.phase != "rollout":  # Walked: each instruction at its slower side, one after another; collectives on ICI.
+      assert p.groups and p.seconds == p.instructions_s + p.collective_s, p.phase
+      assert p.instructions_s == pytest.approx(sum(g[3] for name, g in p.groups.items() if name != "collective"))
+      for name, (_, flops, bytes_, bound, _) in p.groups.items():
+        sides = flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth
+        assert name == "collective" or max(sides) * 0.999999 <= bound <= sum(sides) * 1.000001, (p.phase, name)
+      assert p.compiler_s == p.cycles_s + p.kernels_s + p.collective_s
   # The rollout's decode steps are priced one by one (each the slower of its FLOPs and bytes): at least the
   # sums' slower, at most both.
   rollout = step.phase("rollout")
@@ -257,6 +262,8 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   m = packed_batch.micro_rows(c, smoke_report.mesh_shape["data"] * smoke_report.mesh_shape["fsdp"])
   assert micro_batch_cost.trips(smoke_report, "scoring") == -(-c.rollout.responses_per_step // m)  # A row each.
   assert f"MFU {step.mfu:.1%}" in roofline_text.format_estimate(step, "TPU v5")
+  assert f"one RL step {step.compiler_seconds:.0f} s, MFU {step.compiler_mfu:.1%} (by the bound: {step.mfu:.1%})" \
+      in text and "update by instruction group" in text and "scoring by instruction group" in text
   assert "the run's RL" not in text and (f"the run's RL: 100 steps x {step.seconds:.0f} s = "
                                           f"{100 * step.seconds / 3600:.1f} h") in roofline_text.format_estimate(
                                               step, "TPU v5", 100)
@@ -287,7 +294,10 @@ def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path
   replay, whole = budgeted.partial, dict(estimates)["B, paged"]
   assert replay.rounds >= replay.steps and replay.load.steps == budgeted.decode_steps * replay.steps
   assert budgeted.decode_steps <= replay.rounds / replay.steps * cap // 2
-  assert budgeted.phase("rollout").flops > whole.phase("rollout").flops - whole.decode.flops + budgeted.decode.flops
+  # The round's programs but its decode loop (start, finish: bytes, no FLOPs since the prefill went into the
+  # loop) run once a round.
+  rest = lambda step: step.phase("rollout").bytes - step.decode.bytes
+  assert rest(whole) > 0 and rest(budgeted) == pytest.approx(rest(whole) * replay.rounds / replay.steps)
   assert budgeted.phase("update").flops == whole.phase("update").flops
   estimates.append((f"B, paged, budget {cap // 2}", budgeted))
   text = roofline_text.format_comparison(report, estimates)

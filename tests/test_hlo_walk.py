@@ -159,3 +159,40 @@ def test_a_scan_compiled_for_a_v5p_chip_is_walked_by_its_trips_and_its_updates()
   iteration = walked.loops[0].iteration.bytes
   assert 4 * row <= iteration <= 4 * row + 512
   assert 7 * iteration <= walked.bytes <= 7 * iteration + 4 * row  # x copied in and out around the loop.
+
+
+def test_groups_add_up_to_the_walk_and_each_instruction_is_bound_by_its_slower_side():
+  walked = hlo_walk.walk(MODULE, ridge=10.0)
+  groups = walked.groups
+  for i, total in ((1, walked.flops), (2, walked.bytes), (3, walked.cycles)):
+    assert sum(g[i] for g in groups.values()) == total
+  assert groups["gather, slice"][0] == 8 and groups["gather, slice"][3] == 8 * 10  # The row's fusion, 7 + 1 runs.
+  assert groups["in-place update"][2] == 8 * ROW and groups["Pallas kernel"][2] == walked.kernel_bytes
+  # A matmul (compute-bound at a ridge of 10 FLOPs a byte) and an elementwise fusion after it: one after the
+  # other, each at its slower side; the phase-wide max would hide the second's bytes under the first's FLOPs.
+  module = """HloModule m
+
+%mm (x: f32[128,256], w: f32[256,512]) -> f32[128,512] {
+  %x = f32[128,256]{1,0} parameter(0)
+  %w = f32[256,512]{1,0} parameter(1)
+  ROOT %d = f32[128,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%ew (y: f32[128,512]) -> f32[128,512] {
+  %y = f32[128,512]{1,0} parameter(0)
+  ROOT %n = f32[128,512]{1,0} negate(%y)
+}
+
+ENTRY %main (x0: f32[128,256], w0: f32[256,512]) -> f32[128,512] {
+  %x0 = f32[128,256]{1,0} parameter(0)
+  %w0 = f32[256,512]{1,0} parameter(1)
+  %d0 = f32[128,512]{1,0} fusion(%x0, %w0), kind=kOutput, calls=%mm
+  ROOT %e0 = f32[128,512]{1,0} fusion(%d0), kind=kLoop, calls=%ew
+}
+"""
+  walked = hlo_walk.walk(module, ridge=10.0)
+  flops, dot_bytes, ew_bytes = 2 * 128 * 512 * 256, (128 * 256 + 256 * 512 + 128 * 512) * 4, 2 * 128 * 512 * 4
+  assert walked.groups["matmul"] == [1, flops, dot_bytes, 0, flops / 10]  # Compute-bound: FLOPs over the ridge.
+  assert walked.groups["elementwise"] == [1, 0, ew_bytes, 0, ew_bytes]
+  assert flops / 10 + ew_bytes > max(walked.flops / 10, walked.bytes)
+  assert hlo_walk.walk(module).groups["matmul"][4] == dot_bytes  # No ridge: bytes.

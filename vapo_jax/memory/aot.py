@@ -29,14 +29,15 @@ from vapo_jax.memory import hlo, hlo_walk, topologies, tpu_said
 from vapo_jax.models import attention
 from vapo_jax.rollout.common import DECODE_LOOP
 
-_walking = [False]  # Inside `walking(True)`: programs are walked (`Program.walked`).
+_walking = [None]  # Inside `walking(chip)`: programs are walked (`Program.walked`) for that chip.
 
 
 @contextlib.contextmanager
-def walking(on: bool):
-  """Inside: `compile_program` walks each program's HLO (`hlo_walk`), which only the roofline reads (a compile
+def walking(chip):
+  """Inside, with a chip (`topologies.Chip`; None: nothing walked): `compile_program` walks each program's HLO
+  (`hlo_walk`, each instruction bound at the chip's ridge point), which only the roofline reads (a compile
   report for a chip it knows); elsewhere (the start-up check) it is not spent."""
-  before, _walking[0] = _walking[0], on
+  before, _walking[0] = _walking[0], chip
   try:
     yield
   finally:
@@ -164,7 +165,8 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   memory, found, traffic, walked = None, (), None, None
   if said.refusal is None:
     memory = Memory(*said.memory)
-    walked = hlo_walk.walk(said.text) if _walking[0] else None
+    chip = _walking[0]
+    walked = None if chip is None else hlo_walk.walk(said.text, ridge=chip.peak_flops / chip.hbm_bandwidth)
     found = tuple(hlo.collectives(said.text))
     traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
   refused = topologies.refused_bytes(said.refusal) if said.refusal is not None else None

@@ -60,12 +60,21 @@ class Cost:
   cycles: float = 0.0
   kernel_bytes: float = 0.0
   flops: float = 0.0  # Of its matmuls (dots and convolutions, inside fusions too): 2 per multiply-add.
+  # The same by instruction group (`group`): name → [instructions run, FLOPs, bytes, cycles, bound bytes], the
+  # bound bytes each instruction's max(FLOPs / ridge, bytes) (`walk`'s ridge; bytes without one): at the
+  # chip's HBM bandwidth, the time of its instructions one after another, each at the slower of its FLOPs and
+  # its bytes.
+  groups: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def add(self, other: "Cost", times: float = 1.0) -> None:
     self.bytes += other.bytes * times
     self.cycles += other.cycles * times
     self.kernel_bytes += other.kernel_bytes * times
     self.flops += other.flops * times
+    for name, figures in other.groups.items():
+      mine = self.groups.setdefault(name, [0.0] * len(figures))
+      for i, x in enumerate(figures):
+        mine[i] += x * times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +96,46 @@ class Walked:
   kernel_bytes: float
   loops: tuple[Loop, ...]
   flops: float = 0.0
+  groups: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # As `Cost.groups`.
 
   def loop(self, scope: str) -> Loop | None:
     """The outermost loop traced under `jax.named_scope(scope)` (None: none)."""
     found = [x for x in self.loops if x.op_name.endswith(f"{scope}/while")]
     return min(found, key=lambda x: x.runs) if found else None
+
+
+_COLLECTIVES = frozenset({"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+                          "ragged-all-to-all"})
+GROUPS = ("matmul", "collective", "Pallas kernel", "in-place update", "gather, slice", "copy, transpose",
+          "reduction", "elementwise", "control", "other")
+
+
+def group(opcode: str, inner: set[str], flops: float, body: str) -> str:
+  """The instruction group of a top-level instruction (`GROUPS`), from its opcode, the opcodes fused into it
+  (`inner`) and its matmul FLOPs: a collective (asynchronous ones by their start); a Pallas kernel; any
+  fusion with a matmul; then by what it fuses: an in-place update (scatter, dynamic-update-slice), a gather
+  or slice, only copies and transposes, a reduction, else elementwise work; `control` is a loop's or
+  conditional's own instruction."""
+  ops = inner | {opcode}
+  if any(op.removesuffix("-start") in _COLLECTIVES for op in ops):
+    return "collective"
+  if opcode == "custom-call":
+    return "Pallas kernel" if 'custom_call_target="tpu_custom_call"' in body else "other"
+  if opcode in ("while", "conditional", "call"):
+    return "control"
+  if flops:
+    return "matmul"
+  if ops & {"scatter", "dynamic-update-slice"}:
+    return "in-place update"
+  if ops & {"gather", "dynamic-slice", "slice"}:
+    return "gather, slice"
+  if ops - {"fusion", "parameter", "bitcast", "tuple", "get-tuple-element"} <= {"copy", "copy-start", "transpose"}:
+    return "copy, transpose"
+  if ops & {"reduce", "reduce-window"}:
+    return "reduction"
+  if opcode == "fusion" or ops & {"add", "multiply", "convert", "select", "exponential", "divide"}:
+    return "elementwise"
+  return "other"
 
 
 def hbm_bytes(type_text: str) -> int:
@@ -122,7 +166,8 @@ def _aliased(body: str, operands: int) -> list[tuple[int, int]]:
 
 
 class _Program:
-  def __init__(self, text: str):
+  def __init__(self, text: str, ridge: float | None = None):
+    self.ridge = ridge
     self.entry, self.computations, self.types = hlo.parse(text)
     self.by_name = hlo.by_name(self.computations)
     self.loops: list[Loop] = []
@@ -186,6 +231,8 @@ class _Program:
     cost = Cost(cycles=float(m.group(1)) if (m := _CYCLES.search(body)) else 0.0)
     if opcode in _FREE or opcode.endswith("-done"):
       return cost
+    if cost.cycles and opcode in ("while", "conditional", "call"):
+      cost.groups["control"] = [1.0, 0.0, 0.0, cost.cycles, 0.0]
     operands = hlo._operands(body, opcode)
     if opcode == "while":
       body_comp, = self._callees(body, "body")
@@ -236,6 +283,9 @@ class _Program:
         sizes[i] = 0
     cost.bytes += sum(sizes) + result
     cost.flops += self.matmul_flops(type_text, opcode, body)
+    bound = max(cost.flops / self.ridge, cost.bytes) if self.ridge else cost.bytes
+    cost.groups[group(opcode, set(inner.split()), cost.flops, body)] = [1.0, cost.flops, cost.bytes, cost.cycles,
+                                                                        bound]
     if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in body:
       cost.kernel_bytes += sum(sizes) + result
     return cost
@@ -277,10 +327,11 @@ def _result_arrays(type_text: str) -> list[str]:
   return [m.group(0) for m in _TYPED.finditer(type_text)] or [type_text]
 
 
-def walk(text: str) -> Walked:
-  """The program's HBM bytes, cycles and kernels' bytes per device, and its loops (module docstring)."""
-  program = _Program(text)
+def walk(text: str, ridge: float | None = None) -> Walked:
+  """The program's HBM bytes, cycles and kernels' bytes per device, and its loops (module docstring); `ridge`:
+  the chip's FLOPs per HBM byte at its peaks, which its instructions' bounds take (`Cost.groups`)."""
+  program = _Program(text, ridge)
   if program.entry is None:
     return Walked(0.0, 0.0, 0.0, ())
   total = program.computation(program.entry, 1.0)
-  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops)
+  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops, total.groups)

@@ -219,7 +219,7 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   if unknown:
     raise ConfigError(f"unknown phase(s) {', '.join(sorted(unknown))}; phases: {', '.join(PHASES)}")
   run, done = _Run(config, target, layers, tail), []
-  with topologies.persistent_cache_for(target), tpu_said.keeping(target), aot.walking(target.chip is not None):
+  with topologies.persistent_cache_for(target), tpu_said.keeping(target), aot.walking(target.chip):
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
     if "reshard" in phases and run.layout.tensor_parallel > 1:

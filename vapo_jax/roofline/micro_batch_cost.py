@@ -48,7 +48,8 @@ def walked(program, run: float) -> hlo_walk.Cost:
   (`hlo_walk`), with its micro-batch loops charged for the `run` micro-batches that run in all rather than the
   compiled ones."""
   w = program.walked
-  total = hlo_walk.Cost(bytes=w.bytes, cycles=w.cycles, kernel_bytes=w.kernel_bytes, flops=w.flops)
+  total = hlo_walk.Cost(bytes=w.bytes, cycles=w.cycles, kernel_bytes=w.kernel_bytes, flops=w.flops,
+                        groups={name: list(figures) for name, figures in w.groups.items()})
   for loop in micro_loops(program).values():
     total.add(loop.iteration, run - loop.runs * loop.trips)
   return total

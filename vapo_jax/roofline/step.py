@@ -1,6 +1,11 @@
 """A roofline estimate of one RL step from a compile report: each phase's FLOPs and HBM bytes per chip at
-the chip's peak bfloat16 FLOP/s and HBM bandwidth, the slower of the two, plus the bytes its
-collectives move at the chip's inter-chip (ICI) bandwidth (`topologies.CHIPS`: JAX's chip table, v5p
+the chip's peak bfloat16 FLOP/s and HBM bandwidth, plus the bytes its collectives move at the chip's
+inter-chip (ICI) bandwidth. Scoring and the update are priced instruction by instruction, each at the slower
+of its FLOPs and its bytes, one after another (a TensorCore runs one fusion at a time, so a matmul's compute
+hides none of the next copy's bytes: `Estimate.instructions_s`), their Pallas kernels at attention's FLOPs;
+the slower of the phase's sums (`overlapped_s`) is printed beside it, and so is the step at the compiler's
+own cycles (`compiler_s`, `StepEstimate.compiler_mfu`): a target holds where both reach it. Other phases
+take the slower of their sums (`topologies.CHIPS`: JAX's chip table, v5p
 459 TFLOP/s and 2.46e12 B/s over two TensorCores; 600 GB/s ICI into a chip).
 
   report = step.every_layer(report, twice)   # scanned layers: `twice` compiled with model.scan_unroll=2
@@ -43,6 +48,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from vapo_jax.memory import hlo_walk
 from vapo_jax.models import decode_attention, logprobs, paged_attention
 from vapo_jax.rollout import common, partial_replay
 from vapo_jax.rollout import plan as plan_lib
@@ -65,11 +71,33 @@ class Estimate(NamedTuple):
   model_flops: float = 0.0  # Useful FLOPs of the phase on all chips.
   priced_s: float | None = None  # Priced part by part (the rollout: its decode steps one by one), else None.
   cycles_s: float = 0.0  # The compiler's estimated cycles at the chip's clock (uncalibrated; kernels count none).
+  # Walked programs (scoring, the update): their instruction groups (`hlo_walk.group`) in the step's runs, per
+  # chip: name → (instructions run, FLOPs, HBM bytes, bound s, the compiler's cycles s), the bound each
+  # instruction at the slower of its FLOPs and its bytes; and the time of them all one after another
+  # (collectives aside).
+  groups: dict[str, tuple[float, ...]] | None = None
+  instructions_s: float | None = None
+  kernels_s: float = 0.0  # Of that, the Pallas kernels' (their FLOPs from attention's definition).
 
   @property
   def seconds(self) -> float:
-    return self.priced_s if self.priced_s is not None else max(self.compute_s,
-                                                               self.memory_s) + self.collective_s
+    """The rollout's priced steps; scoring's and the update's instructions one after another (a TensorCore runs
+    one fusion at a time: a matmul's compute does not hide the next fusion's bytes); else the slower of the
+    phase's FLOPs and bytes; collectives over ICI on top (no overlap)."""
+    if self.priced_s is not None:
+      return self.priced_s
+    return (self.instructions_s if self.instructions_s is not None else self.overlapped_s) + self.collective_s
+
+  @property
+  def overlapped_s(self) -> float:
+    """The slower of the phase's FLOPs and bytes as if every instruction's overlapped every other's."""
+    return max(self.compute_s, self.memory_s)
+
+  @property
+  def compiler_s(self) -> float:
+    """The compiler's cycles at the clock, the Pallas kernels (which carry none) at their bound, collectives over
+    ICI (the compiler gives them none): the walked phases' second figure; else `seconds`."""
+    return self.seconds if self.groups is None else self.cycles_s + self.kernels_s + self.collective_s
 
 
 class StepEstimate(NamedTuple):
@@ -110,6 +138,15 @@ class StepEstimate(NamedTuple):
   @property
   def rollout_share(self) -> float:
     return self.phase("rollout").seconds / self.seconds
+
+  @property
+  def compiler_seconds(self) -> float:
+    """The step with scoring and the update at the compiler's cycles (`Estimate.compiler_s`)."""
+    return sum(p.compiler_s for p in self.phases)
+
+  @property
+  def compiler_mfu(self) -> float:
+    return self.model_flops / (self.chips * self.peak_flops * self.compiler_seconds)
 
 
 def every_layer(scanned, twice):
@@ -253,12 +290,13 @@ def _model_flops(report, profile: profiles.Profile) -> dict[str, float]:
 
 def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, chip, budget=None):
   """(FLOPs, bytes, collective bytes, compiler cycles, the decode loop's cost or None, the partial rollouts'
-  replay or None) of one phase per chip in one RL step; `budget`: partial rollouts (`decode_partial`)."""
+  replay or None, the walked programs' instruction groups or None) of one phase per chip in one RL step;
+  `budget`: partial rollouts (`decode_partial`)."""
   c, cfg = report.config, report.architecture
   tokens = micro_batch_cost.sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
   flops = bytes_ = moved = cycles = 0.0
-  found, replay, mb = None, None, micro_batch_cost
+  found, replay, mb, groups = None, None, micro_batch_cost, None
   if budget is not None and phase.name == "rollout":
     found, replay = decode_partial(report, next(p for p in phase.programs if p.decode is not None), profile,
                                    chip, budget)
@@ -282,6 +320,11 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
       if program.walked is not None and mb.micro_loops(program):  # Every matmul walked, the vocabulary blocks too.
         cost = mb.walked(program, trips)
         f, b, k = cost.flops, cost.bytes, cost.cycles
+        groups = groups or hlo_walk.Cost()
+        groups.add(cost)
+        kernels = groups.groups.setdefault("Pallas kernel", [0.0] * 5)
+        kernels[1] += attention  # The kernels' FLOPs, from attention's definition (the walk sees none).
+        kernels[4] = max(kernels[4], kernels[1] * chip.hbm_bandwidth / chip.peak_flops)
         m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
         f += attention
       else:
@@ -290,7 +333,7 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
         heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
         f += attention + _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads
     flops, bytes_, moved, cycles = flops + f, bytes_ + b, moved + m, cycles + k
-  return flops, bytes_, moved, cycles, found, replay
+  return flops, bytes_, moved, cycles, found, replay, None if groups is None else groups.groups
 
 
 def engines(report) -> tuple[str, ...]:
@@ -313,7 +356,8 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
   engine = engine or engines(report)[0]
   useful, found, decoded, replay = _model_flops(report, profile), [], None, None
   for phase in (p for p in report.phases if p.name in ("rollout", "scoring", "update")):
-    flops, bytes_, moved, cycles, cost, replayed = _phase(report, phase, chips, profile, engine, chip, budget)
+    flops, bytes_, moved, cycles, cost, replayed, groups = _phase(report, phase, chips, profile, engine, chip,
+                                                                  budget)
     replay = replay or replayed
     priced = None
     if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
@@ -321,9 +365,15 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
       priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops,
                                   (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
           + (moved - cost.collective_bytes) / chip.ici_bandwidth
+    serial = kernels = None
+    if groups is not None:  # (runs, FLOPs, bytes, bound s, cycles s); collectives are priced over ICI.
+      groups = {name: (g[0], g[1], g[2], g[4] / chip.hbm_bandwidth, g[3] / chip.clock_hz if chip.clock_hz else 0.0)
+                for name, g in groups.items()}
+      serial = sum(g[3] for name, g in groups.items() if name != "collective")
+      kernels = groups.get("Pallas kernel", (0.0,) * 5)[3]
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth,
                           moved, moved / chip.ici_bandwidth, useful[phase.name], priced,
-                          cycles / chip.clock_hz if chip.clock_hz else 0.0))
+                          cycles / chip.clock_hz if chip.clock_hz else 0.0, groups, serial, kernels or 0.0))
   fill, m, fitting = None, 0, 0
   if c.packing.enabled:
     shards = report.mesh_shape["data"] * report.mesh_shape["fsdp"]

@@ -38,8 +38,12 @@ def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = N
             f"{step.phase_mfu(p.phase):8.1%}" for p in step.phases]
   lines.append("  (HBM GB: walked from each program's HLO, loops by their trips, in-place writes as their "
                "updates; cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, "
-               "kernels and gathers counting none)")
+               "kernels and gathers counting none; estimate s: the rollout's decode steps one by one, scoring's "
+               "and the update's instructions one after another, each the slower of its compute and memory, "
+               "collectives over ICI on top)")
+  lines += format_groups(step)
   lines.append(f"  {summary(step)}")
+  lines.append(f"  {compiler_summary(step)}")
   if rl_steps:
     lines.append(f"  the run's RL: {rl_steps} steps x {step.seconds:.0f} s = "
                  f"{rl_steps * step.seconds / 3600:.1f} h "
@@ -47,6 +51,35 @@ def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = N
   if bound := update_bound(step):
     lines.append(f"  {bound}")
   return "\n".join(lines)
+
+
+def format_groups(step: StepEstimate) -> list[str]:
+  """Scoring's and the update's instructions by group: the bound beside the compiler's cycles, and what the
+  phase-wide figure (compute and memory overlapped across every instruction) would have said."""
+  lines = []
+  for p in (p for p in step.phases if p.groups):
+    lines.append(f"  {p.phase} by instruction group, per chip: {p.instructions_s:.1f} s one after another "
+                 f"(+ {p.collective_s:.1f} s of collectives over ICI), against {p.overlapped_s:.1f} s with "
+                 f"compute and memory overlapped across the phase; the compiler's cycles {p.cycles_s:.1f} s")
+    lines.append(f"    {'group':<17}{'runs':>12}{'TFLOP':>10}{'HBM GB':>10}{'bound s':>10}{'cycles s':>10}"
+                 f"{'cycles / bound':>16}")
+    for name, (runs, flops, bytes_, bound, cycles) in sorted(p.groups.items(), key=lambda kv: -kv[1][3]):
+      over = "over ICI" if name == "collective" else "none" if not cycles else f"{cycles / bound:.2f}" if bound \
+          else "-"
+      lines.append(f"    {name:<17}{runs:12,.0f}{flops / 1e12:10.1f}{bytes_ / 1e9:10.1f}"
+                   f"{'' if name == 'collective' else f'{bound:.1f}':>10}{cycles:10.1f}{over:>16}")
+  return lines
+
+
+def compiler_summary(step: StepEstimate) -> str:
+  """The step by the compiler's cycles for scoring and the update (`Estimate.compiler_s`), beside the bound's."""
+  walked = [p for p in step.phases if p.groups]
+  if not walked:
+    return "the compiler's figure: none (no program walked)"
+  parts = ", ".join(f"{p.phase} {p.compiler_s:.0f} s (bound {p.seconds:.0f} s)" for p in walked)
+  return (f"by the compiler's cycles (Pallas kernels at their bound, collectives over ICI): {parts}; one RL step "
+          f"{step.compiler_seconds:.0f} s, MFU {step.compiler_mfu:.1%} (by the bound: {step.mfu:.1%}); a target "
+          "holds only where both reach it")
 
 
 def summary(step: StepEstimate) -> str:
