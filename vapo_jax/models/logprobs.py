@@ -16,9 +16,9 @@ passes) and applies
   ∂ log π(o_t)/∂z_t,v = 1[v = o_t] − p_t,v          ∂H_t/∂z_t,v = −p_t,v · (log p_t,v + H_t)
 
 then ∂h += ∂z·W_bᵀ (float32) and ∂W_b = hᵀ·∂z, which is complete once its block is done: summed
-over every row and position at once, written into a float32 gradient (cast to the kernel's dtype
-at the end) that is laid out like the parameter, so under FSDP each block is reduce-scattered
-once, as the dense gradient is. The cotangents are cast to the compute dtype before the two
+over every row and position at once, a float32 output of the loop over blocks laid out like the
+parameter (so under FSDP each block is reduce-scattered once, as the dense gradient is), the
+blocks put side by side after it and cast to the kernel's dtype. The cotangents are cast to the compute dtype before the two
 matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute).
 
 Why vocabulary blocks and not sequence chunks of `[B, chunk, V]`: a sequence chunk contributes to
@@ -126,8 +126,7 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
   vocab = kernel.shape[0 if transposed else 1]
   size = blocks(vocab, hidden.shape[1], chunk)
 
-  def body(carry, j):
-    g_hidden, g_kernel = carry
+  def body(g_hidden, j):
     z, ids, own, start = _block_logits(hidden, compute, j, size, transposed)
     logp = z - lse
     p = jnp.exp(logp)
@@ -136,20 +135,25 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
     w = _block(compute, start, size, transposed)
     g_hidden += jnp.einsum("BTV,VD->BTD" if transposed else "BTV,DV->BTD", g_z, w,
                            preferred_element_type=_F32)
-    if transposed:
-      g_w = jnp.einsum("BTV,BTD->VD", g_z, hidden, preferred_element_type=_F32)
-    else:
-      g_w = jnp.einsum("BTD,BTV->DV", hidden, g_z, preferred_element_type=_F32)
-    axis = 0 if transposed else 1
-    g_kernel = jax.lax.dynamic_update_slice_in_dim(g_kernel, _block(g_kernel, start, size, transposed) + g_w,
-                                                   start, axis=axis)
-    return (g_hidden, g_kernel), None
+    g_w = jnp.einsum("BTD,BTV->DV", hidden, g_z, preferred_element_type=_F32)  # [D, Vb] either way.
+    # Laid out like the parameter along its width (fsdp), so each block's columns are reduce-scattered once,
+    # and split along the vocabulary as the block's logits are (tensor parallelism).
+    return g_hidden, constrain(g_w, ("embed", "act_vocab"))
 
-  # Laid out like the parameter along its width (fsdp), so each block's columns are reduce-scattered once.
-  accumulator = constrain(jnp.zeros(kernel.shape, _F32), (None, "embed") if transposed else ("embed", None))
-  init = (jnp.zeros(hidden.shape, _F32), accumulator)
-  (g_hidden, g_kernel), _ = jax.lax.scan(body, init, jnp.arange(-(-vocab // size)))
-  return g_hidden.astype(hidden.dtype), g_kernel.astype(kernel.dtype), None
+  # Each block's columns are the scan's output, not an update of a `[D, V]` carry: the TPU compiler copied the
+  # whole carried gradient (and zeroed one as large) at every block.
+  g_hidden, g_blocks = jax.lax.scan(body, jnp.zeros(hidden.shape, _F32), jnp.arange(-(-vocab // size)))
+  g_kernel = _assemble(g_blocks, vocab, size)
+  return g_hidden.astype(hidden.dtype), (g_kernel.T if transposed else g_kernel).astype(kernel.dtype), None
+
+
+def _assemble(g_blocks, vocab: int, size: int) -> jax.Array:
+  """The kernel's gradient `[D, V]` from each block's `[n, D, Vb]`: block j's columns at j·Vb, and of the last
+  block (shifted back to end at V) its own columns, those past the block before it."""
+  n, d, _ = g_blocks.shape
+  head = g_blocks[:n - 1].transpose(1, 0, 2).reshape(d, (n - 1) * size)
+  full = jnp.concatenate([head, g_blocks[n - 1][:, (n - 1) * size - (vocab - size):]], axis=1)
+  return constrain(full, ("embed", "vocab"))
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
