@@ -18,8 +18,8 @@ passes) and applies
 then ∂h += ∂z·W_bᵀ (float32) and ∂W_b = hᵀ·∂z, which is complete once its block is done: summed
 over every row and position at once, a float32 output of the loop over blocks laid out like the
 parameter (so under FSDP each block is reduce-scattered once, as the dense gradient is), the
-blocks put side by side after it and cast to the kernel's dtype. The cotangents are cast to the compute dtype before the two
-matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute).
+blocks put side by side after it and cast to the kernel's dtype. The cotangents are cast to the
+compute dtype before the two matmuls, as autodiff of the dense path does. Cost: one extra logits matmul (the recompute).
 
 Why vocabulary blocks and not sequence chunks of `[B, chunk, V]`: a sequence chunk contributes to
 every column of ∂W, so each chunk re-reads the whole kernel and adds a full `[D, V]` partial
