@@ -49,6 +49,7 @@ def test_the_report_compiles_the_trainers_programs(smoke_config, preset):
   assert [p.name for p in report.phases] == ["rollout", "scoring"] + ["update"] * update
   trainer = Trainer(config, write_logs=False, verbose=False)
   real, verified = _trainer_programs(trainer, update)
+  trainer.close()  # Its verifier's workers, which would otherwise die at exit with a traceback.
   for name, (lowered, args) in real.items():
     program = report.program(name)
     assert program.fingerprint == aot.lowered_fingerprint(lowered), name

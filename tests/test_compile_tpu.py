@@ -3,7 +3,8 @@ compile-only client: an FSDP decode's per-layer gathers under scanned layers are
 chips under shard_map, the HBM table is what the TPU compiler says, the paged kernel is opaque to cost analysis and
 its cache write one scatter; in `make test-slow`, the smoke run's every phase fits, its decode loop moves no weight,
 a layout that cannot fit is refused naming the phase (also by `make memory`'s entry point, exit 1), the roofline's
-arithmetic holds, and the shipped `aime` rollout at 64 layers on v5p:8x8x4 fits within the memory margin.
+arithmetic holds (its engines and profiles: test_roofline_engines.py), and the shipped `aime` rollout at 64 layers
+on v5p:8x8x4 fits within the memory margin.
 Skipped without libtpu (`make test` installs it: `pip install -e ".[test,tpu]"`)."""
 
 import dataclasses
@@ -267,43 +268,6 @@ def test_the_roofline_of_the_smoke_run(smoke_report):
   assert "the run's RL" not in text and (f"the run's RL: 100 steps x {step.seconds:.0f} s = "
                                           f"{100 * step.seconds / 3600:.1f} h") in roofline_text.format_estimate(
                                               step, "TPU v5", 100)
-
-
-@pytest.mark.slow  # make test-slow: the smoke run compiled again, with the paged refill engine.
-def test_the_roofline_compares_the_paged_engine_with_the_contiguous_one(tmp_path):
-  """A smoke run whose pool holds fewer sequences than it decodes compiles the paged engine; the roofline prices
-  both engines at the same KV bytes under two profiles, each decode itemised, its bound without the rest below
-  it, and says the paged rollout's speed against the contiguous one's."""
-  from vapo_jax.roofline import profiles
-
-  config = build_smoke_config(tmp_path, QUICK | {"rollout.slots": 8, "rollout.page_tokens": 8, "rollout.pages": 24})
-  report = xla_report.compile_run(config, topologies.named(TOPOLOGY))
-  assert report.refill and report.plan.pages == report.plan.queue_pages == 24
-  assert roofline.engines(report) == ("paged", "contiguous")
-  prompts, where = profiles.prompt_lengths(config)
-  estimates = roofline.compare(report, [profiles.at_cap(config, prompts, where),
-                                        profiles.log_normal(config, prompts, where)])
-  assert [label for label, _ in estimates] == ["A, paged", "A, contiguous", "B, paged", "B, contiguous"]
-  for label, step in estimates:
-    d = step.decode
-    assert d.engine == label.split(", ")[1] and 0 < d.floor_s <= d.seconds and d.steps > 0, label
-    assert d.bytes >= d.steps * (d.weights + d.kv_written), label
-  # Partial rollouts on profile B: rounds of half the cap, each round's carried tokens prefilled again.
-  cap = config.rollout.max_response_tokens
-  budgeted = roofline.estimate(report, profiles.log_normal(config, prompts, where), "paged", (cap // 2, 1))
-  replay, whole = budgeted.partial, dict(estimates)["B, paged"]
-  assert replay.rounds >= replay.steps and replay.load.steps == budgeted.decode_steps * replay.steps
-  assert budgeted.decode_steps <= replay.rounds / replay.steps * cap // 2
-  # The round's programs but its decode loop (start, finish: bytes, no FLOPs since the prefill went into the
-  # loop) run once a round.
-  rest = lambda step: step.phase("rollout").bytes - step.decode.bytes
-  assert rest(whole) > 0 and rest(budgeted) == pytest.approx(rest(whole) * replay.rounds / replay.steps)
-  assert budgeted.phase("update").flops == whole.phase("update").flops
-  estimates.append((f"B, paged, budget {cap // 2}", budgeted))
-  text = roofline_text.format_comparison(report, estimates)
-  for letter in "AB":
-    assert f"profile {letter}: the paged rollout is " in text and "with the decode's rest left out" in text
-  assert f"rounds of {cap // 2}" in text and "of the trained tokens stale" in text
 
 
 @pytest.mark.slow  # make test-slow: the rollout's programs at 64 layers, minutes of compiling.

@@ -227,6 +227,25 @@ class _Program:
                                   b in self.computations.get(comp, []))
     return self.flops_memo[comp]
 
+  def loop(self, name: str, body: str, operands: list[str], runs: float) -> tuple[Cost, float]:
+    """A `while`'s (one iteration's cost, its trips: 1 where unknown), kept in `loops` (module docstring)."""
+    body_comp, = self._callees(body, "body")
+    condition, = self._callees(body, "condition")
+    trips = hlo.trip_count(self.computations, self.by_name, body, condition, operands[0])
+    count = 1 if trips is None else trips
+    iteration, plain = Cost(), Cost()
+    iteration.add(self.computation(body_comp, runs * count))
+    iteration.add(self.computation(condition, runs * count))
+    if self.pick is max:
+      found, self.pick = len(self.loops), min
+      plain.add(self.computation(body_comp, runs * count))
+      plain.add(self.computation(condition, runs * count))
+      self.pick, self.loops = max, self.loops[:found]  # The nested loops as walked the first time.
+    op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', body)) else ""
+    if self.pick is max:
+      self.loops.append(Loop(name, op_name, trips, iteration, runs, plain))
+    return iteration, count
+
   def instruction(self, name: str, type_text: str, opcode: str, body: str, runs: float) -> Cost:
     cost = Cost(cycles=float(m.group(1)) if (m := _CYCLES.search(body)) else 0.0)
     if opcode in _FREE or opcode.endswith("-done"):
@@ -235,22 +254,7 @@ class _Program:
       cost.groups["control"] = [1.0, 0.0, 0.0, cost.cycles, 0.0]
     operands = hlo._operands(body, opcode)
     if opcode == "while":
-      body_comp, = self._callees(body, "body")
-      condition, = self._callees(body, "condition")
-      trips = hlo.trip_count(self.computations, self.by_name, body, condition, operands[0])
-      count = 1 if trips is None else trips
-      iteration, plain = Cost(), Cost()
-      iteration.add(self.computation(body_comp, runs * count))
-      iteration.add(self.computation(condition, runs * count))
-      if self.pick is max:
-        found, self.pick = len(self.loops), min
-        plain.add(self.computation(body_comp, runs * count))
-        plain.add(self.computation(condition, runs * count))
-        self.pick, self.loops = max, self.loops[:found]  # The nested loops as walked the first time.
-      op_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', body)) else ""
-      if self.pick is max:
-        self.loops.append(Loop(name, op_name, trips, iteration, runs, plain))
-      cost.add(iteration, count)
+      cost.add(*self.loop(name, body, operands, runs))
       return cost
     if opcode == "conditional":
       listed = re.search(r"branch_computations=\{([^}]*)\}", body)

@@ -8,6 +8,7 @@
   kv_cache          the KV cache, one interface: contiguous (`KVCache`) and paged (`PagedKVCache`)
   decode_attention  one-token decode attention over the filled part of a contiguous KV cache
   paged_attention   one-token decode attention over a paged KV cache: the TPU and GPU kernels, a gather, the oracle
+  paged_int8        int8 pages with per-token scales, and a Pallas TPU decode kernel that reads them
   pallas_gpu        the Pallas GPU kernels JAX ships, in this package's layouts: paged decode, packed rows
   logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
   sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation

@@ -3,6 +3,7 @@ compile report) priced at a chip's peak FLOP/s and bandwidths, on a response-len
 
   step              the estimate: each phase's FLOPs, bytes and collectives per chip, the rollout's decode loop
                     priced step by step on the engine's replay, the MFU; partial rollouts in steady state
+  estimates         what the estimate holds: a phase's figures (`Estimate`), the step's (`StepEstimate`), MFU
   text              the estimate as text: a step's phases, engines and profiles side by side, what bounds the update
   profiles          response-length profiles: every response at the cap, log-normal, a run's logged lengths
   decode_cost       a decode step's bytes per chip, itemised (weights, KV read, KV written, the rest), priced
