@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from vapo_jax.models import paged_attention
+
 _F32 = jnp.float32
 LANES = 128  # The online softmax's running max and sum are kept as `[G, LANES]` (one vreg row per head).
 
@@ -53,7 +55,6 @@ def dequantize(q: jax.Array, scales: jax.Array, dtype=_F32) -> jax.Array:
 def attend_reference(q, keys, key_scales, values, value_scales, table, lengths, layer) -> jax.Array:
   """The oracle: the pools `[K, L, Q, Pq, Tg, H]` (scales `[K, L, Q, Pq, 1, Tg]`) dequantised, then
   `paged_attention.attend_reference`. q `[R, N, H]`; returns `[R, N, H]` in q's dtype."""
-  from vapo_jax.models import paged_attention
   return paged_attention.attend_reference(q, dequantize(keys, key_scales), dequantize(values, value_scales), table,
                                           lengths, layer)
 
