@@ -1,5 +1,6 @@
 """int8 pages (`models/paged_int8.py`): the quantisation against its definition (each entry within half a
-scale step), and the Pallas TPU kernel in the interpreter against the contiguous oracle of
+scale step), a written token read back as its own quantisation (nothing else moved), and the Pallas TPU kernel
+in the interpreter against the contiguous oracle of
 `test_paged_attention.py` on the dequantised pools: shared and out-of-order pages, rows of length 0, 1, a page
 and a partial page. Compiled for a v5p chip by libtpu (skipped without it), the kernel reads about half the
 bytes of JAX's bfloat16 kernel and makes no copy of its scales."""
@@ -64,3 +65,18 @@ def test_compiled_for_a_v5p_chip_it_reads_about_half_of_bfloat16s_bytes():
   ours, theirs = hlo_walk.walk(int8.as_text()), hlo_walk.walk(bf16.as_text())
   assert 0.45 < ours.kernel_bytes / theirs.kernel_bytes < 0.55, (ours.kernel_bytes, theirs.kernel_bytes)
   assert int8.memory_analysis().temp_size_in_bytes < 2**20  # No copy of the pool or its scales.
+
+
+def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_moves():
+  rng = np.random.default_rng(3)
+  kv, layers, queues, pages, tg, h, rows = 2, 3, 2, 5, 4, 8, 4
+  pool, scales = paged_int8.quantize(jnp.asarray(rng.normal(size=(kv, layers, queues, pages, tg, h)), jnp.float32))
+  new = rng.normal(size=(rows, kv, h)).astype(np.float32)
+  page, offset = np.array([1, 4, 0, 5], np.int32), np.array([2, 0, 3, 1], np.int32)  # Row 3's page 5: none.
+  got_pool, got_scales = jax.jit(paged_int8.write, static_argnames="queues")(pool, scales, new, page, offset, 2,
+                                                                            queues=queues)
+  want = np.array(paged_int8.dequantize(pool, scales))
+  for r in range(3):  # Rows 0-1 are queue 0's, rows 2-3 queue 1's; each token quantised on its own.
+    q, s = paged_int8.quantize(jnp.asarray(new[r])[:, None, :])
+    want[:, 2, r // 2, page[r], offset[r]] = np.asarray(paged_int8.dequantize(q, s))[:, 0]
+  np.testing.assert_array_equal(np.asarray(paged_int8.dequantize(got_pool, got_scales)), want)

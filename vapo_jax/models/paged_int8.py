@@ -7,7 +7,8 @@ Tg·H: 3 % at H = 128). A token's vector x `[H]` is stored as
   s = max|x| / 127,    q = round(x / s) ∈ [−127, 127]    (s = 0 and q = 0 for a zero vector)
 
 and read back as q·s: each entry within s/2 of x. A pool of int8 pages `[K, L, Q, Pq, Tg, H]` has scales
-`[K, L, Q, Pq, 1, Tg]` (`quantize` on `[..., Tg, H]` gives both).
+`[K, L, Q, Pq, 1, Tg]` (`quantize` on `[..., Tg, H]` gives both); `write` puts a decode step's tokens into
+both, each quantised on its own.
 
 `attend` is one-token decode attention over such a pool, as `paged_attention.attend`'s kernel is over a
 bfloat16 one: row r's query sees its tokens [0, lengths[r]), token t at offset t mod Tg of page
@@ -50,6 +51,17 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize(q: jax.Array, scales: jax.Array, dtype=_F32) -> jax.Array:
   """int8 `[..., Tg, H]` and scales `[..., 1, Tg]` → `[..., Tg, H]` in `dtype`."""
   return (q.astype(_F32) * jnp.swapaxes(scales, -1, -2)).astype(dtype)
+
+
+def write(pool, scales, new, page, offset, layer, *, queues: int) -> tuple[jax.Array, jax.Array]:
+  """`new` `[R, K, H]` quantised (per row and KV head) into the int8 pool `[K, L, Q, Pq, Tg, H]` and its scales
+  `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, `offset[r]`), in place, a page ≥ Pq dropped
+  (`paged_attention.write_token` for both: the scales viewed as `[..., Tg, 1]`, the same bytes)."""
+  q, s = quantize(new[:, :, None, :])  # [R, K, 1, H], [R, K, 1, 1]
+  pool = paged_attention.write_token(pool, q[:, :, 0], layer, page, offset, queues)
+  column = scales.reshape(scales.shape[:4] + (scales.shape[5], 1))
+  column = paged_attention.write_token(column, s[:, :, 0], layer, page, offset, queues)
+  return pool, column.reshape(scales.shape)
 
 
 def attend_reference(q, keys, key_scales, values, value_scales, table, lengths, layer) -> jax.Array:
