@@ -23,11 +23,18 @@ class Estimate(NamedTuple):
   cycles_s: float = 0.0  # The compiler's estimated cycles at the chip's clock (uncalibrated; kernels count none).
   # Walked programs (scoring, the update): their instruction groups (`hlo_walk.group`) in the step's runs, per
   # chip: name → (instructions run, FLOPs, HBM bytes, bound s, the compiler's cycles s), the bound each
-  # instruction at the slower of its FLOPs and its bytes; and the time of them all one after another
-  # (collectives aside).
+  # instruction at the slower of its FLOPs and its bytes.
   groups: dict[str, tuple[float, ...]] | None = None
-  instructions_s: float | None = None
-  kernels_s: float = 0.0  # Of that, the Pallas kernels' (their FLOPs from attention's definition).
+
+  @property
+  def instructions_s(self) -> float | None:
+    """The walked instructions one after another, each at its bound (collectives aside); None unwalked."""
+    return None if self.groups is None else sum(g[3] for name, g in self.groups.items() if name != "collective")
+
+  @property
+  def kernels_s(self) -> float:
+    """The Pallas kernels' share of `instructions_s` (their FLOPs from attention's definition)."""
+    return (self.groups or {}).get("Pallas kernel", (0.0,) * 5)[3]
 
   @property
   def seconds(self) -> float:

@@ -274,15 +274,12 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
       priced = cost.seconds + max((flops - cost.flops) / chip.peak_flops,
                                   (bytes_ - cost.bytes) / chip.hbm_bandwidth) \
           + (moved - cost.collective_bytes) / chip.ici_bandwidth
-    serial = kernels = None
     if groups is not None:  # (runs, FLOPs, bytes, bound s, cycles s); collectives are priced over ICI.
       groups = {name: (g[0], g[1], g[2], g[4] / chip.hbm_bandwidth, g[3] / chip.clock_hz if chip.clock_hz else 0.0)
                 for name, g in groups.items()}
-      serial = sum(g[3] for name, g in groups.items() if name != "collective")
-      kernels = groups.get("Pallas kernel", (0.0,) * 5)[3]
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth,
                           moved, moved / chip.ici_bandwidth, useful[phase.name], priced,
-                          cycles / chip.clock_hz if chip.clock_hz else 0.0, groups, serial, kernels or 0.0))
+                          cycles / chip.clock_hz if chip.clock_hz else 0.0, groups))
   fill, m, fitting = None, 0, 0
   if c.packing.enabled:
     shards = report.mesh_shape["data"] * report.mesh_shape["fsdp"]
