@@ -88,9 +88,9 @@ def _rollout_state(config, layout, cfg):
   sampling = common.Sampling(max_response_tokens=r.max_response_tokens, stop_token_ids=(-1,), temperature=1.0)
   plan = rollout.plan_rollout(r, cfg, prompts=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt,
                               prompt_tokens=16,
-                              dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices, budgeted=True)
+                              dtype=jnp.dtype(config.cache_dtype), devices=layout.data_devices, budgeted=True)
   plan = dataclasses.replace(plan, steps_per_call=1, min_slots=0)
-  fns = plan.programs(sampling=sampling, pad_id=0, cache_dtype=jnp.dtype(config.model.dtype), jit=layout.jit)
+  fns = plan.programs(sampling=sampling, pad_id=0, cache_dtype=jnp.dtype(config.cache_dtype), jit=layout.jit)
   rng = np.random.default_rng(0)
   tokens = rng.integers(3, cfg.vocab_size, (r.prompts_per_step, 16)).astype(np.int32)
   prompts_tokens, mask = layout.place((tokens, np.ones_like(tokens, bool)))

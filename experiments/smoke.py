@@ -134,7 +134,7 @@ def plans(config: ExperimentConfig, *, devices: int | None, platform: str) -> di
                                              platform=platform,
                                               prompt_tokens=common.prompt_bucket(r.max_prompt_tokens))}
   if r.decode_budget:
-    calls["round"] = lambda: plan_round(r, model_cfg, dtype=jnp.dtype(config.model.dtype), devices=devices,
+    calls["round"] = lambda: plan_round(r, model_cfg, dtype=jnp.dtype(config.cache_dtype), devices=devices,
                                         platform=platform)
   out = {}
   for name, call in calls.items():

@@ -67,14 +67,15 @@ def test_compiled_for_a_v5p_chip_it_reads_about_half_of_bfloat16s_bytes():
   assert int8.memory_analysis().temp_size_in_bytes < 2**20  # No copy of the pool or its scales.
 
 
-def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_moves():
+@pytest.mark.parametrize("implementation", ["gather", "kernel"])
+def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_moves(implementation):
   rng = np.random.default_rng(3)
   kv, layers, queues, pages, tg, h, rows = 2, 3, 2, 5, 4, 8, 4
   pool, scales = paged_int8.quantize(jnp.asarray(rng.normal(size=(kv, layers, queues, pages, tg, h)), jnp.float32))
   new = rng.normal(size=(rows, kv, h)).astype(np.float32)
   page, offset = np.array([1, 4, 0, 5], np.int32), np.array([2, 0, 3, 1], np.int32)  # Row 3's page 5: none.
-  got_pool, got_scales = jax.jit(paged_int8.write, static_argnames="queues")(pool, scales, new, page, offset, 2,
-                                                                            queues=queues)
+  got_pool, got_scales = jax.jit(paged_int8.write, static_argnames="implementation")(
+      pool, scales, new, page, offset, 2, implementation=implementation)
   want = np.array(paged_int8.dequantize(pool, scales))
   for r in range(3):  # Rows 0-1 are queue 0's, rows 2-3 queue 1's; each token quantised on its own.
     q, s = paged_int8.quantize(jnp.asarray(new[r])[:, None, :])

@@ -170,6 +170,11 @@ class RolloutConfig:
   # Per-device KV-cache budget: the refill engine's pool of pages, the static engine's cache; a larger
   # static rollout, or a pool that cannot hold one sequence, is refused.
   kv_cache_budget_gib: float = 16.0
+  # The KV cache's storage: "model" (model.dtype), or "int8" with a float32 scale per token and KV head
+  # (models/paged_int8.py): about half a bfloat16 cache's bytes, so the budget holds about twice the tokens and
+  # a decode step reads about half. The sampler's log-probs then come from the quantised cache, the trainer's
+  # from full precision (algo.tis_cap corrects for the difference; rollout/sampler_kl measures it).
+  kv_cache_dtype: Literal["model", "int8"] = "model"
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
   # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
   # batching); "static": one batch per round that runs until its longest response ends. Same tokens.
@@ -206,6 +211,8 @@ class RolloutConfig:
 
   def __post_init__(self):
     positive_int(self, "prompts_per_step")
+    require(self.kv_cache_dtype in ("model", "int8"), self, "kv_cache_dtype", "must be 'model' or 'int8'",
+            self.kv_cache_dtype)
     positive_int(self, "decode_budget", allow_zero=True)
     positive_int(self, "max_staleness", allow_zero=True)
     if self.decode_budget:
@@ -343,6 +350,11 @@ class ExperimentConfig:
   def run_directory(self) -> str:
     """`<run_dir>/<name>`, absolute: the same run however the directory is spelled."""
     return os.path.abspath(os.path.join(self.run_dir, self.name))
+
+  @property
+  def cache_dtype(self) -> str:
+    """The KV cache's dtype (`rollout.kv_cache_dtype`): "int8", or the model's."""
+    return "int8" if self.rollout.kv_cache_dtype == "int8" else self.model.dtype
 
   @property
   def updates_per_step(self) -> int:

@@ -131,7 +131,7 @@ def _decoding(run, plan: RolloutPlan):
   beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
   key = layout.place(state.key)  # The trainer's key, replicated on the training mesh, placed as the trainer does.
   programs = lambda **slots: plan.programs(sampling=sampling, pad_id=PAD_ID,
-                                           cache_dtype=jnp.dtype(c.model.dtype), jit=layout.jit, **slots)
+                                           cache_dtype=jnp.dtype(c.cache_dtype), jit=layout.jit, **slots)
   return model, key, beside, programs
 
 
@@ -143,7 +143,7 @@ def partial_round(run, log) -> CompiledPhase:
   c, layout = run.config, run.layout
   with sharding.use_rules(layout.mesh, layout.rules):  # The engine's defaults are the target platform's.
     try:
-      run.round = plan = plan_round(c.rollout, run.full_cfg, dtype=jnp.dtype(c.model.dtype),
+      run.round = plan = plan_round(c.rollout, run.full_cfg, dtype=jnp.dtype(c.cache_dtype),
                                     devices=layout.data_devices)
     except MemoryError as e:
       raise ConfigError(f"a partial rollout's round (rollout.decode_budget={c.rollout.decode_budget}) cannot "

@@ -51,12 +51,16 @@ def attend_one_reference(q: jax.Array, keys: jax.Array, values: jax.Array, key_m
 
 
 def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.Array, query_slots: jax.Array,
-               *, block: int | None = None, layer: jax.Array | int | None = None) -> jax.Array:
+               *, block: int | None = None, layer: jax.Array | int | None = None, key_scales=None,
+               value_scales=None) -> jax.Array:
   """Length-bounded decode attention: `attend_one_reference` reading only blocks [0, ⌈(max slot + 1)/block⌉)
   (`block` None: `default_block()`). With `layer`, keys and values are a stack of layers `[L, B, K, S, H]`
-  and each block is read as a (layer, block) slice of it: the layer's cache is never copied."""
+  and each block is read as a (layer, block) slice of it: the layer's cache is never copied. int8 keys and
+  values come with their scales `[L, B, K, S]` (`[B, K, S]` without `layer`): each block is dequantised
+  (q·s in float32) as it is read."""
   if layer is None:
     keys, values, layer = keys[None], values[None], 0
+    key_scales, value_scales = (None if x is None else x[None] for x in (key_scales, value_scales))
   b, n, h = q.shape
   kv_heads, slots = keys.shape[2], keys.shape[3]
   zero, layer = jnp.zeros((), jnp.int32), jnp.asarray(layer, jnp.int32)
@@ -69,11 +73,16 @@ def attend_one(q: jax.Array, keys: jax.Array, values: jax.Array, key_mask: jax.A
   def step(j, carry):
     nominal = j * block
     start = jnp.minimum(nominal, slots - block)  # The last block ends at slot S.
-    read = lambda x: lax.dynamic_slice(x, (layer, zero, zero, start, zero), (1, b, kv_heads, block, h))[0]
+    def read(x, scales):
+      got = lax.dynamic_slice(x, (layer, zero, zero, start, zero), (1, b, kv_heads, block, h))[0]
+      if scales is None:
+        return got.astype(dtype)
+      scale = lax.dynamic_slice(scales, (layer, zero, zero, start), (1, b, kv_heads, block))[0]
+      return (got.astype(jnp.float32) * scale[..., None]).astype(dtype)
     slot = start + jnp.arange(block)
     visible = (lax.dynamic_slice_in_dim(key_mask, start, block, axis=1) & (slot >= nominal)[None]
                & (slot[None] <= query_slots[:, None]))  # [B, block]
-    return accumulate(carry, qg, read(keys).astype(dtype), read(values).astype(dtype), visible, heads="BKSH")
+    return accumulate(carry, qg, read(keys, key_scales), read(values, value_scales), visible, heads="BKSH")
 
   live_blocks = jnp.minimum((jnp.max(query_slots) + block) // block, -(-slots // block))
   return finish(lax.fori_loop(0, live_blocks, step, start_carry(qg)), dtype)

@@ -8,6 +8,12 @@
   cache = cache.advance(key_mask, steps)   # after the call: the rows hold their new tokens
   cache.bytes_per_token(cfg, dtype)        # memory of one cached token (keys and values, every layer)
 
+With `dtype` int8 (`rollout.kv_cache_dtype`), either layout holds int8 keys and values with per-token, per-KV-head
+float32 scales beside them (`models/paged_int8.py`: s = max|x| / 127, x ≈ q·s): a token costs 2·L·K·(H + 4)
+bytes instead of 2·L·K·H·2 (bfloat16). Writes quantise each token on its own; reads dequantise (the gather,
+the blocks of `decode_attention.attend_one`, a prefill's whole layer) or read the int8 pages directly
+(`paged_int8.attend`, the TPU kernel).
+
 Both carry every layer's keys and values in one array each, carried whole through the layer scan
 (`transformer.Backbone`): layer l writes its new tokens in place and reads its own part, so no layer's
 cache is ever copied.
@@ -38,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from vapo_jax.models import decode_attention, paged_attention, sharding
+from vapo_jax.models import decode_attention, paged_attention, paged_int8, sharding
 from vapo_jax.models.attention import note
 from vapo_jax.models.config import TransformerConfig
 from vapo_jax.models.sharding import constrain
@@ -47,8 +53,20 @@ LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps 
 # Logical axes of a contiguous cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
 CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
 # Logical axes of a paged pool `[K, L, Q, Pq, Tg, H]`: queues over the batch axes, KV heads over the tensor
-# axis.
+# axis (an int8 pool's scales `[K, L, Q, Pq, 1, Tg]` the same).
 POOL_AXES = ("cache_kv_heads", LAYER_AXIS, "batch", None, None, None)
+SCALE_BYTES = 4  # An int8 cache's float32 scale per token and KV head (of keys, and of values).
+
+
+def quantized(dtype) -> bool:
+  """Whether a cache of `dtype` holds int8 keys and values with scales."""
+  return jnp.dtype(dtype) == jnp.int8
+
+
+def token_bytes(cfg: TransformerConfig, dtype=jnp.bfloat16) -> int:
+  """Keys and values of one token at every layer: 2·L·K·H·itemsize, or 2·L·K·(H + 4) in int8 (its scales)."""
+  per_head = cfg.head_dim + SCALE_BYTES if quantized(dtype) else cfg.head_dim * jnp.dtype(dtype).itemsize
+  return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 def _rows(x: jax.Array) -> jax.Array:
@@ -66,19 +84,25 @@ class KVCache:
   # One-token calls read key/value blocks of this many slots up to the longest row; 0: every slot;
   # None: the platform's default (`decode_attention.default_block`).
   decode_block: int | None = struct.field(pytree_node=False, default=None)
+  # int8 keys and values: their scales `[L, B, K, S]` (float32); None otherwise.
+  key_scales: jax.Array | None = None
+  value_scales: jax.Array | None = None
 
   @classmethod
   def zeros(cls, cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16, *,
             decode_block: int | None = None) -> "KVCache":
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    scales = (lambda: jnp.zeros(shape[:4], jnp.float32)) if quantized(dtype) else lambda: None
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, slots), bool),
-               jnp.zeros((), jnp.int32), decode_block).constrained()
+               jnp.zeros((), jnp.int32), decode_block, scales(), scales()).constrained()
 
   def constrained(self) -> "KVCache":
     """This cache with its arrays constrained to their logical axes (`CACHE_AXES`; a no-op outside
     `sharding.use_rules`)."""
+    scales = lambda x: None if x is None else constrain(x, CACHE_AXES[:4])
     return KVCache(constrain(self.keys, CACHE_AXES), constrain(self.values, CACHE_AXES), _rows(self.mask),
-                   _rows(self.length) if self.length.ndim else self.length, self.decode_block)
+                   _rows(self.length) if self.length.ndim else self.length, self.decode_block,
+                   scales(self.key_scales), scales(self.value_scales))
 
   @staticmethod
   def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
@@ -87,8 +111,8 @@ class KVCache:
 
   @staticmethod
   def bytes_per_token(cfg: TransformerConfig, dtype=jnp.bfloat16) -> int:
-    """Keys and values of one token at every layer (the slot mask's byte aside)."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Keys and values of one token at every layer, scales included (the slot mask's byte aside)."""
+    return token_bytes(cfg, dtype)
 
   def prepare(self, attention_mask: jax.Array, steps: int):
     """(this cache, the keys' validity `[B, S]` with the call's tokens, the queries' slots `[T]` or `[B, 1]`)."""
@@ -100,21 +124,35 @@ class KVCache:
   def write(self, layer, k: jax.Array, v: jax.Array) -> "KVCache":
     """The call's keys and values `[B, T, K, H]` written into layer `layer` from slot `length` (per row: its own)."""
     heads_major = lambda t: t.transpose(0, 2, 1, 3)  # [B, T, K, H] -> [B, K, T, H].
-    return self.replace(keys=write_layer(self.keys, heads_major(k), layer, self.length),
-                        values=write_layer(self.values, heads_major(v), layer, self.length))
+    if self.key_scales is None:
+      return self.replace(keys=write_layer(self.keys, heads_major(k), layer, self.length),
+                          values=write_layer(self.values, heads_major(v), layer, self.length))
+    (qk, sk), (qv, sv) = (paged_int8.quantize(heads_major(t)) for t in (k, v))  # Scales [B, K, 1, T].
+    return self.replace(keys=write_layer(self.keys, qk, layer, self.length),
+                        values=write_layer(self.values, qv, layer, self.length),
+                        key_scales=write_layer(self.key_scales, sk[:, :, 0], layer, self.length),
+                        value_scales=write_layer(self.value_scales, sv[:, :, 0], layer, self.length))
+
+  def _layer(self, layer) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s keys and values `[B, K, S, H]`, dequantised (float32) when int8."""
+    if self.key_scales is None:
+      return self.keys[layer], self.values[layer]
+    return tuple(q[layer].astype(jnp.float32) * s[layer][..., None]
+                 for q, s in ((self.keys, self.key_scales), (self.values, self.value_scales)))
 
   def layer_keys_values(self, layer) -> tuple[jax.Array, jax.Array]:
     """Layer `layer`'s keys and values `[B, S, K, H]` (a multi-token call's attention reads them whole)."""
-    return tuple(stack[layer].transpose(0, 2, 1, 3) for stack in (self.keys, self.values))
+    return tuple(x.transpose(0, 2, 1, 3) for x in self._layer(layer))
 
   def attend_one(self, q: jax.Array, layer, key_mask: jax.Array, query_slots: jax.Array) -> jax.Array:
     """One query per row, q `[B, N, H]` at slot `query_slots[..., 0]`, against layer `layer`: `[B, N, H]`."""
     slots = jnp.broadcast_to(query_slots[..., 0], q.shape[:1])
     note("decode")
     if self.decode_block == 0:
-      return decode_attention.attend_one_reference(q, self.keys[layer], self.values[layer], key_mask, slots)
+      return decode_attention.attend_one_reference(q, *self._layer(layer), key_mask, slots)
     block = self.decode_block or decode_attention.default_block(sharding.platform())  # The platform traced for.
-    return decode_attention.attend_one(q, self.keys, self.values, key_mask, slots, block=block, layer=layer)
+    return decode_attention.attend_one(q, self.keys, self.values, key_mask, slots, block=block, layer=layer,
+                                       key_scales=self.key_scales, value_scales=self.value_scales)
 
   def advance(self, key_mask: jax.Array, steps: int) -> "KVCache":
     return self.replace(mask=key_mask, length=self.length + steps)
@@ -136,17 +174,27 @@ class PagedKVCache:
   # block by block) or "reference" (dense).
   implementation: str = struct.field(pytree_node=False, default="gather")
   block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernels, gather).
+  # An int8 pool's scales `[K, L, Q, Pq, 1, Tg]` (float32, a page's along the lanes); None otherwise.
+  key_scales: jax.Array | None = None
+  value_scales: jax.Array | None = None
 
   @classmethod
   def zeros(cls, cfg: TransformerConfig, *, rows: int, queues: int, pages: int, page_tokens: int,
             table_pages: int,
             dtype=jnp.bfloat16, implementation: str = "gather", block_pages: int = 1) -> "PagedKVCache":
-    """An empty pool of `pages` pages per queue, `rows` rows holding nothing (their tables point nowhere)."""
+    """An empty pool of `pages` pages per queue, `rows` rows holding nothing (their tables point nowhere);
+    int8 `dtype`: with its scales."""
     shape = (cfg.num_kv_heads, cfg.num_layers, queues, pages, page_tokens, cfg.head_dim)
-    pool = lambda: constrain(jnp.zeros(shape, dtype), POOL_AXES)
-    return cls(pool(), pool(), _rows(jnp.full((rows, table_pages), pages, jnp.int32)),
+    pool = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), POOL_AXES)
+    scales = (lambda: pool(shape[:4] + (1, page_tokens), jnp.float32)) if quantized(dtype) else lambda: None
+    return cls(pool(shape, dtype), pool(shape, dtype), _rows(jnp.full((rows, table_pages), pages, jnp.int32)),
                _rows(jnp.zeros((rows,), jnp.int32)), _rows(jnp.zeros((rows,), bool)), None, implementation,
-               block_pages)
+               block_pages, scales(), scales())
+
+  def pool_arrays(self) -> dict[str, jax.Array]:
+    """The pool's arrays by field: keys and values, and an int8 pool's scales (what a page copy moves)."""
+    scales = {} if self.key_scales is None else dict(key_scales=self.key_scales, value_scales=self.value_scales)
+    return dict(keys=self.keys, values=self.values) | scales
 
   @property
   def page_tokens(self) -> int:
@@ -159,13 +207,13 @@ class PagedKVCache:
 
   @staticmethod
   def bytes_per_token(cfg: TransformerConfig, dtype=jnp.bfloat16) -> int:
-    return KVCache.bytes_per_token(cfg, dtype)
+    return token_bytes(cfg, dtype)
 
   @staticmethod
   def pool_bytes(cfg: TransformerConfig, *, queues: int, pages: int, page_tokens: int,
                  dtype=jnp.bfloat16) -> int:
-    """Memory of the pool (keys and values), before allocating it."""
-    return queues * pages * page_tokens * KVCache.bytes_per_token(cfg, dtype)
+    """Memory of the pool (keys and values, an int8 pool's scales), before allocating it."""
+    return queues * pages * page_tokens * token_bytes(cfg, dtype)
 
   def prepare(self, attention_mask: jax.Array, steps: int):
     """(this cache with `live` from the call's attention mask, None, None): one token per row (`[R, 1]`), or a
@@ -188,7 +236,13 @@ class PagedKVCache:
     flat = lambda x: x.reshape((rows * steps,) + x.shape[2:])
     put = lambda pool, new: paged_attention.write(pool, flat(new), flat(page), flat(tokens % tg), layer,
                                                   implementation=self.implementation)
-    return self.replace(keys=put(self.keys, k), values=put(self.values, v))
+    if self.key_scales is None:
+      return self.replace(keys=put(self.keys, k), values=put(self.values, v))
+    (qk, sk), (qv, sv) = (paged_int8.quantize(t[..., None, :]) for t in (k, v))  # [R, T, K, 1, H], [.., 1, 1]
+    scale = lambda scales, s: paged_int8.write_scales(scales, flat(s[..., 0, 0]), flat(page), flat(tokens % tg),
+                                                      layer)
+    return self.replace(keys=put(self.keys, qk[..., 0, :]), values=put(self.values, qv[..., 0, :]),
+                        key_scales=scale(self.key_scales, sk), value_scales=scale(self.value_scales, sv))
 
   def attend_chunk(self, q: jax.Array, layer) -> jax.Array:
     """A chunk's queries `[R, C, N, H]`, query i of row r seeing its tokens [0, lengths[r] + i] of layer
@@ -197,13 +251,18 @@ class PagedKVCache:
     note("prefill chunk")
     implementation = "reference" if self.implementation == "reference" else "gather"
     return paged_attention.attend_chunk(q, self.keys, self.values, self.table, self.lengths, layer,
-                                        implementation=implementation, block_pages=self.block_pages)
+                                        implementation=implementation, block_pages=self.block_pages,
+                                        key_scales=self.key_scales, value_scales=self.value_scales)
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:
     """Each live row's query `[R, N, H]` against its own `lengths[r] + 1` tokens (this call's written) of
     layer `layer`: `[R, N, H]`; 0 for rows holding nothing."""
     note("decode")
     visible = jnp.where(self.live, self.lengths + 1, 0).astype(jnp.int32)
+    if self.key_scales is not None:
+      return paged_int8.attend_pages(q, self.keys, self.key_scales, self.values, self.value_scales, self.table,
+                                     visible, layer, implementation=self.implementation,
+                                     block_pages=self.block_pages)
     return paged_attention.attend(q, self.keys, self.values, self.table, visible, layer,
                                   implementation=self.implementation, block_pages=self.block_pages)
 
@@ -223,22 +282,23 @@ def write_slots(buffer: jax.Array, new: jax.Array, length: jax.Array, *, axis: i
 
 
 def write_layer(stack: jax.Array, new: jax.Array, layer, length: jax.Array) -> jax.Array:
-  """`new` `[B, K, T, H]` written into the stacked keys or values `[L, B, K, S, H]` at layer `layer`, from
-  slot `length` (scalar), or row b from slot `length[b]` (`[B]`): an in-place update of T slots."""
+  """`new` `[B, K, T, H]` written into the stacked keys or values `[L, B, K, S, H]` (or `[B, K, T]` into an int8
+  cache's scales `[L, B, K, S]`) at layer `layer`, from slot `length` (scalar), or row b from slot `length[b]`
+  (`[B]`): an in-place update of T slots."""
   new = new.astype(stack.dtype)
   zero = jnp.zeros((), jnp.int32)
   layer = jnp.asarray(layer, jnp.int32)
+  minor = (zero,) * (new.ndim - 3)  # The head dim, where there is one.
   if jnp.ndim(length) == 0:
-    return jax.lax.dynamic_update_slice(stack, new[None],
-                                        (layer, zero, zero, jnp.asarray(length, jnp.int32), zero))
+    return jax.lax.dynamic_update_slice(stack, new[None], (layer, zero, zero, jnp.asarray(length, jnp.int32)) + minor)
   # One token per row at (layer, row, length[row]): a scatter batched over the rows (axis 1, where the stack
   # keeps them: vmapping a slice update over axis 1 would transpose the whole stack), clamped into the slots
   # as a slice update is.
-  rows, heads, _, dim = new.shape
+  rows = new.shape[0]
   at = jnp.stack([jnp.broadcast_to(layer, (rows,)), length.astype(jnp.int32)],
                  axis=1)  # [B, 2]: (layer, slot).
-  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(0, 3),
-                                            scatter_dims_to_operand_dims=(0, 3), operand_batching_dims=(1,),
-                                            scatter_indices_batching_dims=(0,))
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=tuple(range(1, new.ndim - 1)),
+                                            inserted_window_dims=(0, 3), scatter_dims_to_operand_dims=(0, 3),
+                                            operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
   return jax.lax.scatter(stack, at, new[:, :, 0], numbers, indices_are_sorted=True, unique_indices=True,
                          mode=jax.lax.GatherScatterMode.CLIP)

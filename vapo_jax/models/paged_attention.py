@@ -54,11 +54,16 @@ MEGACORE_CHIPS = frozenset({"TPU v4", "TPU v5",
 
 
 def default_implementation(platform: str | None = None, *, head_dim: int = 128,
-                           page_tokens: int = 128) -> str:
+                           page_tokens: int = 128, int8: bool = False) -> str:
   """The kernel on TPU where Mosaic takes its blocks (head dim a multiple of 128, pages of a multiple of 8
   tokens); the GPU kernel on GPU where Triton takes its tiles (`pallas_gpu.paged_rule`); the gather elsewhere
-  (and, with a warning, on TPU or GPU otherwise)."""
+  (and, with a warning, on TPU or GPU otherwise). An int8 pool (`int8`) on GPU: the gather, with a warning
+  (JAX's GPU kernel reads no scales)."""
   platform = platform or jax.default_backend()
+  if platform in ("gpu", "cuda") and int8:
+    warnings.warn("paged attention: the GPU kernel reads no int8 pages (rollout.kv_cache_dtype='int8'); the "
+                  "gather runs instead", stacklevel=2)
+    return "gather"
   if platform in ("gpu", "cuda"):
     if reason := pallas_gpu.paged_rule(head_dim=head_dim, page_tokens=page_tokens):
       warnings.warn(f"paged attention: the GPU kernel needs {reason}; the gather runs instead", stacklevel=2)
@@ -87,9 +92,12 @@ def attend(q, keys, values, table, lengths, layer, *, implementation: str = "gat
       return attend_reference(q, keys, values, table, lengths, layer)
     case "gather":
       return attend_gather(q, keys, values, table, lengths, layer, block_pages=block_pages)
-    case "kernel" | "gpu_kernel":
-      local = _kernel_local if implementation == "kernel" else pallas_gpu.paged_decode
-      return attend_kernel(q, keys, values, table, lengths, layer, block_pages=block_pages, local=local)
+    case "kernel":
+      local = functools.partial(_kernel_local, block_pages=block_pages, device_kind=_device_kind())
+      return attend_kernel(q, (keys, values), table, lengths, layer, local=local)
+    case "gpu_kernel":
+      local = functools.partial(pallas_gpu.paged_decode, block_pages=block_pages)
+      return attend_kernel(q, (keys, values), table, lengths, layer, local=local)
     case _:
       raise ValueError(f"unknown paged attention {implementation!r}; one of {', '.join(IMPLEMENTATIONS)}")
 
@@ -110,20 +118,35 @@ def attend_reference(q, keys, values, table, lengths, layer) -> jax.Array:
   return decode_attention.attend_one_reference(q, k, v, slots, lengths - 1)
 
 
-def attend_gather(q, keys, values, table, lengths, layer, *, block_pages: int) -> jax.Array:
+def attend_gather(q, keys, values, table, lengths, layer, *, block_pages: int, key_scales=None,
+                  value_scales=None) -> jax.Array:
   """Blocks of `block_pages` pages gathered by the page table, online softmax (module docstring); the table's
-  width must be a multiple of `block_pages`."""
+  width must be a multiple of `block_pages`. An int8 pool's pages are dequantised as they are gathered, by
+  their scales `[K, L, Q, Pq, 1, Tg]` (`models/paged_int8.py`)."""
   queues, width = keys.shape[2], table.shape[1]
   if width % block_pages:
     raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
   by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
   one = functools.partial(_gather_queue, layer=jnp.asarray(layer, jnp.int32), block_pages=block_pages)
-  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0))(by_queue(q), keys, values, by_queue(table), by_queue(lengths))
+  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0, 2, 2))(by_queue(q), keys, values, by_queue(table), by_queue(lengths),
+                                                     key_scales, value_scales)
   return out.reshape(q.shape)
 
 
-def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -> jax.Array:
-  """One queue: q `[Rq, N, H]`, its pages `[K, L, Pq, Tg, H]`, table `[Rq, W]`, lengths `[Rq]`."""
+def _read_block(pool, scales, layer, ids, dtype) -> jax.Array:
+  """One queue's pages `ids` `[Rq, Bp]` of layer `layer` from its pool `[K, L, Pq, Tg, H]` as `[K, Rq, Bp·Tg, H]`
+  in `dtype`, dequantised by its scales `[K, L, Pq, 1, Tg]` where given."""
+  kv_heads, _, _, tg, h = pool.shape
+  rows, count = ids.shape
+  block = pool[:, layer, ids].reshape(kv_heads, rows, count * tg, h)
+  if scales is None:
+    return block.astype(dtype)
+  return (block.astype(jnp.float32) * scales[:, layer, ids].reshape(kv_heads, rows, count * tg, 1)).astype(dtype)
+
+
+def _gather_queue(q, keys, values, table, lengths, key_scales, value_scales, *, layer, block_pages: int) -> jax.Array:
+  """One queue: q `[Rq, N, H]`, its pages `[K, L, Pq, Tg, H]` (scales `[K, L, Pq, 1, Tg]` or None), table
+  `[Rq, W]`, lengths `[Rq]`."""
   kv_heads, _, pages, tg, h = keys.shape
   rows, n, _ = q.shape
   block, dtype = block_pages * tg, q.dtype
@@ -131,24 +154,24 @@ def _gather_queue(q, keys, values, table, lengths, *, layer, block_pages: int) -
 
   def step(j, carry):
     ids = jnp.minimum(lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1), pages - 1)
-    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block,
-                                                    h).astype(dtype)  # [K, Rq, block, H]
+    k, v = _read_block(keys, key_scales, layer, ids, dtype), _read_block(values, value_scales, layer, ids, dtype)
     visible = (j * block + jnp.arange(block))[None] < lengths[:, None]
-    return decode_attention.accumulate(carry, qg, read(keys), read(values), visible, heads="KBSH")
+    return decode_attention.accumulate(carry, qg, k, v, visible, heads="KBSH")
 
   blocks = jnp.minimum((jnp.max(lengths) + block - 1) // block, table.shape[1] // block_pages)
   return decode_attention.finish(lax.fori_loop(0, blocks, step, decode_attention.start_carry(qg)), dtype)
 
 
 def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str = "gather",
-                 block_pages: int = 1) -> jax.Array:
+                 block_pages: int = 1, key_scales=None, value_scales=None) -> jax.Array:
   """A chunk of C queries per row, q `[R, C, N, H]`, query i of row r at its token `starts[r] + i`, each
   seeing that row's tokens [0, starts[r] + i] (causal: the chunk's own keys are written before it is read);
   the pool and table as `attend`'s. Returns `[R, C, N, H]` in q's dtype. "reference" (dense: the oracle) or
   the gather, which reads each block of a row's pages once for its C queries (a prefill chunk's attention on
-  every platform)."""
+  every platform). An int8 pool comes with its scales (`attend_gather`'s)."""
   if implementation == "reference":
-    k, v = contiguous(keys, table, layer), contiguous(values, table, layer)
+    k, v = (contiguous(pool if scales is None else _dequantize(pool, scales), table, layer)
+            for pool, scales in ((keys, key_scales), (values, value_scales)))
     rows, chunk = q.shape[:2]
     visible = starts[:, None] + jnp.arange(chunk)[None] + 1  # [R, C] tokens each query sees.
     flat = lambda x: x.reshape((rows * chunk,) + x.shape[2:])
@@ -161,11 +184,17 @@ def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str =
     raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
   by_queue = lambda x: x.reshape((queues, -1) + x.shape[1:])
   one = functools.partial(_chunk_queue, layer=jnp.asarray(layer, jnp.int32), block_pages=block_pages)
-  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0))(by_queue(q), keys, values, by_queue(table), by_queue(starts))
+  out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0, 2, 2))(by_queue(q), keys, values, by_queue(table), by_queue(starts),
+                                                     key_scales, value_scales)
   return out.reshape(q.shape)
 
 
-def _chunk_queue(q, keys, values, table, starts, *, layer, block_pages: int) -> jax.Array:
+def _dequantize(pool, scales) -> jax.Array:
+  """An int8 pool `[..., Tg, H]` times its scales `[..., 1, Tg]`, in float32 (`paged_int8.dequantize`)."""
+  return pool.astype(jnp.float32) * jnp.swapaxes(scales, -1, -2)
+
+
+def _chunk_queue(q, keys, values, table, starts, key_scales, value_scales, *, layer, block_pages: int) -> jax.Array:
   """One queue: q `[Rq, C, N, H]`, its pages `[K, L, Pq, Tg, H]`, table `[Rq, W]`, starts `[Rq]`: blocks of
   pages up to the chunk's last token, an online softmax (float32) per query with its own causal bound."""
   kv_heads, _, pages, tg, h = keys.shape
@@ -178,15 +207,15 @@ def _chunk_queue(q, keys, values, table, starts, *, layer, block_pages: int) -> 
   def step(j, carry):
     m, l, acc = carry  # [Rq, K, G, C] (×H for acc), float32.
     ids = jnp.minimum(lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1), pages - 1)
-    read = lambda pool: pool[:, layer, ids].reshape(kv_heads, rows, block, h).astype(dtype)  # [K, Rq, S, H]
+    k, v = _read_block(keys, key_scales, layer, ids, dtype), _read_block(values, value_scales, layer, ids, dtype)
     visible = (j * block + jnp.arange(block))[None, None] <= bound[..., None]  # [Rq, C, S]
-    s = jnp.einsum("RKGCH,KRSH->RKGCS", qg, read(keys), preferred_element_type=jnp.float32) * (h ** -0.5)
+    s = jnp.einsum("RKGCH,KRSH->RKGCS", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
     s = jnp.where(visible[:, None, None], s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp(s - m_ref[..., None])
     alpha = jnp.exp(m - m_ref)
-    pv = jnp.einsum("RKGCS,KRSH->RKGCH", p.astype(dtype), read(values), preferred_element_type=jnp.float32)
+    pv = jnp.einsum("RKGCS,KRSH->RKGCH", p.astype(dtype), v, preferred_element_type=jnp.float32)
     return m_new, alpha * l + p.sum(-1), alpha[..., None] * acc + pv
 
   shape = qg.shape[:4]
@@ -207,20 +236,23 @@ def megacore_mode(device_kind: str, rows: int, kv_heads: int) -> str | None:
   return "kv_head" if kv_heads % 2 == 0 else "batch" if rows % 2 == 0 else None
 
 
-def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, local=None) -> jax.Array:
-  """A Pallas kernel, by default the TPU one (module docstring; `local`: the one-device call, as
-  `_kernel_local`): under `jax.shard_map` on a mesh (`sharding.use_rules`), each device on its rows, queues
-  and KV heads."""
+def _device_kind() -> str:
+  """The device kind of the mesh traced for (`sharding.use_rules`), else of JAX's first device."""
   found = sharding.context()
   devices = found[0].devices.flat if found is not None else jax.devices()
-  kind = getattr(next(iter(devices)), "device_kind", "")
-  local = local or _kernel_local
-  local = functools.partial(local, block_pages=block_pages,
-                            **({"device_kind": kind} if local is _kernel_local else {}))
+  return getattr(next(iter(devices)), "device_kind", "")
+
+
+def attend_kernel(q, pools: tuple, table, lengths, layer, *, local) -> jax.Array:
+  """A Pallas kernel (module docstring; `local(q, *pools, table, lengths, layer)`: the one-device call, as
+  `_kernel_local`) over `pools`, each `[K, L, Q, Pq, ...]` (keys and values; an int8 pool's scales beside them):
+  under `jax.shard_map` on a mesh (`sharding.use_rules`), each device on its rows, queues and KV heads."""
+  found = sharding.context()
   layer = jnp.asarray(layer, jnp.int32)
   if found is None or found[0].size == 1:
-    return local(q, keys, values, table, lengths, layer)
+    return local(q, *pools, table, lengths, layer)
   mesh, rules = found
+  keys = pools[0]
   rows = sharding.partition_spec(("batch",), rules, mesh.shape, (q.shape[0],))
   heads = sharding.partition_spec(("cache_kv_heads",), rules, mesh.shape, (keys.shape[0],))
   row_axes, head_axes = (rows[0] if len(rows) else None), (heads[0] if len(heads) else None)
@@ -229,10 +261,10 @@ def attend_kernel(q, keys, values, table, lengths, layer, *, block_pages: int, l
                      f"devices ({row_axes}) with the rows: one queue per data-parallel group")
   q_spec = PartitionSpec(row_axes, head_axes, None)
   pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
-  return jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=q_spec,
-                       in_specs=(q_spec, pool_spec, pool_spec, PartitionSpec(row_axes, None),
-                                 PartitionSpec(row_axes), PartitionSpec()))(q, keys, values, table, lengths,
-                                                                            layer)
+  run = lambda q, pools, table, lengths, layer: local(q, *pools, table, lengths, layer)
+  return jax.shard_map(run, mesh=mesh, check_vma=False, out_specs=q_spec,
+                       in_specs=(q_spec, (pool_spec,) * len(pools), PartitionSpec(row_axes, None),
+                                 PartitionSpec(row_axes), PartitionSpec()))(q, tuple(pools), table, lengths, layer)
 
 
 def _axes(axes) -> tuple:

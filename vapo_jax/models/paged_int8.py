@@ -53,15 +53,48 @@ def dequantize(q: jax.Array, scales: jax.Array, dtype=_F32) -> jax.Array:
   return (q.astype(_F32) * jnp.swapaxes(scales, -1, -2)).astype(dtype)
 
 
-def write(pool, scales, new, page, offset, layer, *, queues: int) -> tuple[jax.Array, jax.Array]:
+def write(pool, scales, new, page, offset, layer, *, implementation: str = "gather") -> tuple[jax.Array, jax.Array]:
   """`new` `[R, K, H]` quantised (per row and KV head) into the int8 pool `[K, L, Q, Pq, Tg, H]` and its scales
-  `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, `offset[r]`), in place, a page ≥ Pq dropped
-  (`paged_attention.write_token` for both: the scales viewed as `[..., Tg, 1]`, the same bytes)."""
+  `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, `offset[r]`), in place, a page ≥ Pq dropped: the
+  int8 vectors as `paged_attention.write` puts a bfloat16 pool's (under `implementation`), the scales by
+  `write_scales`."""
   q, s = quantize(new[:, :, None, :])  # [R, K, 1, H], [R, K, 1, 1]
-  pool = paged_attention.write_token(pool, q[:, :, 0], layer, page, offset, queues)
-  column = scales.reshape(scales.shape[:4] + (scales.shape[5], 1))
-  column = paged_attention.write_token(column, s[:, :, 0], layer, page, offset, queues)
-  return pool, column.reshape(scales.shape)
+  pool = paged_attention.write(pool, q[:, :, 0], page, offset, layer, implementation=implementation)
+  return pool, write_scales(scales, s[:, :, 0, 0], page, offset, layer)
+
+
+def write_scales(scales, new, page, offset, layer) -> jax.Array:
+  """`new` `[R, K]` written into the scales `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, 0,
+  `offset[r]`): a scatter of one float per (row, KV head) batched over the queue axis (split over the
+  data-parallel devices with the rows, it stays on each device), in place, a page ≥ Pq dropped."""
+  queues, rows = scales.shape[2], new.shape[0]
+  zero = jnp.zeros((rows,), jnp.int32)
+  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32), zero,
+                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 4)
+  updates = new.astype(scales.dtype).reshape(queues, rows // queues, new.shape[1])  # [Q, Rq, K]
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(1, 3, 4, 5),
+                                            scatter_dims_to_operand_dims=(1, 3, 4, 5),
+                                            operand_batching_dims=(2,), scatter_indices_batching_dims=(0,))
+  return jax.lax.scatter(scales, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def attend_pages(q, keys, key_scales, values, value_scales, table, lengths, layer, *, implementation: str,
+                 block_pages: int = 1) -> jax.Array:
+  """`paged_attention.attend` over an int8 pool: "reference" (`attend_reference`), "gather" (pages dequantised
+  block by block, `paged_attention.attend_gather`) or "kernel" (`attend` under `paged_attention.attend_kernel`'s
+  `jax.shard_map`, each device on its rows, queues and KV heads). q `[R, N, H]`; returns `[R, N, H]`."""
+  match implementation:
+    case "reference":
+      return attend_reference(q, keys, key_scales, values, value_scales, table, lengths, layer)
+    case "gather":
+      return paged_attention.attend_gather(q, keys, values, table, lengths, layer, block_pages=block_pages,
+                                           key_scales=key_scales, value_scales=value_scales)
+    case "kernel":
+      return paged_attention.attend_kernel(q, (keys, key_scales, values, value_scales), table, lengths, layer,
+                                           local=attend)
+    case _:
+      raise ValueError(f"an int8 KV cache (rollout.kv_cache_dtype='int8') reads its pages with the TPU kernel, "
+                       f"the gather or the reference, not {implementation!r}")
 
 
 def attend_reference(q, keys, key_scales, values, value_scales, table, lengths, layer) -> jax.Array:

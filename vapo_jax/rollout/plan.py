@@ -32,7 +32,7 @@ import math
 import numpy as np
 
 from vapo_jax.kinds import RolloutEngine
-from vapo_jax.models import paged_attention, sharding
+from vapo_jax.models import kv_cache, paged_attention, sharding
 from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.rollout import common, static
 from vapo_jax.rollout.refill import engine as refill
@@ -192,7 +192,8 @@ def plan_rollout(r, model_cfg, *, prompts: int, samples_per_prompt: int, prompt_
       engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,
       steps_per_call=r.decode_steps_per_call, pages=pages, queue_pages=queue_pages, page_tokens=tg,
       block_pages=r.block_pages or paged_attention.default_block_pages(tg, platform),
-      attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg),
+      attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg,
+                                                       int8=kv_cache.quantized(dtype)),
       least_pages=prompt_pages + per_sequence, lanes=lanes, prefill_chunk=min(r.prefill_chunk, prompt_tokens),
       **base)
 

@@ -53,8 +53,10 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   expand = lambda x: constrain(jnp.repeat(x, samples_per_prompt, axis=0), ("batch",) + (None,) * (x.ndim - 1))
   pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, samples_per_prompt, axis=rows),
                                             [(0, max_response_tokens * (i == axis)) for i in range(x.ndim)])
+  scales = lambda x: None if x is None else pad_slots(x, 1, 3)  # An int8 cache's `[L, B, K, S]`.
   cache = KVCache(pad_slots(prefill_cache.keys, 1, 3), pad_slots(prefill_cache.values, 1, 3),
-                  pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block).constrained()
+                  pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block,
+                  scales(prefill_cache.key_scales), scales(prefill_cache.value_scales)).constrained()
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)

@@ -89,7 +89,7 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
   t, dtype = c.rollout.tensor_parallel, np.dtype(c.model.dtype)
   embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
   weights = (report.weight_bytes - embedding) / t
-  token_bytes = KVCache.bytes_per_token(cfg, dtype) / t
+  token_bytes = KVCache.bytes_per_token(cfg, np.dtype(c.cache_dtype)) / t  # int8: its scales included.
   loop = program.walked.loop(common.DECODE_LOOP) if program.walked is not None else None
   one = None if loop is None else (loop.plain or loop.iteration)  # A step without its optional branches.
   step = program.bytes_accessed if one is None else one.bytes - one.kernel_bytes
@@ -154,7 +154,7 @@ def contiguous_slots(report, pool_bytes: float) -> int:
   """Slots per queue the contiguous engine holds in `pool_bytes` per chip: each prompt bucket + cap tokens."""
   c = report.config
   per_slot = common.cache_bytes(report.architecture, batch=1, prompt_tokens=common.prompt_bucket(
-      c.rollout.max_prompt_tokens), max_response_tokens=c.rollout.max_response_tokens, dtype=c.model.dtype,
+      c.rollout.max_prompt_tokens), max_response_tokens=c.rollout.max_response_tokens, dtype=c.cache_dtype,
                                 tensor=c.rollout.tensor_parallel)
   return max(1, int(pool_bytes // per_slot))
 

@@ -151,7 +151,7 @@ def decode_partial(report, program, profile: profiles.Profile, chip, budget: tup
   RL step, the replay `partial_replay.PartialLoad`)."""
   c = report.config
   r = dataclasses.replace(c.rollout, decode_budget=budget[0], max_staleness=budget[1])
-  round_plan = report.round or plan_lib.plan_round(r, report.architecture, dtype=np.dtype(c.model.dtype),
+  round_plan = report.round or plan_lib.plan_round(r, report.architecture, dtype=np.dtype(c.cache_dtype),
                                                    devices=report.plan.devices,
                                                    platform=report.target.platform)
   return decode_cost.partial(report, profile, _paged_prices(report, program, chip), chip, plan=round_plan,

@@ -103,14 +103,14 @@ class Experience:
         encode=lambda record: problems.encode_prompt(record, self.tokenizer, self.config),
         verify=lambda out,
         answers: (*self.place_share(scored := self.verify(out, answers), out), scored.metrics),
-        pad_id=self.tokenizer.pad_token_id, cache_dtype=jnp.dtype(self.config.model.dtype))
+        pad_id=self.tokenizer.pad_token_id, cache_dtype=jnp.dtype(self.config.cache_dtype))
 
   def plan_round(self) -> rollout.RolloutPlan:
     """A partial rollout's round's plan on this run's groups (`plan.plan_round`); a `ConfigError` naming the
     budget when it cannot run."""
     r = self.config.rollout
     try:
-      return plan_round(r, self.model_cfg, dtype=jnp.dtype(self.config.model.dtype),
+      return plan_round(r, self.model_cfg, dtype=jnp.dtype(self.config.cache_dtype),
                         devices=self.layout.data_devices)
     except MemoryError as e:
       raise ConfigError(f"a partial rollout's round (rollout.decode_budget={r.decode_budget}) cannot run: "

@@ -35,7 +35,7 @@ def plan(config: ExperimentConfig, model_cfg, *, prompts: int, samples_per_promp
   try:
     return rollout.plan_rollout(config.rollout, model_cfg, prompts=prompts,
                                 samples_per_prompt=samples_per_prompt, prompt_tokens=prompt_tokens,
-                                dtype=jnp.dtype(config.model.dtype), devices=devices, **options)
+                                dtype=jnp.dtype(config.cache_dtype), devices=devices, **options)
   except MemoryError as e:
     raise ConfigError(str(e)) from None
 
@@ -54,7 +54,7 @@ def generate_responses(model, records: list[Record], key: jax.Array, *, config: 
   how = sampling_settings(config, stop_ids(config, tokenizer), temperature=temperature, top_p=top_p,
                           top_k=top_k)
   return rollout.sample(model, tokens, mask, key, sampling=how, plan=chosen, pad_id=tokenizer.pad_token_id,
-                        cache_dtype=jnp.dtype(config.model.dtype), jit=jit, place=place)
+                        cache_dtype=jnp.dtype(config.cache_dtype), jit=jit, place=place)
 
 
 def sampling_settings(config: ExperimentConfig, stop_token_ids: tuple[int, ...], *, temperature: float,

@@ -60,7 +60,7 @@ def _run_one(experience, policy, key: jax.Array, engine: str) -> None:
                             engine="static" if engine == "static" else "refill", decode_budget=0)
   width = common.prompt_bucket(1)
   plan = rollout.plan_rollout(one, experience.model_cfg, prompts=1, samples_per_prompt=1, prompt_tokens=width,
-                              dtype=jnp.dtype(config.model.dtype), devices=layout.data_devices,
+                              dtype=jnp.dtype(config.cache_dtype), devices=layout.data_devices,
                               budgeted=engine != "static")
   r = config.rollout
   sampling = common.Sampling(max_response_tokens=1, stop_token_ids=(), temperature=r.temperature,
@@ -68,7 +68,7 @@ def _run_one(experience, policy, key: jax.Array, engine: str) -> None:
   tokens = np.full((1, width), tokenizer.pad_token_id, np.int32)
   mask = np.zeros((1, width), bool)
   mask[0, -1] = True
-  cache_dtype = jnp.dtype(config.model.dtype)
+  cache_dtype = jnp.dtype(config.cache_dtype)
   if engine == "round":
     call = partial.Call(np.zeros(1, np.int64), tokens, mask, np.zeros(1, np.int32), np.zeros(1, np.int32),
                         np.ones(1, np.int32))

@@ -94,5 +94,5 @@ def _chunk(model, s: Slots, *, tokens: int) -> Slots:
                        logits=q_lib.scatter(p.logits, at(finishing), logits, queues))
   counters = (s.counters.at[slots_lib.CHUNKS].add(jnp.sum(active, dtype=jnp.int32))
               .at[slots_lib.PREFILLED].add(jnp.sum(valid, dtype=jnp.int32)))
-  return s._replace(cache=s.cache.replace(keys=cache.keys, values=cache.values), prompts=prompts,
+  return s._replace(cache=s.cache.replace(**cache.pool_arrays()), prompts=prompts,
                     counters=counters, lanes=jnp.where(finishing.reshape(queues, lanes), per_prompt, s.lanes))

@@ -294,7 +294,7 @@ def allocate(s: Slots, taken: jax.Array, *, samples_per_prompt: int) -> Slots:
                                axis=1)[:, 0]
   by_queue = lambda x: q_lib.by_queue(x, queues)
   copy = lambda pool: pages_lib.copy_pages(pool, by_queue(source), by_queue(got), by_queue(partial))
-  cache = s.cache.replace(keys=copy(s.cache.keys), values=copy(s.cache.values), table=table)
+  cache = s.cache.replace(**{name: copy(pool) for name, pool in s.cache.pool_arrays().items()}, table=table)
   return s._replace(cache=cache, free=free)
 
 
