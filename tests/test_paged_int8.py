@@ -12,7 +12,7 @@ import pytest
 
 from tests.test_paged_attention import LENGTHS, TABLE, oracle, pool_and_query
 from vapo_jax.memory import hlo_walk, topologies
-from vapo_jax.models import paged_int8
+from vapo_jax.models import paged_int8, sharding
 
 
 def test_quantize_keeps_each_entry_within_half_a_scale_step():
@@ -67,15 +67,26 @@ def test_compiled_for_a_v5p_chip_it_reads_about_half_of_bfloat16s_bytes():
   assert int8.memory_analysis().temp_size_in_bytes < 2**20  # No copy of the pool or its scales.
 
 
-@pytest.mark.parametrize("implementation", ["gather", "kernel"])
-def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_moves(implementation):
+@pytest.mark.parametrize("implementation,mesh", [("gather", None), ("kernel", None), ("kernel", (2, 2, 2))])
+def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_moves(implementation, mesh):
+  """The gather's scatters batched over queues; the kernel's on one device, and under shard_map on a 2 × 2 × 2 mesh
+  (queues over data, KV heads over tensor)."""
   rng = np.random.default_rng(3)
   kv, layers, queues, pages, tg, h, rows = 2, 3, 2, 5, 4, 8, 4
   pool, scales = paged_int8.quantize(jnp.asarray(rng.normal(size=(kv, layers, queues, pages, tg, h)), jnp.float32))
   new = rng.normal(size=(rows, kv, h)).astype(np.float32)
   page, offset = np.array([1, 4, 0, 5], np.int32), np.array([2, 0, 3, 1], np.int32)  # Row 3's page 5: none.
-  got_pool, got_scales = jax.jit(paged_int8.write, static_argnames="implementation")(
-      pool, scales, new, page, offset, 2, implementation=implementation)
+  write = lambda *a: paged_int8.write(*a, implementation=implementation)
+  if mesh is None:
+    got_pool, got_scales = jax.jit(write)(pool, scales, new, page, offset, 2)
+  else:
+    mesh = sharding.make_mesh(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    on = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    rules = dict(sharding.PRESETS["tp"], batch="data")
+    got_pool, got_scales = sharding.jit(write, mesh, rules)(
+        on(pool, "tensor", None, "data"), on(scales, "tensor", None, "data"), on(new, "data", "tensor"),
+        on(page, "data"), on(offset, "data"), 2)
+    assert len(got_scales.sharding.device_set) == 8
   want = np.array(paged_int8.dequantize(pool, scales))
   for r in range(3):  # Rows 0-1 are queue 0's, rows 2-3 queue 1's; each token quantised on its own.
     q, s = paged_int8.quantize(jnp.asarray(new[r])[:, None, :])

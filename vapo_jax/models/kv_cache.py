@@ -240,7 +240,7 @@ class PagedKVCache:
       return self.replace(keys=put(self.keys, k), values=put(self.values, v))
     (qk, sk), (qv, sv) = (paged_int8.quantize(t[..., None, :]) for t in (k, v))  # [R, T, K, 1, H], [.., 1, 1]
     scale = lambda scales, s: paged_int8.write_scales(scales, flat(s[..., 0, 0]), flat(page), flat(tokens % tg),
-                                                      layer)
+                                                      layer, implementation=self.implementation)
     return self.replace(keys=put(self.keys, qk[..., 0, :]), values=put(self.values, qv[..., 0, :]),
                         key_scales=scale(self.key_scales, sk), value_scales=scale(self.value_scales, sv))
 

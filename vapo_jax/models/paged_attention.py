@@ -300,18 +300,26 @@ def write(pool, new, page, offset, layer, *, implementation: str):
   `write_token`, batched over queues."""
   if implementation != "kernel":
     return write_token(pool, new, layer, page, offset, pool.shape[2])
+  return write_on_devices(_write_local, pool, new, page, offset, layer)
+
+
+def write_on_devices(local, pool, new, page, offset, layer):
+  """`local(pool, new, page, offset, layer)` on each device's own rows `[r, k, ...]` and pool `[k, L, q, Pq, ...]`:
+  under `jax.shard_map` on a mesh (`sharding.use_rules`: rows and queues over the data-parallel axes, KV heads
+  over the tensor axis), alone otherwise."""
   layer = jnp.asarray(layer, jnp.int32)
   found = sharding.context()
   if found is None or found[0].size == 1:
-    return _write_local(pool, new, page, offset, layer)
+    return local(pool, new, page, offset, layer)
   mesh, rules = found
   rows = sharding.partition_spec(("batch",), rules, mesh.shape, (new.shape[0],))
   heads = sharding.partition_spec(("cache_kv_heads",), rules, mesh.shape, (pool.shape[0],))
   row_axes, head_axes = (rows[0] if len(rows) else None), (heads[0] if len(heads) else None)
-  pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
-  return jax.shard_map(_write_local, mesh=mesh, check_vma=False, out_specs=pool_spec,
-                       in_specs=(pool_spec, PartitionSpec(row_axes, head_axes, None), PartitionSpec(row_axes),
-                                 PartitionSpec(row_axes), PartitionSpec()))(pool, new, page, offset, layer)
+  pool_spec = PartitionSpec(head_axes, None, row_axes, *(None,) * (pool.ndim - 3))
+  new_spec = PartitionSpec(row_axes, head_axes, *(None,) * (new.ndim - 2))
+  return jax.shard_map(local, mesh=mesh, check_vma=False, out_specs=pool_spec,
+                       in_specs=(pool_spec, new_spec, PartitionSpec(row_axes), PartitionSpec(row_axes),
+                                 PartitionSpec()))(pool, new, page, offset, layer)
 
 
 def _write_local(pool, new, page, offset, layer):

@@ -60,13 +60,17 @@ def write(pool, scales, new, page, offset, layer, *, implementation: str = "gath
   `write_scales`."""
   q, s = quantize(new[:, :, None, :])  # [R, K, 1, H], [R, K, 1, 1]
   pool = paged_attention.write(pool, q[:, :, 0], page, offset, layer, implementation=implementation)
-  return pool, write_scales(scales, s[:, :, 0, 0], page, offset, layer)
+  return pool, write_scales(scales, s[:, :, 0, 0], page, offset, layer, implementation=implementation)
 
 
-def write_scales(scales, new, page, offset, layer) -> jax.Array:
+def write_scales(scales, new, page, offset, layer, *, implementation: str = "gather") -> jax.Array:
   """`new` `[R, K]` written into the scales `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, 0,
-  `offset[r]`): a scatter of one float per (row, KV head) batched over the queue axis (split over the
-  data-parallel devices with the rows, it stays on each device), in place, a page ≥ Pq dropped."""
+  `offset[r]`), in place, a page ≥ Pq dropped: with the kernel (TPU) each device's own rows into its own scales
+  under `jax.shard_map` (`paged_attention.write_on_devices`, as the int8 vectors are written: the TPU compiler
+  keeps a plain scatter in place), else a scatter batched over the queue axis (split over the data-parallel
+  devices with the rows, it stays on each device)."""
+  if implementation == "kernel":
+    return paged_attention.write_on_devices(_write_scales_local, scales, new, page, offset, layer)
   queues, rows = scales.shape[2], new.shape[0]
   zero = jnp.zeros((rows,), jnp.int32)
   at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32), zero,
@@ -76,6 +80,16 @@ def write_scales(scales, new, page, offset, layer) -> jax.Array:
                                             scatter_dims_to_operand_dims=(1, 3, 4, 5),
                                             operand_batching_dims=(2,), scatter_indices_batching_dims=(0,))
   return jax.lax.scatter(scales, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _write_scales_local(scales, new, page, offset, layer) -> jax.Array:
+  """One device's rows `[r, k]` into its scales `[k, L, q, Pq, 1, Tg]`: a plain scatter, each dropped row to a
+  page of its own past Pq (the indices stay unique)."""
+  queues, pages, rows = scales.shape[2], scales.shape[3], new.shape[0]
+  queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
+  page = jnp.where(page < pages, page, pages + jnp.arange(rows, dtype=jnp.int32))
+  return scales.at[:, layer, queue, page, 0, offset].set(new.T.astype(scales.dtype), mode="drop",
+                                                          unique_indices=True)
 
 
 def attend_pages(q, keys, key_scales, values, value_scales, table, lengths, layer, *, implementation: str,
