@@ -33,9 +33,12 @@ def quantised(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int8_pool(x: np.ndarray):
-  """A pool `[K, L, Q, Pq, Tg, H]` as (int8 pool, scales `[K, L, Q, Pq, 1, Tg]`, its dequantised values)."""
+  """A pool `[K, L, Q, Pq, Tg, H]` as (int8 pool, scales `[K, L, Q, P8, Tg]` (P8: Pq in a multiple of 8), its
+  dequantised values)."""
   q, s = quantised(x)
-  return q, s[..., None, :], q.astype(np.float32) * s[..., None]
+  padded = np.zeros(s.shape[:3] + (paged_int8.scale_pages(s.shape[3]), s.shape[4]), np.float32)
+  padded[:, :, :, :s.shape[3]] = s
+  return q, padded, q.astype(np.float32) * s[..., None]
 
 
 @pytest.mark.parametrize("implementation,block_pages", [("gather", 1), ("gather", 2), ("reference", 1)])
@@ -140,7 +143,7 @@ def test_the_setting_chooses_the_cache_and_only_int8_carries_scales():
   assert plain.key_scales is None and set(plain.pool_arrays()) == {"keys", "values"}
   assert len(jax.tree.leaves(plain)) == 5  # keys, values, table, lengths, live: as before int8 caches.
   paged = kv_cache.PagedKVCache.zeros(cfg, rows=2, queues=1, pages=3, page_tokens=4, table_pages=2, dtype=jnp.int8)
-  assert paged.key_scales.shape == paged.keys.shape[:4] + (1, 4) and len(paged.pool_arrays()) == 4
+  assert paged.key_scales.shape == paged.keys.shape[:3] + (8, 4) and len(paged.pool_arrays()) == 4
   with pytest.raises(ValueError, match="int8 KV cache .* not 'gpu_kernel'"):
     paged_int8.attend_pages(None, None, None, None, None, None, None, 0, implementation="gpu_kernel")
 

@@ -20,9 +20,9 @@ def test_quantize_keeps_each_entry_within_half_a_scale_step():
   x = rng.normal(size=(3, 5, 16)).astype(np.float32) * rng.uniform(0.01, 10, size=(3, 5, 1)).astype(np.float32)
   x[1, 2] = 0.0  # A zero vector: scale 0, every entry 0.
   q, scales = paged_int8.quantize(jnp.asarray(x))
-  assert q.dtype == jnp.int8 and q.shape == x.shape and scales.shape == (3, 1, 5)
+  assert q.dtype == jnp.int8 and q.shape == x.shape and scales.shape == (3, 5)
   step = np.abs(x).max(axis=-1) / 127.0  # [3, 5], from the definition.
-  np.testing.assert_allclose(np.asarray(scales)[:, 0], step, rtol=1e-7)
+  np.testing.assert_allclose(np.asarray(scales), step, rtol=1e-7)
   back = np.asarray(paged_int8.dequantize(q, scales))
   assert np.all(np.abs(back - x) <= step[..., None] / 2 * (1 + 1e-6))
   assert np.all(back[1, 2] == 0.0) and int(np.abs(np.asarray(q)).max()) == 127
@@ -32,7 +32,8 @@ def test_the_kernel_in_the_interpreter_equals_the_oracle_on_the_dequantised_pool
   from jax.experimental.pallas import tpu as pltpu
 
   q, keys, values = pool_and_query(7)
-  (kq, ks), (vq, vs) = paged_int8.quantize(jnp.asarray(keys)), paged_int8.quantize(jnp.asarray(values))
+  (kq, ks), (vq, vs) = paged_int8.quantize_pool(jnp.asarray(keys)), paged_int8.quantize_pool(jnp.asarray(values))
+  assert ks.shape == keys.shape[:3] + (8, keys.shape[4])  # 7 pages' scales in a multiple of 8.
   dk, dv = np.asarray(paged_int8.dequantize(kq, ks)), np.asarray(paged_int8.dequantize(vq, vs))
   for layer in (0, 2):
     expected = np.asarray(oracle(q, dk, dv, layer))
@@ -55,7 +56,7 @@ def test_compiled_for_a_v5p_chip_it_reads_about_half_of_bfloat16s_bytes():
   on = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=device)
   kv, layers, pages, tg, h, rows, width = 1, 2, 512, 128, 128, 16, 32
   q, table, lengths = on((rows, 5, h), jnp.bfloat16), on((rows, width), jnp.int32), on((rows,), jnp.int32)
-  pool, scales = on((kv, layers, 1, pages, tg, h), jnp.int8), on((kv, layers, 1, pages, 1, tg), jnp.float32)
+  pool, scales = on((kv, layers, 1, pages, tg, h), jnp.int8), on((kv, layers, 1, pages, tg), jnp.float32)
   with topologies.persistent_cache_for(target):
     int8 = jax.jit(paged_int8.attend).lower(q, pool, scales, pool, scales, table, lengths, 1).compile()
     bf16_pages = on((kv, layers * pages, tg, h), jnp.bfloat16)
@@ -73,7 +74,8 @@ def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_mov
   (queues over data, KV heads over tensor)."""
   rng = np.random.default_rng(3)
   kv, layers, queues, pages, tg, h, rows = 2, 3, 2, 5, 4, 8, 4
-  pool, scales = paged_int8.quantize(jnp.asarray(rng.normal(size=(kv, layers, queues, pages, tg, h)), jnp.float32))
+  pool, scales = paged_int8.quantize_pool(jnp.asarray(rng.normal(size=(kv, layers, queues, pages, tg, h)),
+                                                      jnp.float32))
   new = rng.normal(size=(rows, kv, h)).astype(np.float32)
   page, offset = np.array([1, 4, 0, 5], np.int32), np.array([2, 0, 3, 1], np.int32)  # Row 3's page 5: none.
   write = lambda *a: paged_int8.write(*a, implementation=implementation)
@@ -89,6 +91,6 @@ def test_a_written_token_reads_back_as_its_own_quantisation_and_nothing_else_mov
     assert len(got_scales.sharding.device_set) == 8
   want = np.array(paged_int8.dequantize(pool, scales))
   for r in range(3):  # Rows 0-1 are queue 0's, rows 2-3 queue 1's; each token quantised on its own.
-    q, s = paged_int8.quantize(jnp.asarray(new[r])[:, None, :])
-    want[:, 2, r // 2, page[r], offset[r]] = np.asarray(paged_int8.dequantize(q, s))[:, 0]
+    q, s = paged_int8.quantize(jnp.asarray(new[r]))
+    want[:, 2, r // 2, page[r], offset[r]] = np.asarray(paged_int8.dequantize(q, s))
   np.testing.assert_array_equal(np.asarray(paged_int8.dequantize(got_pool, got_scales)), want)

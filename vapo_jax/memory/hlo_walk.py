@@ -194,7 +194,7 @@ class _Program:
         inner = None
         if op in ("dynamic-slice", "gather") and k == 0:
           inner = sum(b for *_, b in hlo.arrays(type_text))
-        elif op == "bitcast" and hops < 4:
+        elif (op == "bitcast" or self._retiled(op, body)) and hops < 4:
           inner = taken(name, hops + 1)
         elif op == "fusion" and depth < 4 and (nested := self._callees(body, "calls")):
           inner = self._sliced(nested[0], depth + 1).get(k)
@@ -203,6 +203,16 @@ class _Program:
         total += inner
       return total if uses.get(value) else None
     return {number: t for name, number in params.items() if (t := taken(name)) is not None}
+
+  def _retiled(self, opcode: str, body: str) -> bool:
+    """A fusion that only copies its operand into the same buffer (`output_to_operand_aliasing` of a lone
+    `copy`): a change of tiling name that moves no byte, as int8's T(32,128)(4,1) → T(8,128)(4,1) (4 rows to a
+    word, the same order), which the TPU compiler puts between a pool and the fusion that slices it."""
+    if opcode != "fusion" or "output_to_operand_aliasing={{}: (0, {})}" not in body:
+      return False
+    callees = self._callees(body, "calls")
+    ops = {op for _, _, op, _ in self.computations.get(callees[0], [])} if callees else set()
+    return ops == {"parameter", "copy"}
 
   def matmul_flops(self, type_text: str, opcode: str, body: str, depth: int = 0) -> float:
     """2 × multiply-adds of a dot or convolution, or of those inside a fusion (nested ones too)."""

@@ -53,7 +53,7 @@ LAYER_AXIS = "layers"  # Logical name of the stacked layer axis: no preset maps 
 # Logical axes of a contiguous cache's keys and values `[L, B, K, S, H]` (models/sharding.py rules map them).
 CACHE_AXES = (LAYER_AXIS, "batch", "cache_kv_heads", None, None)
 # Logical axes of a paged pool `[K, L, Q, Pq, Tg, H]`: queues over the batch axes, KV heads over the tensor
-# axis (an int8 pool's scales `[K, L, Q, Pq, 1, Tg]` the same).
+# axis (an int8 pool's scales `[K, L, Q, P8, Tg]` the same but the last).
 POOL_AXES = ("cache_kv_heads", LAYER_AXIS, "batch", None, None, None)
 SCALE_BYTES = 4  # An int8 cache's float32 scale per token and KV head (of keys, and of values).
 
@@ -127,11 +127,11 @@ class KVCache:
     if self.key_scales is None:
       return self.replace(keys=write_layer(self.keys, heads_major(k), layer, self.length),
                           values=write_layer(self.values, heads_major(v), layer, self.length))
-    (qk, sk), (qv, sv) = (paged_int8.quantize(heads_major(t)) for t in (k, v))  # Scales [B, K, 1, T].
+    (qk, sk), (qv, sv) = (paged_int8.quantize(heads_major(t)) for t in (k, v))  # Scales [B, K, T].
     return self.replace(keys=write_layer(self.keys, qk, layer, self.length),
                         values=write_layer(self.values, qv, layer, self.length),
-                        key_scales=write_layer(self.key_scales, sk[:, :, 0], layer, self.length),
-                        value_scales=write_layer(self.value_scales, sv[:, :, 0], layer, self.length))
+                        key_scales=write_layer(self.key_scales, sk, layer, self.length),
+                        value_scales=write_layer(self.value_scales, sv, layer, self.length))
 
   def _layer(self, layer) -> tuple[jax.Array, jax.Array]:
     """Layer `layer`'s keys and values `[B, K, S, H]`, dequantised (float32) when int8."""
@@ -174,7 +174,8 @@ class PagedKVCache:
   # block by block) or "reference" (dense).
   implementation: str = struct.field(pytree_node=False, default="gather")
   block_pages: int = struct.field(pytree_node=False, default=1)  # Pages read per block (kernels, gather).
-  # An int8 pool's scales `[K, L, Q, Pq, 1, Tg]` (float32, a page's along the lanes); None otherwise.
+  # An int8 pool's scales `[K, L, Q, P8, Tg]` (float32, a page's along the lanes, P8: `paged_int8.scale_pages`);
+  # None otherwise.
   key_scales: jax.Array | None = None
   value_scales: jax.Array | None = None
 
@@ -185,8 +186,9 @@ class PagedKVCache:
     """An empty pool of `pages` pages per queue, `rows` rows holding nothing (their tables point nowhere);
     int8 `dtype`: with its scales."""
     shape = (cfg.num_kv_heads, cfg.num_layers, queues, pages, page_tokens, cfg.head_dim)
-    pool = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), POOL_AXES)
-    scales = (lambda: pool(shape[:4] + (1, page_tokens), jnp.float32)) if quantized(dtype) else lambda: None
+    pool = lambda shape, dtype: constrain(jnp.zeros(shape, dtype), POOL_AXES[:len(shape)])
+    scale_shape = shape[:3] + (paged_int8.scale_pages(pages), page_tokens)
+    scales = (lambda: pool(scale_shape, jnp.float32)) if quantized(dtype) else lambda: None
     return cls(pool(shape, dtype), pool(shape, dtype), _rows(jnp.full((rows, table_pages), pages, jnp.int32)),
                _rows(jnp.zeros((rows,), jnp.int32)), _rows(jnp.zeros((rows,), bool)), None, implementation,
                block_pages, scales(), scales())
@@ -238,10 +240,10 @@ class PagedKVCache:
                                                   implementation=self.implementation)
     if self.key_scales is None:
       return self.replace(keys=put(self.keys, k), values=put(self.values, v))
-    (qk, sk), (qv, sv) = (paged_int8.quantize(t[..., None, :]) for t in (k, v))  # [R, T, K, 1, H], [.., 1, 1]
-    scale = lambda scales, s: paged_int8.write_scales(scales, flat(s[..., 0, 0]), flat(page), flat(tokens % tg),
-                                                      layer, implementation=self.implementation)
-    return self.replace(keys=put(self.keys, qk[..., 0, :]), values=put(self.values, qv[..., 0, :]),
+    (qk, sk), (qv, sv) = (paged_int8.quantize(t) for t in (k, v))  # [R, T, K, H], [R, T, K]
+    scale = lambda scales, s: paged_int8.write_scales(scales, flat(s), flat(page), flat(tokens % tg), layer,
+                                                      pages=self.pages, implementation=self.implementation)
+    return self.replace(keys=put(self.keys, qk), values=put(self.values, qv),
                         key_scales=scale(self.key_scales, sk), value_scales=scale(self.value_scales, sv))
 
   def attend_chunk(self, q: jax.Array, layer) -> jax.Array:

@@ -122,7 +122,7 @@ def attend_gather(q, keys, values, table, lengths, layer, *, block_pages: int, k
                   value_scales=None) -> jax.Array:
   """Blocks of `block_pages` pages gathered by the page table, online softmax (module docstring); the table's
   width must be a multiple of `block_pages`. An int8 pool's pages are dequantised as they are gathered, by
-  their scales `[K, L, Q, Pq, 1, Tg]` (`models/paged_int8.py`)."""
+  their scales `[K, L, Q, P8, Tg]` (`models/paged_int8.py`)."""
   queues, width = keys.shape[2], table.shape[1]
   if width % block_pages:
     raise ValueError(f"the page table's width {width} is not a multiple of block_pages={block_pages}")
@@ -135,7 +135,7 @@ def attend_gather(q, keys, values, table, lengths, layer, *, block_pages: int, k
 
 def _read_block(pool, scales, layer, ids, dtype) -> jax.Array:
   """One queue's pages `ids` `[Rq, Bp]` of layer `layer` from its pool `[K, L, Pq, Tg, H]` as `[K, Rq, Bp·Tg, H]`
-  in `dtype`, dequantised by its scales `[K, L, Pq, 1, Tg]` where given."""
+  in `dtype`, dequantised by its scales `[K, L, P8, Tg]` where given."""
   kv_heads, _, _, tg, h = pool.shape
   rows, count = ids.shape
   block = pool[:, layer, ids].reshape(kv_heads, rows, count * tg, h)
@@ -145,7 +145,7 @@ def _read_block(pool, scales, layer, ids, dtype) -> jax.Array:
 
 
 def _gather_queue(q, keys, values, table, lengths, key_scales, value_scales, *, layer, block_pages: int) -> jax.Array:
-  """One queue: q `[Rq, N, H]`, its pages `[K, L, Pq, Tg, H]` (scales `[K, L, Pq, 1, Tg]` or None), table
+  """One queue: q `[Rq, N, H]`, its pages `[K, L, Pq, Tg, H]` (scales `[K, L, P8, Tg]` or None), table
   `[Rq, W]`, lengths `[Rq]`."""
   kv_heads, _, pages, tg, h = keys.shape
   rows, n, _ = q.shape
@@ -190,8 +190,8 @@ def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str =
 
 
 def _dequantize(pool, scales) -> jax.Array:
-  """An int8 pool `[..., Tg, H]` times its scales `[..., 1, Tg]`, in float32 (`paged_int8.dequantize`)."""
-  return pool.astype(jnp.float32) * jnp.swapaxes(scales, -1, -2)
+  """An int8 pool `[K, L, Q, Pq, Tg, H]` times its scales `[K, L, Q, P8, Tg]`, in float32 (`paged_int8.dequantize`)."""
+  return pool.astype(jnp.float32) * scales[:, :, :, :pool.shape[3], :, None]
 
 
 def _chunk_queue(q, keys, values, table, starts, key_scales, value_scales, *, layer, block_pages: int) -> jax.Array:
@@ -260,10 +260,10 @@ def attend_kernel(q, pools: tuple, table, lengths, layer, *, local) -> jax.Array
     raise ValueError(f"the paged kernel needs the pool's {keys.shape[2]} queues split over the data-parallel "
                      f"devices ({row_axes}) with the rows: one queue per data-parallel group")
   q_spec = PartitionSpec(row_axes, head_axes, None)
-  pool_spec = PartitionSpec(head_axes, None, row_axes, None, None, None)
+  pool_specs = tuple(PartitionSpec(head_axes, None, row_axes, *(None,) * (p.ndim - 3)) for p in pools)
   run = lambda q, pools, table, lengths, layer: local(q, *pools, table, lengths, layer)
   return jax.shard_map(run, mesh=mesh, check_vma=False, out_specs=q_spec,
-                       in_specs=(q_spec, (pool_spec,) * len(pools), PartitionSpec(row_axes, None),
+                       in_specs=(q_spec, pool_specs, PartitionSpec(row_axes, None),
                                  PartitionSpec(row_axes), PartitionSpec()))(q, tuple(pools), table, lengths, layer)
 
 

@@ -1,25 +1,27 @@
 """int8 pages of a paged KV cache: per-token, per-head scales, and a Pallas TPU decode kernel that reads them.
 
-A page of int8 keys (or values) `[Tg, H]` comes with its scales `[1, Tg]`, one float32 per token and KV head,
-laid out along the lanes so that a page's scales are Tg contiguous floats (4·Tg bytes against the page's
-Tg·H: 3 % at H = 128). A token's vector x `[H]` is stored as
+A token's keys (or values) of one KV head, a vector x `[H]`, are stored as
 
   s = max|x| / 127,    q = round(x / s) ∈ [−127, 127]    (s = 0 and q = 0 for a zero vector)
 
-and read back as q·s: each entry within s/2 of x. A pool of int8 pages `[K, L, Q, Pq, Tg, H]` has scales
-`[K, L, Q, Pq, 1, Tg]` (`quantize` on `[..., Tg, H]` gives both); `write` puts a decode step's tokens into
-both, each quantised on its own.
+and read back as q·s: each entry within s/2 of x. A pool of int8 pages `[K, L, Q, Pq, Tg, H]` has float32 scales
+`[K, L, Q, P8, Tg]` (P8: Pq rounded up to a multiple of 8, `scale_pages`), a page's Tg scales one row of 4·Tg
+bytes against the page's Tg·H (3 % at H = 128). That layout is the TPU's own: (pages, tokens) tile by (8, 128)
+with no padding, so the pool's scales stay in one layout from the writes to the kernel (a `[..., 1, Tg]` row per
+page is tiled (1, 128) by the compiler, re-laid out around the kernel and copied whole at every layer). The
+writes (`write`, `write_scales`) quantise each token on its own.
 
 `attend` is one-token decode attention over such a pool, as `paged_attention.attend`'s kernel is over a
 bfloat16 one: row r's query sees its tokens [0, lengths[r]), token t at offset t mod Tg of page
-`table[r, t // Tg]`. The kernel runs one grid step per (row, KV head, page of the table): the page's int8
-keys and values and their scales are copied to VMEM (Pallas's pipeline, double-buffered; a step past the
-row's last page maps to that last page again, which the pipeline does not copy twice), the logits are
-q·kᵀ (float32) times the key scales, the probabilities times the value scales meet the int8 values, and an online
-softmax in float32 runs across the row's pages. Per token and head it reads H + 4 bytes of keys (and as many
-of values) where a bfloat16 page reads 2·H. JAX's own kernel (`jax.experimental.pallas.ops.tpu.
-paged_attention` with `QuantizedTensor` pages) takes its scales broadcast to the page's `[Tg, H]` and copies
-them whole: more bytes than bfloat16 (docs/pod.md).
+`table[r, t // Tg]`. The kernel runs one grid step per (row, KV head, page of the table): the page's int8 keys
+and values `[Tg, H]` and the block of 8 pages' scales `[8, Tg]` holding its own (a Pallas block's rows come in
+eights) are copied to VMEM (Pallas's pipeline, double-buffered; a step past the row's last page maps to that
+last page again, which the pipeline does not copy twice); the logits are q·kᵀ (float32) times the key scales,
+the probabilities times the value scales meet the int8 values, and an online softmax in float32 runs across the
+row's pages. Per token and head it reads H + 32 bytes of keys (and as many of values) where a bfloat16 page
+reads 2·H: 0.625× at H = 128 (`KERNEL_SCALE_ROWS`). JAX's own kernel (`jax.experimental.pallas.ops.tpu.
+paged_attention` with `QuantizedTensor` pages) takes its scales broadcast to the page's `[Tg, H]` and copies them
+whole: more bytes than bfloat16 (docs/pod.md).
 
 `attend_reference` is the oracle: the pages dequantised (`dequantize`), then the dense masked softmax.
 The tests run the kernel in the Pallas TPU interpreter.
@@ -36,60 +38,76 @@ from vapo_jax.models import paged_attention
 
 _F32 = jnp.float32
 LANES = 128  # The online softmax's running max and sum are kept as `[G, LANES]` (one vreg row per head).
+KERNEL_SCALE_ROWS = 8  # Pages' scales the kernel copies to read one page's (a block's rows come in eights).
+
+
+def scale_pages(pages: int) -> int:
+  """The scales' page axis for a pool of `pages` pages a queue: rounded up to a multiple of 8 (the TPU's tile)."""
+  return -(-pages // KERNEL_SCALE_ROWS) * KERNEL_SCALE_ROWS
 
 
 def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`x` `[..., Tg, H]` → (int8 `[..., Tg, H]`, float32 scales `[..., 1, Tg]`): per token (row of H) the scale
-  max|x| / 127 and x / scale rounded (module docstring)."""
-  amax = jnp.max(jnp.abs(x.astype(_F32)), axis=-1)  # [..., Tg]
+  """`x` `[..., H]` → (int8 `[..., H]`, float32 scales `[...]`): per vector of H the scale max|x| / 127 and
+  x / scale rounded (module docstring)."""
+  amax = jnp.max(jnp.abs(x.astype(_F32)), axis=-1)
   scale = amax / 127.0
   safe = jnp.where(scale > 0, scale, 1.0)
   q = jnp.clip(jnp.round(x.astype(_F32) / safe[..., None]), -127, 127).astype(jnp.int8)
-  return q, scale[..., None, :]
+  return q, scale
+
+
+def quantize_pool(pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A pool `[K, L, Q, Pq, Tg, H]` → (int8 pool, scales `[K, L, Q, P8, Tg]`, the pages past Pq zero)."""
+  q, scales = quantize(pool)
+  pad = scale_pages(pool.shape[3]) - pool.shape[3]
+  return q, jnp.pad(scales, [(0, 0)] * 3 + [(0, pad), (0, 0)])
 
 
 def dequantize(q: jax.Array, scales: jax.Array, dtype=_F32) -> jax.Array:
-  """int8 `[..., Tg, H]` and scales `[..., 1, Tg]` → `[..., Tg, H]` in `dtype`."""
-  return (q.astype(_F32) * jnp.swapaxes(scales, -1, -2)).astype(dtype)
+  """int8 `[..., H]` and scales `[...]` → `[..., H]` in `dtype`; a pool `[K, L, Q, Pq, Tg, H]` with its scales
+  `[K, L, Q, P8, Tg]` (the pages past Pq dropped)."""
+  if scales.ndim == 5 and q.ndim == 6:
+    scales = scales[:, :, :, :q.shape[3]]
+  return (q.astype(_F32) * scales[..., None]).astype(dtype)
 
 
 def write(pool, scales, new, page, offset, layer, *, implementation: str = "gather") -> tuple[jax.Array, jax.Array]:
   """`new` `[R, K, H]` quantised (per row and KV head) into the int8 pool `[K, L, Q, Pq, Tg, H]` and its scales
-  `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, `offset[r]`), in place, a page ≥ Pq dropped: the
+  `[K, L, Q, P8, Tg]` at (layer, row r's queue, `page[r]`, `offset[r]`), in place, a page ≥ Pq dropped: the
   int8 vectors as `paged_attention.write` puts a bfloat16 pool's (under `implementation`), the scales by
   `write_scales`."""
-  q, s = quantize(new[:, :, None, :])  # [R, K, 1, H], [R, K, 1, 1]
-  pool = paged_attention.write(pool, q[:, :, 0], page, offset, layer, implementation=implementation)
-  return pool, write_scales(scales, s[:, :, 0, 0], page, offset, layer, implementation=implementation)
+  q, s = quantize(new)  # [R, K, H], [R, K]
+  pool_pages = pool.shape[3]
+  pool = paged_attention.write(pool, q, page, offset, layer, implementation=implementation)
+  return pool, write_scales(scales, s, page, offset, layer, pages=pool_pages, implementation=implementation)
 
 
-def write_scales(scales, new, page, offset, layer, *, implementation: str = "gather") -> jax.Array:
-  """`new` `[R, K]` written into the scales `[K, L, Q, Pq, 1, Tg]` at (layer, row r's queue, `page[r]`, 0,
-  `offset[r]`), in place, a page ≥ Pq dropped: with the kernel (TPU) each device's own rows into its own scales
-  under `jax.shard_map` (`paged_attention.write_on_devices`, as the int8 vectors are written: the TPU compiler
-  keeps a plain scatter in place), else a scatter batched over the queue axis (split over the data-parallel
-  devices with the rows, it stays on each device)."""
+def write_scales(scales, new, page, offset, layer, *, pages: int, implementation: str = "gather") -> jax.Array:
+  """`new` `[R, K]` written into the scales `[K, L, Q, P8, Tg]` at (layer, row r's queue, `page[r]`,
+  `offset[r]`), in place, a page ≥ `pages` (the pool's Pq) dropped: with the kernel (TPU) each device's own rows
+  into its own scales under `jax.shard_map` (`paged_attention.write_on_devices`, as the int8 vectors are
+  written), else a scatter batched over the queue axis (split over the data-parallel devices with the rows, it
+  stays on each device)."""
+  rows = new.shape[0]
+  page = jnp.where(page < pages, page, scales.shape[3] + jnp.arange(rows, dtype=jnp.int32))  # Past P8: dropped.
   if implementation == "kernel":
     return paged_attention.write_on_devices(_write_scales_local, scales, new, page, offset, layer)
-  queues, rows = scales.shape[2], new.shape[0]
-  zero = jnp.zeros((rows,), jnp.int32)
-  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32), zero,
-                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 4)
+  queues = scales.shape[2]
+  at = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (rows,)), page.astype(jnp.int32),
+                  offset.astype(jnp.int32)], axis=1).reshape(queues, rows // queues, 3)
   updates = new.astype(scales.dtype).reshape(queues, rows // queues, new.shape[1])  # [Q, Rq, K]
-  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(1, 3, 4, 5),
-                                            scatter_dims_to_operand_dims=(1, 3, 4, 5),
+  numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(2,), inserted_window_dims=(1, 3, 4),
+                                            scatter_dims_to_operand_dims=(1, 3, 4),
                                             operand_batching_dims=(2,), scatter_indices_batching_dims=(0,))
   return jax.lax.scatter(scales, at, updates, numbers, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _write_scales_local(scales, new, page, offset, layer) -> jax.Array:
-  """One device's rows `[r, k]` into its scales `[k, L, q, Pq, 1, Tg]`: a plain scatter, each dropped row to a
-  page of its own past Pq (the indices stay unique)."""
-  queues, pages, rows = scales.shape[2], scales.shape[3], new.shape[0]
+  """One device's rows `[r, k]` into its scales `[k, L, q, P8, Tg]`: a plain scatter (a dropped row's page is
+  its own past P8, so the indices stay unique)."""
+  queues, rows = scales.shape[2], new.shape[0]
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
-  page = jnp.where(page < pages, page, pages + jnp.arange(rows, dtype=jnp.int32))
-  return scales.at[:, layer, queue, page, 0, offset].set(new.T.astype(scales.dtype), mode="drop",
-                                                          unique_indices=True)
+  return scales.at[:, layer, queue, page, offset].set(new.T.astype(scales.dtype), mode="drop", unique_indices=True)
 
 
 def attend_pages(q, keys, key_scales, values, value_scales, table, lengths, layer, *, implementation: str,
@@ -112,52 +130,62 @@ def attend_pages(q, keys, key_scales, values, value_scales, table, lengths, laye
 
 
 def attend_reference(q, keys, key_scales, values, value_scales, table, lengths, layer) -> jax.Array:
-  """The oracle: the pools `[K, L, Q, Pq, Tg, H]` (scales `[K, L, Q, Pq, 1, Tg]`) dequantised, then
+  """The oracle: the pools `[K, L, Q, Pq, Tg, H]` (scales `[K, L, Q, P8, Tg]`) dequantised, then
   `paged_attention.attend_reference`. q `[R, N, H]`; returns `[R, N, H]` in q's dtype."""
   return paged_attention.attend_reference(q, dequantize(keys, key_scales), dequantize(values, value_scales), table,
                                           lengths, layer)
 
 
 def attend(q, keys, key_scales, values, value_scales, table, lengths, layer) -> jax.Array:
-  """The kernel on one device: q `[R, N, H]`, int8 pools `[K, L, Q, Pq, Tg, H]` with scales
-  `[K, L, Q, Pq, 1, Tg]`, table `[R, W]` (page ids within the row's queue), lengths `[R]`, layer a scalar.
-  Returns `[R, N, H]` in q's dtype; 0 for a row of length 0."""
+  """The kernel on one device: q `[R, N, H]`, int8 pools `[K, L, Q, Pq, Tg, H]` with scales `[K, L, Q, P8, Tg]`,
+  table `[R, W]` (page ids within the row's queue), lengths `[R]`, layer a scalar. Returns `[R, N, H]` in q's
+  dtype; 0 for a row of length 0."""
   kv_heads, layers, queues, pages, tg, h = keys.shape
   rows, n, _ = q.shape
-  width, groups = table.shape[1], n // kv_heads
-  flat = lambda pool: pool.reshape((kv_heads, layers * queues * pages) + pool.shape[4:])
+  width, groups, eights = table.shape[1], n // kv_heads, key_scales.shape[3]
+  if eights % KERNEL_SCALE_ROWS or eights < pages:
+    raise ValueError(f"the scales' page axis ({eights}) must hold the pool's {pages} pages in a multiple of "
+                     f"{KERNEL_SCALE_ROWS} (scale_pages)")
+  flat = lambda pool: pool.reshape(kv_heads, -1, tg, h)  # (layer, queue, page) → one axis: a bitcast.
+  flat_scales = lambda scales: scales.reshape(kv_heads, -1, tg)  # The same, P8 pages each (whole tiles).
   queue = jnp.arange(rows, dtype=jnp.int32) // (rows // queues)
-  ids = ((jnp.asarray(layer, jnp.int32) * queues + queue[:, None]) * pages
-         + jnp.minimum(table, pages - 1)).reshape(-1).astype(jnp.int32)
+  base = jnp.asarray(layer, jnp.int32) * queues + queue[:, None]  # [R, 1]
+  page_ids = jnp.minimum(table, pages - 1)
+  ids = (base * pages + page_ids).reshape(-1).astype(jnp.int32)  # Into the flat pool.
+  scale_ids = (base * eights + page_ids).reshape(-1).astype(jnp.int32)  # Into the flat scales.
   scaled = (q.astype(_F32) * h ** -0.5).reshape(rows, kv_heads, groups, h)
 
-  def page(b, i, lengths_ref, ids_ref):
-    """The page of grid step i: past the row's last page, the last page again (not copied twice)."""
+  def step(b, i, lengths_ref):
+    """Grid step i's entry of row b's table: past the row's last page, the last page again (not copied twice)."""
     last = jnp.maximum(jax.lax.div(lengths_ref[b] + tg - 1, tg) - 1, 0)  # Non-negative: `div`, no floor's sign.
-    return ids_ref[b * width + jnp.minimum(i, last)]
+    return b * width + jnp.minimum(i, last)
 
-  pool_spec = pl.BlockSpec((None, None, tg, h), lambda b, k, i, lr, ir: (k, page(b, i, lr, ir), 0, 0))
-  scale_spec = pl.BlockSpec((None, None, 1, tg), lambda b, k, i, lr, ir: (k, page(b, i, lr, ir), 0, 0))
-  row_spec = pl.BlockSpec((None, None, groups, h), lambda b, k, i, lr, ir: (b, k, 0, 0))
+  pool_spec = pl.BlockSpec((None, None, tg, h), lambda b, k, i, lr, ir, sr: (k, ir[step(b, i, lr)], 0, 0))
+  scale_spec = pl.BlockSpec((None, KERNEL_SCALE_ROWS, tg),
+                            lambda b, k, i, lr, ir, sr: (k, jax.lax.div(sr[step(b, i, lr)], KERNEL_SCALE_ROWS), 0))
+  row_spec = pl.BlockSpec((None, None, groups, h), lambda b, k, i, lr, ir, sr: (b, k, 0, 0))
   out = pl.pallas_call(
       functools.partial(_kernel, tg=tg, width=width),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(rows, kv_heads, width),
+          num_scalar_prefetch=3, grid=(rows, kv_heads, width),
           in_specs=[row_spec, pool_spec, scale_spec, pool_spec, scale_spec], out_specs=row_spec,
           scratch_shapes=[pltpu.VMEM((groups, LANES), _F32), pltpu.VMEM((groups, LANES), _F32),
                           pltpu.VMEM((groups, h), _F32)]),
       out_shape=jax.ShapeDtypeStruct((rows, kv_heads, groups, h), _F32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-  )(lengths.astype(jnp.int32), ids, scaled, flat(keys), flat(key_scales), flat(values), flat(value_scales))
+  )(lengths.astype(jnp.int32), ids, scale_ids, scaled, flat(keys), flat_scales(key_scales), flat(values),
+    flat_scales(value_scales))
   return out.reshape(rows, n, h).astype(q.dtype)
 
 
-def _kernel(lengths_ref, ids_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, out_ref, m_ref, l_ref, acc_ref, *, tg: int,
-            width: int):
-  """One (row, KV head, page) step: q `[G, H]`, the page's int8 keys and values `[Tg, H]`, their scales `[1, Tg]`;
-  running max and sum `[G, LANES]` (every lane the same) and output `[G, H]` in float32 across the pages."""
+def _kernel(lengths_ref, ids_ref, scale_ids_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, out_ref, m_ref, l_ref, acc_ref,
+            *, tg: int, width: int):
+  """One (row, KV head, page) step: q `[G, H]`, the page's int8 keys and values `[Tg, H]`, the 8 pages' scales
+  `[8, Tg]` holding theirs (row: the page's id mod 8); running max and sum `[G, LANES]` (every lane the same) and
+  output `[G, H]` in float32 across the pages."""
   b, i = pl.program_id(0), pl.program_id(2)
   length = lengths_ref[b]
+  row = jax.lax.rem(scale_ids_ref[b * width + i], KERNEL_SCALE_ROWS)  # Read only at the row's own pages.
 
   @pl.when(i == 0)
   def _start():
@@ -168,7 +196,8 @@ def _kernel(lengths_ref, ids_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, out_ref, 
   @pl.when(i * tg < length)
   def _page():
     keys = k_ref[...].astype(_F32)  # int8 → float32 is exact.
-    s = jax.lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * ks_ref[...]
+    key_scales = ks_ref[pl.ds(row, 1), :]  # [1, Tg]
+    s = jax.lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * key_scales
     visible = i * tg + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
     s = jnp.where(visible, s, -jnp.inf)
     m_prev = m_ref[...][:, :1]  # [G, 1]
@@ -176,7 +205,7 @@ def _kernel(lengths_ref, ids_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, out_ref, 
     p = jnp.exp(s - m_new)  # The page's first token is visible: m_new is finite.
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-    pv = jnp.dot(p * vs_ref[...], v_ref[...].astype(_F32), preferred_element_type=_F32)  # [G, H]
+    pv = jnp.dot(p * vs_ref[pl.ds(row, 1), :], v_ref[...].astype(_F32), preferred_element_type=_F32)  # [G, H]
     acc_ref[...] = alpha * acc_ref[...] + pv
     m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
     l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)
