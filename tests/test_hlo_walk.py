@@ -196,3 +196,22 @@ ENTRY %main (x0: f32[128,256], w0: f32[256,512]) -> f32[128,512] {
   assert walked.groups["elementwise"] == [1, 0, ew_bytes, 0, ew_bytes]
   assert flops / 10 + ew_bytes > max(walked.flops / 10, walked.bytes)
   assert hlo_walk.walk(module).groups["matmul"][4] == dot_bytes  # No ridge: bytes.
+
+
+def test_a_copy_into_its_own_buffer_before_a_slice_moves_nothing():
+  """The TPU compiler puts a copy between an int8 pool and the fusion that slices it, only renaming its tiling
+  (T(32,128)(4,1) → T(8,128)(4,1): the same bytes), aliased to its operand: the slice still counts its row, not
+  the table. The same copy not aliased is a real copy: the whole table is read."""
+  def retiled(alias: str) -> str:
+    return MODULE.replace("""  ROOT %s = f32[1,256]{1,0} dynamic-slice(%t, %i, %z), dynamic_slice_sizes={1,256}
+}""", f"""  %r = f32[512,256]{{1,0}} fusion(%t), kind=kLoop, {alias}calls=%retile
+  ROOT %s = f32[1,256]{{1,0}} dynamic-slice(%r, %i, %z), dynamic_slice_sizes={{1,256}}
+}}
+
+%retile (x: f32[512,256]) -> f32[512,256] {{
+  %x = f32[512,256]{{1,0}} parameter(0)
+  ROOT %c = f32[512,256]{{1,0}} copy(%x)
+}}""")
+  plain = hlo_walk.walk(MODULE).loop("rows").iteration.bytes
+  assert hlo_walk.walk(retiled("output_to_operand_aliasing={{}: (0, {})}, ")).loop("rows").iteration.bytes == plain
+  assert hlo_walk.walk(retiled("")).loop("rows").iteration.bytes == plain - ROW + 512 * ROW
