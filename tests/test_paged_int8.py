@@ -28,6 +28,7 @@ def test_quantize_keeps_each_entry_within_half_a_scale_step():
   assert np.all(back[1, 2] == 0.0) and int(np.abs(np.asarray(q)).max()) == 127
 
 
+@pytest.mark.slow  # make test runs the kernel alone and under shard_map in test_kv_int8.py.
 def test_the_kernel_in_the_interpreter_equals_the_oracle_on_the_dequantised_pools():
   from jax.experimental.pallas import tpu as pltpu
 
