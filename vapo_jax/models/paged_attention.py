@@ -33,6 +33,10 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
 `default_implementation` chooses per platform: the kernel on TPU, the GPU kernel on GPU, each where its shape
 rules hold; the gather elsewhere.
 
+An int8 pool (`models/paged_int8.py`) comes with its scales: the gather and a chunk dequantise each block they
+read (`key_scales=`, `value_scales=`); its kernel is `paged_int8.attend`, run under the same `attend_kernel`, and
+its writes go through the same `write_on_devices`.
+
 `read_tokens` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
 """
 
