@@ -104,6 +104,15 @@ class KVCache:
                    _rows(self.length) if self.length.ndim else self.length, self.decode_block,
                    scales(self.key_scales), scales(self.value_scales))
 
+  def repeated(self, samples: int, slots: int) -> "KVCache":
+    """Each row repeated `samples` times (a prompt's cache shared by its samples), with `slots` empty slots
+    after its own: rows are axis 1 of the keys, values (and scales), 0 of the mask; slots axis 3, 1 of the mask."""
+    pad = lambda x, rows, axis: jnp.pad(jnp.repeat(x, samples, axis=rows),
+                                        [(0, slots * (i == axis)) for i in range(x.ndim)])
+    stack = lambda x: None if x is None else pad(x, 1, 3)
+    return KVCache(stack(self.keys), stack(self.values), pad(self.mask, 0, 1), self.length, self.decode_block,
+                   stack(self.key_scales), stack(self.value_scales)).constrained()
+
   @staticmethod
   def bytes(cfg: TransformerConfig, batch: int, slots: int, dtype=jnp.bfloat16) -> int:
     """Memory of a cache of this size, before allocating it."""

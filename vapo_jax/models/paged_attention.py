@@ -33,9 +33,8 @@ Three implementations (`attend(..., implementation=)`), equal up to float roundi
 `default_implementation` chooses per platform: the kernel on TPU, the GPU kernel on GPU, each where its shape
 rules hold; the gather elsewhere.
 
-An int8 pool (`models/paged_int8.py`) comes with its scales: the gather and a chunk dequantise each block they
-read (`key_scales=`, `value_scales=`); its kernel is `paged_int8.attend`, run under the same `attend_kernel`, and
-its writes go through the same `write_on_devices`.
+An int8 pool (`models/paged_int8.py`) comes with scales: the gather and a chunk dequantise each block read; its
+kernel (`paged_int8.attend`) runs under `attend_kernel`, its writes under `write_on_devices`.
 
 `read_tokens` is what a decode step reads from the pool, row by row (the roofline's model of the kernel).
 """
@@ -308,9 +307,8 @@ def write(pool, new, page, offset, layer, *, implementation: str):
 
 
 def write_on_devices(local, pool, new, page, offset, layer):
-  """`local(pool, new, page, offset, layer)` on each device's own rows `[r, k, ...]` and pool `[k, L, q, Pq, ...]`:
-  under `jax.shard_map` on a mesh (`sharding.use_rules`: rows and queues over the data-parallel axes, KV heads
-  over the tensor axis), alone otherwise."""
+  """`local(pool, new, page, offset, layer)` on each device's rows `[r, k, ...]` and pool `[k, L, q, Pq, ...]`:
+  under `jax.shard_map` on a mesh (`sharding.use_rules`), alone otherwise."""
   layer = jnp.asarray(layer, jnp.int32)
   found = sharding.context()
   if found is None or found[0].size == 1:

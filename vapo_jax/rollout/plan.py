@@ -191,11 +191,10 @@ def plan_rollout(r, model_cfg, *, prompts: int, samples_per_prompt: int, prompt_
   return RolloutPlan(
       engine="refill", prompts_per_round=prompts, slots=slots, queues=queues, min_slots=min_slots,
       steps_per_call=r.decode_steps_per_call, pages=pages, queue_pages=queue_pages, page_tokens=tg,
-      block_pages=r.block_pages or paged_attention.default_block_pages(tg, platform),
-      attention=paged_attention.default_implementation(platform, head_dim=model_cfg.head_dim, page_tokens=tg,
-                                                       int8=kv_cache.quantized(dtype)),
-      least_pages=prompt_pages + per_sequence, lanes=lanes, prefill_chunk=min(r.prefill_chunk, prompt_tokens),
-      **base)
+      block_pages=r.block_pages or paged_attention.default_block_pages(tg, platform), least_pages=prompt_pages
+      + per_sequence, attention=paged_attention.default_implementation(
+          platform, head_dim=model_cfg.head_dim, page_tokens=tg, int8=kv_cache.quantized(dtype)),
+      lanes=lanes, prefill_chunk=min(r.prefill_chunk, prompt_tokens), **base)
 
 
 def round_width(r) -> int:

@@ -48,15 +48,8 @@ def generate_static(model, prompt_tokens: jax.Array, prompt_mask: jax.Array, key
   prompt_mask = prompt_mask.astype(bool)
   logits, prefill_cache = prefill(model, prompt_tokens, prompt_mask, cache_dtype=cache_dtype,
                                   decode_block=decode_block)
-  # Each prompt's cache shared with its G samples, with room for the response (rows: axis 1 of the stacked
-  # keys and values [L, B, K, S, H], 0 of the mask; slots: axis 3 of the keys and values, 1 of the mask).
   expand = lambda x: constrain(jnp.repeat(x, samples_per_prompt, axis=0), ("batch",) + (None,) * (x.ndim - 1))
-  pad_slots = lambda x, rows, axis: jnp.pad(jnp.repeat(x, samples_per_prompt, axis=rows),
-                                            [(0, max_response_tokens * (i == axis)) for i in range(x.ndim)])
-  scales = lambda x: None if x is None else pad_slots(x, 1, 3)  # An int8 cache's `[L, B, K, S]`.
-  cache = KVCache(pad_slots(prefill_cache.keys, 1, 3), pad_slots(prefill_cache.values, 1, 3),
-                  pad_slots(prefill_cache.mask, 0, 1), prefill_cache.length, decode_block,
-                  scales(prefill_cache.key_scales), scales(prefill_cache.value_scales)).constrained()
+  cache = prefill_cache.repeated(samples_per_prompt, max_response_tokens)  # Shared by its G samples, with room.
   next_position = expand(jnp.sum(prompt_mask, axis=-1).astype(jnp.int32))
   row_keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_sequence + jnp.arange(batch))
   stop_ids = jnp.asarray(sampling.stop_token_ids or (-1,), jnp.int32)
