@@ -154,7 +154,7 @@ class KVCache:
     """Layer `layer`'s keys and values `[B, K, S, H]`, dequantised (float32) when int8."""
     if self.key_scales is None:
       return self.keys[layer], self.values[layer]
-    return tuple(q[layer].astype(jnp.float32) * s[layer][..., None]
+    return tuple(paged_int8.dequantize(q[layer], s[layer])
                  for q, s in ((self.keys, self.key_scales), (self.values, self.value_scales)))
 
   def layer_keys_values(self, layer) -> tuple[jax.Array, jax.Array]:
@@ -253,24 +253,26 @@ class PagedKVCache:
     valid = self.live[:, None] if self.valid is None else self.valid
     page = jnp.where(valid & (tokens < self.table.shape[1] * tg), page, self.pages)  # Out of range: dropped.
     flat = lambda x: x.reshape((rows * steps,) + x.shape[2:])
-    put = lambda pool, new: paged_attention.write(pool, flat(new), flat(page), flat(tokens % tg), layer,
-                                                  implementation=self.implementation)
+    at = (flat(page), flat(tokens % tg), layer)
     if self.key_scales is None:
+      put = lambda pool, new: paged_attention.write(pool, flat(new), *at, implementation=self.implementation)
       return self.replace(keys=put(self.keys, k), values=put(self.values, v))
-    (qk, sk), (qv, sv) = (paged_int8.quantize(t) for t in (k, v))  # [R, T, K, H], [R, T, K]
-    scale = lambda scales, s: paged_int8.write_scales(scales, flat(s), flat(page), flat(tokens % tg), layer,
-                                                      pages=self.pages, implementation=self.implementation)
-    return self.replace(keys=put(self.keys, qk), values=put(self.values, qv),
-                        key_scales=scale(self.key_scales, sk), value_scales=scale(self.value_scales, sv))
+    put = lambda pool, scales, new: paged_int8.write(pool, scales, flat(new), *at, implementation=self.implementation)
+    (keys, key_scales), (values, value_scales) = (put(self.keys, self.key_scales, k),
+                                                  put(self.values, self.value_scales, v))
+    return self.replace(keys=keys, values=values, key_scales=key_scales, value_scales=value_scales)
 
   def attend_chunk(self, q: jax.Array, layer) -> jax.Array:
     """A chunk's queries `[R, C, N, H]`, query i of row r seeing its tokens [0, lengths[r] + i] of layer
     `layer` (this call's written): `[R, C, N, H]` (`paged_attention.attend_chunk`; the reference under
     "reference", the gather otherwise)."""
     note("prefill chunk")
-    implementation = "reference" if self.implementation == "reference" else "gather"
+    if self.implementation == "reference":  # The dense oracle, on the dequantised pool where int8.
+      read = lambda pool, scales: pool if scales is None else paged_int8.dequantize(pool, scales)
+      return paged_attention.attend_chunk(q, read(self.keys, self.key_scales), read(self.values, self.value_scales),
+                                          self.table, self.lengths, layer, implementation="reference")
     return paged_attention.attend_chunk(q, self.keys, self.values, self.table, self.lengths, layer,
-                                        implementation=implementation, block_pages=self.block_pages,
+                                        implementation="gather", block_pages=self.block_pages,
                                         key_scales=self.key_scales, value_scales=self.value_scales)
 
   def attend_one(self, q: jax.Array, layer, key_mask=None, query_slots=None) -> jax.Array:

@@ -171,10 +171,11 @@ def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str =
   seeing that row's tokens [0, starts[r] + i] (causal: the chunk's own keys are written before it is read);
   the pool and table as `attend`'s. Returns `[R, C, N, H]` in q's dtype. "reference" (dense: the oracle) or
   the gather, which reads each block of a row's pages once for its C queries (a prefill chunk's attention on
-  every platform). An int8 pool comes with its scales (`attend_gather`'s)."""
+  every platform). An int8 pool comes with its scales (`attend_gather`'s; the reference takes it dequantised)."""
   if implementation == "reference":
-    k, v = (contiguous(pool if scales is None else _dequantize(pool, scales), table, layer)
-            for pool, scales in ((keys, key_scales), (values, value_scales)))
+    if key_scales is not None:
+      raise ValueError("the reference chunk takes an int8 pool dequantised (`paged_int8.dequantize`)")
+    k, v = contiguous(keys, table, layer), contiguous(values, table, layer)
     rows, chunk = q.shape[:2]
     visible = starts[:, None] + jnp.arange(chunk)[None] + 1  # [R, C] tokens each query sees.
     flat = lambda x: x.reshape((rows * chunk,) + x.shape[2:])
@@ -190,11 +191,6 @@ def attend_chunk(q, keys, values, table, starts, layer, *, implementation: str =
   out = jax.vmap(one, in_axes=(0, 2, 2, 0, 0, 2, 2))(by_queue(q), keys, values, by_queue(table), by_queue(starts),
                                                      key_scales, value_scales)
   return out.reshape(q.shape)
-
-
-def _dequantize(pool, scales) -> jax.Array:
-  """An int8 pool `[K, L, Q, Pq, Tg, H]` times its scales `[K, L, Q, P8, Tg]`, in float32 (`paged_int8.dequantize`)."""
-  return pool.astype(jnp.float32) * scales[:, :, :, :pool.shape[3], :, None]
 
 
 def _chunk_queue(q, keys, values, table, starts, key_scales, value_scales, *, layer, block_pages: int) -> jax.Array:
