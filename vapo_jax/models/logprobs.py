@@ -77,9 +77,17 @@ def _compute_kernel(kernel, hidden) -> jax.Array:
   return constrain(kernel.astype(hidden.dtype), (None, None))
 
 
+def _whole_sequence(hidden) -> jax.Array:
+  """`hidden` with its sequence whole on every device, gathered once before the loop over vocabulary blocks: a
+  residual stream split along the sequence (sequence parallelism, `sharding.PRESETS`) would otherwise be
+  gathered, and its gradient reduced, at every block."""
+  return constrain(hidden, ("batch", "seq", "embed"))
+
+
 def _forward(hidden, kernel, tokens, chunk: int, entropy: bool, transposed: bool):
   """(log π, H, logsumexp), each `[B, T]` float32 (H is zeros without `entropy`): an online
   logsumexp over vocabulary blocks (running max m, Σ e^(z−m), Σ e^(z−m)·z and the token's logit)."""
+  hidden = _whole_sequence(hidden)
   compute = _compute_kernel(kernel, hidden)
   vocab = kernel.shape[0 if transposed else 1]
   size = blocks(vocab, hidden.shape[1], chunk)
@@ -122,6 +130,7 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
   hidden, kernel, tokens, lse, ent = residuals
   g_lp, g_ent = (g.astype(_F32)[..., None] for g in cotangents)
   lse, ent, tokens = lse[..., None], ent[..., None], tokens.astype(jnp.int32)[..., None]
+  hidden = _whole_sequence(hidden)
   compute = _compute_kernel(kernel, hidden)
   vocab = kernel.shape[0 if transposed else 1]
   size = blocks(vocab, hidden.shape[1], chunk)
@@ -143,6 +152,7 @@ def _chunked_bwd(chunk, entropy, transposed, residuals, cotangents):
   # Each block's columns are the scan's output, not an update of a `[D, V]` carry: the TPU compiler copied the
   # whole carried gradient (and zeroed one as large) at every block.
   g_hidden, g_blocks = jax.lax.scan(body, jnp.zeros(hidden.shape, _F32), jnp.arange(-(-vocab // size)))
+  g_hidden = _whole_sequence(g_hidden)  # Summed over the blocks, then reduced once (not once a block).
   g_kernel = _assemble(g_blocks, vocab, size)
   return g_hidden.astype(hidden.dtype), (g_kernel.T if transposed else g_kernel).astype(kernel.dtype), None
 

@@ -31,8 +31,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dp": {"batch": BATCH},
     # FSDP (ZeRO-3): parameters split along their model-width axis over fsdp.
     "fsdp": {"batch": BATCH, "embed": "fsdp"},
-    # FSDP + tensor parallelism (Megatron-style heads / MLP split, vocab split).
-    "fsdp_tp": {"batch": BATCH, "embed": "fsdp", "heads": "tensor", "kv_heads": "tensor",
+    # FSDP + tensor parallelism (Megatron-style heads / MLP split, vocab split), with sequence parallelism: the
+    # residual stream between the attention and MLP blocks ("act_seq") split along the sequence over tensor, so
+    # each device of a tensor group norms and adds 1/tensor of the tokens (gathered before each block's matmuls).
+    "fsdp_tp": {"batch": BATCH, "embed": "fsdp", "act_seq": "tensor", "heads": "tensor", "kv_heads": "tensor",
                 "mlp": "tensor", "vocab": "tensor", "act_heads": "tensor", "act_kv_heads": "tensor",
                 "act_mlp": "tensor", "act_vocab": "tensor"},
     # Tensor parallelism with data-parallel replicas: the rollout layout (rollout/layout.py). Weights are
@@ -100,6 +102,9 @@ def tensor_groups(devices: Sequence[jax.Device], size: int) -> list[jax.Device]:
 
 
 _REPLICATED: set = set()  # The logical axes `partition_spec` has warned of.
+# Logical axes whose split is an optimisation, replicated without a warning where the mesh does not divide them
+# (the residual stream's sequence: a decode step's single token, a short prompt).
+QUIETLY_REPLICATED = frozenset({"act_seq"})
 
 
 def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
@@ -115,7 +120,8 @@ def partition_spec(logical_axes: Sequence[str | None], rules: dict[str, Any],
     if mesh_shape is not None and shape is not None and axes_tuple:
       size = math.prod(mesh_shape[a] for a in axes_tuple)
       if shape[i] % size:
-        if (name, shape[i], axes_tuple, size) not in _REPLICATED:  # Said once a process (traced often).
+        said = (name, shape[i], axes_tuple, size) in _REPLICATED  # Said once a process (traced often).
+        if name not in QUIETLY_REPLICATED and not said:
           _REPLICATED.add((name, shape[i], axes_tuple, size))
           warnings.warn(f"logical axis {name!r} of size {shape[i]} is not divisible by mesh axes "
                         f"{axes_tuple} (size {size}); replicating it", stacklevel=2)

@@ -59,6 +59,9 @@ def _param(rngs: nnx.Rngs, shape, axes, cfg_dtype, scale=0.02, init="normal"):
   return nnx.Param(value, logical_axes=axes)
 
 
+_RESIDUAL = ("batch", "act_seq", "embed")  # The residual stream's logical axes (`sharding.PRESETS`).
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, eps: float, *, param_dtype: str, rngs: nnx.Rngs):
     self.weight = _param(rngs, (dim,), ("norm",), param_dtype, init="ones")
@@ -166,9 +169,11 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
     attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots,
                                          layer_cache, segment_ids)
-    x = x + attended
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return constrain(x, ("batch", "seq", "embed")), new_cache
+    # The residual stream is split along the sequence where the rules map "act_seq" (sequence parallelism): each
+    # block's output is reduced over the tensor group into that split, its input gathered for the matmuls.
+    x = x + constrain(attended, _RESIDUAL)
+    x = x + constrain(self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
+    return constrain(x, _RESIDUAL), new_cache
 
 
 def stacked_layers(cfg: TransformerConfig, *, param_dtype: str, attention: kinds.Attention,
@@ -211,7 +216,7 @@ class Backbone(nnx.Module):
     (module doc), with attention_mask None and no cache."""
     if segment_ids is not None and (attention_mask is not None or cache is not None):
       raise ValueError("packed rows (segment_ids) take no attention_mask (pass None) and no KV cache")
-    x = constrain(self.embed_tokens[...].astype(self.dtype)[tokens], ("batch", "seq", "embed"))
+    x = constrain(self.embed_tokens[...].astype(self.dtype)[tokens], _RESIDUAL)
     inv_freq = jnp.asarray(self.cfg.inv_frequencies())  # A trace-time constant, not a parameter.
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
