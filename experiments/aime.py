@@ -54,9 +54,10 @@ def vapo() -> ExperimentConfig:
   return ExperimentConfig(
       name="aime_vapo",
       rl_steps=5000,
-      # remat "minimal": the least recomputation whose update fits v5p:8x8x4 (73.80 GiB of 88.08; `make memory
-      # EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): 19 % fewer update FLOPs than "full" (39.08 GiB).
-      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal"),
+      # remat "minimal_with_inputs": the least recomputation whose update fits v5p:8x8x4 (67.99 GiB of 88.08;
+      # `make memory EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul again but attention's own, and
+      # no block input normed or gathered again.
+      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal_with_inputs"),
       algo=AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,

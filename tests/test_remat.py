@@ -49,8 +49,8 @@ def packed_rows(cfg, rows=4, length=16, seed=0):
 # they keep (test_the_policies_keep_what_they_name) and the full policy's gradients to the unrolled layers'
 # (test_scan_layers.py).
 @pytest.mark.slow
-@pytest.mark.parametrize("compared", [("offload_qkv_proj",),
-                                      ("minimal", "save_dot_except_mlp", "save_qkv_proj", "full")])
+@pytest.mark.parametrize("compared", [("offload_qkv_proj",), ("minimal_with_inputs", "minimal", "save_dot_except_mlp",
+                                                               "save_qkv_proj", "full")])
 def test_every_policy_gives_the_gradients_of_keeping_everything(compared):
   actor, _, mesh, _ = training_layout_model(mesh_shape=MESHES["fsdp_tp"], scale=0.1)
   rules = sharding.PRESETS["fsdp_tp"]
@@ -100,13 +100,35 @@ def test_the_policies_keep_what_they_name():
   counts = {policy: dots(policy) for policy in POLICIES}
   order = [counts[p] for p in ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "full")]
   assert order == sorted(set(order)), counts  # Each recomputes more matmuls than the one before it.
+  assert counts["minimal_with_inputs"] == counts["minimal"], counts  # It keeps more, but no matmul output.
   assert counts["offload_qkv_proj"] == counts["save_qkv_proj"], counts  # The same arrays kept, on the host.
+
+
+def test_minimal_with_inputs_keeps_the_blocks_normed_inputs_beside_minimals(capsys):
+  """"minimal_with_inputs" keeps two arrays more than "minimal" (its matmuls the same): each block's normed
+  input, stacked over the layers `[L, rows, T, D]` (jax's list of a gradient's saved residuals)."""
+  from vapo_jax.models.transformer import CausalLM
+  model = CausalLM(TP_CFG, rngs=nnx.Rngs(0))
+  tokens, positions, segments = packed_rows(TP_CFG)
+
+  def kept(policy):
+    graphdef, state = nnx.split(with_policy(model, policy))
+    loss = lambda s: nnx.merge(graphdef, s)(tokens, positions, None, segment_ids=segments)[0].sum()
+    capsys.readouterr()
+    jax.ad_checkpoint.print_saved_residuals(loss, state)
+    return sorted(line.split()[0] for line in capsys.readouterr().out.splitlines() if line.strip())
+
+  minimal, more = kept("minimal"), kept("minimal_with_inputs")
+  for array in minimal:
+    more.remove(array)
+  inputs = f"f32[{TP_CFG.num_layers},{','.join(map(str, tokens.shape))},{TP_CFG.hidden_size}]"
+  assert more == [inputs, inputs]
 
 
 def test_the_setting_takes_a_policy_and_its_older_true_and_false():
   assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
   assert ModelConfig(remat="save_qkv_proj").remat == "save_qkv_proj"
-  with pytest.raises(ConfigError, match="remat must be one of none, minimal, save_dot_except_mlp"):
+  with pytest.raises(ConfigError, match="remat must be one of none, minimal_with_inputs, minimal, save_dot_except"):
     ModelConfig(remat="everything")
   assert ExperimentConfig(name="x").model.remat == "full"
   assert remat.policy_name(True) == "full"

@@ -23,7 +23,8 @@ ValueTarget = Literal["returns", "outcome", "prefix"]
 DType = Literal["float32", "bfloat16"]
 Attention = Literal["auto", "chunked", "cudnn", "splash", "pallas_gpu", "reference"]
 # What a decoder layer keeps for the backward pass (models/remat.py), least recomputation first.
-Remat = Literal["none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "offload_qkv_proj", "full"]
+Remat = Literal["none", "minimal_with_inputs", "minimal", "save_dot_except_mlp", "save_qkv_proj", "offload_qkv_proj",
+                "full"]
 MeshPreset = Literal["dp", "fsdp", "fsdp_tp", "tp"]  # "tp": the rollout layout (rollout/layout.py).
 
 # rollout/: the decoding engine (rollout/__init__.py).

@@ -2,6 +2,9 @@
 backward pass, and what it computes again. Least recomputation (most memory) first:
 
   none                 keeps everything: no second forward.
+  minimal_with_inputs  `minimal`, and each block's normed input as its matmuls read it (under sequence
+                       parallelism gathered along the sequence): the backward pass neither norms nor gathers it
+                       again for the weights' gradients.
   minimal              keeps every matmul output without batch dimensions (the q/k/v/o and MLP projections);
                        recomputes attention's own products and the elementwise work.
   save_dot_except_mlp  keeps the attention's q/k/v and output projections (by name); recomputes the MLP.
@@ -22,9 +25,12 @@ from jax.ad_checkpoint import checkpoint_name
 from vapo_jax import kinds
 
 QUERY, KEY, VALUE, OUT = "query_proj", "key_proj", "value_proj", "out_proj"
+ATTENTION_IN, MLP_IN = "attention_in", "mlp_in"  # The blocks' normed inputs, as their matmuls read them.
 _policies = jax.checkpoint_policies
 POLICIES = {
     "none": None,
+    "minimal_with_inputs": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
+                                                             _policies.save_only_these_names(ATTENTION_IN, MLP_IN)),
     "minimal": _policies.dots_with_no_batch_dims_saveable,
     "save_dot_except_mlp": _policies.save_only_these_names(QUERY, KEY, VALUE, OUT),
     "save_qkv_proj": _policies.save_only_these_names(QUERY, KEY, VALUE),

@@ -167,12 +167,14 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(cfg, param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
-    attended, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, key_mask, query_slots,
-                                         layer_cache, segment_ids)
     # The residual stream is split along the sequence where the rules map "act_seq" (sequence parallelism): each
-    # block's output is reduced over the tensor group into that split, its input gathered for the matmuls.
+    # block's normed input is gathered for its matmuls (named: a remat policy may keep it), its output reduced
+    # over the tensor group into that split.
+    block_input = lambda h, name: remat_lib.named(constrain(h, ("batch", "seq", "embed")), name)
+    attended, new_cache = self.self_attn(block_input(self.input_layernorm(x), remat_lib.ATTENTION_IN), cos, sin,
+                                         key_mask, query_slots, layer_cache, segment_ids)
     x = x + constrain(attended, _RESIDUAL)
-    x = x + constrain(self.mlp(self.post_attention_layernorm(x)), _RESIDUAL)
+    x = x + constrain(self.mlp(block_input(self.post_attention_layernorm(x), remat_lib.MLP_IN)), _RESIDUAL)
     return constrain(x, _RESIDUAL), new_cache
 
 
