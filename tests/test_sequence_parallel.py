@@ -58,6 +58,7 @@ def _log_probs_step(rows=8, length=24, response=16, chunk=1):
   return model, tokens, mask, lambda m, *a: nnx.grad(loss)(m, *a), -(-cfg.vocab_size // size), local
 
 
+@pytest.mark.slow  # For time (10 s): make test holds the split's forward pass, and the loop's collectives on TPU.
 def test_sharded_log_probs_of_a_split_hidden_equal_single_device():
   model, tokens, mask, step, _, _ = _log_probs_step()
   mesh, rules = sharding.make_mesh(**MESHES["fsdp_tp"]), sharding.PRESETS["fsdp_tp"]
