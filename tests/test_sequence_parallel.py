@@ -18,15 +18,14 @@ from model_utils import SHARDED_CFG as CFG
 from vapo_jax.memory import hlo, topologies
 from vapo_jax.models import logprobs as lp
 from vapo_jax.models import sharding
-from vapo_jax.models.transformer import CausalLM
+from vapo_jax.models.transformer import CausalLM, positions_from_mask
 
 
 def _inputs(rows=8, length=16, seed=0, vocab=CFG.vocab_size):
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32)
   mask = jnp.asarray(np.arange(length)[None] >= rng.integers(0, 4, (rows, 1)))
-  positions = jnp.asarray(np.maximum(np.cumsum(np.asarray(mask), 1) - 1, 0), jnp.int32)
-  return tokens, positions, mask
+  return tokens, positions_from_mask(mask), mask
 
 
 def test_the_residual_stream_is_split_along_the_sequence_over_tensor():
