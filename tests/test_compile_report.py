@@ -14,7 +14,8 @@ QUICK = {"sft.steps": 0, "eval.path": None}
 # loop once failed there under nnx.remat).
 # dp pads every sequence; the others pack rows (packing.enabled, the default).
 LAYOUTS = {"dp": {"mesh.data": -1, "packing.enabled": False},
-           "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": "minimal", "algo.micro_batch_responses": 8},
+           "fsdp": {"mesh.data": 2, "mesh.fsdp": 4, "model.remat": "minimal", "algo.micro_batch_responses": 8,
+                    "packing.fill_micro_batches": True},
            "fsdp_tp": {"mesh.data": 1, "mesh.fsdp": 4, "mesh.tensor": 2}}
 
 
@@ -32,9 +33,15 @@ def _trainer_programs(trainer: Trainer, update: bool):
   programs = {"score": (score.lower(*args), args)}
   if update:
     batch, _ = score(*args)
-    ppo = steps.ppo_program(state, actor=True, critic=True, rows=rows(min(trainer.config.algo.mini_batch_responses,
-                                                                          size)))
-    programs["update (critic + actor)"] = (ppo.lower(state, batch, placement), (state, batch, placement))
+    mini = min(trainer.config.algo.mini_batch_responses, size)
+    ppo = steps.ppo_program(state, actor=True, critic=True, rows=rows(mini))
+    members = plan and plan.members
+    if members is not None:  # As the report compiles them: up to 2× the responses of a mini-batch.
+      members = np.asarray(members)
+      members = np.pad(members, ((0, 0), (0, 0), (0, 2 * mini - members.shape[2])), constant_values=-1)
+      members = jax.device_put(members, steps.replicated)
+    args = (state, batch, placement, members)
+    programs["update (critic + actor)"] = (ppo.lower(*args), args)
   return programs, (out, rewards, correct)
 
 

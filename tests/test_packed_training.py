@@ -72,10 +72,10 @@ def _models():
   return actor, critic
 
 
-def _run(config: ExperimentConfig, devices, *, critic_only: bool = False, tensor: int = 1):
-  """(scored batch, scoring stats, update metrics, Σ actor gradients, Σ critic gradients) of one PPO
-  step on the fixed rollout, in the config's layout (`critic_only`: a value-pretraining step) on a mesh of
-  `tensor`-way tensor parallelism and FSDP over the rest."""
+def _run(config: ExperimentConfig, devices, *, critic_only: bool = False, tensor: int = 1, members=None):
+  """(scored batch, scoring stats, update metrics, Σ actor gradients, Σ critic gradients, the packing plan) of
+  one PPO step on the fixed rollout, in the config's layout (`critic_only`: a value-pretraining step) on a mesh
+  of `tensor`-way tensor parallelism and FSDP over the rest; `members` (padded): these mini-batches."""
   mesh = sharding.make_mesh(data=1, fsdp=len(devices) // tensor, tensor=tensor, devices=devices)
   rules = sharding.PRESETS[config.mesh.preset]
   actor, critic = _models()
@@ -92,14 +92,18 @@ def _run(config: ExperimentConfig, devices, *, critic_only: bool = False, tensor
   out, rewards, correct = steps.place(_rollout())
   plan = steps.plan_packing(state, out)
   batch, stats = steps.score(state, out, rewards, correct, plan=plan, critic_only=critic_only)
-  state, metrics = steps.ppo_update(state, batch, actor=not critic_only, critic=True, plan=plan)
+  if members is None:
+    state, metrics = steps.ppo_update(state, batch, actor=not critic_only, critic=True, plan=plan)
+  else:
+    program = steps.ppo_program(state, actor=not critic_only, critic=True)
+    state, metrics = program(state, batch, None, distributed.global_array(members, steps.replicated))
   grads = [jax.tree.map(np.asarray, opt.inner_state[0]) for opt in (state.actor_opt, state.critic_opt)]
-  return jax.tree.map(np.asarray, batch), jax.device_get(stats), jax.device_get(metrics), *grads
+  return jax.tree.map(np.asarray, batch), jax.device_get(stats), jax.device_get(metrics), *grads, plan
 
 
 def _assert_same_step(packed, padded, *, actor_trained: bool = True):
   (batch, stats, metrics, actor_grads, critic_grads), (want_batch, want_stats, want_metrics, want_actor,
-                                                       want_critic) = packed, padded
+                                                       want_critic) = packed[:5], padded[:5]
   mask = want_batch.response_mask
   for field in ("old_values", "old_logprobs", "advantages", "returns", "ref_logprobs", "value_mask"):
     got, want = getattr(batch, field), getattr(want_batch, field)
@@ -157,6 +161,29 @@ def test_a_packed_step_equals_the_padded_one(case):
     _assert_same_step(tensor, padded)
     assert packed[2]["perf/micro_batches"] < tensor[2]["perf/micro_batches"] < tensor[2]["perf/micro_batches_compiled"]
     assert tensor[2]["perf/padding_frac_update"] < packed[2]["perf/padding_frac_update"]
+
+
+def test_mini_batches_cut_to_fill_micro_batches_train_as_the_same_sets_padded():
+  """`packing.fill_micro_batches`: each epoch's order cut where the packed rows fill whole micro-batches
+  (`packing.cut_filled`); the update on those mini-batches, packed, equals the padded update on the same sets
+  (`RowPlan.members`, −1 past a shorter mini-batch's own), and it runs fewer micro-batches than equal
+  mini-batches of the same order do."""
+  algo, packing = dict(mini_batch_responses=4, ppo_epochs=2), dict(micro_batch_rows=1, row_tokens=40)
+  devices = jax.devices()[:1]
+  packed = _run(_config(True, algo, packing | dict(fill_micro_batches=True), "dp"), devices)
+  members = np.asarray(packed[5].members)
+  assert members.shape[:2] == (2, 4)
+  for epoch in members:  # Each epoch trains every sequence once, in mini-batches of varying size.
+    np.testing.assert_array_equal(np.sort(epoch[epoch >= 0]), np.arange(B))
+  sizes = (members >= 0).sum(-1)
+  assert sizes.min() < 4 < sizes.max(), sizes
+  padded = _run(_config(False, algo, packing, "dp"), devices, members=members)
+  _assert_same_step(packed, padded)
+  equal = _run(_config(True, algo, packing, "dp"), devices)
+  assert packed[2]["perf/micro_batches"] < equal[2]["perf/micro_batches"]
+  assert packed[2]["perf/padding_frac_update"] < equal[2]["perf/padding_frac_update"]
+  assert {packed[2]["perf/mini_batch_responses_min"], packed[2]["perf/mini_batch_responses_max"]} == {
+      sizes.min(), sizes.max()}
 
 
 @pytest.mark.slow  # For time (9 s): make test packs value pretraining in aime's rehearsal (packing.enabled).

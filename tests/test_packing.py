@@ -49,6 +49,47 @@ def test_first_fit_decreasing_never_overfills_and_never_overlaps(lengths, row_to
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # End to end: no overlap, no gap.
 
 
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.lists(st.integers(0, 16), min_size=1, max_size=48), st.integers(1, 6), st.integers(1, 3),
+                  st.randoms(use_true_random=False))
+def test_cut_filled_cuts_the_order_into_runs_that_never_run_more_micro_batches(lengths, runs, micro_rows, rnd):
+  """Contiguous pieces of the order, each sequence once, every run's rows end to end and within a row; never
+  more micro-batches than equal pieces (first-fit decreasing each)."""
+  row_tokens, order = 16, np.array(rnd.sample(range(len(lengths)), len(lengths)))
+  lengths = np.asarray(lengths)
+  cut = packing.cut_filled(lengths, order, runs, row_tokens, micro_rows)
+  assert len(cut.members) == runs
+  np.testing.assert_array_equal(np.concatenate(cut.members), order)
+  for ids, needed in zip(cut.members, cut.needed):
+    real = ids[lengths[ids] > 0]
+    assert np.all(cut.row[ids[lengths[ids] == 0]] == -1) and np.all(cut.row[real] >= 0)
+    assert needed == cut.row[real].max(initial=-1) + 1
+    for row in range(needed):
+      spans = sorted((cut.offset[b], cut.offset[b] + lengths[b]) for b in real[cut.row[real] == row])
+      assert spans[0][0] == 0 and spans[-1][1] <= row_tokens
+      assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+  pieces = np.array_split(order, runs)
+  equal = sum(-(-packing.place_groups(lengths, [p], row_tokens)[2][0] // micro_rows) for p in pieces)
+  assert np.sum(-(-cut.needed // micro_rows)) <= equal
+
+
+def test_cut_filled_by_hand():
+  """Rows of 10 tokens, micro-batches of one row, 2 runs.
+
+  [6, 6, 4, 4, 6, 4]: equal pieces [6, 6, 4] and [4, 6, 4] need 2 rows each. T = 3 (⌈30 / 10⌉): shares 2, 1,
+  the first run's share of the tokens 20: it takes 6, 6, 4, 4 (rows 6 + 4, 6 + 4; 20 tokens reached), the
+  last 6, 4 in one row, its share: 3 rows.
+
+  [9, 2, 8, 1]: equal pieces [9, 2] and [8, 1] need 2 + 1 rows. T = 2 (shares 1, 1): the first run takes 9
+  (2 fits nowhere), the last needs 2 rows; T = 3 (shares 2, 1; 13.3 tokens): 9 | 2, 8, then 1 alone: 3 rows, no
+  fewer than the equal pieces, which are kept."""
+  cut = packing.cut_filled(np.array([6, 6, 4, 4, 6, 4]), np.arange(6), 2, 10, 1)
+  assert [m.tolist() for m in cut.members] == [[0, 1, 2, 3], [4, 5]] and cut.needed.tolist() == [2, 1]
+  assert cut.row.tolist() == [0, 1, 0, 1, 0, 0] and cut.offset.tolist() == [0, 0, 6, 6, 0, 6]
+  cut = packing.cut_filled(np.array([9, 2, 8, 1]), np.arange(4), 2, 10, 1)
+  assert [m.tolist() for m in cut.members] == [[0, 1], [2, 3]] and cut.needed.tolist() == [2, 1]
+
+
 def test_bucket_rows():
   assert [packing.bucket_rows(n, multiple=4) for n in (0, 1, 4, 5, 8, 9, 17)] == [4, 4, 4, 8, 8, 16, 32]
   assert [packing.bucket_rows(n, multiple=4, geometric=False) for n in (0, 5, 9, 17)] == [4, 8, 12, 20]

@@ -138,6 +138,8 @@ KEYS: dict[str, str] = {
     "perf/padding_frac_sft": "padding's share of the token slots the warm start computed",
     "perf/micro_batches": "micro-batches run per mini-batch",
     "perf/micro_batches_compiled": "packed: micro-batches the update program was compiled for",
+    "perf/mini_batch_responses_min": "packing.fill_micro_batches: responses in the step's smallest mini-batch",
+    "perf/mini_batch_responses_max": "packing.fill_micro_batches: responses in the step's largest mini-batch",
 }
 
 # Keys of older runs: their name today, or None where nothing logged today carries them (said why).

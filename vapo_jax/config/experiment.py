@@ -336,6 +336,10 @@ class ExperimentConfig:
       require(self.packing.row_tokens >= longest, self, "packing.row_tokens",
                "must hold the longest sequence, rollout.max_prompt_tokens + rollout.max_response_tokens = "
                f"{longest}", self.packing.row_tokens, cross_field=True)
+    if self.packing.fill_micro_batches:
+      require(self.packing.enabled, self, "packing.fill_micro_batches",
+               "must be false with packing.enabled=false (it cuts mini-batches by their packed rows)",
+               self.packing.fill_micro_batches, cross_field=True)
     if self.rollout.decode_budget:
       require(not self.algo.dynamic_sampling, self, "algo.dynamic_sampling",
                "must be false with rollout.decode_budget > 0 (partial rollouts train on the groups that "

@@ -159,6 +159,11 @@ class PackingConfig:
   enabled: bool = True  # Packed rows; false: one padded sequence per row.
   row_tokens: int | None = None  # Tokens per row; None: the prompt bucket + rollout.max_response_tokens.
   micro_batch_rows: int | None = None  # Rows per micro-batch (scoring, updates); None: one per data-parallel device.
+  # The update's mini-batches cut from each epoch's shuffled order where their rows fill whole micro-batches
+  # (`packing.cut_filled`): still K = responses / algo.mini_batch_responses updates an epoch, every response
+  # once, each a contiguous piece of the order, but a number of responses that varies with their lengths;
+  # false: exactly algo.mini_batch_responses each, the last micro-batch of each partly padding.
+  fill_micro_batches: bool = False
 
   def __post_init__(self):
     if self.row_tokens is not None:

@@ -181,9 +181,14 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
   critic = run.config.algo.uses_critic
   name = "update (critic + actor)" if actor and critic else "update (actor)" if actor else "update (critic)"
   size, algo = batch.response_mask.shape[0], run.config.algo
-  rows, placement = _packed(run, size, 1 + algo.ppo_epochs, min(algo.mini_batch_responses, size))
+  mini = min(algo.mini_batch_responses, size)
+  rows, placement = _packed(run, size, 1 + algo.ppo_epochs, mini)
+  members = None  # `packing.fill_micro_batches`: mini-batches of up to 2× the responses (`RowPlan.members`).
+  if rows and run.config.packing.fill_micro_batches:
+    members = jax.ShapeDtypeStruct((algo.ppo_epochs, size // mini, 2 * mini), jnp.int32,
+                                   sharding=run.steps.replicated)
   add(phase, log, name, run.steps.ppo_program(state, actor=actor, critic=critic, rows=rows),
-       (state, batch, placement), resident=held,
+       (state, batch, placement, members), resident=held,
       fallback=run.training)  # Refused: outputs laid out as trained.
 
 

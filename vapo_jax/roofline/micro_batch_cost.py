@@ -71,8 +71,8 @@ def trips(report, phase_name: str, profile: profiles.Profile | None = None) -> f
   if c.packing.enabled:
     m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
     tokens = np.full(n, packed_batch.row_tokens(c)) if profile is None else sequence_tokens(report, profile)
-    parts = [np.arange(n)] if phase_name == "scoring" else update_parts(c)
-    run = sum(-(-needed // m) for needed in needed_rows(c, tokens, parts))
+    needed = needed_rows(c, tokens, [np.arange(n)]) if phase_name == "scoring" else update_needed(c, tokens, m)
+    run = sum(-(-int(rows) // m) for rows in needed)
     return run if phase_name == "scoring" else c.algo.ppo_epochs * run
   micro = min(c.algo.micro_batch_responses or mini, mini)
   if phase_name == "scoring":
@@ -100,6 +100,17 @@ def update_parts(config) -> list[np.ndarray]:
   return [order[i:i + mini] for i in range(0, n, mini)]
 
 
+def update_needed(config, tokens: np.ndarray, micro_rows: int) -> np.ndarray:
+  """Rows each of one epoch's mini-batches fills: `update_parts`, or with `packing.fill_micro_batches` the
+  same order cut where the rows fill whole micro-batches of `micro_rows` (`packing.cut_filled`), as the
+  trainer's plan cuts them."""
+  parts = update_parts(config)
+  if config.packing.fill_micro_batches:
+    return packing.cut_filled(tokens, np.concatenate(parts), len(parts), packed_batch.row_tokens(config),
+                              micro_rows).needed
+  return np.asarray(needed_rows(config, tokens, parts))
+
+
 def needed_rows(config, tokens: np.ndarray, parts) -> list[int]:
   """Rows first-fit decreasing packs each part of `tokens` (`[N]` sequence lengths) into."""
   row_tokens = packed_batch.row_tokens(config)
@@ -109,7 +120,7 @@ def needed_rows(config, tokens: np.ndarray, parts) -> list[int]:
 def token_fill(config, tokens: np.ndarray, micro_rows: int) -> float:
   """The update's real tokens over its token slots run, in micro-batches of `micro_rows` rows."""
   parts = update_parts(config)
-  run = sum(-(-n // micro_rows) * micro_rows for n in needed_rows(config, tokens, parts))
+  run = sum(-(-int(n) // micro_rows) * micro_rows for n in update_needed(config, tokens, micro_rows))
   return float(sum(tokens[p].sum() for p in parts)) / (run * packed_batch.row_tokens(config))
 
 

@@ -10,7 +10,10 @@ A group of sequences (scoring's whole batch, or one mini-batch) is placed by fir
 batch i holds the rows i·m … i·m + m − 1 (split over the batch devices along m), so the rows that
 first-fit decreasing fills come first and the micro-batches after them are empty: the programs skip
 those (`lax.cond`), and R, the compiled size, is `packing.bucket_rows` of the rows the largest group
-needs (a power of two times m: few programs). A sequence without a response is not placed.
+needs (a power of two times m: few programs). A sequence without a response is not placed. With
+`packing.fill_micro_batches` each epoch's order is cut into mini-batches whose rows fill whole micro-batches
+(`packing.cut_filled`: first fit in the order's order), and the programs take their sequence ids
+(`RowPlan.members`).
 
 Time index. A loss's per-token arrays sit at each response token's prediction column, the column before its
 own, whose outputs (log π of the next token of the segment, V(s_t)) are response token t's
@@ -52,13 +55,18 @@ class RowPlan(NamedTuple):
   scoring_metrics: dict[str, float]  # perf/padding_frac_scoring.
   # perf/padding_frac_<phase>, perf/micro_batches, perf/micro_batches_compiled.
   update_metrics: dict[str, float]
+  # [E, K, n] int32: each epoch's mini-batches' sequence ids, −1 past a mini-batch's own (`fill`); None: the
+  # orders given.
+  members: np.ndarray | jax.Array | None = None
 
 
 def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micro_rows: int,
-              phase: str = "update") -> RowPlan:
+              phase: str = "update", fill: bool = False) -> RowPlan:
   """The host's packing of a batch: `orders` `[E, K, n]` are the sequence ids of the K mini-batches of
   each of E epochs. Padding fractions count the micro-batches that run (compiled ones past the rows a
-  group needs are skipped); `phase` names the update's metric ("update", "sft")."""
+  group needs are skipped); `phase` names the update's metric ("update", "sft"). `fill`
+  (`packing.fill_micro_batches`): each epoch's order is cut anew into K mini-batches whose rows fill whole
+  micro-batches (`packing.cut_filled`), returned as `members`."""
   response_lengths, prompt_lengths = np.asarray(response_lengths, np.int64), np.asarray(prompt_lengths,
                                                                                         np.int64)
   unprompted = np.flatnonzero((response_lengths > 0) & (prompt_lengths <= 0))
@@ -69,18 +77,31 @@ def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micr
                     "token (a non-empty problem text or template), or set packing.enabled=false")
   lengths = np.where(response_lengths > 0, prompt_lengths + response_lengths, 0)
   orders = np.asarray(orders)
-  groups = [np.arange(lengths.size)[None]] + list(orders)
-  placed = [packing.place_groups(lengths, g, row_tokens) for g in groups]
-  placement = np.stack([np.stack([row, offset]) for row, offset, _ in placed]).astype(np.int32)
+  scoring = packing.place_groups(lengths, np.arange(lengths.size)[None], row_tokens)
+  if fill:
+    cuts = [packing.cut_filled(lengths, order.reshape(-1), order.shape[0], row_tokens, micro_rows)
+            for order in orders]
+    epochs = [(cut.row, cut.offset, cut.needed) for cut in cuts]
+    sizes = [m.size for cut in cuts for m in cut.members]
+    width = packing.bucket_rows(max(sizes), multiple=orders.shape[2])
+    members = np.full(orders.shape[:2] + (width,), -1, np.int32)
+    for e, cut in enumerate(cuts):
+      for k, ids in enumerate(cut.members):
+        members[e, k, :ids.size] = ids
+    spread = {"perf/mini_batch_responses_min": float(min(sizes)),
+              "perf/mini_batch_responses_max": float(max(sizes))}
+  else:
+    epochs, members, spread = [packing.place_groups(lengths, order, row_tokens) for order in orders], None, {}
+  placement = np.stack([np.stack([row, offset]) for row, offset, _ in [scoring] + epochs]).astype(np.int32)
   run = lambda needed: -(-np.asarray(needed) // micro_rows) * micro_rows  # Rows of the micro-batches run.
-  scoring_needed, update_needed = placed[0][2], np.concatenate([p[2] for p in placed[1:]])
+  scoring_needed, update_needed = scoring[2], np.concatenate([p[2] for p in epochs])
   bucket = lambda needed: packing.bucket_rows(int(np.max(needed, initial=0)), multiple=micro_rows)
   padding = lambda real, needed: 1.0 - real / max(1, int(np.sum(run(needed))) * row_tokens)
   return RowPlan(placement, bucket(scoring_needed), bucket(update_needed),
-              {"perf/padding_frac_scoring": padding(lengths.sum(), scoring_needed)},
-              {f"perf/padding_frac_{phase}": padding(lengths[orders].sum(), update_needed),
-               "perf/micro_batches": float(np.mean(run(update_needed))) / micro_rows,
-               "perf/micro_batches_compiled": bucket(update_needed) / micro_rows})
+                 {"perf/padding_frac_scoring": padding(lengths.sum(), scoring_needed)},
+                 {f"perf/padding_frac_{phase}": padding(lengths[orders].sum(), update_needed),
+                  "perf/micro_batches": float(np.mean(run(update_needed))) / micro_rows,
+                  "perf/micro_batches_compiled": bucket(update_needed) / micro_rows} | spread, members)
 
 
 class Lengths(NamedTuple):
@@ -135,9 +156,10 @@ def split_rows(tree, micro_rows: int):
 
 
 def _rows(tokens, response_len: int, lengths: Lengths, sequences, row, offset, *, rows: int, row_tokens: int):
-  """(global sequence id, row layout, token ids), each `[R, L]`, of `sequences` placed at their (row, offset)."""
-  lay = packing.row_layout(row[sequences], offset[sequences], lengths.packed[sequences], rows=rows,
-                           row_tokens=row_tokens)
+  """(global sequence id, row layout, token ids), each `[R, L]`, of `sequences` placed at their (row, offset);
+  an id −1 (a shorter mini-batch's end, `RowPlan.members`) places nothing."""
+  lay = packing.row_layout(jnp.where(sequences >= 0, row[sequences], -1), offset[sequences],
+                           lengths.packed[sequences], rows=rows, row_tokens=row_tokens)
   seq = sequences[jnp.maximum(lay.sequence, 0)]
   width = tokens.shape[1]
   source = seq * width + (width - response_len - lengths.prompt[seq]) + lay.position
@@ -161,7 +183,8 @@ def scoring_rows(tokens, lengths: Lengths, row, offset, *, response_len: int, ro
 def mini_batch(batch, sequences, lengths: Lengths, row, offset, *, rows: int, micro_rows: int,
                row_tokens: int) -> PackedBatch:
   """The mini-batch `sequences` `[n]` of a scored `steps.TrainBatch`, packed at their (row, offset)
-  `[B]`: per-token arrays `[B, Tr]` gathered to the prediction columns."""
+  `[B]`: per-token arrays `[B, Tr]` gathered to the prediction columns. Ids −1 (past a shorter mini-batch's
+  sequences) are no sequence: no row, no length, no verdict."""
   response_len = batch.response_mask.shape[1]
   seq, lay, tokens = _rows(batch.tokens, response_len, lengths, sequences, row, offset, rows=rows,
                            row_tokens=row_tokens)
@@ -172,5 +195,6 @@ def mini_batch(batch, sequences, lengths: Lengths, row, offset, *, rows: int, mi
   packed = RowBatch(tokens, lay.segment_ids, lay.position, predicts, predicts & batch.is_positive[seq],
                     at(batch.returns), at(batch.old_values), at(batch.old_logprobs), at(batch.advantages),
                     at(batch.ref_logprobs), at(batch.value_mask), at(batch.sampler_logprobs))
-  return PackedBatch(split_rows(packed, micro_rows), lengths.response[sequences],
-                     batch.is_positive[sequences])
+  given = sequences >= 0
+  return PackedBatch(split_rows(packed, micro_rows), jnp.where(given, lengths.response[sequences], 0),
+                     given & batch.is_positive[sequences])

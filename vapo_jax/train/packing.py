@@ -81,10 +81,77 @@ def place_groups(lengths, groups, row_tokens: int) -> tuple[np.ndarray, np.ndarr
   lengths = np.asarray(lengths, np.int64)
   row, offset = np.full(lengths.shape, -1, np.int32), np.zeros(lengths.shape, np.int32)
   needed = np.zeros(len(groups), np.int64)
-  for g, ids in enumerate(np.asarray(groups)):
+  for g, ids in enumerate(np.asarray(ids) for ids in groups):
     row[ids], offset[ids] = first_fit_decreasing(lengths[ids], row_tokens)
     needed[g] = int(row[ids].max(initial=-1)) + 1
   return row, offset, needed
+
+
+class Cut(NamedTuple):
+  """`cut_filled`'s runs: each one mini-batch, its sequences placed in rows of its own."""
+
+  members: list  # [K] each run's sequence ids `[n_k]`, in the order's order.
+  row: np.ndarray  # [B] int32 each sequence's row within its run's rows (−1: empty, or in no run).
+  offset: np.ndarray  # [B] int32.
+  needed: np.ndarray  # [K] rows each run fills.
+
+
+def cut_filled(lengths, order, runs: int, row_tokens: int, micro_rows: int) -> Cut:
+  """`order` `[n]` (sequence ids, shuffled) cut into `runs` contiguous runs whose rows fill whole
+  micro-batches of `micro_rows` rows: each run gets ⌊T/K⌋ or ⌈T/K⌉ micro-batches of the T in all, takes the
+  order's next sequences by first fit (in order, no sorting) into its rows, and ends where the tokens taken
+  reach its share of the order's (share / T), or before a sequence that fits in none of its rows; the last
+  run takes the rest, first-fit decreasing. T is the least from ⌈Σ lengths / (m·L)⌉ up that leaves the last
+  run within its share; where that cut runs no fewer micro-batches than `runs` equal pieces of the order do
+  (each first-fit decreasing, as `place_groups` places them), or no T up to K more closes, the equal pieces.
+  Each run is a contiguous piece of the order: as random as the order, with a number of sequences that follows
+  their lengths."""
+  lengths, order = np.asarray(lengths, np.int64), np.asarray(order, np.int64)
+  if lengths[order].max(initial=0) > row_tokens:
+    first_fit_decreasing(lengths[order], row_tokens)  # Raises, naming the sequence.
+  unit = micro_rows * row_tokens
+  least = max(runs, -(-int(lengths[order].sum()) // unit))
+  best = _equal(lengths, order, runs, row_tokens)
+  best_run = int(np.sum(-(-best.needed // micro_rows)))
+  for total in range(least, least + runs + 1):
+    cut, closes = _cut(lengths, order, [total // runs + (k < total % runs) for k in range(runs)], row_tokens,
+                       micro_rows)
+    if closes:
+      return cut if int(np.sum(-(-cut.needed // micro_rows))) < best_run else best
+  return best
+
+
+def _equal(lengths, order, runs: int, row_tokens: int) -> Cut:
+  """`runs` equal pieces of the order, each first-fit decreasing into rows of its own."""
+  members = np.array_split(order, runs)
+  row, offset, needed = place_groups(lengths, members, row_tokens)
+  return Cut(members, row, offset, needed)
+
+
+def _cut(lengths, order, shares: list[int], row_tokens: int, micro_rows: int) -> tuple[Cut, bool]:
+  """`cut_filled` at one share of micro-batches per run; and whether the last run fits its share."""
+  row, offset = np.full(lengths.shape, -1, np.int32), np.zeros(lengths.shape, np.int32)
+  members, needed, start = [], np.zeros(len(shares), np.int64), 0
+  before = np.cumsum(lengths[order]) - lengths[order]  # Tokens of the order before each sequence.
+  targets = lengths[order].sum() * np.cumsum(shares) / sum(shares)  # Where each run's share of the tokens ends.
+  for k, share in enumerate(shares[:-1]):
+    free, j = np.full(share * micro_rows, row_tokens, np.int64), start
+    while j < order.size and before[j] < targets[k]:
+      b, n = order[j], lengths[order[j]]
+      if n > 0:
+        fits = np.flatnonzero(free >= n)
+        if not fits.size:
+          break
+        row[b], offset[b] = fits[0], row_tokens - free[fits[0]]
+        free[fits[0]] -= n
+      j += 1
+    members.append(order[start:j])
+    needed[k], start = np.count_nonzero(free < row_tokens), j
+  rest = order[start:]
+  row[rest], offset[rest] = first_fit_decreasing(lengths[rest], row_tokens)
+  members.append(rest)
+  needed[-1] = int(row[rest].max(initial=-1)) + 1
+  return Cut(members, row, offset, needed), needed[-1] <= shares[-1] * micro_rows
 
 
 def bucket_rows(needed: int, *, multiple: int = 1, geometric: bool = True) -> int:

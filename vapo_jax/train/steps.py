@@ -160,8 +160,9 @@ class Steps:
     host = np.asarray(self._plan_inputs(state.key, out.prompt_mask, out.response_mask))
     orders = host[2:].reshape(self.config.algo.ppo_epochs, -1, self._mini(host.shape[1]))
     found = packed_batch.plan_rows(host[0], host[1], orders, row_tokens=self.row_tokens,
-                                   micro_rows=self.micro_rows)
-    return found._replace(placement=distributed.global_array(found.placement, self.replicated),
+                                   micro_rows=self.micro_rows, fill=self.config.packing.fill_micro_batches)
+    members = None if found.members is None else distributed.global_array(found.members, self.replicated)
+    return found._replace(placement=distributed.global_array(found.placement, self.replicated), members=members,
                           scoring_metrics=found.scoring_metrics | {"time/pack_s": time.perf_counter() - start})
 
   def sft_plan(self, batch: TrainBatch) -> packed_batch.RowPlan | None:
@@ -266,7 +267,7 @@ class Steps:
     """`ppo_epochs` passes of shuffled mini-batch updates of the critic and/or actor; metrics
     averaged over the updates. `plan`: on packed rows (`plan_packing`)."""
     program = self.ppo_program(state, actor=actor, critic=critic, rows=plan and plan.update_rows)
-    state, metrics = program(state, batch, plan and plan.placement)
+    state, metrics = program(state, batch, plan and plan.placement, plan and plan.members)
     if plan is None:
       mini = self._mini(batch.response_mask.shape[0])
       return state, metrics | {"perf/micro_batches": float(mini // min(self.micro, mini))}
@@ -274,24 +275,26 @@ class Steps:
 
   def ppo_program(self, state: TrainState, *, actor: bool, critic: bool, rows: int | None = None):
     """The jitted program `ppo_update` runs for a state laid out like `state`: `(state, batch,
-    placement) -> (state, metrics)`; `rows`: a packed mini-batch's row count (`RowPlan.update_rows`)."""
+    placement, members) -> (state, metrics)`; `rows`: a packed mini-batch's row count (`RowPlan.update_rows`);
+    `members`: the mini-batches' sequence ids (`RowPlan.members`), or None: the state key's orders."""
     return self._state_program(("ppo", actor, critic, rows), functools.partial(
         self._ppo, actor=actor, critic=critic, rows=rows), state)
 
-  def _ppo(self, state: TrainState, batch: TrainBatch, places, *, actor: bool, critic: bool,
+  def _ppo(self, state: TrainState, batch: TrainBatch, places, members=None, *, actor: bool, critic: bool,
            rows: int | None):
     algo = self.config.algo
     size = batch.response_mask.shape[0]
     mini = self._mini(size)
     micro = min(self.micro, mini)
     key, orders = mini_batch_orders(state.key, size, mini, algo.ppo_epochs)
+    orders = orders if members is None else members  # Cut by the plan from these same orders.
     lengths = packed_batch.Lengths.of(batch.attention_mask,
                                       batch.response_mask)  # Once, for every mini-batch.
     row_sharded = lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1))
     tr = batch.response_mask.shape[1]
 
     def one_update(state: TrainState, sequences, place):
-      mb = (jax.tree.map(lambda x: row_sharded(x[sequences]), batch) if rows is None
+      mb = (_taken(batch, sequences, row_sharded) if rows is None
             else self._rows(batch, lengths, sequences, place, rows))
       metrics = {}
       if critic:
@@ -336,3 +339,13 @@ class Steps:
       padded = {} if rows else {"perf/padding_frac_sft": 1.0 - jnp.mean(batch.attention_mask.astype(jnp.float32))}
       return state._replace(actor=params, sft_opt=opt), m | padded
     return self._state_program(("sft", micro, rows), fn, state)
+
+
+def _taken(batch: TrainBatch, sequences, constrain) -> TrainBatch:
+  """The padded mini-batch `sequences` `[n]` of `batch`; an id −1 (past a shorter mini-batch's own,
+  `RowPlan.members`) is no sequence: its row is there, with no response token, value target or verdict."""
+  given = sequences >= 0
+  mb = jax.tree.map(lambda x: constrain(x[sequences]), batch)
+  tokens = lambda mask: None if mask is None else mask & given[:, None]
+  return mb._replace(response_mask=tokens(mb.response_mask), value_mask=tokens(mb.value_mask),
+                     is_positive=mb.is_positive & given)
