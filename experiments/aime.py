@@ -88,8 +88,8 @@ def vapo() -> ExperimentConfig:
       # (mean 136): 5 micro-batches, of which 85.6% of the token slots are real (52.9% in micro-batches of 256
       # rows on an FSDP-only mesh). So each epoch's shuffled order is cut where the rows fill whole micro-batches
       # (`packing.fill_micro_batches`): still 16 updates of every response once, each mini-batch a contiguous
-      # piece of the order with 4 or 5 micro-batches' share of its tokens (about 430-640 responses under B),
-      # 98% of the slots real, 68-70 micro-batches a step where equal mini-batches run 77-80.
+      # piece of the order with 4 or 5 micro-batches' share of its tokens (439-620 responses under B), 98.0% of
+      # the slots real, 69 micro-batches a step where equal mini-batches run 80 (docs/pod.md).
       # Without the compiler's windowed einsums: with them, each of the FSDP gather's steps accumulates a
       # partial [tokens, width] result in HBM, and the update is bound by HBM (B: 422 s a step's update,
       # against 295 s without; FSDP alone, 401 s; docs/pod.md).
