@@ -163,6 +163,7 @@ def test_a_packed_step_equals_the_padded_one(case):
     assert tensor[2]["perf/padding_frac_update"] < packed[2]["perf/padding_frac_update"]
 
 
+@pytest.mark.slow  # For time (17 s): make test runs aime's rehearsal with them, and test_packing's cut.
 def test_mini_batches_cut_to_fill_micro_batches_train_as_the_same_sets_padded():
   """`packing.fill_micro_batches`: each epoch's order cut where the packed rows fill whole micro-batches
   (`packing.cut_filled`); the update on those mini-batches, packed, equals the padded update on the same sets
