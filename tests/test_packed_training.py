@@ -173,7 +173,7 @@ def test_mini_batches_cut_to_fill_micro_batches_train_as_the_same_sets_padded():
   devices = jax.devices()[:1]
   packed = _run(_config(True, algo, packing | dict(fill_micro_batches=True), "dp"), devices)
   members = np.asarray(packed[5].members)
-  assert members.shape[:2] == (2, 4)
+  assert members.shape == (2, 4, 8)  # Width 2× the equal mini-batch: one program whatever the cut.
   for epoch in members:  # Each epoch trains every sequence once, in mini-batches of varying size.
     np.testing.assert_array_equal(np.sort(epoch[epoch >= 0]), np.arange(B))
   sizes = (members >= 0).sum(-1)

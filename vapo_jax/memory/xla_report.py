@@ -183,7 +183,7 @@ def _update(run: _Run, phase: CompiledPhase, log, state, batch: TrainBatch, *, a
   size, algo = batch.response_mask.shape[0], run.config.algo
   mini = min(algo.mini_batch_responses, size)
   rows, placement = _packed(run, size, 1 + algo.ppo_epochs, mini)
-  members = None  # `packing.fill_micro_batches`: mini-batches of up to 2× the responses (`RowPlan.members`).
+  members = None  # `packing.fill_micro_batches`: ids of 2× the responses, as a plan sends them (`RowPlan.members`).
   if rows and run.config.packing.fill_micro_batches:
     members = jax.ShapeDtypeStruct((algo.ppo_epochs, size // mini, 2 * mini), jnp.int32,
                                    sharding=run.steps.replicated)

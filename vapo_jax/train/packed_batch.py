@@ -55,8 +55,8 @@ class RowPlan(NamedTuple):
   scoring_metrics: dict[str, float]  # perf/padding_frac_scoring.
   # perf/padding_frac_<phase>, perf/micro_batches, perf/micro_batches_compiled.
   update_metrics: dict[str, float]
-  # [E, K, n] int32: each epoch's mini-batches' sequence ids, −1 past a mini-batch's own (`fill`); None: the
-  # orders given.
+  # [E, K, n] int32: each epoch's mini-batches' sequence ids, −1 past a mini-batch's own (`fill`; n: 2^k × 2 ×
+  # the equal mini-batch); None: the orders given.
   members: np.ndarray | jax.Array | None = None
 
 
@@ -83,7 +83,9 @@ def plan_rows(prompt_lengths, response_lengths, orders, *, row_tokens: int, micr
             for order in orders]
     epochs = [(cut.row, cut.offset, cut.needed) for cut in cuts]
     sizes = [m.size for cut in cuts for m in cut.members]
-    width = packing.bucket_rows(max(sizes), multiple=orders.shape[2])
+    # At least 2× the equal mini-batch, whatever this step's cut: one update program from step to step (and the
+    # compile report's), not one for a step whose cut keeps the equal pieces and another for the next.
+    width = packing.bucket_rows(max(sizes), multiple=2 * orders.shape[2])
     members = np.full(orders.shape[:2] + (width,), -1, np.int32)
     for e, cut in enumerate(cuts):
       for k, ids in enumerate(cut.members):
