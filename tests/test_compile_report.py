@@ -36,10 +36,7 @@ def _trainer_programs(trainer: Trainer, update: bool):
     mini = min(trainer.config.algo.mini_batch_responses, size)
     ppo = steps.ppo_program(state, actor=True, critic=True, rows=rows(mini))
     members = plan and plan.members
-    if members is not None:  # As the report compiles them: up to 2× the responses of a mini-batch.
-      members = np.asarray(members)
-      members = np.pad(members, ((0, 0), (0, 0), (0, 2 * mini - members.shape[2])), constant_values=-1)
-      members = jax.device_put(members, steps.replicated)
+    assert members is None or members.shape[2] == 2 * mini  # As the report compiles them.
     args = (state, batch, placement, members)
     programs["update (critic + actor)"] = (ppo.lower(*args), args)
   return programs, (out, rewards, correct)
