@@ -30,7 +30,7 @@ REHEARSED = {  # name: (experiment, overrides)
     "aime_grpo": ("aime_grpo", ()),
     "aime_dapo": ("aime_dapo", ()),
     "aime_budget": ("aime", BUDGET),
-    "aime_int8": ("aime", ("rollout.kv_cache_dtype=int8", "algo.tis_cap=2")),
+    "aime_int8": ("aime", ("rollout.kv_cache_dtype=int8", "rollout.weight_dtype=int8", "algo.tis_cap=2")),
     "tiny": ("tiny", ()),
     "toy": ("toy", ()),
     "math": ("math", ()),

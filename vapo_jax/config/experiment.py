@@ -175,6 +175,11 @@ class RolloutConfig:
   # a decode step reads about half. The sampler's log-probs then come from the quantised cache, the trainer's
   # from full precision (algo.tis_cap corrects for the difference; rollout/sampler_kl measures it).
   kv_cache_dtype: Literal["model", "int8"] = "model"
+  # The rollout's copy of the policy: "model" (model.dtype), or "int8": each decoder layer's seven matmul kernels
+  # as int8 with a float32 scale per output channel (models/int8_weights.py), quantised in the reshard once per
+  # step: a decode step reads about half the weights' bytes. As with an int8 KV cache, the sampler's log-probs
+  # then come from the quantised copy, the trainer's from full precision (algo.tis_cap; rollout/sampler_kl).
+  weight_dtype: Literal["model", "int8"] = "model"
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
   # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
   # batching); "static": one batch per round that runs until its longest response ends. Same tokens.
@@ -213,6 +218,8 @@ class RolloutConfig:
     positive_int(self, "prompts_per_step")
     require(self.kv_cache_dtype in ("model", "int8"), self, "kv_cache_dtype", "must be 'model' or 'int8'",
             self.kv_cache_dtype)
+    require(self.weight_dtype in ("model", "int8"), self, "weight_dtype", "must be 'model' or 'int8'",
+            self.weight_dtype)
     positive_int(self, "decode_budget", allow_zero=True)
     positive_int(self, "max_staleness", allow_zero=True)
     if self.decode_budget:

@@ -36,7 +36,8 @@ def reshard(run, log) -> CompiledPhase:
   copy, kinds = run.layout.abstract_copy(state.actor), run.layout.reshard_programs(state.actor)
   phase = CompiledPhase("reshard", f"the actor's {len(jax.tree.leaves(state.actor))} arrays into the rollout "
                            f"layout (tensor_parallel={run.layout.tensor_parallel}, "
-                           f"{run.layout.compute_dtype.name}) by "
+                           f"{run.layout.compute_dtype.name}"
+                           f"{', int8 layer kernels' if run.layout.weight_dtype == 'int8' else ''}) by "
                            f"{len(kinds)} programs")
   held = chip_bytes(state) + chip_bytes(copy)
   for program, x in kinds:
@@ -128,7 +129,7 @@ def _decoding(run, plan: RolloutPlan):
                                  top_k=c.rollout.top_k)
   actor_def, _, state = run.states["rl"]
   model = nnx.merge(actor_def, layout.abstract_copy(state.actor))
-  beside = chip_bytes(state._replace(actor=None) if layout.tensor_parallel == 1 else state)  # Held beside the copy.
+  beside = chip_bytes(state if layout.copies else state._replace(actor=None))  # Held beside the copy.
   key = layout.place(state.key)  # The trainer's key, replicated on the training mesh, placed as the trainer does.
   programs = lambda **slots: plan.programs(sampling=sampling, pad_id=PAD_ID,
                                            cache_dtype=jnp.dtype(c.cache_dtype), jit=layout.jit, **slots)

@@ -76,6 +76,7 @@ class Report:
   layers: int | None  # Compiled with only this many decoder layers (None: all).
   plan: RolloutPlan | None = None  # The training rollout's plan, as compiled (None: not compiled).
   round: RolloutPlan | None = None  # A partial rollout's round's plan, as compiled (None: no budget, or not compiled).
+  rollout_weights: int | None = None  # Bytes of the rollout's copy of the policy, whole (None: no copy).
 
   @property
   def refill(self) -> bool | None:
@@ -91,6 +92,12 @@ class Report:
   def weight_bytes(self) -> int:
     """The policy's weights in the compute dtype, whole: what FSDP decoding gathers every step."""
     return self.parameters[0] * jnp.dtype(self.config.model.dtype).itemsize
+
+  @property
+  def decode_weight_bytes(self) -> int:
+    """The weights the rollout decodes with, whole: its copy's bytes (int8 kernels with their scales, the
+    rest in the compute dtype), or `weight_bytes` where it decodes from the parameters."""
+    return self.weight_bytes if self.rollout_weights is None else self.rollout_weights
 
   @property
   def allowed(self) -> int | None:
@@ -207,7 +214,7 @@ def allowed_bytes(device_bytes: int | None, margin: float) -> int | None:
   return None if device_bytes is None else int(device_bytes * (1.0 - margin))
 
 
-# In a run's order; the reshard only with rollout.tensor_parallel > 1.
+# In a run's order; the reshard only where the rollout decodes from a copy (tensor_parallel > 1, int8 weights).
 PHASES = ("supervised warm start", "reshard", "rollout", "partial rollout", "value pretraining", "scoring",
           "update")
 
@@ -227,16 +234,18 @@ def compile_run(config: ExperimentConfig, target: Topology, *, layers: int | Non
   with topologies.persistent_cache_for(target), tpu_said.keeping(target), aot.walking(target.chip):
     if "supervised warm start" in phases and config.sft.steps and config.sft.path:
       done.append(_supervised(run, log))
-    if "reshard" in phases and run.layout.tensor_parallel > 1:
+    if "reshard" in phases and run.layout.copies:
       done.append(rollout_phases.reshard(run, log))
     if set(phases) & set(PHASES[2:]):
       done += _rollout_onwards(run, log, phases)
   state = run.state("rl")
   count = lambda params: sum(x.size for x in jax.tree.leaves(params))
   architecture = nnx.merge(run.states["rl"][0], state.actor).cfg
+  copy = jax.tree.leaves(run.layout.abstract_copy(state.actor)) if run.layout.copies else None
   return Report(config, target, dict(run.mesh.shape), device_bytes(config, target), tuple(done),
                 weight_elements(state.actor, architecture.num_layers),
-                (count(state.actor), count(state.critic)), architecture, layers, run.plan, run.round)
+                (count(state.actor), count(state.critic)), architecture, layers, run.plan, run.round,
+                None if copy is None else sum(x.size * x.dtype.itemsize for x in copy))
 
 
 def _micro_batches(run: _Run, size: int) -> str:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax import kinds
+from vapo_jax.models import int8_weights
 from vapo_jax.models import remat as remat_lib
 from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
@@ -102,9 +103,9 @@ class Attention(nnx.Module):
     cache: replaces key_mask) or None. Returns the output and the cache with this layer's new tokens written
     (without a cache: this call's (k, v), which the backbone drops)."""
     dtype = x.dtype
-    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...].astype(dtype))
-    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...].astype(dtype))
-    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...].astype(dtype))
+    q = int8_weights.einsum("BTD,DNH->BTNH", x, self.q_proj.get_value())
+    k = int8_weights.einsum("BTD,DKH->BTKH", x, self.k_proj.get_value())
+    v = int8_weights.einsum("BTD,DKH->BTKH", x, self.v_proj.get_value())
     if self.qkv_bias:
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
     q, k, v = (remat_lib.named(t, n) for t,
@@ -117,10 +118,10 @@ class Attention(nnx.Module):
       new_cache = cache.write(layer, k, v)
       if x.shape[1] == 1:  # One-token decode: read only the filled part of this layer's cache.
         out = new_cache.attend_one(q[:, 0], layer, key_mask, query_slots)[:, None]
-        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
+        return int8_weights.einsum("BTNH,NHD->BTD", out, self.o_proj.get_value()), new_cache
       if isinstance(new_cache, PagedKVCache):  # A prefill chunk into pages: each row reads its own pages.
         out = new_cache.attend_chunk(q, layer)
-        return jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype)), new_cache
+        return int8_weights.einsum("BTNH,NHD->BTD", out, self.o_proj.get_value()), new_cache
       keys, values = new_cache.layer_keys_values(layer)  # Several tokens (a prefill): `attend` reads [B, S, K, H].
     if segment_ids is not None:
       validity = dict(segment_ids=segment_ids)
@@ -130,7 +131,7 @@ class Attention(nnx.Module):
     offset = 0 if layer_cache is None else layer_cache[0].length  # Queries sit at [offset, offset + T).
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
-    out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...].astype(dtype))
+    out = int8_weights.einsum("BTNH,NHD->BTD", out, self.o_proj.get_value())
     return remat_lib.named(out, remat_lib.OUT), new_cache
 
 
@@ -148,12 +149,12 @@ class MLP(nnx.Module):
 
   def __call__(self, x):
     dtype = x.dtype
-    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...].astype(dtype))
-    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...].astype(dtype))
+    gate = int8_weights.einsum("BTD,DF->BTF", x, self.gate_proj.get_value())
+    up = int8_weights.einsum("BTD,DF->BTF", x, self.up_proj.get_value())
     if self.mlp_bias:
       gate, up = gate + self.gate_bias[...].astype(dtype), up + self.up_bias[...].astype(dtype)
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    out = jnp.einsum("BTF,FD->BTD", hidden, self.down_proj[...].astype(dtype))
+    out = int8_weights.einsum("BTF,FD->BTD", hidden, self.down_proj.get_value())
     return out + self.down_bias[...].astype(dtype) if self.mlp_bias else out
 
 

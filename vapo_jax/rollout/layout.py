@@ -23,8 +23,15 @@ dtype, input and output sharding: about ten kinds for a transformer, whatever it
 inputs are not donated (training needs them); the peak is the training shards, the rollout copy
 and one array in flight. The copy is dropped after generation.
 
+With `rollout.weight_dtype="int8"` the reshard also quantises each decoder layer's seven matmul kernels
+(models/int8_weights.py: int8 values, one float32 scale per output channel, split over the group as the
+kernel's output axes are): a decode step then reads about half the weights' bytes. The trainer keeps full
+precision; the sampler's log-probs come from the int8 copy (`algo.tis_cap` corrects the difference,
+`rollout/sampler_kl` measures it).
+
 With T = 1 the layout is the training mesh and rules, `reshard` returns the parameters themselves
-(no copy) and `to_training` its input: the rollout runs exactly as it did before this layout.
+(no copy; int8 weights: the quantised copy in the training layout) and `to_training` its input: the
+rollout runs exactly as it did before this layout.
 """
 
 import dataclasses
@@ -38,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from vapo_jax.config import RolloutConfig
 from vapo_jax.errors import ConfigError
-from vapo_jax.models import sharding
+from vapo_jax.models import int8_weights, sharding
 
 _IS_VARIABLE = lambda x: isinstance(x, nnx.Variable)
 
@@ -60,6 +67,14 @@ def check_tensor_parallel(tensor_parallel: int, *, devices: int, kv_heads: int |
                       f"splits the KV cache by heads over each tensor-parallel group): choose one of {fits}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Quantise:
+  """Where a kernel's int8 copy goes (a leaf of `RolloutLayout._targets`): its values' and its scale's
+  shardings, and its axes."""
+  shardings: int8_weights.Int8Kernel  # Of `NamedSharding`s.
+  axes: int8_weights.Axes
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutLayout:
   """Where a rollout decodes (see the module docstring); build it with `layout_for`."""
@@ -70,8 +85,14 @@ class RolloutLayout:
   training_rules: Mapping[str, Any]
   tensor_parallel: int  # Chips per tensor-parallel group (1: the training layout itself).
   compute_dtype: jnp.dtype  # The rollout copy's dtype.
+  weight_dtype: str = "model"  # `rollout.weight_dtype`: "int8" quantises the layers' kernels (module doc).
   _programs: dict = dataclasses.field(default_factory=dict, init=False,
                                       repr=False)  # Output sharding -> cast.
+
+  @property
+  def copies(self) -> bool:
+    """Whether `reshard` makes a copy (a second layout, or int8 weights), or returns the parameters."""
+    return self.tensor_parallel > 1 or self.weight_dtype == "int8"
 
   @property
   def data_devices(self) -> int:
@@ -91,17 +112,17 @@ class RolloutLayout:
 
   def reshard(self, params: nnx.State) -> nnx.State:
     """The actor's parameters (an `nnx.State` in the training layout) in the rollout layout, cast to the
-    compute dtype: a new copy, the inputs untouched; with tensor_parallel 1, `params` themselves."""
-    if self.tensor_parallel == 1:
+    compute dtype (the layers' kernels int8 with `weight_dtype` "int8"): a new copy, the inputs untouched;
+    with tensor_parallel 1 and the model's dtype, `params` themselves."""
+    if not self.copies:
       return params
-    targets = self._targets(params)
-    return jax.tree.map(lambda v, out: v.replace(self._program(out)(v.get_value())), params, targets,
-                        is_leaf=_IS_VARIABLE)
+    return jax.tree.map(lambda v, out: v.replace(self._program(out)(v.get_value())), params,
+                        self._targets(params), is_leaf=_IS_VARIABLE)
 
   def reshard_programs(self, abstract_params: nnx.State) -> list[tuple[Callable, jax.ShapeDtypeStruct]]:
     """The reshard's programs, one per array kind, each with an abstract input (shape, dtype and
-    training sharding) to lower it with: `program.lower(x).compile()`. Empty with tensor_parallel 1."""
-    if self.tensor_parallel == 1:
+    training sharding) to lower it with: `program.lower(x).compile()`. Empty where `reshard` copies nothing."""
+    if not self.copies:
       return []
     kinds = {}
     for v, out in zip(jax.tree.leaves(abstract_params, is_leaf=_IS_VARIABLE),
@@ -113,12 +134,11 @@ class RolloutLayout:
 
   def abstract_copy(self, abstract_params: nnx.State) -> nnx.State:
     """What `reshard` returns for parameters with these shapes, dtypes and shardings, as abstract arrays
-    (the compute dtype, the rollout shardings), allocating nothing: a compile report's input."""
-    if self.tensor_parallel == 1:
+    (the compute dtype or int8 kernels, the rollout shardings), allocating nothing: a compile report's input."""
+    if not self.copies:
       return abstract_params
-    copy = lambda v, out: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, self.compute_dtype,
-                                                         sharding=out))
-    return jax.tree.map(copy, abstract_params, self._targets(abstract_params), is_leaf=_IS_VARIABLE)
+    return jax.tree.map(lambda v, out: v.replace(jax.eval_shape(self._program(out), v.get_value())),
+                        abstract_params, self._targets(abstract_params), is_leaf=_IS_VARIABLE)
 
   def to_training(self, tree):
     """Rollout arrays placed where the trainer reads them: split over the training mesh's batch axes
@@ -133,14 +153,37 @@ class RolloutLayout:
     check_tensor_parallel(self.tensor_parallel, devices=self.mesh.size, kv_heads=model_cfg.num_kv_heads)
 
   def _targets(self, params: nnx.State):
-    """The rollout sharding of every parameter, from its logical axes."""
-    specs = sharding.state_partition_specs(params, dict(self.rules), self.mesh)
-    return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+    """The rollout sharding of every parameter, from its logical axes: a `NamedSharding`, or for a kernel
+    quantised to int8 a `_Quantise`."""
+    rules, shape = dict(self.rules), self.mesh.shape
+    named = lambda axes, x: NamedSharding(self.mesh, sharding.partition_spec(axes, rules, shape, x))
 
-  def _program(self, out: NamedSharding) -> Callable:
-    """The jitted cast into `out` (jit compiles it once per input shape, dtype and sharding)."""
+    def target(path, v):
+      axes, x = v.get_metadata().get("logical_axes"), v.get_value().shape
+      if axes is None:
+        return NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+      kind = self._quantised(path)
+      if kind is None:
+        return named(axes, x)
+      return _Quantise(int8_weights.Int8Kernel(named(axes, x), named(int8_weights.scale_axes(axes, kind),
+                                                                     int8_weights.scale_shape(x, kind))), kind)
+    return jax.tree_util.tree_map_with_path(target, params, is_leaf=_IS_VARIABLE)
+
+  def _quantised(self, path) -> int8_weights.Axes | None:
+    """A decoder layer kernel's axes where `weight_dtype` is int8 (`path`: the parameter's in the state)."""
+    if self.weight_dtype != "int8":
+      return None
+    names = [str(getattr(k, "key", k)) for k in path]
+    return int8_weights.LAYER_KERNELS.get(names[-1]) if "layers" in names else None
+
+  def _program(self, out) -> Callable:
+    """The jitted cast into `out`, or the quantisation a `_Quantise` names (jit compiles it once per input
+    shape, dtype and sharding)."""
     if out not in self._programs:
-      self._programs[out] = jax.jit(lambda x: x.astype(self.compute_dtype), out_shardings=out)
+      if isinstance(out, _Quantise):
+        self._programs[out] = jax.jit(lambda x: int8_weights.quantize(x, out.axes), out_shardings=out.shardings)
+      else:
+        self._programs[out] = jax.jit(lambda x: x.astype(self.compute_dtype), out_shardings=out)
     return self._programs[out]
 
 
@@ -150,7 +193,7 @@ def layout_for(rollout_config: RolloutConfig, training_mesh: Mesh, *, compute_dt
   `training_rules`); a `ConfigError` when the groups do not divide its devices."""
   t, devices = rollout_config.tensor_parallel, training_mesh.devices
   common = dict(training_mesh=training_mesh, training_rules=training_rules, tensor_parallel=t,
-                compute_dtype=jnp.dtype(compute_dtype))
+                compute_dtype=jnp.dtype(compute_dtype), weight_dtype=rollout_config.weight_dtype)
   if t == 1:
     return RolloutLayout(mesh=training_mesh, rules=training_rules, **common)
   check_tensor_parallel(t, devices=devices.size)

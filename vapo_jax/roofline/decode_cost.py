@@ -4,7 +4,8 @@ the compiled decode step.
 Itemised per decode step and chip (`DecodeCost`, means over the steps):
 
   weights     the rollout copy of the policy, read once per step: every parameter but the input embedding (a
-              gather of the rows' token ids), split over the `rollout.tensor_parallel` chips of a group
+              gather of the rows' token ids), split over the `rollout.tensor_parallel` chips of a group (int8
+              layer kernels, `rollout.weight_dtype`: their bytes and scales')
   KV read     the cached tokens attention reads (the schedule's `read_tokens`: the paged engine each live row's
               own tokens in whole blocks; the contiguous engine every row up to the longest live row's slot)
               × a token's keys and values at every layer per chip
@@ -90,8 +91,8 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
   operands are set apart); `read_cores`: the TensorCores the cache is read with."""
   c, cfg = report.config, report.architecture
   t, dtype = c.rollout.tensor_parallel, np.dtype(c.model.dtype)
-  embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * dtype.itemsize
-  weights = (report.weight_bytes - embedding) / t
+  embedded = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size  # Gathered, not read whole.
+  weights = (report.decode_weight_bytes - embedded * dtype.itemsize) / t
   token_bytes = KVCache.bytes_per_token(cfg, np.dtype(c.cache_dtype)) / t  # int8: its scales included.
   loop = program.walked.loop(common.DECODE_LOOP) if program.walked is not None else None
   one = None if loop is None else (loop.plain or loop.iteration)  # A step without its optional branches.
@@ -101,7 +102,7 @@ def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Pri
   return Prices(report.decode_rows, weights, rest, flops, program.decode.bytes if program.decode else 0.0,
                 token_bytes, 4.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t,
                 one.cycles if one is not None else 0.0, read_cores,
-                2.0 * weights / dtype.itemsize, 2.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t)
+                2.0 * (report.parameters[0] - embedded) / t, 2.0 * cfg.num_heads * cfg.head_dim * cfg.num_layers / t)
 
 
 def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_tokens: float) -> DecodeCost:

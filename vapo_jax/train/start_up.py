@@ -10,8 +10,8 @@ one is an error only when a program runs. So before the first stage, each engine
 refill, a partial rollout's round) samples one token of one prompt, every input placed by
 `RolloutLayout.place` as every call's is, and its rollout goes back to the training mesh. A failure is one
 line naming the engine and the error, before the warm start, not a traceback after it. With
-`rollout.tensor_parallel` 1 the rollout runs on the training mesh with the training's placement, and nothing
-is run.
+`rollout.tensor_parallel` 1 and the model's weights the rollout runs on the training mesh with the training's
+placement and parameters, and nothing is run (int8 weights, `rollout.weight_dtype`, are a copy: checked).
 
 Its cost is the minimal programs' compilation (one prompt, one slot, a one-token cap: seconds for the smoke
 model on a CPU, a few minutes at 64 layers on a pod, where the run's own programs take as long again) and a
@@ -33,7 +33,7 @@ from vapo_jax.train.state import TrainState
 def run_rollouts(experience, state: TrainState, plans: list[rollout.RolloutPlan]) -> list[str]:
   """Each engine of `plans` run once on one prompt for one token with `experience`'s actor, key, layout and
   placement (module docstring); returns the engines run. A failure is a `ConfigError` of one line."""
-  if experience.layout.tensor_parallel == 1:
+  if not experience.layout.copies:
     return []
   engines = sorted({plan.engine for plan in plans} | ({"round"} if experience.partial is not None else set()))
   policy = experience.policy(state)
