@@ -54,10 +54,10 @@ def vapo() -> ExperimentConfig:
   return ExperimentConfig(
       name="aime_vapo",
       rl_steps=5000,
-      # remat "minimal_with_inputs": the least recomputation whose update fits v5p:8x8x4 (67.99 GiB of 88.08;
-      # `make memory EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul again but attention's own, and
-      # no block input normed or gathered again.
-      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal_with_inputs"),
+      # remat "minimal": the least recomputation whose update fits v5p:8x8x4 in the mesh below (64.76 GiB of 88.08;
+      # "minimal_with_inputs", which also keeps each block's gathered normed input, needs 92.27: `make memory
+      # EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul again but attention's own.
+      model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal"),
       algo=AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,
@@ -81,20 +81,22 @@ def vapo() -> ExperimentConfig:
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
                             prompts_per_generation=128, kv_cache_budget_gib=64.0, tensor_parallel=8,
                             slots=8192, page_tokens=128),
-      # Training: FSDP over 32 chips and tensor parallelism over 8 (heads, MLP, vocabulary: a 2x2x2 cube, as
-      # the rollout's groups), parameters and optimizer state split over all 256. A micro-batch then needs a
-      # multiple of 32 packed rows (one per FSDP group), not 256: micro-batches of 32 rows of 22,528 tokens.
-      # Under the roofline's long-tailed profile (B) a mini-batch of 512 responses packs into 128-146 rows
-      # (mean 136): 5 micro-batches, of which 85.6% of the token slots are real (52.9% in micro-batches of 256
-      # rows on an FSDP-only mesh). So each epoch's shuffled order is cut where the rows fill whole micro-batches
+      # Training: FSDP over 64 chips and tensor parallelism over 4 (heads, MLP, vocabulary: a 2x2 face of each
+      # rollout group's cube), parameters and optimizer state split over all 256; the residual stream split along
+      # the sequence over the 4. A micro-batch then needs a multiple of 64 packed rows (one per FSDP group), not
+      # 256: micro-batches of 64 rows of 22,528 tokens. A tensor group's activations cross it at every block
+      # whatever its size, while its share of the matmuls halves with each doubling: over 4 chips the step's
+      # collectives are 32 s, over 8 they were 49 s, and the wider MLP matmuls price better (docs/pod.md). Under
+      # the roofline's long-tailed profile (B) a mini-batch of 512 responses packs into 128-146 rows, 2.0-2.3
+      # micro-batches; so each epoch's shuffled order is cut where the rows fill whole micro-batches
       # (`packing.fill_micro_batches`): still 16 updates of every response once, each mini-batch a contiguous
-      # piece of the order with 4 or 5 micro-batches' share of its tokens (439-620 responses under B), 98.0% of
-      # the slots real, 69 micro-batches a step where equal mini-batches run 80 (docs/pod.md).
+      # piece of the order with 2 or 3 micro-batches' share of its tokens (428-724 responses under B), 96.6% of
+      # the slots real, 35 micro-batches a step where equal mini-batches run 47 (72.0% real).
       # Without the compiler's windowed einsums: with them, each of the FSDP gather's steps accumulates a
       # partial [tokens, width] result in HBM, and the update is bound by HBM (B: 422 s a step's update,
       # against 295 s without; FSDP alone, 401 s; docs/pod.md).
-      mesh=MeshConfig(preset="fsdp_tp", data=1, fsdp=32, tensor=8, windowed_einsum=False),
-      packing=PackingConfig(micro_batch_rows=32, fill_micro_batches=True),
+      mesh=MeshConfig(preset="fsdp_tp", data=1, fsdp=64, tensor=4, windowed_einsum=False),
+      packing=PackingConfig(micro_batch_rows=64, fill_micro_batches=True),
       data=DataConfig(train_path=DAPO_MATH_17K),
       eval=EvalConfig(path=AIME_2024, samples_per_problem=32, temperature=1.0, top_p=0.7),
   )
