@@ -63,24 +63,31 @@ def vapo() -> ExperimentConfig:
           length_adaptive_alpha=0.05, value_pretrain_steps=50, eps_low=0.2, eps_high=0.28,
           loss_agg="token-mean", positive_nll_coef=0.1, kl_coef=0.0, mini_batch_responses=512,
           micro_batch_responses=None,  # The whole mini-batch at once: 2 sequences per chip on 256 chips.
+          # The rollout samples from int8 weights and an int8 KV cache (below), the trainer scores in bfloat16:
+          # truncated importance sampling (FlashRL's, C = 2) weights each token by the two policies' ratio.
+          tis_cap=2.0,
       ),
       # Warm-up over 20 RL steps of 16 updates (DAPO's recipe counts 20 rollout steps; the VAPO paper
       # gives none). The critic's is spent in its 50 value-pretraining steps (see OptimizerConfig).
       optim=OptimizerConfig(actor_lr=1e-6, critic_lr=2e-6, warmup_updates=20 * 16),
       # Decoding in the training layout gathers the whole model every token and does not fit (XLA refuses
       # the refill decode loop at 155.78 GiB per chip); the rollout decodes in tensor-parallel groups of
-      # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a bfloat16 copy resharded
-      # once per step, over a paged KV cache: a pool of 64 GiB per chip (16,384 pages of 128 tokens per
-      # group, 32 KiB per token per chip), every one of a group's 256 sequences in a slot at once: the
-      # fewest decode steps (the longest response's). Under the roofline's long-tailed profile the pool
-      # peaks at 4,432 pages (a quarter of it); with every response at the cap it holds about 100 sequences
-      # a group and the engine preempts and restarts the latest-started. Sized by XLA's figures (`make memory
-      # EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md): the peak, the rollout's start, needs 76.36 GiB per chip of
-      # the 88.08 allowed; a larger pool buys no speed there (docs/pod.md's roofline), so the rest is margin.
+      # 8 chips (a 2x2x2 cube of a v5p slice; 32 groups on 256 chips) from a copy resharded once per step,
+      # each layer's seven kernels quantised to int8 (a scale per output channel: 4.10 GB a chip that a decode
+      # step reads, against bfloat16's 8.00), over a paged int8 KV cache (a scale per token and KV head): a
+      # pool of 64 GiB per chip (31,775 pages of 128 tokens per group, 16.5 KiB per token per chip), every one
+      # of a group's 256 sequences in a slot at once: the fewest decode steps (the longest response's). Under
+      # the roofline's long-tailed profile (B) the rollout is 118 s of a 408-s step, against 191 s in bfloat16
+      # (docs/pod.md); on the toy, int8 sampling moved the sampler by a KL of 1e-5 a token and cost no held-out
+      # gain (docs/results.md). With every response at the cap the pool holds about 200 sequences a group and the
+      # engine preempts and restarts the latest-started. Sized by XLA's figures (`make memory EXP=aime
+      # TOPOLOGY=v5p:8x8x4`, docs/pod.md): the peak, the decode, needs 71.56 GiB per chip of the 88.08 allowed;
+      # a larger pool buys no speed there, so the rest is margin. `rollout.weight_dtype=model
+      # rollout.kv_cache_dtype=model algo.tis_cap=null` samples in bfloat16.
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,
                             max_response_tokens=MAX_RESPONSE_TOKENS, temperature=1.0, top_p=1.0,
                             prompts_per_generation=128, kv_cache_budget_gib=64.0, tensor_parallel=8,
-                            slots=8192, page_tokens=128),
+                            slots=8192, page_tokens=128, weight_dtype="int8", kv_cache_dtype="int8"),
       # Training: FSDP over 64 chips and tensor parallelism over 4 (heads, MLP, vocabulary: a 2x2 face of each
       # rollout group's cube), parameters and optimizer state split over all 256; the residual stream split along
       # the sequence over the 4. A micro-batch then needs a multiple of 64 packed rows (one per FSDP group), not

@@ -30,7 +30,7 @@ REHEARSED = {  # name: (experiment, overrides)
     "aime_grpo": ("aime_grpo", ()),
     "aime_dapo": ("aime_dapo", ()),
     "aime_budget": ("aime", BUDGET),
-    "aime_int8": ("aime", ("rollout.kv_cache_dtype=int8", "rollout.weight_dtype=int8", "algo.tis_cap=2")),
+    "aime_bf16": ("aime", ("rollout.kv_cache_dtype=model", "rollout.weight_dtype=model", "algo.tis_cap=null")),
     "tiny": ("tiny", ()),
     "toy": ("toy", ()),
     "math": ("math", ()),
@@ -190,7 +190,7 @@ def test_a_rehearsal_logs_the_static_engines_metrics(name, rehearsals, tmp_path)
   _assert_close(_comparable(_records(static), ENGINE), _comparable(records, ENGINE))
 
 
-@pytest.mark.parametrize("name", ["aime", "aime_ppo", "aime_grpo", "aime_dapo", "aime_budget", "aime_int8", "math"])
+@pytest.mark.parametrize("name", ["aime", "aime_ppo", "aime_grpo", "aime_dapo", "aime_budget", "aime_bf16", "math"])
 def test_plans_agree(name):
   """The rehearsal's plans (8 CPU devices) and the full run's (its mesh's devices, on a TPU) agree on the engine,
   on one queue per data-parallel group, and on whether the pool can run out of pages."""
