@@ -123,14 +123,6 @@ class KVCache:
     """Keys and values of one token at every layer, scales included (the slot mask's byte aside)."""
     return token_bytes(cfg, dtype)
 
-  @staticmethod
-  def read_bytes_per_token(cfg: TransformerConfig, dtype=jnp.bfloat16, *, kernel: bool = False) -> int:
-    """What reading one cached token costs at every layer: its bytes, or through the int8 TPU kernel (`kernel`),
-    its int8 keys and values and 8 tokens' scales each (a page's scales come in a block of 8 pages')."""
-    if not (kernel and quantized(dtype)):
-      return token_bytes(cfg, dtype)
-    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim + SCALE_BYTES * paged_int8.KERNEL_SCALE_ROWS)
-
   def prepare(self, attention_mask: jax.Array, steps: int):
     """(this cache, the keys' validity `[B, S]` with the call's tokens, the queries' slots `[T]` or `[B, 1]`)."""
     if self.length.ndim and steps != 1:

@@ -14,12 +14,13 @@ writes (`write`, `write_scales`) quantise each token on its own.
 `attend` is one-token decode attention over such a pool, as `paged_attention.attend`'s kernel is over a
 bfloat16 one: row r's query sees its tokens [0, lengths[r]), token t at offset t mod Tg of page
 `table[r, t // Tg]`. The kernel runs one grid step per (row, KV head, page of the table): the page's int8 keys
-and values `[Tg, H]` and the block of 8 pages' scales `[8, Tg]` holding its own (a Pallas block's rows come in
-eights) are copied to VMEM (Pallas's pipeline, double-buffered; a step past the row's last page maps to that
-last page again, which the pipeline does not copy twice); the logits are q·kᵀ (float32) times the key scales,
-the probabilities times the value scales meet the int8 values, and an online softmax in float32 runs across the
-row's pages. Per token and head it reads H + 32 bytes of keys (and as many of values) where a bfloat16 page
-reads 2·H: 0.625× at H = 128 (`KERNEL_SCALE_ROWS`). JAX's own kernel (`jax.experimental.pallas.ops.tpu.
+and values `[Tg, H]` are copied to VMEM by Pallas's pipeline (double-buffered; a step past the row's last page maps
+to that last page again, which the pipeline does not copy twice), and the page's key and value scale rows `[1, Tg]`
+by the kernel's own DMAs from HBM (a Pallas block's rows come in eights, so a pipelined block would copy 8 pages'
+rows to read one), each page's started while the page before it is read; the logits are q·kᵀ (float32) times the
+key scales, the probabilities times the value scales meet the int8 values, and an online softmax in float32 runs
+across the row's pages. Per token and head it reads H + 4 bytes of keys (and as many of values) where a bfloat16
+page reads 2·H: 0.52× at H = 128. JAX's own kernel (`jax.experimental.pallas.ops.tpu.
 paged_attention` with `QuantizedTensor` pages) takes its scales broadcast to the page's `[Tg, H]` and copies them
 whole: more bytes than bfloat16 (docs/pod.md).
 
@@ -38,7 +39,7 @@ from vapo_jax.models import paged_attention
 
 _F32 = jnp.float32
 LANES = 128  # The online softmax's running max and sum are kept as `[G, LANES]` (one vreg row per head).
-KERNEL_SCALE_ROWS = 8  # Pages' scales the kernel copies to read one page's (a block's rows come in eights).
+KERNEL_SCALE_ROWS = 8  # The scales' page axis comes in multiples of this (the TPU's (8, 128) tile).
 
 
 def scale_pages(pages: int) -> int:
@@ -161,8 +162,7 @@ def attend(q, keys, key_scales, values, value_scales, table, lengths, layer) -> 
     return b * width + jnp.minimum(i, last)
 
   pool_spec = pl.BlockSpec((None, None, tg, h), lambda b, k, i, lr, ir, sr: (k, ir[step(b, i, lr)], 0, 0))
-  scale_spec = pl.BlockSpec((None, KERNEL_SCALE_ROWS, tg),
-                            lambda b, k, i, lr, ir, sr: (k, jax.lax.div(sr[step(b, i, lr)], KERNEL_SCALE_ROWS), 0))
+  scale_spec = pl.BlockSpec(memory_space=pl.ANY)  # Left in HBM: the kernel copies each page's row itself.
   row_spec = pl.BlockSpec((None, None, groups, h), lambda b, k, i, lr, ir, sr: (b, k, 0, 0))
   out = pl.pallas_call(
       functools.partial(_kernel, tg=tg, width=width),
@@ -170,7 +170,10 @@ def attend(q, keys, key_scales, values, value_scales, table, lengths, layer) -> 
           num_scalar_prefetch=3, grid=(rows, kv_heads, width),
           in_specs=[row_spec, pool_spec, scale_spec, pool_spec, scale_spec], out_specs=row_spec,
           scratch_shapes=[pltpu.VMEM((groups, LANES), _F32), pltpu.VMEM((groups, LANES), _F32),
-                          pltpu.VMEM((groups, h), _F32)]),
+                          pltpu.VMEM((groups, h), _F32),
+                          pltpu.VMEM((2, KERNEL_SCALE_ROWS, tg), _F32),  # Two pages' key scales (row 0 of each).
+                          pltpu.VMEM((2, KERNEL_SCALE_ROWS, tg), _F32),  # And their value scales.
+                          pltpu.SemaphoreType.DMA((2, 2))]),
       out_shape=jax.ShapeDtypeStruct((rows, kv_heads, groups, h), _F32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
   )(lengths.astype(jnp.int32), ids, scale_ids, scaled, flat(keys), flat_scales(key_scales), flat(values),
@@ -178,14 +181,20 @@ def attend(q, keys, key_scales, values, value_scales, table, lengths, layer) -> 
   return out.reshape(rows, n, h).astype(q.dtype)
 
 
-def _kernel(lengths_ref, ids_ref, scale_ids_ref, q_ref, k_ref, ks_ref, v_ref, vs_ref, out_ref, m_ref, l_ref, acc_ref,
-            *, tg: int, width: int):
-  """One (row, KV head, page) step: q `[G, H]`, the page's int8 keys and values `[Tg, H]`, the 8 pages' scales
-  `[8, Tg]` holding theirs (row: the page's id mod 8); running max and sum `[G, LANES]` (every lane the same) and
+def _kernel(lengths_ref, ids_ref, scale_ids_ref, q_ref, k_ref, ks_hbm, v_ref, vs_hbm, out_ref, m_ref, l_ref, acc_ref,
+            ks_buf, vs_buf, sems, *, tg: int, width: int):
+  """One (row, KV head, page) step: q `[G, H]`, the page's int8 keys and values `[Tg, H]` (pipelined by Pallas),
+  its key and value scales `[1, Tg]` copied from HBM by the kernel into slot i mod 2 of `ks_buf`/`vs_buf` (the next
+  page's started before this page's is awaited); running max and sum `[G, LANES]` (every lane the same) and
   output `[G, H]` in float32 across the pages."""
-  b, i = pl.program_id(0), pl.program_id(2)
+  b, k, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[b]
-  row = jax.lax.rem(scale_ids_ref[b * width + i], KERNEL_SCALE_ROWS)  # Read only at the row's own pages.
+
+  def scale_copies(page):
+    """The DMAs of page `page`'s key and value scale rows into slot page mod 2."""
+    slot, at = jax.lax.rem(page, 2), scale_ids_ref[b * width + page]
+    return [pltpu.make_async_copy(hbm.at[k, pl.ds(at, 1), :], buf.at[slot, pl.ds(0, 1), :], sems.at[slot, j])
+            for j, (hbm, buf) in enumerate(((ks_hbm, ks_buf), (vs_hbm, vs_buf)))]
 
   @pl.when(i == 0)
   def _start():
@@ -193,10 +202,23 @@ def _kernel(lengths_ref, ids_ref, scale_ids_ref, q_ref, k_ref, ks_ref, v_ref, vs
     l_ref[...] = jnp.zeros(l_ref.shape, _F32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, _F32)
 
+  @pl.when(jnp.logical_and(i == 0, length > 0))
+  def _first():
+    for copy in scale_copies(0):
+      copy.start()
+
   @pl.when(i * tg < length)
   def _page():
+    @pl.when(jnp.logical_and(i + 1 < width, (i + 1) * tg < length))
+    def _next():
+      for copy in scale_copies(i + 1):
+        copy.start()
+
+    for copy in scale_copies(i):
+      copy.wait()
+    slot = jax.lax.rem(i, 2)
     keys = k_ref[...].astype(_F32)  # int8 → float32 is exact.
-    key_scales = ks_ref[pl.ds(row, 1), :]  # [1, Tg]
+    key_scales = ks_buf[slot, pl.ds(0, 1), :]  # [1, Tg]
     s = jax.lax.dot_general(q_ref[...], keys, (((1,), (1,)), ((), ())), preferred_element_type=_F32) * key_scales
     visible = i * tg + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1) < length
     s = jnp.where(visible, s, -jnp.inf)
@@ -205,7 +227,7 @@ def _kernel(lengths_ref, ids_ref, scale_ids_ref, q_ref, k_ref, ks_ref, v_ref, vs
     p = jnp.exp(s - m_new)  # The page's first token is visible: m_new is finite.
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_ref[...][:, :1] + jnp.sum(p, axis=1, keepdims=True)
-    pv = jnp.dot(p * vs_ref[pl.ds(row, 1), :], v_ref[...].astype(_F32), preferred_element_type=_F32)  # [G, H]
+    pv = jnp.dot(p * vs_buf[slot, pl.ds(0, 1), :], v_ref[...].astype(_F32), preferred_element_type=_F32)  # [G, H]
     acc_ref[...] = alpha * acc_ref[...] + pv
     m_ref[...] = jnp.broadcast_to(m_new, m_ref.shape)
     l_ref[...] = jnp.broadcast_to(l_new, l_ref.shape)

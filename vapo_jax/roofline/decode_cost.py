@@ -80,9 +80,6 @@ class Prices(NamedTuple):
   read_cores: int = 1  # Of the chip's TensorCores, how many read the cache (a kernel without megacore: one).
   prefill_flops: float = 0.0  # Per prompt token prefilled (without attention), per chip.
   prefill_attention: float = 0.0  # Of a prompt of T tokens, × T² (causal, forward), per chip.
-  # A cached token's bytes as attention reads them, where more than it holds (int8 pages through the TPU kernel:
-  # a page's scales come in a block of 8 pages'); 0: `token_bytes`.
-  read_token_bytes: float = 0.0
 
 
 def prices(report, program, *, xla_kv_tokens: float, read_cores: int = 1) -> Prices:
@@ -109,7 +106,7 @@ def cost(load: replay.Load, p: Prices, chip, *, engine: str, slots: int, copied_
   """The schedule `load` at prices `p` on `chip` (`topologies.Chip`); `copied_tokens`: tokens a refill copies
   in all (written, and read)."""
   scale = load.rows / p.rows
-  kv_read = load.read_tokens * (p.read_token_bytes or p.token_bytes)
+  kv_read = load.read_tokens * p.token_bytes
   kv_written = load.live * p.token_bytes
   rest = p.rest * scale
   step_bytes = p.weights + kv_read + kv_written + rest

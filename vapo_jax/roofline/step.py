@@ -49,7 +49,6 @@ import numpy as np
 
 from vapo_jax.memory import hlo_walk
 from vapo_jax.models import decode_attention, logprobs, paged_attention
-from vapo_jax.models.kv_cache import KVCache
 from vapo_jax.rollout import common
 from vapo_jax.rollout import plan as plan_lib
 from vapo_jax.roofline import decode_cost, micro_batch_cost, profiles
@@ -143,9 +142,7 @@ def _paged_prices(report, program, chip) -> decode_cost.Prices:
   counted = 0.0 if plan.attention == "kernel" else plan.page_tokens * plan.block_pages
   p = decode_cost.prices(report, program, xla_kv_tokens=report.decode_rows / queues * counted,
                          read_cores=read_cores(report, chip)[0])
-  read = KVCache.read_bytes_per_token(report.architecture, np.dtype(report.config.cache_dtype),
-                                      kernel=plan.attention == "kernel") / report.config.rollout.tensor_parallel
-  return p._replace(rows=report.decode_rows // queues, read_token_bytes=read)
+  return p._replace(rows=report.decode_rows // queues)
 
 
 def decode_partial(report, program, profile: profiles.Profile, chip, budget: tuple[int, int]):
