@@ -171,14 +171,11 @@ class RolloutConfig:
   # static rollout, or a pool that cannot hold one sequence, is refused.
   kv_cache_budget_gib: float = 16.0
   # The KV cache's storage: "model" (model.dtype), or "int8" with a float32 scale per token and KV head
-  # (models/paged_int8.py): about half a bfloat16 cache's bytes, so the budget holds about twice the tokens and
-  # a decode step reads about half. The sampler's log-probs then come from the quantised cache, the trainer's
-  # from full precision (algo.tis_cap corrects for the difference; rollout/sampler_kl measures it).
+  # (models/paged_int8.py): the budget holds about twice the tokens, a decode step reads about half.
   kv_cache_dtype: Literal["model", "int8"] = "model"
-  # The rollout's copy of the policy: "model" (model.dtype), or "int8": each decoder layer's seven matmul kernels
-  # as int8 with a float32 scale per output channel (models/int8_weights.py), quantised in the reshard once per
-  # step: a decode step reads about half the weights' bytes. As with an int8 KV cache, the sampler's log-probs
-  # then come from the quantised copy, the trainer's from full precision (algo.tis_cap; rollout/sampler_kl).
+  # The rollout's weights: "model" (model.dtype), or "int8" layer kernels with a scale per output channel
+  # (models/int8_weights.py): a decode step reads about half. With either int8 the sampler's log-probs are the
+  # quantised model's, the trainer's full precision's (algo.tis_cap corrects that; rollout/sampler_kl measures it).
   weight_dtype: Literal["model", "int8"] = "model"
   prompts_per_generation: int | None = None  # Generate in rounds of this many prompts (None: all at once).
   # "refill": decode slots that take the next queued sequence as soon as theirs ends (continuous
@@ -216,10 +213,8 @@ class RolloutConfig:
 
   def __post_init__(self):
     positive_int(self, "prompts_per_step")
-    require(self.kv_cache_dtype in ("model", "int8"), self, "kv_cache_dtype", "must be 'model' or 'int8'",
-            self.kv_cache_dtype)
-    require(self.weight_dtype in ("model", "int8"), self, "weight_dtype", "must be 'model' or 'int8'",
-            self.weight_dtype)
+    for name in ("kv_cache_dtype", "weight_dtype"):
+      require(getattr(self, name) in ("model", "int8"), self, name, "must be 'model' or 'int8'", getattr(self, name))
     positive_int(self, "decode_budget", allow_zero=True)
     positive_int(self, "max_staleness", allow_zero=True)
     if self.decode_budget:
