@@ -1,7 +1,9 @@
 """Decoder-only transformer (Qwen2 / Qwen2.5 / Llama) in Flax NNX: causal LM and value model.
 
 Weights are named by role as in Hugging Face (`q_proj`, `gate_proj`, ...) so the checkpoint
-mapping is a table. Kernels are stored in einsum-friendly shapes, e.g. q_proj `[D, N, H]`.
+mapping is a table. Kernels are stored in einsum-friendly shapes, e.g. q_proj `[D, N, H]`. A decoder layer's
+seven kernels may instead hold an `Int8Kernel` (int8 values, a scale per output channel: the rollout's copy with
+`rollout.weight_dtype="int8"`, models/int8_weights.py); the matmuls take either.
 
 Decoder layers are stacked: every layer parameter carries a leading layer axis `[L, ...]` (logical
 name `LAYER_AXIS`, which no sharding preset maps, so FSDP never splits it), built once by `nnx.vmap`.
