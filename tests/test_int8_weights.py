@@ -49,7 +49,7 @@ def test_quantize_is_the_per_channel_definition(name):
   kernel = int8_weights.quantize(jnp.asarray(w), axes)
   scale, values = _by_channel(w, *axes)
   assert kernel.values.dtype == jnp.int8 and kernel.scale.dtype == jnp.float32
-  assert kernel.scale.shape == int8_weights.scale_shape(shape, axes) == scale.shape
+  assert kernel.scale.shape == int8_weights.per_scale(shape, axes) == scale.shape
   np.testing.assert_allclose(kernel.scale, scale, rtol=1e-7)
   np.testing.assert_array_equal(kernel.values, values)
   assert np.abs(values).max() == 127
@@ -115,7 +115,7 @@ def test_reshard_quantises_the_layer_kernels_split_like_their_outputs(trained):
     spec = lambda a, s: jax.sharding.NamedSharding(layout.mesh, sharding.partition_spec(
         a, sharding.PRESETS["tp"], layout.mesh.shape, s))
     assert y.values.sharding == spec(axes, x.shape)
-    assert y.scale.sharding == spec(int8_weights.scale_axes(axes, kind), y.scale.shape)
+    assert y.scale.sharding == spec(int8_weights.per_scale(axes, kind), y.scale.shape)
     if name.endswith(("q_proj", "gate_proj")):  # Output axes split over the group of 4: the scales too.
       assert y.scale.addressable_shards[0].data.shape[1] == y.scale.shape[1] // 4
   assert quantised == 7

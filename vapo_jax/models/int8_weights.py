@@ -47,16 +47,11 @@ def _contracted(ndim: int, axes: Axes) -> tuple[int, ...]:
   return tuple(range(lead, lead + axes.contracted))
 
 
-def scale_shape(shape: tuple[int, ...], axes: Axes) -> tuple[int, ...]:
-  """The scale's shape for a kernel of `shape`: the kernel's without its contracted axes."""
-  dropped = set(_contracted(len(shape), axes))
-  return tuple(n for i, n in enumerate(shape) if i not in dropped)
-
-
-def scale_axes(logical_axes: tuple, axes: Axes) -> tuple:
-  """The scale's logical axis names for a kernel named by `logical_axes` (the sharding rules split it alike)."""
-  dropped = set(_contracted(len(logical_axes), axes))
-  return tuple(a for i, a in enumerate(logical_axes) if i not in dropped)
+def per_scale(kernel_axes: tuple, axes: Axes) -> tuple:
+  """What a kernel's per-axis tuple (its shape, or its logical axis names, which the sharding rules split the
+  scale by alike) is for its scale: the kernel's without its contracted axes."""
+  dropped = set(_contracted(len(kernel_axes), axes))
+  return tuple(a for i, a in enumerate(kernel_axes) if i not in dropped)
 
 
 def quantize(w: jax.Array, axes: Axes) -> Int8Kernel:

@@ -155,19 +155,17 @@ class RolloutLayout:
   def _targets(self, params: nnx.State):
     """The rollout sharding of every parameter, from its logical axes: a `NamedSharding`, or for a kernel
     quantised to int8 a `_Quantise`."""
-    rules, shape = dict(self.rules), self.mesh.shape
-    named = lambda axes, x: NamedSharding(self.mesh, sharding.partition_spec(axes, rules, shape, x))
+    specs = sharding.state_partition_specs(params, dict(self.rules), self.mesh)
 
-    def target(path, v):
-      axes, x = v.get_metadata().get("logical_axes"), v.get_value().shape
-      if axes is None:
-        return NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    def target(path, v, spec):
       kind = self._quantised(path)
       if kind is None:
-        return named(axes, x)
-      return _Quantise(int8_weights.Int8Kernel(named(axes, x), named(int8_weights.scale_axes(axes, kind),
-                                                                     int8_weights.scale_shape(x, kind))), kind)
-    return jax.tree_util.tree_map_with_path(target, params, is_leaf=_IS_VARIABLE)
+        return NamedSharding(self.mesh, spec)
+      axes, x = v.get_metadata()["logical_axes"], v.get_value().shape
+      scale = sharding.partition_spec(int8_weights.per_scale(axes, kind), dict(self.rules), self.mesh.shape,
+                                      int8_weights.per_scale(x, kind))
+      return _Quantise(int8_weights.Int8Kernel(NamedSharding(self.mesh, spec), NamedSharding(self.mesh, scale)), kind)
+    return jax.tree_util.tree_map_with_path(target, params, specs, is_leaf=_IS_VARIABLE)
 
   def _quantised(self, path) -> int8_weights.Axes | None:
     """A decoder layer kernel's axes where `weight_dtype` is int8 (`path`: the parameter's in the state)."""
