@@ -215,3 +215,47 @@ def test_a_copy_into_its_own_buffer_before_a_slice_moves_nothing():
   plain = hlo_walk.walk(MODULE).loop("rows").iteration.bytes
   assert hlo_walk.walk(retiled("output_to_operand_aliasing={{}: (0, {})}, ")).loop("rows").iteration.bytes == plain
   assert hlo_walk.walk(retiled("")).loop("rows").iteration.bytes == plain - ROW + 512 * ROW
+
+
+def test_an_asynchronous_collective_overlaps_what_runs_between_its_start_and_done():
+  """On a chip (`walk(..., chip=)`): a collective-permute whose start and done bracket a matmul runs under it (the
+  compiler's schedule is the text's order), at the chip's ICI bandwidth, up to the matmul's time at its bound and
+  at its cycles; one after the matmul's done, or synchronous, runs under nothing; two in flight share the link."""
+  chip = topologies.Chip(hbm_bytes=0, peak_flops=1e12, hbm_bandwidth=1e10, ici_bandwidth=1e9, clock_hz=1e9)
+  send = "(f32[1000]{0}, f32[1000]{0}, u32[]{:S(2)}, u32[]{:S(2)})"  # 4,000 bytes: 4 µs over ICI.
+
+  def module(between: str, cycles: int) -> str:
+    return f"""HloModule m, is_scheduled=true
+
+%mm (x: f32[100,100], w: f32[100,100]) -> f32[100,100] {{
+  %x = f32[100,100]{{1,0}} parameter(0)
+  %w = f32[100,100]{{1,0}} parameter(1)
+  ROOT %d = f32[100,100]{{1,0}} dot(%x, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (a: f32[1000], x0: f32[100,100]) -> f32[100,100] {{
+  %a = f32[1000]{{0}} parameter(0)
+  %x0 = f32[100,100]{{1,0}} parameter(1)
+  %s = {send} collective-permute-start(%a), source_target_pairs={{{{0,1}},{{1,0}}}}
+  {between}
+  %r = f32[1000]{{0}} collective-permute-done(%s)
+  ROOT %m = f32[100,100]{{1,0}} fusion(%x0, %x0), kind=kOutput, calls=%mm,
+    backend_config={{"estimated_cycles":"{cycles}"}}
+}}
+"""
+  # The matmul: 2e6 FLOPs (2 µs at peak), 120 kB (12 µs at the HBM's bandwidth): bound 12 µs; 3,000 cycles: 3 µs.
+  inside = ('%n = f32[100,100]{1,0} fusion(%x0, %x0), kind=kOutput, calls=%mm, '
+            'backend_config={"estimated_cycles":"3000"}')
+  walked = hlo_walk.walk(module(inside, 3000), chip=chip)
+  assert walked.collective_s == pytest.approx(4e-6)
+  assert walked.hidden_s == pytest.approx(4e-6) and walked.hidden_cycles_s == pytest.approx(3e-6)
+  alone = hlo_walk.walk(module("", 3000), chip=chip)  # Nothing between its start and done.
+  assert alone.collective_s == pytest.approx(4e-6) and alone.hidden_s == 0 and alone.hidden_cycles_s == 0
+  second = f"%s2 = {send} collective-permute-start(%a), source_target_pairs={{{{0,1}},{{1,0}}}}\n  {inside}\n" \
+      "  %r2 = f32[1000]{0} collective-permute-done(%s2)"
+  both = hlo_walk.walk(module(second, 3000), chip=chip)  # In flight together: the second after the first, 4-8 µs.
+  assert both.collective_s == pytest.approx(8e-6) and both.hidden_s == pytest.approx(8e-6)
+  assert both.hidden_cycles_s == pytest.approx(3e-6)  # The 3-µs matmul hides 3 of the 8 µs.
+  synchronous = inside + "\n  %g = f32[2000]{0} all-gather(%a), dimensions={0}"
+  assert hlo_walk.walk(module(synchronous, 3000), chip=chip).hidden_s == pytest.approx(4e-6)  # The permute's only.
+  assert hlo_walk.walk(module(inside, 3000)).hidden_s == 0  # Without a chip: nothing priced.

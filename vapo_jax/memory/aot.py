@@ -166,7 +166,7 @@ def compile_program(name: str, fn, args: tuple, *, resident: int = 0, fallback=N
   if said.refusal is None:
     memory = Memory(*said.memory)
     chip = _walking[0]
-    walked = None if chip is None else hlo_walk.walk(said.text, ridge=chip.peak_flops / chip.hbm_bandwidth)
+    walked = None if chip is None else hlo_walk.walk(said.text, chip=chip)
     found = tuple(hlo.collectives(said.text))
     traffic = decode_traffic(list(found), hlo.while_op_names(said.text))
   refused = topologies.refused_bytes(said.refusal) if said.refusal is not None else None

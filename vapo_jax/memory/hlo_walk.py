@@ -41,7 +41,7 @@ import re
 
 import numpy as np
 
-from vapo_jax.memory import hlo
+from vapo_jax.memory import hlo, overlap
 
 _FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
                    "partition-id",
@@ -60,6 +60,12 @@ class Cost:
   cycles: float = 0.0
   kernel_bytes: float = 0.0
   flops: float = 0.0  # Of its matmuls (dots and convolutions, inside fusions too): 2 per multiply-add.
+  # With a chip (`walk`'s): its collectives' seconds over ICI one after another, and the seconds of them that run
+  # while the core computes (an asynchronous collective's, between its start and done: `overlap.Timeline`), with
+  # each instruction at its bound (`hidden_s`) or at the compiler's cycles (`hidden_cycles_s`).
+  collective_s: float = 0.0
+  hidden_s: float = 0.0
+  hidden_cycles_s: float = 0.0
   # The same by instruction group (`group`): name → [instructions run, FLOPs, bytes, cycles, bound bytes], the
   # bound bytes each instruction's max(FLOPs / ridge, bytes) (`walk`'s ridge; bytes without one): at the
   # chip's HBM bandwidth, the time of its instructions one after another, each at the slower of its FLOPs and
@@ -71,6 +77,9 @@ class Cost:
     self.cycles += other.cycles * times
     self.kernel_bytes += other.kernel_bytes * times
     self.flops += other.flops * times
+    self.collective_s += other.collective_s * times
+    self.hidden_s += other.hidden_s * times
+    self.hidden_cycles_s += other.hidden_cycles_s * times
     for name, figures in other.groups.items():
       mine = self.groups.setdefault(name, [0.0] * len(figures))
       for i, x in enumerate(figures):
@@ -97,6 +106,9 @@ class Walked:
   loops: tuple[Loop, ...]
   flops: float = 0.0
   groups: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # As `Cost.groups`.
+  collective_s: float = 0.0  # As `Cost`'s (0 without a chip).
+  hidden_s: float = 0.0
+  hidden_cycles_s: float = 0.0
 
   def loop(self, scope: str) -> Loop | None:
     """The outermost loop traced under `jax.named_scope(scope)` (None: none)."""
@@ -166,8 +178,9 @@ def _aliased(body: str, operands: int) -> list[tuple[int, int]]:
 
 
 class _Program:
-  def __init__(self, text: str, ridge: float | None = None):
+  def __init__(self, text: str, ridge: float | None = None, chip=None):
     self.ridge = ridge
+    self.chip = chip
     self.entry, self.computations, self.types = hlo.parse(text)
     self.by_name = hlo.by_name(self.computations)
     self.loops: list[Loop] = []
@@ -305,10 +318,38 @@ class _Program:
     return cost
 
   def computation(self, comp: str, runs: float) -> Cost:
-    total = Cost()
+    total, timeline = Cost(), overlap.Timeline() if self.chip and self.chip.ici_bandwidth else None
     for row in self.computations.get(comp, []):
-      total.add(self.instruction(*row, runs=runs))
+      cost = self.instruction(*row, runs=runs)
+      if timeline is not None:
+        self._schedule(timeline, row, cost)
+      total.add(cost)
+    if timeline is not None:
+      hidden = timeline.hidden()
+      total.hidden_s += hidden[0]
+      total.hidden_cycles_s += hidden[1]
     return total
+
+  def _schedule(self, timeline: "overlap.Timeline", row: tuple[str, str, str, str], cost: Cost) -> None:
+    """One instruction onto the computation's `timeline`: a collective over ICI, a `-done` awaiting its start,
+    else the core's work (a loop or call all its instructions, less what overlapped inside it)."""
+    name, type_text, opcode, body = row
+    chip = self.chip
+    if opcode.endswith("-done"):
+      timeline.done(hlo._operands(body, opcode)[0] if hlo._operands(body, opcode) else "")
+      return
+    if "collective" in cost.groups and opcode not in ("while", "conditional", "call"):  # Its own, not nested ones.
+      moved = max(sum(b for o in hlo._operands(body, opcode) for *_, b in hlo.arrays(self.types.get(o, ""))),
+                  max((b for *_, b in hlo.arrays(type_text)), default=0))
+      cost.collective_s += moved / chip.ici_bandwidth
+      timeline.collective(name, moved / chip.ici_bandwidth, opcode.endswith("-start"))
+      return
+    work = {g: f for g, f in cost.groups.items() if g != "collective"}
+    bound = sum(f[4] for f in work.values()) / chip.hbm_bandwidth
+    kernels = work.get("Pallas kernel", [0.0] * 5)[4] / chip.hbm_bandwidth
+    cycles = cost.cycles / chip.clock_hz if chip.clock_hz else 0.0
+    timeline.compute((bound + cost.collective_s - cost.hidden_s,
+                      cycles + kernels + cost.collective_s - cost.hidden_cycles_s))
 
 
 def _convolution_macs(body: str, lhs: tuple, out: tuple) -> float:
@@ -341,11 +382,16 @@ def _result_arrays(type_text: str) -> list[str]:
   return [m.group(0) for m in _TYPED.finditer(type_text)] or [type_text]
 
 
-def walk(text: str, ridge: float | None = None) -> Walked:
+def walk(text: str, ridge: float | None = None, chip=None) -> Walked:
   """The program's HBM bytes, cycles and kernels' bytes per device, and its loops (module docstring); `ridge`:
-  the chip's FLOPs per HBM byte at its peaks, which its instructions' bounds take (`Cost.groups`)."""
-  program = _Program(text, ridge)
+  the chip's FLOPs per HBM byte at its peaks, which its instructions' bounds take (`Cost.groups`); `chip` (a
+  `topologies.Chip`, its ridge by default): also the collectives' seconds over ICI and those of them that
+  overlap the core's work (`Cost.collective_s`, `overlap.Timeline`)."""
+  if chip is not None and ridge is None:
+    ridge = chip.peak_flops / chip.hbm_bandwidth
+  program = _Program(text, ridge, chip)
   if program.entry is None:
     return Walked(0.0, 0.0, 0.0, ())
   total = program.computation(program.entry, 1.0)
-  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops, total.groups)
+  return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops, total.groups,
+                total.collective_s, total.hidden_s, total.hidden_cycles_s)

@@ -25,6 +25,11 @@ class Estimate(NamedTuple):
   # chip: name → (instructions run, FLOPs, HBM bytes, bound s, the compiler's cycles s), the bound each
   # instruction at the slower of its FLOPs and its bytes.
   groups: dict[str, tuple[float, ...]] | None = None
+  # Of `collective_s`, the seconds that run while the core computes (asynchronous collectives between their start
+  # and done, in the compiled schedule: `memory.overlap.Timeline`), with the instructions at their bound and at the
+  # compiler's cycles; walked phases only.
+  hidden_s: float = 0.0
+  hidden_cycles_s: float = 0.0
 
   @property
   def instructions_s(self) -> float | None:
@@ -40,10 +45,13 @@ class Estimate(NamedTuple):
   def seconds(self) -> float:
     """The rollout's priced steps; scoring's and the update's instructions one after another (a TensorCore runs
     one fusion at a time: a matmul's compute does not hide the next fusion's bytes); else the slower of the
-    phase's FLOPs and bytes; collectives over ICI on top (no overlap)."""
+    phase's FLOPs and bytes; collectives over ICI on top, less those the compiled schedule runs under the core's
+    work (`hidden_s`)."""
     if self.priced_s is not None:
       return self.priced_s
-    return (self.instructions_s if self.instructions_s is not None else self.overlapped_s) + self.collective_s
+    if self.instructions_s is None:
+      return self.overlapped_s + self.collective_s
+    return self.instructions_s + self.collective_s - self.hidden_s
 
   @property
   def overlapped_s(self) -> float:
@@ -53,8 +61,11 @@ class Estimate(NamedTuple):
   @property
   def compiler_s(self) -> float:
     """The compiler's cycles at the clock, the Pallas kernels (which carry none) at their bound, collectives over
-    ICI (the compiler gives them none): the walked phases' second figure; else `seconds`."""
-    return self.seconds if self.groups is None else self.cycles_s + self.kernels_s + self.collective_s
+    ICI (the compiler gives them none) less those under the core's work (`hidden_cycles_s`): the walked phases'
+    second figure; else `seconds`."""
+    if self.groups is None:
+      return self.seconds
+    return self.cycles_s + self.kernels_s + self.collective_s - self.hidden_cycles_s
 
 
 class StepEstimate(NamedTuple):

@@ -199,13 +199,14 @@ def _model_flops(report, profile: profiles.Profile) -> dict[str, float]:
 
 def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, chip, budget=None):
   """(FLOPs, bytes, collective bytes, compiler cycles, the decode loop's cost or None, the partial rollouts'
-  replay or None, the walked programs' instruction groups or None) of one phase per chip in one RL step;
-  `budget`: partial rollouts (`decode_partial`)."""
+  replay or None, the walked programs' instruction groups or None, the walked programs' collective seconds that
+  overlap their core's work (at the bound, at the cycles)) of one phase per chip in one RL step; `budget`:
+  partial rollouts (`decode_partial`)."""
   c, cfg = report.config, report.architecture
   tokens = micro_batch_cost.sequence_tokens(report, profile)
   models = 1 + c.algo.uses_critic + (c.algo.kl_coef > 0)
   flops = bytes_ = moved = cycles = 0.0
-  found, replay, mb, groups = None, None, micro_batch_cost, None
+  found, replay, mb, groups, hidden = None, None, micro_batch_cost, None, (0.0, 0.0)
   if budget is not None and phase.name == "rollout":
     found, replay = decode_partial(report, next(p for p in phase.programs if p.decode is not None), profile,
                                    chip, budget)
@@ -231,6 +232,7 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
         f, b, k = cost.flops, cost.bytes, cost.cycles
         groups = groups or hlo_walk.Cost()
         groups.add(cost)
+        hidden = (hidden[0] + cost.hidden_s, hidden[1] + cost.hidden_cycles_s)
         kernels = groups.groups.setdefault("Pallas kernel", [0.0] * 5)
         kernels[1] += attention  # The kernels' FLOPs, from attention's definition (the walk sees none).
         kernels[4] = max(kernels[4], kernels[1] * chip.hbm_bandwidth / chip.peak_flops)
@@ -242,7 +244,7 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
         heads = (models - c.algo.uses_critic) if phase.name == "scoring" else 3 * c.algo.ppo_epochs
         f += attention + _head_flops(report, chips, mb.computed_tokens(report, phase.name, trips)) * heads
     flops, bytes_, moved, cycles = flops + f, bytes_ + b, moved + m, cycles + k
-  return flops, bytes_, moved, cycles, found, replay, None if groups is None else groups.groups
+  return flops, bytes_, moved, cycles, found, replay, None if groups is None else groups.groups, hidden
 
 
 def engines(report) -> tuple[str, ...]:
@@ -265,8 +267,8 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
   engine = engine or engines(report)[0]
   useful, found, decoded, replay = _model_flops(report, profile), [], None, None
   for phase in (p for p in report.phases if p.name in ("rollout", "scoring", "update")):
-    flops, bytes_, moved, cycles, cost, replayed, groups = _phase(report, phase, chips, profile, engine, chip,
-                                                                  budget)
+    flops, bytes_, moved, cycles, cost, replayed, groups, hidden = _phase(report, phase, chips, profile, engine,
+                                                                          chip, budget)
     replay = replay or replayed
     priced = None
     if cost is not None:  # The decode steps one by one (each the slower of the two), the other programs as a whole.
@@ -279,7 +281,7 @@ def estimate(report, profile: profiles.Profile | None = None, engine: str | None
                 for name, g in groups.items()}
     found.append(Estimate(phase.name, flops, bytes_, flops / chip.peak_flops, bytes_ / chip.hbm_bandwidth,
                           moved, moved / chip.ici_bandwidth, useful[phase.name], priced,
-                          cycles / chip.clock_hz if chip.clock_hz else 0.0, groups))
+                          cycles / chip.clock_hz if chip.clock_hz else 0.0, groups, *hidden))
   fill, m, fitting = None, 0, 0
   if c.packing.enabled:
     shards = report.mesh_shape["data"] * report.mesh_shape["fsdp"]

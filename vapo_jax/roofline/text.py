@@ -40,7 +40,7 @@ def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = N
                "updates; cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, "
                "kernels and gathers counting none; estimate s: the rollout's decode steps one by one, scoring's "
                "and the update's instructions one after another, each the slower of its compute and memory, "
-               "collectives over ICI on top)")
+               "collectives over ICI on top, less those the compiled schedule runs under the core's work)")
   lines += format_groups(step)
   lines.append(f"  {summary(step)}")
   lines.append(f"  {compiler_summary(step)}")
@@ -59,8 +59,10 @@ def format_groups(step: StepEstimate) -> list[str]:
   lines = []
   for p in (p for p in step.phases if p.groups):
     lines.append(f"  {p.phase} by instruction group, per chip: {p.instructions_s:.1f} s one after another "
-                 f"(+ {p.collective_s:.1f} s of collectives over ICI), against {p.overlapped_s:.1f} s with "
-                 f"compute and memory overlapped across the phase; the compiler's cycles {p.cycles_s:.1f} s")
+                 f"(+ {p.collective_s:.1f} s of collectives over ICI, {p.hidden_s:.1f} s of them under the core's "
+                 f"work at its bound, {p.hidden_cycles_s:.1f} s at the compiler's cycles), against "
+                 f"{p.overlapped_s:.1f} s with compute and memory overlapped across the phase; the compiler's cycles "
+                 f"{p.cycles_s:.1f} s")
     lines.append(f"    {'group':<17}{'runs':>12}{'TFLOP':>10}{'HBM GB':>10}{'bound s':>10}{'cycles s':>10}"
                  f"{'cycles / bound':>16}")
     for name, (runs, flops, bytes_, bound, cycles) in sorted(p.groups.items(), key=lambda kv: -kv[1][3]):
@@ -77,7 +79,8 @@ def compiler_summary(step: StepEstimate) -> str:
   if not walked:
     return "the compiler's figure: none (no program walked)"
   parts = ", ".join(f"{p.phase} {p.compiler_s:.0f} s (bound {p.seconds:.0f} s)" for p in walked)
-  return (f"by the compiler's cycles (Pallas kernels at their bound, collectives over ICI): {parts}; one RL step "
+  return (f"by the compiler's cycles (Pallas kernels at their bound, collectives over ICI less those under the "
+          f"core's work): {parts}; one RL step "
           f"{step.compiler_seconds:.0f} s, MFU {step.compiler_mfu:.1%} (by the bound: {step.mfu:.1%}); a target "
           "holds only where both reach it")
 
