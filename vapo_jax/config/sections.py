@@ -134,6 +134,9 @@ class MeshConfig:
   # that overlap the matmul, each step's partial result accumulated in HBM. False: libtpu's
   # --xla_tpu_enable_windowed_einsum_for_{all_gather,reduce_scatter}=false (`distributed.tpu_compiler_flags`).
   windowed_einsum: bool = True
+  # Under `fsdp_tp`: each decoder block gathers its sequence-split input and reduces its output over tensor in steps
+  # around its matmuls' chunks, each step's transfer overlapping a chunk's multiply (models/collective_matmul.py).
+  collective_matmul: bool = False
 
   def __post_init__(self):
     if self.cpu_devices is not None:

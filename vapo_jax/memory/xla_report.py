@@ -122,7 +122,7 @@ class _Run:
     self.plan = self.round = None  # The training rollout's plan and a partial round's: set as they compile.
     devices = sharding.tensor_groups(list(target.devices), config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=m.data, fsdp=m.fsdp, tensor=m.tensor, devices=devices)
-    self.rules = sharding.PRESETS[m.preset]
+    self.rules = sharding.rules(m.preset, collective_matmul=m.collective_matmul)
     self.full_cfg = build.model_configs(config)[0]  # The rollout engine sizes its slots for the whole model.
     self.layout = layout_for(config.rollout, self.mesh, compute_dtype=config.model.dtype,
                              training_rules=self.rules)

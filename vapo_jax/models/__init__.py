@@ -13,6 +13,7 @@
   pallas_gpu        the Pallas GPU kernels JAX ships, in this package's layouts: paged decode, packed rows
   logprobs          log-probabilities and entropy of tokens from vocabulary blocks, without `[B, T, V]` logits
   sharding          logical axis names → mesh axes: the parallelism presets, the mesh, sharded creation
+  collective_matmul a tensor group's activation gathers and reductions in steps around the matmuls' chunks
   huggingface       Hugging Face checkpoints in: config.json + safetensors, the tensor names both ways
   hub               `hf:NAME[@REVISION]`: a Hub model downloaded into its cache (or read from it), one line on failure
   hf_export         Hugging Face checkpoints out: the export, sharded, with the tokenizer's files

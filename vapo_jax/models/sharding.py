@@ -47,6 +47,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 kinds.check_table(kinds.MeshPreset, PRESETS, "models/sharding.py PRESETS")
 
+# The rules' entry naming the mesh axis over which the decoder's blocks gather their input and scatter their output
+# in steps around their matmuls (models/collective_matmul.py): `rules(..., collective_matmul=True)` adds it.
+COLLECTIVE_MATMUL = "collective_matmul"
+
+
+def rules(preset: kinds.MeshPreset, *, collective_matmul: bool = False) -> dict[str, Any]:
+  """A preset's rules (`PRESETS`); `collective_matmul`: with the blocks' activation gathers and reductions over the
+  sequence split ("act_seq") run as collective matmuls (none where the preset splits no sequence)."""
+  table = PRESETS[preset]
+  return {**table, COLLECTIVE_MATMUL: table["act_seq"]} if collective_matmul and "act_seq" in table else table
+
 _CONTEXT: contextvars.ContextVar[tuple[Mesh, dict[str, Any]] | None] = contextvars.ContextVar(
     "vapo_jax_sharding", default=None)
 

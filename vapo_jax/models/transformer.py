@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax import kinds
-from vapo_jax.models import int8_weights
+from vapo_jax.models import collective_matmul, int8_weights
 from vapo_jax.models import remat as remat_lib
 from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
@@ -99,15 +99,21 @@ class Attention(nnx.Module):
     self.groups = n // k
     self.attention = attention  # models/attention.py implementation.
 
-  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
+  def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None, steps=None):
     """x `[B, T, D]`; key_mask `[B, S]` (None with a paged cache); query_slots `[T]` (`[B, 1]` with per-row
     cache lengths); layer_cache (the cache, this layer's index) or None; segment_ids `[B, T]` (packed rows, no
     cache: replaces key_mask) or None. Returns the output and the cache with this layer's new tokens written
-    (without a cache: this call's (k, v), which the backbone drops)."""
+    (without a cache: this call's (k, v), which the backbone drops). steps: the tensor axis x is split along the
+    sequence over, gathered and reduced in steps around the matmuls (`collective_matmul.active`; no cache), or
+    None: x whole along the sequence."""
     dtype = x.dtype
-    q = int8_weights.einsum("BTD,DNH->BTNH", x, self.q_proj.get_value())
-    k = int8_weights.einsum("BTD,DKH->BTKH", x, self.k_proj.get_value())
-    v = int8_weights.einsum("BTD,DKH->BTKH", x, self.v_proj.get_value())
+    triples = (("BTD,DNH->BTNH", self.q_proj.get_value(), ("embed", "heads", "head_dim")),
+               ("BTD,DKH->BTKH", self.k_proj.get_value(), ("embed", "kv_heads", "head_dim")),
+               ("BTD,DKH->BTKH", self.v_proj.get_value(), ("embed", "kv_heads", "head_dim")))
+    if steps is not None:  # x split along the sequence: gathered in steps around the products.
+      q, k, v = collective_matmul.gather_matmul(x, *triples, axis=steps)
+    else:
+      q, k, v = (int8_weights.einsum(spec, x, kernel) for spec, kernel, _ in triples)
     if self.qkv_bias:
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
     q, k, v = (remat_lib.named(t, n) for t,
@@ -133,7 +139,11 @@ class Attention(nnx.Module):
     offset = 0 if layer_cache is None else layer_cache[0].length  # Queries sit at [offset, offset + T).
     out = attend(q, keys.astype(dtype), values.astype(dtype), **validity, query_offset=offset, causal=True,
                  impl=self.attention)
-    out = int8_weights.einsum("BTNH,NHD->BTD", out, self.o_proj.get_value())
+    if steps is not None:
+      out = collective_matmul.matmul_scatter(out, "BTNH,NHD->BTD", self.o_proj.get_value(),
+                                             ("heads", "head_dim", "embed"), axis=steps)
+    else:
+      out = int8_weights.einsum("BTNH,NHD->BTD", out, self.o_proj.get_value())
     return remat_lib.named(out, remat_lib.OUT), new_cache
 
 
@@ -149,14 +159,22 @@ class MLP(nnx.Module):
       self.down_bias = _param(rngs, (d,), ("embed",), param_dtype, init="zeros")
     self.mlp_bias = cfg.mlp_bias
 
-  def __call__(self, x):
+  def __call__(self, x, steps=None):
+    """x `[B, T, D]`; steps: as `Attention`'s (x split along the sequence over that axis)."""
     dtype = x.dtype
-    gate = int8_weights.einsum("BTD,DF->BTF", x, self.gate_proj.get_value())
-    up = int8_weights.einsum("BTD,DF->BTF", x, self.up_proj.get_value())
+    triples = (("BTD,DF->BTF", self.gate_proj.get_value(), ("embed", "mlp")),
+               ("BTD,DF->BTF", self.up_proj.get_value(), ("embed", "mlp")))
+    down = ("BTF,FD->BTD", self.down_proj.get_value(), ("mlp", "embed"))
+    if steps is not None and not self.mlp_bias:  # Chunk by chunk, the middle never whole.
+      return collective_matmul.gather_map_scatter(x, triples, lambda gate, up: jax.nn.silu(gate) * up, down,
+                                                  axis=steps)
+    if steps is not None:
+      raise ValueError("an MLP with biases takes its input whole along the sequence (steps=None)")
+    gate, up = (int8_weights.einsum(spec, x, kernel) for spec, kernel, _ in triples)
     if self.mlp_bias:
       gate, up = gate + self.gate_bias[...].astype(dtype), up + self.up_bias[...].astype(dtype)
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    out = int8_weights.einsum("BTF,FD->BTD", hidden, self.down_proj.get_value())
+    out = int8_weights.einsum(down[0], hidden, down[1])
     return out + self.down_bias[...].astype(dtype) if self.mlp_bias else out
 
 
@@ -172,12 +190,21 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, cos, sin, key_mask, query_slots, layer_cache, segment_ids=None):
     # The residual stream is split along the sequence where the rules map "act_seq" (sequence parallelism): each
     # block's normed input is gathered for its matmuls (named: a remat policy may keep it), its output reduced
-    # over the tensor group into that split.
-    block_input = lambda h, name: remat_lib.named(constrain(h, ("batch", "seq", "embed")), name)
-    attended, new_cache = self.self_attn(block_input(self.input_layernorm(x), remat_lib.ATTENTION_IN), cos, sin,
-                                         key_mask, query_slots, layer_cache, segment_ids)
+    # over the tensor group into that split; under collective matmuls (`steps`), both in steps around the
+    # matmuls' chunks, the input named as split.
+    attn, mlp = self.self_attn, self.mlp
+    steps = None
+    if layer_cache is None and collective_matmul.active(x.shape[1]):  # Then every kernel is an array.
+      steps = collective_matmul.active(x.shape[1], *(v.get_value().shape[1] for v in (
+          attn.q_proj, attn.k_proj, mlp.gate_proj)))
+    mlp_steps = None if mlp.mlp_bias else steps  # The steps add no gate or up bias: such an MLP gathers whole.
+    block_input = lambda h, name, split: remat_lib.named(
+        constrain(h, _RESIDUAL if split is not None else ("batch", "seq", "embed")), name)
+    attended, new_cache = attn(block_input(self.input_layernorm(x), remat_lib.ATTENTION_IN, steps), cos, sin,
+                               key_mask, query_slots, layer_cache, segment_ids, steps=steps)
     x = x + constrain(attended, _RESIDUAL)
-    x = x + constrain(self.mlp(block_input(self.post_attention_layernorm(x), remat_lib.MLP_IN)), _RESIDUAL)
+    mlp_input = block_input(self.post_attention_layernorm(x), remat_lib.MLP_IN, mlp_steps)
+    x = x + constrain(mlp(mlp_input, steps=mlp_steps), _RESIDUAL)
     return constrain(x, _RESIDUAL), new_cache
 
 

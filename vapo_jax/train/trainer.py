@@ -88,7 +88,7 @@ class Trainer(Saving):
                                      config.rollout.tensor_parallel)
     self.mesh = sharding.make_mesh(data=config.mesh.data, fsdp=config.mesh.fsdp, tensor=config.mesh.tensor,
                                    devices=devices)  # Rollout tensor groups: physical neighbours (rollout/layout.py).
-    rules = sharding.PRESETS[config.mesh.preset]
+    rules = sharding.rules(config.mesh.preset, collective_matmul=config.mesh.collective_matmul)
     self.layout = _layout(config.rollout, self.mesh, config.model.dtype, config.mesh.preset)
     self.layout.check_model(build.model_configs(config)[0])
     self.tokenizer = tok_lib.load(config.model.tokenizer or config.model.checkpoint)
