@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from model_utils import MESHES, TP_CFG, place_module, training_layout_model
 from test_remat import packed_rows, with_policy
+from vapo_jax.config import MeshConfig
+from vapo_jax.errors import ConfigError
 from vapo_jax.memory import hlo_walk, topologies
 from vapo_jax.models import collective_matmul as cm
 from vapo_jax.models import sharding
@@ -121,6 +123,11 @@ def test_the_decoder_with_them_computes_its_gradients_without_them(policy):
 
 
 def test_they_run_only_where_a_tensor_group_splits_the_sequence():
+  with pytest.raises(ConfigError, match="collective_matmul needs a sequence split over tensor: mesh.preset=fsdp_tp"):
+    MeshConfig(preset="fsdp", fsdp=8, collective_matmul=True)
+  with pytest.raises(ConfigError, match="tensor 1"):
+    MeshConfig(preset="fsdp_tp", fsdp=8, collective_matmul=True)
+  assert MeshConfig(preset="fsdp_tp", fsdp=4, tensor=2, collective_matmul=True).collective_matmul
   mesh = sharding.make_mesh(**MESH)
   assert cm.active(16) is None  # Outside any rules.
   assert sharding.rules("fsdp", collective_matmul=True) == sharding.PRESETS["fsdp"]  # No sequence split.

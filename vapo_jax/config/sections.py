@@ -150,6 +150,9 @@ class MeshConfig:
                "must be a positive integer or -1 (fill)", value)
     require(sum(getattr(self, n) == -1 for n in ("data", "fsdp", "tensor")) <= 1, self, "data",
              "allows at most one axis of -1", (self.data, self.fsdp, self.tensor), cross_field=True)
+    require(not self.collective_matmul or (self.preset == "fsdp_tp" and self.tensor != 1), self,
+            "collective_matmul", "needs a sequence split over tensor: mesh.preset=fsdp_tp with mesh.tensor > 1 "
+            f"(here preset {self.preset!r}, tensor {self.tensor})", self.collective_matmul, cross_field=True)
 
 
 @frozen
