@@ -27,7 +27,8 @@ class Estimate(NamedTuple):
   groups: dict[str, tuple[float, ...]] | None = None
   # Of `collective_s`, the seconds that run while the core computes (asynchronous collectives between their start
   # and done, in the compiled schedule: `memory.overlap.Timeline`), with the instructions at their bound and at the
-  # compiler's cycles; walked phases only.
+  # compiler's cycles; walked phases only. The figures take at most `collective_s` of them (`collective_s` counts
+  # each collective once as `hlo.collectives` finds it, the walk once a call).
   hidden_s: float = 0.0
   hidden_cycles_s: float = 0.0
 
@@ -51,7 +52,7 @@ class Estimate(NamedTuple):
       return self.priced_s
     if self.instructions_s is None:
       return self.overlapped_s + self.collective_s
-    return self.instructions_s + self.collective_s - self.hidden_s
+    return self.instructions_s + self.collective_s - min(self.hidden_s, self.collective_s)
 
   @property
   def overlapped_s(self) -> float:
@@ -65,7 +66,7 @@ class Estimate(NamedTuple):
     second figure; else `seconds`."""
     if self.groups is None:
       return self.seconds
-    return self.cycles_s + self.kernels_s + self.collective_s - self.hidden_cycles_s
+    return self.cycles_s + self.kernels_s + self.collective_s - min(self.hidden_cycles_s, self.collective_s)
 
 
 class StepEstimate(NamedTuple):
