@@ -77,7 +77,7 @@ def decode_traffic(found: list[hlo.Collective], op_names: dict[str, str]) -> Dec
   every = hlo.bytes_per_iteration(found, loops[0], branches=False)
   return DecodeTraffic(loops[0], every, sum(not c.conditional for c in inside),
                        hlo.bytes_per_iteration(found, loops[0]) - every,
-                       max((max(c.operand_bytes, c.result_bytes) for c in inside), default=0))
+                       max((c.moved for c in inside), default=0))
 
 
 class Program(NamedTuple):

@@ -43,6 +43,11 @@ class Collective:
   loops: tuple[tuple[str, int | None], ...]  # (while instruction, known trip count), outermost first.
   conditional: bool = False  # Inside a conditional's branch: runs on the iterations that take it.
 
+  @property
+  def moved(self) -> int:
+    """Bytes per device it moves: the larger of its operands together and its result's largest array."""
+    return max(self.operand_bytes, self.result_bytes)
+
 
 def arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
   """(dtype, dims, bytes) of every array in an HLO type, a tuple's included (layouts ignored)."""
@@ -166,6 +171,16 @@ def _step(computations, found: dict, while_body: str, k: int) -> int:
   return 1
 
 
+def collective(name: str, type_text: str, opcode: str, body: str, types: dict, loops=(), conditional=False
+               ) -> Collective:
+  """The `Collective` of one instruction (`types`: the module's instruction name → type text)."""
+  operands = [a for o in _operands(body, opcode) for a in arrays(types.get(o, ""))]
+  result = arrays(type_text)
+  return Collective(opcode.removesuffix("-start"), name, sum(b for *_, b in operands),
+                    max((b for *_, b in result), default=0),
+                    tuple(f"{d}[{','.join(map(str, s))}]" for d, s, _ in operands or result), loops, conditional)
+
+
 def collectives(text: str) -> list[Collective]:
   """Every collective of a compiled module (`compiled.as_text()`), with the while loops around it."""
   entry, computations, types = parse(text)
@@ -188,11 +203,7 @@ def collectives(text: str) -> list[Collective]:
     for name, type_text, opcode, body in computations[comp]:
       op = opcode.removesuffix("-start")
       if op in COLLECTIVES and not opcode.endswith("-done"):
-        operands = [a for o in _operands(body, opcode) for a in arrays(types.get(o, ""))]
-        result = arrays(type_text)
-        found.setdefault((name, loops), Collective(
-            op, name, sum(b for *_, b in operands), max((b for *_, b in result), default=0),
-            tuple(f"{d}[{','.join(map(str, s))}]" for d, s, _ in operands or result), loops, conditional))
+        found.setdefault((name, loops), collective(name, type_text, opcode, body, types, loops, conditional))
     for callee, loop, via_conditional in calls[comp]:
       if callee not in seen:
         visit(callee, loops + (loop,) if loop else loops, conditional or via_conditional, seen | {callee})
@@ -224,5 +235,5 @@ def bytes_per_iteration(found: list[Collective], loop: str, *, branches: bool = 
     names = [name for name, _ in c.loops]
     if loop in names and (branches or not c.conditional):
       inner = c.loops[names.index(loop) + 1:]
-      total += max(c.operand_bytes, c.result_bytes) * math.prod(trips or 1 for _, trips in inner)
+      total += c.moved * math.prod(trips or 1 for _, trips in inner)
   return total

@@ -339,8 +339,7 @@ class _Program:
       timeline.done(hlo._operands(body, opcode)[0] if hlo._operands(body, opcode) else "")
       return
     if "collective" in cost.groups and opcode not in ("while", "conditional", "call"):  # Its own, not nested ones.
-      moved = max(sum(b for o in hlo._operands(body, opcode) for *_, b in hlo.arrays(self.types.get(o, ""))),
-                  max((b for *_, b in hlo.arrays(type_text)), default=0))
+      moved = hlo.collective(name, type_text, opcode, body, self.types).moved
       cost.collective_s += moved / chip.ici_bandwidth
       timeline.collective(name, moved / chip.ici_bandwidth, opcode.endswith("-start"))
       return

@@ -39,7 +39,7 @@ def collective_bytes(program, *, unknown: float, run: float | None = None) -> fl
     for i, (name, _) in enumerate(c.loops):
       if name in micro:
         factor = factor / math.prod(trips[:i + 1]) * run
-    total += max(c.operand_bytes, c.result_bytes) * factor
+    total += c.moved * factor
   return total
 
 
