@@ -154,6 +154,7 @@ def test_on_several_processes_the_first_downloads_and_the_others_read_the_cache_
   assert [s["cached_only"] for s in said] == [[False], [True]]  # Only the first process downloads.
 
 
+@pytest.mark.slow  # For time (8 s): make test runs the several processes' successful download.
 def test_on_several_processes_a_failed_download_is_said_by_every_process_without_waiting(tmp_path):
   """Process 0's download fails (no such repository): it still reaches the barrier, so process 1 says at once that
   the first process did not download the model, instead of waiting there for a time-out."""

@@ -91,6 +91,7 @@ def trained():
   return training_layout_model()
 
 
+@pytest.mark.slow  # For time (11 s, the trained model's 6): make test runs aime's rehearsal, which reshards to int8.
 def test_reshard_quantises_the_layer_kernels_split_like_their_outputs(trained):
   _, model, mesh, rules = trained
   state = nnx.state(model)
@@ -132,6 +133,7 @@ def test_reshard_quantises_the_layer_kernels_split_like_their_outputs(trained):
   assert gate.values.sharding.spec == state["model"]["layers"]["mlp"]["gate_proj"].get_value().sharding.spec
 
 
+@pytest.mark.slow  # For time (20 s): make test runs aime's rehearsal, whose refill engine samples from int8 weights.
 def test_refill_engine_with_int8_weights_samples_what_the_dequantised_weights_sample(trained):
   """The shipped path in miniature: the training layout resharded into the rollout layout (data 2 x tensor 4)
   with int8 kernels, the refill engine's queues; the oracle is the unsharded model whose kernels are the

@@ -81,6 +81,7 @@ def test_chunked_prefill_equals_whole_prefill(model, sizes):
       chunks, tokens)
 
 
+@pytest.mark.slow  # For time (19 s): make test runs aime's rehearsal, which preempts and gets every page back.
 def test_preemption_restarts_sequences_with_the_same_tokens(model):
   """6 slots over 10 pages of 4 tokens (the 4 prompts hold 5; one sequence needs at most 4 more, 6 would need 24):
   the engine preempts the latest-started sequences again and again, restarts them from their prompts, and
