@@ -54,9 +54,10 @@ def vapo() -> ExperimentConfig:
   return ExperimentConfig(
       name="aime_vapo",
       rl_steps=5000,
-      # remat "minimal": the least recomputation whose update fits v5p:8x8x4 in the mesh below (64.76 GiB of 88.08;
-      # "minimal_with_inputs", which also keeps each block's gathered normed input, needs 92.27: `make memory
-      # EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul again but attention's own.
+      # remat "minimal": the least recomputation whose update fits v5p:8x8x4 in the mesh below (68.26 GiB of 88.08,
+      # attention's output and log-sum-exp kept, so its forward kernel runs once; "minimal_with_inputs", which also
+      # keeps each block's gathered normed input, needed 92.27 before both kept those 3.5 GiB: `make memory
+      # EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul and no attention forward again.
       model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal"),
       algo=AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
@@ -77,11 +78,12 @@ def vapo() -> ExperimentConfig:
       # step reads, against bfloat16's 8.00), over a paged int8 KV cache (a scale per token and KV head): a
       # pool of 64 GiB per chip (31,775 pages of 128 tokens per group, 16.5 KiB per token per chip), every one
       # of a group's 256 sequences in a slot at once: the fewest decode steps (the longest response's). Under
-      # the roofline's long-tailed profile (B) the rollout is 118 s of a 408-s step, against 191 s in bfloat16
-      # (docs/pod.md); on the toy, int8 sampling moved the sampler by a KL of 1e-5 a token and cost no held-out
-      # gain (docs/results.md). With every response at the cap the pool holds about 200 sequences a group and the
-      # engine preempts and restarts the latest-started. Sized by XLA's figures (`make memory EXP=aime
-      # TOPOLOGY=v5p:8x8x4`, docs/pod.md): the peak, the decode, needs 71.56 GiB per chip of the 88.08 allowed;
+      # the roofline's long-tailed profile (B) the rollout is 106 s of a 403-s step (468 s by the compiler's
+      # cycles), against 191 s in bfloat16 (docs/pod.md); on the toy, int8 sampling moved the sampler by a KL of
+      # 1e-5 a token and cost no held-out gain (docs/results.md). With every response at the cap the pool holds
+      # about 200 sequences a group and the engine preempts and restarts the latest-started. Sized by XLA's
+      # figures (`make memory EXP=aime TOPOLOGY=v5p:8x8x4`, docs/pod.md): the peak, the decode, needs 71.57 GiB
+      # per chip of the 88.08 allowed;
       # a larger pool buys no speed there, so the rest is margin. `rollout.weight_dtype=model
       # rollout.kv_cache_dtype=model algo.tis_cap=null` samples in bfloat16.
       rollout=RolloutConfig(prompts_per_step=512, samples_per_prompt=16,

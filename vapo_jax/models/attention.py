@@ -61,6 +61,7 @@ from vapo_jax import kinds
 from vapo_jax.errors import ConfigError
 from vapo_jax.kinds import Attention
 from vapo_jax.models import flash, pallas_gpu, sharding
+from vapo_jax.models import splash as splash_kernel
 from vapo_jax.models.flash import chunked
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -304,18 +305,11 @@ def _splash_specs(mesh, rules, *, batch: int, heads: int,
 
 
 def _splash_local(q, k, v, segments, *, causal: bool, block: int, interpret: bool) -> jax.Array:
-  """The splash kernel on one device's q `[B, T, N, H]`, k, v `[B, T, K, H]`, segment ids `[B, T]`."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernels
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
-  t, n, h = q.shape[1:]
-  size = max(d for d in (block, 256, 128) if t % d == 0 and d <= t)
-  head_mask = masks.CausalMask((t, t)) if causal else masks.FullMask((t, t))
-  sizes = kernels.BlockSizes(block_q=size, block_kv=size, block_kv_compute=size, block_q_dkv=size,
-                             block_kv_dkv=size, block_kv_dkv_compute=size, block_q_dq=size, block_kv_dq=size)
-  kernel = kernels.make_splash_mha(masks.MultiHeadMask([head_mask] * n), block_sizes=sizes, head_shards=1,
-                                   q_seq_shards=1, interpret=interpret)
+  """The splash kernel on one device's q `[B, T, N, H]`, k, v `[B, T, K, H]`, segment ids `[B, T]` (`splash.attend`:
+  only the blocks whose queries and keys share a segment)."""
+  h = q.shape[-1]
   heads_first = lambda x: x.transpose(0, 2, 1, 3)  # [B, N|K, T, H]
-  out = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=kernels.SegmentIds(ids, ids)))(
-      heads_first(q * jnp.asarray(h ** -0.5, q.dtype)), heads_first(k), heads_first(v), segments)
+  out = splash_kernel.attend(heads_first(q * jnp.asarray(h ** -0.5, q.dtype)), heads_first(k), heads_first(v),
+                             splash_kernel.kernel_segments(segments), causal=causal, block=block,
+                             interpret=interpret)
   return jnp.where((segments != 0)[:, :, None, None], heads_first(out), 0).astype(q.dtype)

@@ -22,6 +22,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from vapo_jax.models import remat as remat_names
 
 BLOCK_Q = 256  # Default query block of `chunked` (tokens).
 BLOCK_K = 256  # Default key/value block of `chunked` (tokens).
@@ -258,7 +261,8 @@ def _flash(plan, q, k, v, lo, hi):
 
 
 def _flash_fwd(plan, q, k, v, lo, hi):
-  out, lse = _forward(plan, q, k, v, lo, hi)
+  out, lse = _forward(plan, q, k, v, lo, hi)  # Named: a policy that keeps them runs no forward again.
+  out, lse = (checkpoint_name(x, remat_names.ATTENTION_CONTEXT) for x in (out, lse))
   return out, (q, k, v, lo, hi, out, lse)
 
 

@@ -5,8 +5,9 @@ backward pass, and what it computes again. Least recomputation (most memory) fir
   minimal_with_inputs  `minimal`, and each block's normed input as its matmuls read it (under sequence
                        parallelism gathered along the sequence): the backward pass neither norms nor gathers it
                        again for the weights' gradients.
-  minimal              keeps every matmul output without batch dimensions (the q/k/v/o and MLP projections);
-                       recomputes attention's own products and the elementwise work.
+  minimal              keeps every matmul output without batch dimensions (the q/k/v/o and MLP projections) and
+                       attention's output and log-sum-exp (its kernel's residuals, `ATTENTION_CONTEXT`):
+                       recomputes the elementwise work, and attention only in its own backward.
   save_dot_except_mlp  keeps the attention's q/k/v and output projections (by name); recomputes the MLP.
   save_qkv_proj        keeps the q/k/v projections; recomputes the output projection and the MLP.
   offload_qkv_proj     `save_qkv_proj` with the kept arrays in host memory (pinned), copied back for the backward
@@ -26,12 +27,17 @@ from vapo_jax import kinds
 
 QUERY, KEY, VALUE, OUT = "query_proj", "key_proj", "value_proj", "out_proj"
 ATTENTION_IN, MLP_IN = "attention_in", "mlp_in"  # The blocks' normed inputs, as their matmuls read them.
+# Attention's residuals, its output and log-sum-exp (models/splash.py, models/flash.py): kept, the backward pass
+# does not run attention's forward again.
+ATTENTION_CONTEXT = "attention_context"
 _policies = jax.checkpoint_policies
 POLICIES = {
     "none": None,
-    "minimal_with_inputs": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
-                                                             _policies.save_only_these_names(ATTENTION_IN, MLP_IN)),
-    "minimal": _policies.dots_with_no_batch_dims_saveable,
+    "minimal_with_inputs": _policies.save_from_both_policies(
+        _policies.dots_with_no_batch_dims_saveable,
+        _policies.save_only_these_names(ATTENTION_CONTEXT, ATTENTION_IN, MLP_IN)),
+    "minimal": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
+                                                 _policies.save_only_these_names(ATTENTION_CONTEXT)),
     "save_dot_except_mlp": _policies.save_only_these_names(QUERY, KEY, VALUE, OUT),
     "save_qkv_proj": _policies.save_only_these_names(QUERY, KEY, VALUE),
     "offload_qkv_proj": _policies.save_and_offload_only_these_names(
