@@ -18,7 +18,9 @@ operands and results, except:
 - bookkeeping (parameter, constant, tuple, get-tuple-element, bitcast, the `-done` half of an asynchronous
   pair) counts nothing;
 - a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, and the same bytes
-  are reported apart (`kernel_bytes`), for a caller that prices the kernel's reads itself.
+  are reported apart (`kernel_bytes`), for a caller that prices the kernel's reads itself; its calls are counted
+  by the kernel's name (`kernels`: the instruction's, `splash_mha_fwd_segmented_residuals`, for a caller that
+  prices what the kernel computes).
 
 FLOPs are the matmuls' (dots, and convolutions, XLA's form of many sharded einsums: per output element its
 group's input features times the window taps that land inside the input, padded taps multiplying nothing),
@@ -71,6 +73,7 @@ class Cost:
   # chip's HBM bandwidth, the time of its instructions one after another, each at the slower of its FLOPs and
   # its bytes.
   groups: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  kernels: dict[str, float] = dataclasses.field(default_factory=dict)  # Pallas kernel calls run, by kernel name.
 
   def add(self, other: "Cost", times: float = 1.0) -> None:
     self.bytes += other.bytes * times
@@ -84,6 +87,8 @@ class Cost:
       mine = self.groups.setdefault(name, [0.0] * len(figures))
       for i, x in enumerate(figures):
         mine[i] += x * times
+    for name, calls in other.kernels.items():
+      self.kernels[name] = self.kernels.get(name, 0.0) + calls * times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Walked:
   collective_s: float = 0.0  # As `Cost`'s (0 without a chip).
   hidden_s: float = 0.0
   hidden_cycles_s: float = 0.0
+  kernels: dict[str, float] = dataclasses.field(default_factory=dict)  # As `Cost.kernels`.
 
   def loop(self, scope: str) -> Loop | None:
     """The outermost loop traced under `jax.named_scope(scope)` (None: none)."""
@@ -315,6 +321,7 @@ class _Program:
                                                                         bound]
     if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in body:
       cost.kernel_bytes += sum(sizes) + result
+      cost.kernels[re.sub(r"\.\d+$", "", name)] = 1.0  # The kernel's name (splash_mha_fwd_…), not the copy's.
     return cost
 
   def computation(self, comp: str, runs: float) -> Cost:
@@ -393,4 +400,4 @@ def walk(text: str, ridge: float | None = None, chip=None) -> Walked:
     return Walked(0.0, 0.0, 0.0, ())
   total = program.computation(program.entry, 1.0)
   return Walked(total.bytes, total.cycles, total.kernel_bytes, tuple(program.loops), total.flops, total.groups,
-                total.collective_s, total.hidden_s, total.hidden_cycles_s)
+                total.collective_s, total.hidden_s, total.hidden_cycles_s, total.kernels)

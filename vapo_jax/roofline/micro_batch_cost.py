@@ -50,7 +50,8 @@ def walked(program, run: float) -> hlo_walk.Cost:
   w = program.walked
   total = hlo_walk.Cost(bytes=w.bytes, cycles=w.cycles, kernel_bytes=w.kernel_bytes, flops=w.flops,
                         collective_s=w.collective_s, hidden_s=w.hidden_s, hidden_cycles_s=w.hidden_cycles_s,
-                        groups={name: list(figures) for name, figures in w.groups.items()})
+                        groups={name: list(figures) for name, figures in w.groups.items()},
+                        kernels=dict(w.kernels))
   for loop in micro_loops(program).values():
     total.add(loop.iteration, run - loop.runs * loop.trips)
   return total

@@ -24,14 +24,17 @@ the engine's own carry (`partial_replay.partial_rounds`). The prompts (and a rou
 prefilled in chunks inside the decode loop, priced from the replay's chunks (`decode_cost`).
 Scoring's and the update's loops over micro-batches are charged for the micro-batches that run on the
 profile's lengths (`micro_batch_cost.trips`: ⌈rows / m⌉ per pass, the compiled ones past it skipped).
-Attention runs in Pallas kernels (splash, the paged kernel) that the walk cannot see into, so it is added
-from its definition: per sequence of T tokens 2·N·H·T²·L FLOPs forward, backward twice that, remat one
-more forward; a decode step 4·N·H per cached token read. Collectives from the HLO (`hlo.collectives`):
-each moves the larger of its operands and result per chip, times the trips of the loops around it (the
-layer scan's L; micro-batch loops: those that run); the decode loop's per step (`aot.DecodeTraffic`) times
-the decode steps. Their time adds to the phase's (no overlap with compute assumed, and no latency per
-collective: bytes over bandwidth only). The compiler's own estimate, its `estimated_cycles` summed the
-same way at the core's clock, is printed beside the bounds (uncalibrated; kernels and gathers carry none).
+Attention runs in Pallas kernels (splash, the paged kernel) that the walk cannot see into, so it is added: splash's
+in scoring and the update as the block pairs it visits on the profile's packed rows times the products its compiled
+calls run per pair (`attention_cost`: the backward's two kernels 7 against the forward's 2, the forward twice where
+the remat policy keeps no attention residuals); without splash calls, from the definition, per sequence of T tokens
+2·N·H·T²·L FLOPs forward, backward twice that, remat one more forward; a decode step 4·N·H per cached token read.
+The step's MFU counts the definition's FLOPs (model FLOPs), never the kernel's. Collectives from the HLO
+(`hlo.collectives`): each moves the larger of its operands and result per chip, times the trips of the loops around
+it (the layer scan's L; micro-batch loops: those that run); the decode loop's per step (`aot.DecodeTraffic`) times
+the decode steps. Their time adds to the phase's (no overlap with compute assumed, and no latency per collective:
+bytes over bandwidth only). The compiler's own estimate, its `estimated_cycles` summed the same way at the core's
+clock, is printed beside the bounds (uncalibrated; kernels and gathers carry none).
 
 A program the walk cannot price (no HLO, or no micro-batch loop found: `walked_through`) falls back on
 `cost_analysis`, which counts a loop body once: scanned decoder layers are then counted by `every_layer`
@@ -51,7 +54,7 @@ from vapo_jax.memory import hlo_walk
 from vapo_jax.models import decode_attention, logprobs, paged_attention
 from vapo_jax.rollout import common
 from vapo_jax.rollout import plan as plan_lib
-from vapo_jax.roofline import decode_cost, micro_batch_cost, profiles
+from vapo_jax.roofline import attention_cost, decode_cost, micro_batch_cost, profiles
 from vapo_jax.roofline.estimates import Estimate, StepEstimate
 from vapo_jax.train import packed_batch
 
@@ -230,11 +233,13 @@ def _phase(report, phase, chips: int, profile: profiles.Profile, engine: str, ch
       if program.walked is not None and mb.micro_loops(program):  # Every matmul walked, the vocabulary blocks too.
         cost = mb.walked(program, trips)
         f, b, k = cost.flops, cost.bytes, cost.cycles
+        kernel = attention_cost.flops(report, profile, phase.name, cost.kernels, chips)
+        attention = attention if kernel is None else kernel  # What splash computes: the blocks it visits.
         groups = groups or hlo_walk.Cost()
         groups.add(cost)
         hidden = (hidden[0] + cost.hidden_s, hidden[1] + cost.hidden_cycles_s)
         kernels = groups.groups.setdefault("Pallas kernel", [0.0] * 5)
-        kernels[1] += attention  # The kernels' FLOPs, from attention's definition (the walk sees none).
+        kernels[1] += attention  # The kernels' FLOPs (the walk sees none): `attention_cost`, else the definition's.
         kernels[4] = max(kernels[4], kernels[1] * chip.hbm_bandwidth / chip.peak_flops)
         m = mb.collective_bytes(program, unknown=trips / calls, run=trips)
         f += attention

@@ -40,7 +40,9 @@ def format_estimate(step: StepEstimate, chip_name: str, rl_steps: int | None = N
                "updates; cycles s: the compiler's estimated cycles at the core's clock, uncalibrated, "
                "kernels and gathers counting none; estimate s: the rollout's decode steps one by one, scoring's "
                "and the update's instructions one after another, each the slower of its compute and memory, "
-               "collectives over ICI on top, less those the compiled schedule runs under the core's work)")
+               "collectives over ICI on top, less those the compiled schedule runs under the core's work; a "
+               "Pallas kernel group's TFLOP: what splash computes, the block pairs it visits on the profile's "
+               "packed rows times the products its compiled calls run a pair, roofline/attention_cost.py)")
   lines += format_groups(step)
   lines.append(f"  {summary(step)}")
   lines.append(f"  {compiler_summary(step)}")
