@@ -17,10 +17,8 @@ operands and results, except:
   counts the rows taken, not the whole operand; a top-level gather or dynamic-slice likewise;
 - bookkeeping (parameter, constant, tuple, get-tuple-element, bitcast, the `-done` half of an asynchronous
   pair) counts nothing;
-- a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, and the same bytes
-  are reported apart (`kernel_bytes`), for a caller that prices the kernel's reads itself; its calls are counted
-  by the kernel's name (`kernels`: the instruction's, `splash_mha_fwd_segmented_residuals`, for a caller that
-  prices what the kernel computes).
+- a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, the same bytes reported
+  apart (`kernel_bytes`) and its calls by kernel name (`kernels`), for a caller that prices the kernel itself.
 
 FLOPs are the matmuls' (dots, and convolutions, XLA's form of many sharded einsums: per output element its
 group's input features times the window taps that land inside the input, padded taps multiplying nothing),
@@ -45,8 +43,7 @@ import numpy as np
 
 from vapo_jax.memory import hlo, overlap
 
-_FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
-                   "partition-id",
+_FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
                    "replica-id", "opt-barrier", "add-dependency"})
 _CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
 _SPACE = re.compile(r"S\((\d+)\)")

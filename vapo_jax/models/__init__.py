@@ -6,6 +6,7 @@
   int8_weights      int8 matmul kernels with a scale per output channel: the rollout's quantised weights
   attention         `attend`: flash attention in pure JAX, the platform kernels, the dense oracle
   flash             `chunked`, the pure-JAX flash attention that runs everywhere
+  splash            the Pallas TPU splash kernel, visiting only the block pairs whose tokens share a segment
   kv_cache          the KV cache, one interface: contiguous (`KVCache`) and paged (`PagedKVCache`)
   decode_attention  one-token decode attention over the filled part of a contiguous KV cache
   paged_attention   one-token decode attention over a paged KV cache: the TPU and GPU kernels, a gather, the oracle

@@ -8,6 +8,7 @@ compile report) priced at a chip's peak FLOP/s and bandwidths, on a response-len
   profiles          response-length profiles: every response at the cap, log-normal, a run's logged lengths
   decode_cost       a decode step's bytes per chip, itemised (weights, KV read, KV written, the rest), priced
   micro_batch_cost  scoring's and the update's micro-batches that run on a profile, and the update's token fill
+  attention_cost    what attention's splash kernel computes in scoring and the update: the block pairs it visits
 
 The rollout's schedule itself is the engine's replay, beside the engine (`rollout/refill/replay.py`). This
 tier sits above `vapo_jax.memory`, whose compile report it reads; nothing below reads it.
