@@ -1,17 +1,16 @@
 """Flash attention in pure JAX: `chunked`, the implementation that runs everywhere (`models/attention.py`).
 
-An online softmax over key blocks per query block, float32 accumulation, and a custom VJP that
-stores only the output and the log-sum-exp and recomputes the scores block by block (Dao et al.
-2022; FlashAttention-2, Dao 2023). Query t sees the key slots of one interval [lo, hi)
-(`key_intervals`), from ranges (unpadded rows, the KV cache) or segment ids (packed rows). Loops
-over blocks have dynamic trip counts, and the rows of a call run one after another (`lax.map`), each
-with its own: a query block of a row visits only the key blocks that its own queries' intervals reach,
-so blocks above the causal diagonal, outside the row's real range, or before the query block's first
-segment are never visited, and no row pays for another's: a packed row costs ∝ Σ length² of its own
-segments, not row length², and an empty row costs nothing. `visited_block_pairs` counts the visited
-(row, query block, key block) triples (tests and benchmarks). On a mesh, `attention.attend` runs
-`chunked` under `shard_map`, each device on its own rows.
-"""
+An online softmax over key blocks per query block, float32 accumulation, and a custom VJP that stores
+only the output and the log-sum-exp (named `remat.ATTENTION_CONTEXT`, which `minimal` keeps) and
+recomputes the scores block by block (Dao et al. 2022; FlashAttention-2, Dao 2023). Query t sees the key
+slots of one interval [lo, hi) (`key_intervals`), from ranges (unpadded rows, the KV cache) or segment
+ids (packed rows). Loops over blocks have dynamic trip counts, and the rows of a call run one after
+another (`lax.map`), each with its own: a query block of a row visits only the key blocks that its own
+queries' intervals reach, so blocks above the causal diagonal, outside the row's real range, or before
+the query block's first segment are never visited, and no row pays for another's: a packed row costs ∝ Σ
+length² of its own segments, not row length², and an empty row costs nothing. `visited_block_pairs`
+counts the visited (row, query block, key block) triples (tests and benchmarks). On a mesh,
+`attention.attend` runs `chunked` under `shard_map`, each device on its own rows. """
 
 import contextlib
 import contextvars

@@ -122,4 +122,3 @@ def attend(q, k, v, segments, *, causal: bool, block: int, interpret: bool) -> j
                                              **kernel.kwargs)
     return narrowed(q, k, v, segment_ids=kernels.SegmentIds(ids, ids))
   return lax.map(row, (q, k, v, segments))
-
