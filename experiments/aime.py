@@ -56,8 +56,8 @@ def vapo() -> ExperimentConfig:
       rl_steps=5000,
       # remat "minimal": the least recomputation whose update fits v5p:8x8x4 in the mesh below (68.26 GiB of 88.08,
       # attention's output and log-sum-exp kept, so its forward kernel runs once; "minimal_with_inputs", which also
-      # keeps each block's gathered normed input, needed 92.27 before both kept those 3.5 GiB: `make memory
-      # EXP=aime TOPOLOGY=v5p:8x8x4 REMAT=1`, docs/pod.md): no matmul and no attention forward again.
+      # keeps each block's gathered normed input, needs 95.87: `make memory EXP=aime TOPOLOGY=v5p:8x8x4
+      # REMAT=1`, docs/pod.md): no matmul and no attention forward again.
       model=ModelConfig(checkpoint=None, preset="qwen2.5-32b", dtype="bfloat16", remat="minimal"),
       algo=AlgoConfig(
           estimator="gae", gamma=1.0, lam_critic=1.0, decoupled_gae=True,
