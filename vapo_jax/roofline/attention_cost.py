@@ -20,10 +20,11 @@ import numpy as np
 from vapo_jax.models import splash
 from vapo_jax.rollout import common
 from vapo_jax.roofline import micro_batch_cost, profiles
-from vapo_jax.train import packed_batch, packing
+from vapo_jax.train import packed_batch
 
 # The kernel names of splash's calls (`hlo_walk.Cost.kernels`, the compiled instruction's) and their products a pair.
 PRODUCTS = {"splash_mha_fwd": splash.FORWARD_PRODUCTS, "splash_mha_dq": 3, "splash_mha_dkv": 4}
+_VISITED: dict[tuple, int] = {}  # `visited`'s counts, by what they are counted from.
 
 
 def products(kernels: dict[str, float]) -> float | None:
@@ -47,23 +48,13 @@ def _rows(report, profile: profiles.Profile, phase_name: str) -> list[np.ndarray
     bucket = common.prompt_bucket(c.rollout.max_prompt_tokens)
     prompts = np.repeat(profile.prompts, c.rollout.samples_per_prompt)[:len(tokens)]
     return [np.array([bucket - p, n]) for p, n in zip(prompts, tokens)]  # Padding first: a segment of its own.
-  row_tokens = packed_batch.row_tokens(c)
   m = packed_batch.micro_rows(c, report.mesh_shape["data"] * report.mesh_shape["fsdp"])
-  if phase_name == "scoring":
-    members = [np.arange(len(tokens))]
-    row, offset, _ = packing.place_groups(tokens, members, row_tokens)
-  elif c.packing.fill_micro_batches:
-    parts = micro_batch_cost.update_parts(c)
-    cut = packing.cut_filled(tokens, np.concatenate(parts), len(parts), row_tokens, m)
-    members, row, offset = cut.members, cut.row, cut.offset
-  else:
-    members = micro_batch_cost.update_parts(c)
-    row, offset, _ = packing.place_groups(tokens, members, row_tokens)
+  members, row, offset, needed = micro_batch_cost.placement(c, tokens, m, phase_name)
   rows = []
-  for part in members:
+  for part, rows_needed in zip(members, needed):
+    part = np.asarray(part)
     used = row[part] >= 0
-    needed = int(row[part][used].max(initial=-1)) + 1
-    mine = [[] for _ in range(-(-needed // m) * m)]
+    mine = [[] for _ in range(-(-int(rows_needed) // m) * m)]
     for b in part[used][np.argsort(offset[part][used], kind="stable")]:
       mine[row[b]].append(tokens[b])
     rows += [np.asarray(x, np.int64) for x in mine]
@@ -71,8 +62,8 @@ def _rows(report, profile: profiles.Profile, phase_name: str) -> list[np.ndarray
 
 
 def _segment_ids(lengths: np.ndarray, row_tokens: int, padding_first: bool) -> np.ndarray:
-  """The kernel's segment ids `[row_tokens]` of a row of `lengths` end to end (padding after, or first)."""
-  ids = np.full(row_tokens, splash.PADDING, np.int64)
+  """The segment ids `[row_tokens]` (0: padding) of a row of `lengths` end to end (padding after, or first)."""
+  ids = np.zeros(row_tokens, np.int64)
   if padding_first:
     ids[lengths[0]:lengths[0] + lengths[1]] = 1
   else:
@@ -82,15 +73,20 @@ def _segment_ids(lengths: np.ndarray, row_tokens: int, padding_first: bool) -> n
 
 def visited(report, profile: profiles.Profile, phase_name: str) -> int:
   """Pairs of blocks the splash kernel visits per head and layer in one pass of `phase_name` (scoring, or one
-  epoch of the update) over the step's sequences under `profile` (`splash.shared_blocks`)."""
+  epoch of the update) over the step's sequences under `profile` (`splash.visited_blocks`); counted once per
+  (config, mesh, profile, phase): a report's estimates for each engine share it."""
+  key = (report.config, tuple(sorted(report.mesh_shape.items())), profile.responses.tobytes(),
+         profile.prompts.tobytes(), phase_name)
+  if key not in _VISITED:
+    _VISITED[key] = _count(report, profile, phase_name)
+  return _VISITED[key]
+
+
+def _count(report, profile: profiles.Profile, phase_name: str) -> int:
   c = report.config
   row_tokens = packed_batch.row_tokens(c)
-  block = splash.block_size(row_tokens)
-  total = 0
-  for lengths in _rows(report, profile, phase_name):
-    ids = _segment_ids(lengths, row_tokens, padding_first=not c.packing.enabled)
-    total += int(splash.shared_blocks(ids, block, block, causal=True).sum())
-  return total
+  return sum(splash.visited_blocks(_segment_ids(lengths, row_tokens, not c.packing.enabled)[None],
+                                   splash.block_size(row_tokens)) for lengths in _rows(report, profile, phase_name))
 
 
 def flops(report, profile: profiles.Profile, phase_name: str, kernels: dict[str, float], chips: int) -> float | None:

@@ -102,15 +102,21 @@ def update_parts(config) -> list[np.ndarray]:
   return [order[i:i + mini] for i in range(0, n, mini)]
 
 
+def placement(config, tokens: np.ndarray, micro_rows: int, phase_name: str) -> packing.Cut:
+  """Where one pass of `phase_name` places each sequence (`[N]` lengths `tokens`), as the trainer's plan does:
+  scoring's one group, first-fit decreasing; one epoch's mini-batches, `update_parts` first-fit decreasing each, or
+  with `packing.fill_micro_batches` the same order cut where the rows fill whole micro-batches of `micro_rows`
+  (`packing.cut_filled`)."""
+  row_tokens = packed_batch.row_tokens(config)
+  parts = [np.arange(len(tokens))] if phase_name == "scoring" else update_parts(config)
+  if phase_name != "scoring" and config.packing.fill_micro_batches:
+    return packing.cut_filled(tokens, np.concatenate(parts), len(parts), row_tokens, micro_rows)
+  return packing.Cut(parts, *packing.place_groups(tokens, parts, row_tokens))
+
+
 def update_needed(config, tokens: np.ndarray, micro_rows: int) -> np.ndarray:
-  """Rows each of one epoch's mini-batches fills: `update_parts`, or with `packing.fill_micro_batches` the
-  same order cut where the rows fill whole micro-batches of `micro_rows` (`packing.cut_filled`), as the
-  trainer's plan cuts them."""
-  parts = update_parts(config)
-  if config.packing.fill_micro_batches:
-    return packing.cut_filled(tokens, np.concatenate(parts), len(parts), packed_batch.row_tokens(config),
-                              micro_rows).needed
-  return np.asarray(needed_rows(config, tokens, parts))
+  """Rows each of one epoch's mini-batches fills (`placement`)."""
+  return np.asarray(placement(config, tokens, micro_rows, "update").needed)
 
 
 def needed_rows(config, tokens: np.ndarray, parts) -> list[int]:
