@@ -141,6 +141,7 @@ def test_a_hub_model_without_its_config_is_one_line_naming_the_snapshot(offline_
     huggingface.load_causal_lm("hf:tiny/noconfig")
 
 
+@pytest.mark.slow  # For time (12 s): make test reads Hub models from a cache built on disk, in one process.
 def test_on_several_processes_the_first_downloads_and_the_others_read_the_cache_after_it(tmp_path):
   """Two processes resolve one `hf:` name: process 0 downloads (a stand-in for `snapshot_download` that takes 2 s
   to fill the cache), process 1 waits at the barrier, then reads the cache only (`local_files_only`)."""

@@ -42,8 +42,10 @@ def test_splash_in_the_tpu_interpreter_under_shard_map_equals_the_reference():
   """The shipped path, `interpret=False`, in the TPU interpreter (`force_tpu_interpret_mode`: scalar prefetch and
   block copies as the chip runs them) under shard_map on a (fsdp 2, tensor 2) mesh, rows and heads split: output
   and gradients are the dense reference's on packed rows whose narrowed masks skip pairs."""
-  q, k, v, weights = _inputs(2, 512, 512, kv_heads=2, groups=1, head_dim=16, seed=8)
-  segments = jnp.asarray(_segments([[200, 60, 130, 50], [70, 300]], 512))
+  q, k, v, weights = _inputs(2, 256, 256, kv_heads=2, groups=1, head_dim=16, seed=8)
+  rows = [[60, 68, 100], [128, 50]]  # Each row's second block shares no segment with its first: a pair skipped.
+  segments = jnp.asarray(_segments(rows, 256))
+  assert splash_kernel.visited_blocks(np.asarray(segments), 128) == 2 * 2
   expected = _out_and_grads(lambda *a: attention.reference(*a, segment_ids=segments), q, k, v, weights)
   mesh = sharding.make_mesh(data=1, fsdp=2, tensor=2, devices=jax.devices()[:4])
   with pltpu.force_tpu_interpret_mode(), sharding.use_rules(mesh, sharding.PRESETS["fsdp_tp"]):

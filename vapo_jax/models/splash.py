@@ -94,8 +94,9 @@ def _narrow(info, shared: jax.Array, *, keys_inner: bool):
 
 
 def block_size(tokens: int, block: int = BLOCK) -> int:
-  """The kernel's block (query and key) on rows of `tokens`: `block`, else 256 or 128, the largest dividing."""
-  return max(d for d in (block, 256, 128) if tokens % d == 0 and d <= tokens)
+  """The kernel's block (query and key) on rows of `tokens`: the largest of `block`, 512, 256 and 128 that is at
+  most `block` and divides `tokens` (128 where none does: splash needs rows of a multiple of 128)."""
+  return max((d for d in (block, 512, 256, 128) if d <= min(block, tokens) and tokens % d == 0), default=128)
 
 
 def attend(q, k, v, segments, *, causal: bool, block: int, interpret: bool) -> jax.Array:
