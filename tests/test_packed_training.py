@@ -140,9 +140,11 @@ CASES = {  # algo fields, packing fields, sharding preset, devices.
 }
 
 
-# VAPO's token-mean and seq-mean-token-sum under FSDP in make test; the other two aggregations in make
-# test-slow, for time (a minute each).
-SLOW_CASES = ("seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-fsdp-8")  # For time.
+# Every case in make test-slow, for time (the vapo case 24 s, the others about a minute each): make test holds
+# packing's parts equal to padding (the log-probs and their gradients, tests/test_logprobs.py; the loss's per-segment
+# aggregation, tests/test_losses.py; the model's packed rows, tests/test_model.py; the layout, tests/test_packing.py)
+# and trains packed rows end to end in aime's rehearsal.
+SLOW_CASES = ("vapo", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-fsdp-8")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])

@@ -59,7 +59,10 @@ def test_a_groups_prompt_is_stored_once_when_its_samples_start(model):
 
 
 # make test: chunks of 1 and 3 tokens (3: chunks that straddle the 4-token pages); make test-slow adds 16, for time.
-@pytest.mark.parametrize("sizes", [(1, 3), pytest.param((1, 3, 16), marks=pytest.mark.slow)],
+# For time (12 s, 19 s): make test prefills in chunks of 3 against the unbudgeted rollout (test_partial_rollout.py)
+# and a chunk over int8 pages against the reference (test_kv_int8.py).
+@pytest.mark.parametrize("sizes", [pytest.param((1, 3), marks=pytest.mark.slow),
+                                   pytest.param((1, 3, 16), marks=pytest.mark.slow)],
                          ids=["1-3", "1-3-16"])
 def test_chunked_prefill_equals_whole_prefill(model, sizes):
   """Prompts of 3 to 21 tokens (a 32-token bucket) prefilled through the pages in chunks of `sizes` tokens: the
@@ -132,6 +135,7 @@ def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
   assert steps == queue_steps(np.asarray(static.response_lengths), 5)
 
 
+@pytest.mark.slow  # For time (16 s): make test replays a preempting pool's schedule against the engine (test_refill.py).
 def test_the_roofline_schedule_replays_the_engine(model):
   """`rollout/refill/replay.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
   steps, preemptions, recomputed tokens and peak pages on the engine's own lengths, with and without preemption."""

@@ -61,8 +61,11 @@ def test_create_sharded_equals_eager_init():
   assert kernel.addressable_shards[0].data.shape == (CFG.num_layers, CFG.hidden_size // 4, CFG.intermediate_size)
 
 
-# The value model on one mesh in make test (its head is the one difference), on the others in make test-slow.
-@pytest.mark.parametrize("name, cls", [(n, CausalLM) for n in MESHES] + [
+# The value model on one mesh in make test (its head is the one difference), on the others in make test-slow; the
+# policy on the meshes the experiments ship (dp: tiny; fsdp: math; fsdp_tp: aime) in make test, on tp in make
+# test-slow, for time (each preset's split of every weight: test_golden_partition_specs).
+@pytest.mark.parametrize("name, cls", [pytest.param(n, CausalLM, marks=pytest.mark.slow if n == "tp" else ())
+                                       for n in MESHES] + [
     pytest.param(n, ValueModel, marks=() if n == "fsdp_tp" else pytest.mark.slow) for n in MESHES])
 def test_sharded_forward_equals_single_device(name, cls):
   model = scaled_model(cls)

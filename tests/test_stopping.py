@@ -109,7 +109,9 @@ def test_a_changed_config_is_warned_about_once(recwarn):
   assert len(changed) == 1 and "seed: 0 → 5" in str(changed[0].message)
 
 
-@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C (SIGINT)"), (signal.SIGTERM, 143, "SIGTERM")])
+# SIGTERM in make test-slow, for time (5 s): the same handler; make test sends SIGTERM during training elsewhere.
+@pytest.mark.parametrize("sig,code,name", [(signal.SIGINT, 130, "Ctrl-C (SIGINT)"),
+                                           pytest.param(signal.SIGTERM, 143, "SIGTERM", marks=pytest.mark.slow)])
 def test_a_signal_during_start_up_says_what_is_true_and_leaves_no_run_directory(tmp_path, sig, code, name):
   """Before the first step nothing is trained or saved: one line says so (no "second Ctrl-C", no checkpoint
   claimed), the exit status is the signal's, and the run directory made for the run is gone."""
