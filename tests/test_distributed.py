@@ -251,7 +251,9 @@ def test_initialize_is_a_no_op_for_one_process():
 
 
 
-@pytest.mark.parametrize("xla_flags, expected", [("", 2), ("--xla_force_host_platform_device_count=3", 3)])
+# XLA_FLAGS' count in make test-slow, for time (3 s): the same order of precedence.
+@pytest.mark.parametrize("xla_flags, expected", [("", 2), pytest.param("--xla_force_host_platform_device_count=3", 3,
+                                                                       marks=pytest.mark.slow)])
 def test_a_configs_cpu_devices_apply_where_nothing_else_says_how_many(xla_flags, expected):
   """`mesh.cpu_devices` makes that many CPU devices in a fresh process; XLA_FLAGS' count comes first."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "VAPO_LOCAL_DEVICES")}

@@ -189,6 +189,8 @@ def test_cli(tmp_path, capsys):
   assert np.isfinite(summary["verify_responses_per_s"])
 
 
+@pytest.mark.slow  # For time (8 s): make test runs the CLI on responses (above, below); the trainer's held-out
+# generation runs in aime's rehearsal.
 def test_cli_generates_from_a_checkpoint(tmp_path, capsys):
   from flax import nnx
 

@@ -36,6 +36,7 @@ def test_levels_are_read_from_a_files_level_field_and_are_a_sums_number_of_terms
   assert all(r.level == r.prompt.count("+") + 1 for r in sums) and {r.level for r in sums} == {2, 3, 4, 5}
 
 
+@pytest.mark.slow  # For time (8 s): make test holds the accuracy by level to each level's problems (above).
 def test_a_finished_runs_summary_gives_the_accuracy_by_level_and_a_rerun_keeps_it(smoke_config):
   """A finished run's summary gives the logged accuracy by level; re-running it keeps summary.json as it was,
   its seconds too (not the re-run's)."""

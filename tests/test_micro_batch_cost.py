@@ -9,6 +9,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from experiments import get_experiment
 from vapo_jax.rollout.refill import replay
@@ -82,6 +83,7 @@ def test_mini_batches_cut_to_fill_micro_batches_are_charged_as_the_plan_cuts_the
                              1 - plan.update_metrics["perf/padding_frac_update"], rtol=1e-12)
 
 
+@pytest.mark.slow  # For time (7 s): a property of aime's speed, not of its results.
 def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_profile_b():
   """`aime`'s micro-batch is one row per FSDP group (64), the fewest its mesh allows; equal mini-batches of 512
   would leave 28 % of its slots empty there (over the bound: `fitting_micro_rows` finds no size within it), so

@@ -135,7 +135,7 @@ def test_the_contiguous_reference_engine_samples_the_static_tokens(model):
   assert steps == queue_steps(np.asarray(static.response_lengths), 5)
 
 
-@pytest.mark.slow  # For time (16 s): make test replays a preempting pool's schedule against the engine (test_refill.py).
+@pytest.mark.slow  # For time (16 s): make test replays a preempting pool's schedule against the engine (test_refill).
 def test_the_roofline_schedule_replays_the_engine(model):
   """`rollout/refill/replay.simulate` (the roofline's model of the decode loop) gives the engine's decode steps, row
   steps, preemptions, recomputed tokens and peak pages on the engine's own lengths, with and without preemption."""

@@ -70,6 +70,7 @@ def test_sharded_log_probs_of_a_split_hidden_equal_single_device():
                                err_msg=str(path))
 
 
+@pytest.mark.slow  # For time (11 s): a property of the compiled program's speed, not of its results.
 @pytest.mark.skipif(topologies.libtpu_missing() is not None, reason=str(topologies.libtpu_missing()))
 def test_the_log_probs_gather_a_split_hidden_once_not_once_a_block_on_tpu():
   """Compiled for 8 v5p chips (the TPU compiler's passes, which the CPU's lack, move a loop's reduction out of

@@ -69,6 +69,7 @@ def test_the_trainer_refuses_an_evaluation_that_cannot_run_before_the_first_step
     Trainer(smoke_config({"rollout.pages": 3, "eval.path": problems}), verbose=False)
 
 
+@pytest.mark.slow  # For time (10 s): make test saves after each stage and resumes from it (aime's rehearsal).
 def test_the_warm_start_is_saved_before_the_first_evaluation(smoke_config, monkeypatch):
   config = smoke_config({"algo.value_pretrain_steps": 0, "rl_steps": 0})
   trainer = Trainer(config, verbose=False)
