@@ -41,8 +41,9 @@ def test_splash_in_the_pallas_interpreter_equals_the_definition():
 def test_splash_in_the_tpu_interpreter_under_shard_map_equals_the_reference():
   """The shipped path, `interpret=False`, in the TPU interpreter (`force_tpu_interpret_mode`: scalar prefetch and
   block copies as the chip runs them) under shard_map on a (fsdp 2, tensor 2) mesh, rows and heads split: output
-  and gradients are the dense reference's on packed rows whose narrowed masks skip pairs."""
-  q, k, v, weights = _inputs(2, 256, 256, kv_heads=2, groups=1, head_dim=16, seed=8)
+  and gradients are the dense reference's on packed rows whose narrowed masks skip pairs, two query heads to a kv
+  head."""
+  q, k, v, weights = _inputs(2, 256, 256, kv_heads=2, groups=2, head_dim=16, seed=8)
   rows = [[60, 68, 100], [128, 50]]  # Each row's second block shares no segment with its first: a pair skipped.
   segments = jnp.asarray(_segments(rows, 256))
   assert splash_kernel.visited_blocks(np.asarray(segments), 128) == 2 * 2
