@@ -299,20 +299,8 @@ def test_splash_in_the_pallas_interpreter_equals_reference(form):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
 
 
-def test_splash_places_rows_and_kv_heads_on_fsdp_tp():
-  """fsdp_tp's rules put splash's rows on (data, fsdp) and its kv heads' query heads on tensor; heads that do not
-  divide the tensor axis stay whole on every device (rows still split)."""
-  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  rules = sharding.PRESETS["fsdp_tp"]
-  heads, rows = attention._splash_specs(mesh, rules, batch=4, heads=4, kv_heads=2)
-  assert heads == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
-  assert rows == jax.sharding.PartitionSpec(("data", "fsdp"), None)
-  assert attention._splash_specs(mesh, rules, batch=4, heads=6, kv_heads=3)[0] == jax.sharding.PartitionSpec(
-      ("data", "fsdp"), None, None, None)
-
-
 # Both in make test-slow, for time (the interpreter's 5 s and 20 s): make test runs the shipped path under shard_map
-# in the TPU interpreter on packed rows with grouped queries (tests/test_splash.py).
+# in the TPU interpreter on packed rows with grouped queries, and its placement (tests/test_splash.py).
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["ranges", "segments"])
 def test_splash_under_shard_map_equals_chunked_in_the_interpreter(form):

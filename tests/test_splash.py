@@ -53,3 +53,15 @@ def test_splash_in_the_tpu_interpreter_under_shard_map_equals_the_reference():
     got = _out_and_grads(lambda *a: attention.splash(*a, segment_ids=segments, block=128), q, k, v, weights)
   for want, have in zip(expected, got):
     np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+
+
+def test_splash_places_rows_and_kv_heads_on_fsdp_tp():
+  """fsdp_tp's rules put splash's rows on (data, fsdp) and its kv heads' query heads on tensor; heads that do not
+  divide the tensor axis stay whole on every device (rows still split)."""
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  rules = sharding.PRESETS["fsdp_tp"]
+  heads, rows = attention._splash_specs(mesh, rules, batch=4, heads=4, kv_heads=2)
+  assert heads == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
+  assert rows == jax.sharding.PartitionSpec(("data", "fsdp"), None)
+  assert attention._splash_specs(mesh, rules, batch=4, heads=6, kv_heads=3)[0] == jax.sharding.PartitionSpec(
+      ("data", "fsdp"), None, None, None)
