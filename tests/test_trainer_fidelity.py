@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from vapo_jax.config import AlgoConfig
-from vapo_jax.models.transformer import positions_from_mask
+from vapo_jax.models.config import preset
+from vapo_jax.models.transformer import ValueModel, positions_from_mask
 from vapo_jax.train import updates
 from vapo_jax.train.algorithm import value_pretraining_converged
 from vapo_jax.train.experience import DynamicSamplingCapReached
@@ -52,21 +53,39 @@ def test_the_actor_learns_from_the_policy_gradient_alone(smoke_config):
   assert np.mean(accuracy[-4:]) > max(0.45, np.mean(accuracy[:4]) + 0.15), accuracy
 
 
+def _assert_values_are_read_before_each_token(critic, tokens, attention, response_len):
+  """V(s_t) is the critic's output at position prompt_len − 1 + t (the state before response token t)."""
+  critic.value_head[...] = jax.random.normal(jax.random.key(1), critic.value_head[...].shape)  # Zero at init.
+  graphdef, params = nnx.split(critic)
+  full = jax.jit(lambda p, x, m: nnx.merge(graphdef, p)(x, positions_from_mask(m), m)[0])(params, tokens, attention)
+  values = jax.jit(lambda p, x, m: updates.values(graphdef, p, x, m, response_len=response_len))(params, tokens,
+                                                                                                 attention)
+  prompt_len = tokens.shape[1] - response_len
+  for t in range(response_len):
+    np.testing.assert_allclose(np.asarray(values)[:, t], np.asarray(full)[:, prompt_len - 1 + t], rtol=1e-6)
+
+
+def test_values_are_read_before_each_token():
+  """Left-padded prompts of several lengths, then responses with right padding, as a rollout lays them out."""
+  rng = np.random.default_rng(0)
+  prompt, response = 8, 6
+  prompt_mask = np.arange(prompt)[None] >= prompt - np.array([8, 3, 1, 5])[:, None]
+  response_mask = np.arange(response)[None] < np.array([6, 2, 4, 0])[:, None]
+  attention = np.concatenate([prompt_mask, response_mask], axis=1)
+  tokens = np.where(attention, rng.integers(3, 259, attention.shape), 0).astype(np.int32)
+  _assert_values_are_read_before_each_token(ValueModel(preset("micro"), rngs=nnx.Rngs(0)), tokens, attention,
+                                            response)
+
+
+@pytest.mark.slow  # For time (14 s): make test bounds the gap in aime's rehearsal and reads the values above.
 def test_trainer_logprobs_match_the_sampler_and_values_are_read_before_each_token(smoke_config):
   trainer = Trainer(config(smoke_config, EVEN_FIRST_BYTE), write_logs=False, verbose=False)
   state, key = trainer.state.split_key()
   out, rewards, correct, *_ = trainer.experience.sample(state, trainer.progress.prompts, key)
   batch, stats = trainer.steps.score(state, out, rewards, correct)
   assert float(stats["rollout/logprob_gap"]) < 1e-4
-  # V(s_t) is the critic's output at position prompt_len − 1 + t (the state before response token t).
-  critic = nnx.merge(trainer.steps.critic_def, state.critic)
-  critic.value_head[...] = jax.random.normal(jax.random.key(1), critic.value_head[...].shape)  # Zero at init.
-  tokens, attention = np.asarray(batch.tokens), np.asarray(batch.attention_mask)
-  full, _ = critic(tokens, positions_from_mask(attention), attention)
-  values = updates.values(trainer.steps.critic_def, nnx.state(critic), tokens, attention, response_len=16)
-  prompt_len = tokens.shape[1] - 16
-  for t in range(16):
-    np.testing.assert_allclose(np.asarray(values)[:, t], np.asarray(full)[:, prompt_len - 1 + t], rtol=1e-6)
+  _assert_values_are_read_before_each_token(nnx.merge(trainer.steps.critic_def, state.critic),
+                                            np.asarray(batch.tokens), np.asarray(batch.attention_mask), 16)
   trainer.close()
 
 
