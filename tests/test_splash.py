@@ -1,7 +1,7 @@
 """The splash kernel (`models/splash.py`) on packed rows of several blocks, its block masks narrowed row by row to the
 pairs whose blocks share a segment: the shipped path in the TPU interpreter under shard_map against the dense
-reference (make test), the Pallas interpreter against attention written from its definition (make test-slow), and
-the pairs it visits counted."""
+reference (make test), the Pallas interpreter against attention written from its definition (make test-slow), the
+pairs it visits counted, and its placement under fsdp_tp's rules."""
 
 import jax
 import jax.numpy as jnp
