@@ -144,10 +144,8 @@ CASES = {  # algo fields, packing fields, sharding preset, devices.
 # packing's parts equal to padding (the log-probs and their gradients, tests/test_logprobs.py; the loss's per-segment
 # aggregation, tests/test_losses.py; the model's packed rows, tests/test_model.py; the layout, tests/test_packing.py)
 # and trains packed rows end to end in aime's rehearsal.
-SLOW_CASES = ("vapo", "seq-mean-token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum-fsdp-8")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
 def test_a_packed_step_equals_the_padded_one(case):
   algo, packing, preset_name, devices = CASES[case]
   devices = jax.devices()[:devices]
