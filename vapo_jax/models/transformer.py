@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from vapo_jax import kinds
-from vapo_jax.models import collective_matmul, int8_weights
+from vapo_jax.models import collective_matmul, glu, int8_weights
 from vapo_jax.models import remat as remat_lib
 from vapo_jax.models.attention import attend, key_ranges, select
 from vapo_jax.models.config import TransformerConfig
@@ -166,14 +166,13 @@ class MLP(nnx.Module):
                ("BTD,DF->BTF", self.up_proj.get_value(), ("embed", "mlp")))
     down = ("BTF,FD->BTD", self.down_proj.get_value(), ("mlp", "embed"))
     if steps is not None and not self.mlp_bias:  # Chunk by chunk, the middle never whole.
-      return collective_matmul.gather_map_scatter(x, triples, lambda gate, up: jax.nn.silu(gate) * up, down,
-                                                  axis=steps)
+      return collective_matmul.gather_map_scatter(x, triples, glu.gated_silu, down, axis=steps)
     if steps is not None:
       raise ValueError("an MLP with biases takes its input whole along the sequence (steps=None)")
     gate, up = (int8_weights.einsum(spec, x, kernel) for spec, kernel, _ in triples)
     if self.mlp_bias:
       gate, up = gate + self.gate_bias[...].astype(dtype), up + self.up_bias[...].astype(dtype)
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    hidden = constrain(glu.gated_silu(gate, up), ("batch", "seq", "act_mlp"))
     out = int8_weights.einsum(down[0], hidden, down[1])
     return out + self.down_bias[...].astype(dtype) if self.mlp_bias else out
 
