@@ -3,6 +3,7 @@
   config            the architecture, read from a Hugging Face `config.json`, and the named presets
   transformer       the causal LM and the value model, decoder layers stacked and scanned, with KV cache
   remat             rematerialisation policies: what a decoder layer keeps for the backward pass
+  glu               the MLP's middle, silu(gate) · up, its gradient written out and written to memory once
   int8_weights      int8 matmul kernels with a scale per output channel: the rollout's quantised weights
   attention         `attend`: flash attention in pure JAX, the platform kernels, the dense oracle
   flash             `chunked`, the pure-JAX flash attention that runs everywhere
