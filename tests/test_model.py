@@ -13,7 +13,7 @@ from model_utils import FIXTURES, PARITY_MODELS, reference
 from vapo_jax.models import config as model_config
 from vapo_jax.models import huggingface
 from vapo_jax.models.kv_cache import KVCache
-from vapo_jax.models.transformer import CausalLM, ValueModel, positions_from_mask
+from vapo_jax.models.transformer import CausalLM, ValueModel, _rotate, positions_from_mask
 from vapo_jax.paths import DATA_DIR
 from vapo_jax.train import packing
 
@@ -197,3 +197,15 @@ def test_a_packed_sequence_sees_no_other():
   after = np.asarray(run(model, jnp.where(changed, (packed.tokens + 1) % 259, packed.tokens), packed))
   np.testing.assert_array_equal(after[~changed & (segments > 0)], before[~changed & (segments > 0)])
   assert np.all(np.abs(after[changed] - before[changed]).max(-1) > 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rotary_by_matmul_equals_the_slices(dtype):
+  """The calls without a cache rotate q and k by a product with a signed permutation (`_rotate(by_matmul=True)`),
+  the rollout's by slices and a concatenation: the same values, bit for bit, jitted."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (2, 7, 3, 16), dtype)
+  cos, sin = (jax.random.normal(k, (2, 7, 16), dtype) for k in keys[1:])
+  rotate = jax.jit(_rotate, static_argnames="by_matmul")
+  np.testing.assert_array_equal(np.asarray(rotate(x, cos, sin, by_matmul=True).astype(jnp.float32)),
+                                np.asarray(rotate(x, cos, sin, by_matmul=False).astype(jnp.float32)))

@@ -32,6 +32,7 @@ each row reading its own pages: `PagedKVCache.attend_chunk`), its rows' tokens i
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from vapo_jax import kinds
@@ -76,10 +77,21 @@ class RMSNorm(nnx.Module):
     return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotary embedding, half-split convention: x·cos + rotate_half(x)·sin, `x` `[B, T, *, H]`."""
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, by_matmul: bool = False) -> jax.Array:
+  """Rotary embedding, half-split convention: x·cos + rotate_half(x)·sin, `x` `[B, T, *, H]`. by_matmul:
+  rotate_half(x) as x times a signed permutation `[H, H]` (exact: each output is one input, negated or not), which
+  the TPU compiler prices at about half the slices and concatenation's cycles (docs/pod.md). The calls without a
+  cache (training, scoring) take it; the rollout's keep the slices, so that its log-probs stay bitwise as they were
+  (on CPU the sum that follows fuses differently and rounds a few by one unit in the last place)."""
   half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  if by_matmul:
+    turn = np.zeros((2 * half, 2 * half), np.float32)
+    turn[half:, :half], turn[:half, half:] = -np.eye(half), np.eye(half)
+    turn = jnp.broadcast_to(jnp.asarray(turn, x.dtype), (x.shape[-2], *turn.shape))  # A batch of heads: a product
+    # with a batch axis, which `remat`'s policies do not keep (they keep q and k before it).
+    rotated = jnp.einsum("btnh,nhg->btng", x, turn, precision=jax.lax.Precision.HIGHEST)
+  else:
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
   return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
@@ -118,8 +130,9 @@ class Attention(nnx.Module):
       q, k, v = (t + b[...].astype(dtype) for t, b in ((q, self.q_bias), (k, self.k_bias), (v, self.v_bias)))
     q, k, v = (remat_lib.named(t, n) for t,
                n in ((q, remat_lib.QUERY), (k, remat_lib.KEY), (v, remat_lib.VALUE)))
-    q = constrain(_rotate(q, cos, sin), ("batch", "seq", "act_heads", None))
-    k = _rotate(k, cos, sin)
+    by_matmul = layer_cache is None
+    q = constrain(_rotate(q, cos, sin, by_matmul=by_matmul), ("batch", "seq", "act_heads", None))
+    k = _rotate(k, cos, sin, by_matmul=by_matmul)
     keys, values = new_cache = k, v  # Without a cache, (k, v) is returned as is (the backbone drops it).
     if layer_cache is not None:
       cache, layer = layer_cache
