@@ -78,7 +78,7 @@ def vapo() -> ExperimentConfig:
       # step reads, against bfloat16's 8.00), over a paged int8 KV cache (a scale per token and KV head): a
       # pool of 64 GiB per chip (31,775 pages of 128 tokens per group, 16.5 KiB per token per chip), every one
       # of a group's 256 sequences in a slot at once: the fewest decode steps (the longest response's). Under
-      # the roofline's long-tailed profile (B) the rollout is 106 s of a 404-s step (461 s by the compiler's
+      # the roofline's long-tailed profile (B) the rollout is 106 s of a 402-s step (455 s by the compiler's
       # cycles), against 191 s in bfloat16 (docs/pod.md); on the toy, int8 sampling moved the sampler by a KL of
       # 1e-5 a token and cost no held-out gain (docs/results.md). With every response at the cap the pool holds
       # about 200 sequences a group and the engine preempts and restarts the latest-started. Sized by XLA's
