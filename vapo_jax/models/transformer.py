@@ -79,16 +79,16 @@ class RMSNorm(nnx.Module):
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, by_matmul: bool = False) -> jax.Array:
   """Rotary embedding, half-split convention: x·cos + rotate_half(x)·sin, `x` `[B, T, *, H]`. by_matmul:
-  rotate_half(x) as x times a signed permutation `[H, H]` (exact: each output is one input, negated or not), which
-  the TPU compiler prices at about half the slices and concatenation's cycles (docs/pod.md). The calls without a
-  cache (training, scoring) take it; the rollout's keep the slices, so that its log-probs stay bitwise as they were
-  (on CPU the sum that follows fuses differently and rounds a few by one unit in the last place)."""
+  rotate_half(x) as x times a signed permutation `[H, H]` (exact: each output one input, negated or not), which the
+  TPU compiler prices at about half the slices and concatenation's cycles (docs/pod.md). Calls without a cache
+  (training, scoring) take it; the rollout's keep the slices, so its log-probs stay bitwise as they were (on CPU
+  the sum that follows fuses differently and rounds a few by one unit in the last place)."""
   half = x.shape[-1] // 2
   if by_matmul:
     turn = np.zeros((2 * half, 2 * half), np.float32)
     turn[half:, :half], turn[:half, half:] = -np.eye(half), np.eye(half)
-    turn = jnp.broadcast_to(jnp.asarray(turn, x.dtype), (x.shape[-2], *turn.shape))  # A batch of heads: a product
-    # with a batch axis, which `remat`'s policies do not keep (they keep q and k before it).
+    # Per head: a batched product, which `remat`'s policies do not keep (they keep q and k before it).
+    turn = jnp.broadcast_to(jnp.asarray(turn, x.dtype), (x.shape[-2], *turn.shape))
     rotated = jnp.einsum("btnh,nhg->btng", x, turn, precision=jax.lax.Precision.HIGHEST)
   else:
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
