@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from vapo_jax.memory import topologies
+from vapo_jax.memory import hlo, topologies
 from vapo_jax.models import glu
 
 
@@ -81,19 +81,21 @@ def test_no_weight_gradient_computes_the_exponential_on_v5p():
       return jnp.sum((middle(x @ gate, x @ up) @ down).astype(jnp.float32) ** 2)
     text = jax.jit(jax.grad(loss)).lower((spec(width, mlp), spec(width, mlp), spec(mlp, width)),
                                          spec(tokens, width)).compile().as_text()
-    bodies = dict(re.findall(r"^(%\S+) .*?\{\n(.*?)\n\}", text, re.S | re.M))
-    # (result type, computation, the rest of the line): the backward's are named "transpose(jvp(...))".
-    fusions = re.findall(r"^\s*%\S+ = (.*?) fusion\(.*?calls=(%[\w.\-]+)(.*)$", text, re.M)
-    of_shape = lambda *shapes: [(name, rest) for kind, name, rest in fusions if kind.lstrip("(").startswith(shapes)]
+    _, computations, _ = hlo.parse(text)
+    calls = lambda body: re.findall(r"calls=%?([\w.\-]+)", body)
+    # (result type, called computation, body) of each fusion: the backward's are named "transpose(jvp(...))".
+    fusions = [(kind, called, body) for rows in computations.values() for _, kind, opcode, body in rows
+               if opcode == "fusion" for called in calls(body)[:1]]
+    of_shape = lambda *shapes: [(name, body) for kind, name, body in fusions if kind.lstrip("(").startswith(shapes)]
     weight_shaped = [name for name, _ in of_shape(f"bf16[{width},{mlp}]", f"bf16[{mlp},{width}]")]
     # ∂(silu(gate) · up) = ∂out · downᵀ: `[tokens, mlp]` in the backward.
-    middle = [name for name, rest in of_shape(f"bf16[{tokens},{mlp}]") if "transpose(" in rest]
+    middle = [name for name, body in of_shape(f"bf16[{tokens},{mlp}]") if "transpose(" in body]
 
     def holds(name, seen=()):  # An exponential in the computation or in the fusions it calls.
-      body = bodies.get(name, "")
-      calls = re.findall(r"calls=(%[\w.\-]+)", body)
-      return " exponential(" in body or any(holds(c, seen + (c,)) for c in calls if c not in seen)
-    matmul = lambda names: [name for name in names if re.search(r"= \S+ convolution\(", bodies.get(name, ""))]
+      rows = computations.get(name, [])
+      return any(opcode == "exponential" for _, _, opcode, _ in rows) or any(
+          holds(c, seen + (c,)) for _, _, _, body in rows for c in calls(body) if c not in seen)
+    matmul = lambda names: [name for name in names if any(row[2] == "convolution" for row in computations[name])]
     assert len(matmul(weight_shaped)) == 3, weight_shaped  # The three weight gradients, each a matmul fusion.
     return sum(holds(name) for name in matmul(weight_shaped) + matmul(middle))
 
