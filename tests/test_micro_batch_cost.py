@@ -87,7 +87,8 @@ def test_mini_batches_cut_to_fill_micro_batches_are_charged_as_the_plan_cuts_the
 def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_profile_b():
   """`aime`'s micro-batch is one row per FSDP group (64), the fewest its mesh allows; equal mini-batches of 512
   would leave 28 % of its slots empty there (over the bound: `fitting_micro_rows` finds no size within it), so
-  `aime` cuts its mini-batches to fill micro-batches, and pads less than 4 %. On the mesh it had before (FSDP
+  `aime` cuts its mini-batches to fill micro-batches, and pads less than 1 % (34 micro-batches, the least its
+  tokens allow: 33.8). On the mesh it had before (FSDP
   over 32, micro-batches of 32 rows) equal mini-batches stayed within the bound, at 85.6 %."""
   c = get_experiment("aime")
   prompts, where = profiles.prompt_lengths(c)
@@ -98,7 +99,7 @@ def test_aimes_micro_batch_pads_at_most_15_percent_of_the_updates_slots_under_pr
   assert c.packing.fill_micro_batches and c.packing.micro_batch_rows == multiple == 64
   assert micro_batch_cost.fitting_micro_rows(equal, tokens, multiple) == multiple
   assert micro_batch_cost.token_fill(equal, tokens, multiple) < 1 - micro_batch_cost.MAX_PADDING
-  assert micro_batch_cost.token_fill(c, tokens, multiple) >= 0.96
+  assert micro_batch_cost.token_fill(c, tokens, multiple) >= 0.99
   assert micro_batch_cost.fitting_micro_rows(equal, tokens, 32) == 32
   assert micro_batch_cost.token_fill(equal, tokens, 32) >= 1 - micro_batch_cost.MAX_PADDING
 

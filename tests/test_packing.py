@@ -53,13 +53,15 @@ def test_first_fit_decreasing_never_overfills_and_never_overlaps(lengths, row_to
 @hypothesis.given(st.lists(st.integers(0, 16), min_size=1, max_size=48), st.integers(1, 6), st.integers(1, 3),
                   st.randoms(use_true_random=False))
 def test_cut_filled_cuts_the_order_into_runs_that_never_run_more_micro_batches(lengths, runs, micro_rows, rnd):
-  """Contiguous pieces of the order, each sequence once, every run's rows end to end and within a row; never
-  more micro-batches than equal pieces (first-fit decreasing each)."""
+  """Contiguous pieces of the order, each sequence once, every run's rows end to end and within a row; no run
+  empty while there are sequences for each; never more micro-batches than equal pieces (first-fit decreasing
+  each)."""
   row_tokens, order = 16, np.array(rnd.sample(range(len(lengths)), len(lengths)))
   lengths = np.asarray(lengths)
   cut = packing.cut_filled(lengths, order, runs, row_tokens, micro_rows)
   assert len(cut.members) == runs
   np.testing.assert_array_equal(np.concatenate(cut.members), order)
+  assert len(order) < runs or all(ids.size for ids in cut.members)
   for ids, needed in zip(cut.members, cut.needed):
     real = ids[lengths[ids] > 0]
     assert np.all(cut.row[ids[lengths[ids] == 0]] == -1) and np.all(cut.row[real] >= 0)
@@ -81,13 +83,20 @@ def test_cut_filled_by_hand():
   last 6, 4 in one row, its share: 3 rows.
 
   [9, 2, 8, 1]: equal pieces [9, 2] and [8, 1] need 2 + 1 rows. T = 2 (shares 1, 1): the first run takes 9
-  (2 fits nowhere), the last needs 2 rows; T = 3 (shares 2, 1; 13.3 tokens): 9 | 2, 8, then 1 alone: 3 rows, no
-  fewer than the equal pieces, which are kept."""
+  (9 and 2 need 2 rows), the last needs 2 rows; T = 3 (shares 2, 1; 13.3 tokens): 9 | 8 + 2, then 1 alone: 3
+  rows, no fewer than the equal pieces, which are kept.
+
+  [4, 4, 6, 5, 8]: T = 3 (⌈27 / 10⌉; shares 2, 1; 18 tokens): the first run's 4, 4, 6, 5 first-fit decreasing
+  fill 2 rows (6 + 4, 5 + 4), the last 8 alone: 3 rows. In the order's order 5 fits neither 4 + 4 nor 6, so
+  first fit that way stops at 4, 4, 6 and leaves 5, 8 two rows; equal pieces [4, 4, 6] and [5, 8] need 4."""
   cut = packing.cut_filled(np.array([6, 6, 4, 4, 6, 4]), np.arange(6), 2, 10, 1)
   assert [m.tolist() for m in cut.members] == [[0, 1, 2, 3], [4, 5]] and cut.needed.tolist() == [2, 1]
   assert cut.row.tolist() == [0, 1, 0, 1, 0, 0] and cut.offset.tolist() == [0, 0, 6, 6, 0, 6]
   cut = packing.cut_filled(np.array([9, 2, 8, 1]), np.arange(4), 2, 10, 1)
   assert [m.tolist() for m in cut.members] == [[0, 1], [2, 3]] and cut.needed.tolist() == [2, 1]
+  cut = packing.cut_filled(np.array([4, 4, 6, 5, 8]), np.arange(5), 2, 10, 1)
+  assert [m.tolist() for m in cut.members] == [[0, 1, 2, 3], [4]] and cut.needed.tolist() == [2, 1]
+  assert cut.row.tolist() == [0, 1, 0, 1, 0] and cut.offset.tolist() == [6, 5, 0, 0, 0]
 
 
 def test_bucket_rows():

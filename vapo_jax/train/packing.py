@@ -98,14 +98,16 @@ class Cut(NamedTuple):
 
 def cut_filled(lengths, order, runs: int, row_tokens: int, micro_rows: int) -> Cut:
   """`order` `[n]` (sequence ids, shuffled) cut into `runs` contiguous runs whose rows fill whole
-  micro-batches of `micro_rows` rows: each run gets ⌊T/K⌋ or ⌈T/K⌉ micro-batches of the T in all, takes the
-  order's next sequences by first fit (in order, no sorting) into its rows, and ends where the tokens taken
-  reach its share of the order's (share / T), or before a sequence that fits in none of its rows; the last
-  run takes the rest, first-fit decreasing. T is the least from ⌈Σ lengths / (m·L)⌉ up that leaves the last
-  run within its share; where that cut runs no fewer micro-batches than `runs` equal pieces of the order do
-  (each first-fit decreasing, as `place_groups` places them), or no T up to K more closes, the equal pieces.
-  Each run is a contiguous piece of the order: as random as the order, with a number of sequences that follows
-  their lengths."""
+  micro-batches of `micro_rows` rows: each run gets ⌊T/K⌋ or ⌈T/K⌉ micro-batches of the T in all and takes the
+  longest piece of the order, from where the previous run ended, whose sequences first-fit decreasing fill at
+  most its share of rows and whose tokens before its last sequence stay short of its share of the order's
+  (share / T); the last run takes the rest, first-fit decreasing. T is the least from ⌈Σ lengths / (m·L)⌉ up
+  that leaves the last run within its share; where that cut runs no fewer micro-batches than `runs` equal
+  pieces of the order do (each first-fit decreasing, as `place_groups` places them), or no T up to K more
+  closes, the equal pieces. Each run is a contiguous piece of the order: as random as the order, with a number
+  of sequences that follows their lengths. (First-fit decreasing packs a piece nearly as tightly as its tokens
+  allow: under `aime`'s long-tailed profile B, T = ⌈Σ / (m·L)⌉ closes where first fit in the order's order
+  needed one micro-batch more, docs/packing.md.)"""
   lengths, order = np.asarray(lengths, np.int64), np.asarray(order, np.int64)
   if lengths[order].max(initial=0) > row_tokens:
     first_fit_decreasing(lengths[order], row_tokens)  # Raises, naming the sequence.
@@ -131,26 +133,25 @@ def _equal(lengths, order, runs: int, row_tokens: int) -> Cut:
 def _cut(lengths, order, shares: list[int], row_tokens: int, micro_rows: int) -> tuple[Cut, bool]:
   """`cut_filled` at one share of micro-batches per run; and whether the last run fits its share."""
   row, offset = np.full(lengths.shape, -1, np.int32), np.zeros(lengths.shape, np.int32)
+  rows = lambda ids: int(np.max(first_fit_decreasing(lengths[ids], row_tokens)[0], initial=-1)) + 1
   members, needed, start = [], np.zeros(len(shares), np.int64), 0
   before = np.cumsum(lengths[order]) - lengths[order]  # Tokens of the order before each sequence.
   targets = lengths[order].sum() * np.cumsum(shares) / sum(shares)  # Where each run's share of the tokens ends.
   for k, share in enumerate(shares[:-1]):
-    free, j = np.full(share * micro_rows, row_tokens, np.int64), start
-    while j < order.size and before[j] < targets[k]:
-      b, n = order[j], lengths[order[j]]
-      if n > 0:
-        fits = np.flatnonzero(free >= n)
-        if not fits.size:
-          break
-        row[b], offset[b] = fits[0], row_tokens - free[fits[0]]
-        free[fits[0]] -= n
-      j += 1
-    members.append(order[start:j])
-    needed[k], start = np.count_nonzero(free < row_tokens), j
-  rest = order[start:]
-  row[rest], offset[rest] = first_fit_decreasing(lengths[rest], row_tokens)
-  members.append(rest)
-  needed[-1] = int(row[rest].max(initial=-1)) + 1
+    # The longest piece order[start:end] within the tokens' target whose rows fit, bisected: at least one sequence
+    # (one fits a row) and leaving one for each run after it, so that no mini-batch is empty.
+    last = order.size - (len(shares) - 1 - k)  # The end that leaves one sequence for each later run.
+    end = max(start, min(start + 1, last))
+    most = max(end, min(int(np.searchsorted(before, targets[k], side="left")), last))
+    while end < most:
+      middle = (end + most + 1) // 2
+      end, most = (middle, most) if rows(order[start:middle]) <= share * micro_rows else (end, middle - 1)
+    members.append(order[start:end])
+    start = end
+  members.append(order[start:])
+  for k, ids in enumerate(members):
+    row[ids], offset[ids] = first_fit_decreasing(lengths[ids], row_tokens)
+    needed[k] = int(row[ids].max(initial=-1)) + 1
   return Cut(members, row, offset, needed), needed[-1] <= shares[-1] * micro_rows
 
 
