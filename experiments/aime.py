@@ -78,7 +78,7 @@ def vapo() -> ExperimentConfig:
       # step reads, against bfloat16's 8.00), over a paged int8 KV cache (a scale per token and KV head): a
       # pool of 64 GiB per chip (31,775 pages of 128 tokens per group, 16.5 KiB per token per chip), every one
       # of a group's 256 sequences in a slot at once: the fewest decode steps (the longest response's). Under
-      # the roofline's long-tailed profile (B) the rollout is 106 s of a 402-s step (455 s by the compiler's
+      # the roofline's long-tailed profile (B) the rollout is 106 s of a 396-s step (448 s by the compiler's
       # cycles), against 191 s in bfloat16 (docs/pod.md); on the toy, int8 sampling moved the sampler by a KL of
       # 1e-5 a token and cost no held-out gain (docs/results.md). With every response at the cap the pool holds
       # about 200 sequences a group and the engine preempts and restarts the latest-started. Sized by XLA's
@@ -99,8 +99,9 @@ def vapo() -> ExperimentConfig:
       # the roofline's long-tailed profile (B) a mini-batch of 512 responses packs into 128-146 rows, 2.0-2.3
       # micro-batches; so each epoch's shuffled order is cut where the rows fill whole micro-batches
       # (`packing.fill_micro_batches`): still 16 updates of every response once, each mini-batch a contiguous
-      # piece of the order with 2 or 3 micro-batches' share of its tokens (428-724 responses under B), 96.6% of
-      # the slots real, 35 micro-batches a step where equal mini-batches run 47 (72.0% real).
+      # piece of the order with 2 or 3 micro-batches' share of its tokens (446-750 responses under B), 99.5% of
+      # the slots real, 34 micro-batches a step (the least the tokens allow) where equal mini-batches run 47 (72.0%
+      # real).
       # Without the compiler's windowed einsums: with them, each of the FSDP gather's steps accumulates a
       # partial [tokens, width] result in HBM, and the update is bound by HBM (B: 422 s a step's update,
       # against 295 s without; FSDP alone, 401 s; docs/pod.md).
