@@ -259,3 +259,19 @@ ENTRY %main (a: f32[1000], x0: f32[100,100]) -> f32[100,100] {{
   synchronous = inside + "\n  %g = f32[2000]{0} all-gather(%a), dimensions={0}"
   assert hlo_walk.walk(module(synchronous, 3000), chip=chip).hidden_s == pytest.approx(4e-6)  # The permute's only.
   assert hlo_walk.walk(module(inside, 3000)).hidden_s == 0  # Without a chip: nothing priced.
+
+
+def test_a_packed_int4_array_is_half_an_int8_ones_bytes():
+  """Sub-byte types count their packed bytes (a TPU lays `s4` out two to a byte, `E(4)`), not none: an int4
+  weight compiled for a v5p chip into a matmul moves half the int8 weight's bytes."""
+  assert hlo.arrays("s4[5120,3456]{1,0:T(8,128)(8,1)E(4)}") == [("s4", (5120, 3456), 5120 * 3456 // 2)]
+  assert hlo.arrays("(u4[3], f4e2m1fn[5], token[])") == [("u4", (3,), 2), ("f4e2m1fn", (5,), 3)]
+  assert hlo_walk.hbm_bytes("s4[5120,3456]{1,0:T(8,128)(8,1)E(4)}") == 5120 * 3456 // 2
+  device = topologies.named("v5p:2x2x1").devices[0]
+  on_chip = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+  walked = {dtype: hlo_walk.walk(jax.jit(lambda x, w: x @ w.astype(jnp.bfloat16)).lower(
+      on_chip((8, 4096), jnp.bfloat16), on_chip((4096, 2048), dtype)).compile().as_text()).bytes
+            for dtype in (jnp.int8, jnp.int4)}
+  # The weight passes (a relayout copy, then the matmul's read) move 2 bytes an element at int8, 1 at int4; the
+  # activations are the same.
+  assert walked[jnp.int8] - walked[jnp.int4] == 4096 * 2048

@@ -25,8 +25,18 @@ from collections import defaultdict
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all", "collective-broadcast")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+# Bits an element of each HLO type takes in memory: sub-byte types packed (a TPU lays `s4` out as `E(4)`).
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e3m4": 8, "f8e4m3": 8,
+         "f8e4m3fn": 8, "f8e4m3fnuz": 8, "f8e4m3b11fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8, "s16": 16,
+         "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64,
+         "c128": 128}
+
+
+def array_bytes(dtype: str, shape) -> int | None:
+  """Bytes of an HLO array of `dtype` ("bf16", "s4", ...) and `shape` (sub-byte types packed, rounded up); None
+  for a type that holds no data in memory (`token`, `opaque`)."""
+  bits = _BITS.get(dtype)
+  return None if bits is None else -(-math.prod(shape) * bits // 8)
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$")
@@ -53,9 +63,9 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
   """(dtype, dims, bytes) of every array in an HLO type, a tuple's included (layouts ignored)."""
   out = []
   for dtype, dims in _ARRAY.findall(type_text):
-    if dtype in _BYTES:
-      shape = tuple(int(d) for d in dims.split(",") if d)
-      out.append((dtype, shape, math.prod(shape) * _BYTES[dtype]))
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    if (size := array_bytes(dtype, shape)) is not None:
+      out.append((dtype, shape, size))
   return out
 
 

@@ -157,11 +157,9 @@ def hbm_bytes(type_text: str) -> int:
   """Bytes of the arrays of an HLO type (a tuple's added) that live in HBM: no memory space, or `S(0)`."""
   total = 0
   for dtype, dims, layout in _TYPED.findall(type_text):
-    if dtype not in hlo._BYTES or ((space := _SPACE.search(layout or "")) and space.group(1) != "0"):
+    size = hlo.array_bytes(dtype, [int(d) for d in dims.split(",") if d])
+    if size is None or ((space := _SPACE.search(layout or "")) and space.group(1) != "0"):
       continue
-    size = hlo._BYTES[dtype]
-    for d in (d for d in dims.split(",") if d):
-      size *= int(d)
     total += size
   return total
 
