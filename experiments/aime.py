@@ -99,9 +99,8 @@ def vapo() -> ExperimentConfig:
       # the roofline's long-tailed profile (B) a mini-batch of 512 responses packs into 128-146 rows, 2.0-2.3
       # micro-batches; so each epoch's shuffled order is cut where the rows fill whole micro-batches
       # (`packing.fill_micro_batches`): still 16 updates of every response once, each mini-batch a contiguous
-      # piece of the order with 2 or 3 micro-batches' share of its tokens (446-750 responses under B), 99.5% of
-      # the slots real, 34 micro-batches a step (the least the tokens allow) where equal mini-batches run 47 (72.0%
-      # real).
+      # piece of the order with 2 or 3 micro-batches' share of its tokens (446-750 responses under B), 99.5% of the
+      # slots real: 34 micro-batches a step, the least the tokens allow (equal mini-batches: 47, 72.0% real).
       # Without the compiler's windowed einsums: with them, each of the FSDP gather's steps accumulates a
       # partial [tokens, width] result in HBM, and the update is bound by HBM (B: 422 s a step's update,
       # against 295 s without; FSDP alone, 401 s; docs/pod.md).
