@@ -12,7 +12,7 @@ first-fit decreasing fills come first and the micro-batches after them are empty
 those (`lax.cond`), and R, the compiled size, is `packing.bucket_rows` of the rows the largest group
 needs (a power of two times m: few programs). A sequence without a response is not placed. With
 `packing.fill_micro_batches` each epoch's order is cut into mini-batches whose rows fill whole micro-batches
-(`packing.cut_filled`: first fit in the order's order), and the programs take their sequence ids
+(`packing.cut_filled`: contiguous pieces of the order, each first-fit decreasing), and the programs take their ids
 (`RowPlan.members`).
 
 Time index. A loss's per-token arrays sit at each response token's prediction column, the column before its
