@@ -75,6 +75,22 @@ def test_cut_filled_cuts_the_order_into_runs_that_never_run_more_micro_batches(l
   assert np.sum(-(-cut.needed // micro_rows)) <= equal
 
 
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(st.integers(0, 6), st.lists(st.booleans(), min_size=1, max_size=40), st.booleans())
+def test_the_longest_fitting_piece_is_found_from_the_top(least, fits, monotone):
+  """`packing._longest` (how far a run reaches): some j in [least, most] that fits, given that least does; the
+  largest when fitting is monotone (every piece shorter than one that fits fits too)."""
+  most = least + len(fits) - 1
+  table = [True] * least + list(fits)
+  table[least] = True
+  if monotone:
+    table = [all(table[:i + 1]) for i in range(len(table))]
+  j = packing._longest(lambda i: table[i], least, most)
+  assert least <= j <= most and table[j]
+  if monotone:
+    assert j == max(i for i in range(least, most + 1) if table[i])
+
+
 def test_cut_filled_by_hand():
   """Rows of 10 tokens, micro-batches of one row, 2 runs.
 

@@ -141,11 +141,9 @@ def _cut(lengths, order, shares: list[int], row_tokens: int, micro_rows: int) ->
     # The longest piece order[start:end] within the tokens' target whose rows fit, bisected: at least one sequence
     # (one fits a row) and leaving one for each run after it, so that no mini-batch is empty.
     last = order.size - (len(shares) - 1 - k)  # The end that leaves one sequence for each later run.
-    end = max(start, min(start + 1, last))
-    most = max(end, min(int(np.searchsorted(before, targets[k], side="left")), last))
-    while end < most:
-      middle = (end + most + 1) // 2
-      end, most = (middle, most) if rows(order[start:middle]) <= share * micro_rows else (end, middle - 1)
+    least = max(start, min(start + 1, last))
+    end = _longest(lambda j: rows(order[start:j]) <= share * micro_rows, least,
+                   max(least, min(int(np.searchsorted(before, targets[k], side="left")), last)))
     members.append(order[start:end])
     start = end
   members.append(order[start:])
@@ -153,6 +151,19 @@ def _cut(lengths, order, shares: list[int], row_tokens: int, micro_rows: int) ->
     row[ids], offset[ids] = first_fit_decreasing(lengths[ids], row_tokens)
     needed[k] = int(row[ids].max(initial=-1)) + 1
   return Cut(members, row, offset, needed), needed[-1] <= shares[-1] * micro_rows
+
+
+def _longest(fits, least: int, most: int) -> int:
+  """The largest j in [least, most] where `fits(j)`, given `fits(least)`: tried from `most` down in growing steps
+  (the token target usually fits, or a sequence or two below it), then bisected."""
+  fail, step = most + 1, 1
+  while fail - step > least and not fits(fail - step):
+    fail, step = fail - step, 2 * step
+  low = max(least, fail - step)
+  while fail - low > 1:  # fits(low), not fits(fail).
+    middle = (low + fail) // 2
+    low, fail = (middle, fail) if fits(middle) else (low, middle)
+  return low
 
 
 def bucket_rows(needed: int, *, multiple: int = 1, geometric: bool = True) -> int:
