@@ -138,8 +138,8 @@ def _cut(lengths, order, shares: list[int], row_tokens: int, micro_rows: int) ->
   before = np.cumsum(lengths[order]) - lengths[order]  # Tokens of the order before each sequence.
   targets = lengths[order].sum() * np.cumsum(shares) / sum(shares)  # Where each run's share of the tokens ends.
   for k, share in enumerate(shares[:-1]):
-    # The longest piece order[start:end] within the tokens' target whose rows fit, bisected: at least one sequence
-    # (one fits a row) and leaving one for each run after it, so that no mini-batch is empty.
+    # The longest piece order[start:end] within the tokens' target whose rows fit (`_longest`): at least one
+    # sequence (one fits a row) and leaving one for each run after it, so that no mini-batch is empty.
     last = order.size - (len(shares) - 1 - k)  # The end that leaves one sequence for each later run.
     least = max(start, min(start + 1, last))
     end = _longest(lambda j: rows(order[start:j]) <= share * micro_rows, least,
