@@ -275,3 +275,44 @@ def test_a_packed_int4_array_is_half_an_int8_ones_bytes():
   # The weight passes (a relayout copy, then the matmul's read) move 2 bytes an element at int8, 1 at int4; the
   # activations are the same.
   assert walked[jnp.int8] - walked[jnp.int4] == 4096 * 2048
+
+
+def test_a_continuation_fusion_moves_its_collective_while_its_own_work_runs():
+  """libtpu's asynchronous collective fusion (`continuation_config`): a fusion computing a matmul beside an
+  all-gather is grouped as a matmul, and its all-gather's bytes cross ICI while the matmul runs (up to the
+  matmul's time at its bound and at its cycles); a collective split over two such fusions (one channel) counts
+  half in each. Priced as a lone collective instead, the matmul's cycles went to the collective group and every
+  operand of the fusion crossed ICI."""
+  chip = topologies.Chip(hbm_bytes=0, peak_flops=1e12, hbm_bandwidth=1e10, ici_bandwidth=1e9, clock_hz=1e9)
+
+  def module(fusions: int) -> str:
+    calls = "\n".join(
+        f'  %f{k} = (f32[100,100]{{1,0}}, f32[2000]{{0}}) fusion(%x0, %a), kind=kOutput, calls=%acf, '
+        f'backend_config={{"estimated_cycles":"3000","continuation_config":{{"output_tuple_original_start":"0"}}}}'
+        for k in range(fusions))
+    return f"""HloModule m, is_scheduled=true
+
+%acf (x: f32[100,100], g: f32[1000]) -> (f32[100,100], f32[2000]) {{
+  %x = f32[100,100]{{1,0}} parameter(0)
+  %g = f32[1000]{{0}} parameter(1)
+  %d = f32[100,100]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %ag = f32[2000]{{0}} all-gather(%g), channel_id=7, replica_groups={{{{0,1}}}}, dimensions={{0}}
+  ROOT %t = (f32[100,100]{{1,0}}, f32[2000]{{0}}) tuple(%d, %ag)
+}}
+
+ENTRY %main (a: f32[1000], x0: f32[100,100]) -> f32[100,100] {{
+  %a = f32[1000]{{0}} parameter(0)
+  %x0 = f32[100,100]{{1,0}} parameter(1)
+{calls}
+  ROOT %m = f32[100,100]{{1,0}} get-tuple-element(%f0), index=0
+}}
+"""
+  # The matmul: 2e6 FLOPs, 80 kB read and 88 kB written (16.8 µs at its bound), 3 µs of cycles; the gather's
+  # 8,000 bytes: 8 µs over ICI.
+  one = hlo_walk.walk(module(1), chip=chip)
+  assert set(one.groups) == {"matmul"} and one.flops == 2e6
+  assert one.collective_s == pytest.approx(8e-6)
+  assert one.hidden_s == pytest.approx(8e-6) and one.hidden_cycles_s == pytest.approx(3e-6)
+  two = hlo_walk.walk(module(2), chip=chip)  # One gather in two steps: 4 µs beside each matmul.
+  assert two.collective_s == pytest.approx(8e-6)
+  assert two.hidden_s == pytest.approx(8e-6) and two.hidden_cycles_s == pytest.approx(6e-6)

@@ -15,6 +15,8 @@ what to change is found by compiling again (`what_if`); no hand model of the mem
   hlo              the collectives of a compiled program, read from its HLO text, each loop with its trips
   hlo_walk         a compiled program's HBM bytes and compiler cycles, walked instruction by instruction (here,
                    beside `hlo`, because `aot` walks each program as it compiles it; the roofline reads the walk)
+  hlo_ops          what one instruction of a compiled program is: its group, a convolution's multiply-adds, a
+                   collective's channel, libtpu's asynchronous collective fusions
   overlap          what of a walked computation's collectives runs under its core's work, in the compiled order
   xla_report       every program of a run compiled for a target: XLA's bytes per device of each phase
   phases           a compile report's phase: its programs, each compiled with what the run holds beside it

@@ -20,6 +20,11 @@ operands and results, except:
 - a Pallas kernel (`custom-call` to `tpu_custom_call`) counts its operands and results, the same bytes reported
   apart (`kernel_bytes`) and its calls by kernel name (`kernels`), for a caller that prices the kernel itself.
 
+With a chip, each collective crosses ICI at its bandwidth (`overlap.Timeline`): a synchronous one holding the
+core, an asynchronous one (`-start` … `-done`) under what the core runs in between, and the collective of a
+continuation fusion (libtpu's asynchronous collective fusion, `hlo_ops.CONTINUATION`; its share where one
+collective is split over several) under the work fused beside it, which is grouped and priced as that work.
+
 FLOPs are the matmuls' (dots, and convolutions, XLA's form of many sharded einsums: per output element its
 group's input features times the window taps that land inside the input, padded taps multiplying nothing),
 inside fusions too; elementwise work and Pallas kernels count none.
@@ -39,9 +44,7 @@ import dataclasses
 import math
 import re
 
-import numpy as np
-
-from vapo_jax.memory import hlo, overlap
+from vapo_jax.memory import hlo, hlo_ops, overlap
 
 _FREE = frozenset({"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all", "partition-id",
                    "replica-id", "opt-barrier", "add-dependency"})
@@ -119,40 +122,6 @@ class Walked:
     return min(found, key=lambda x: x.runs) if found else None
 
 
-_COLLECTIVES = frozenset({"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-                          "ragged-all-to-all"})
-GROUPS = ("matmul", "collective", "Pallas kernel", "in-place update", "gather, slice", "copy, transpose",
-          "reduction", "elementwise", "control", "other")
-
-
-def group(opcode: str, inner: set[str], flops: float, body: str) -> str:
-  """The instruction group of a top-level instruction (`GROUPS`), from its opcode, the opcodes fused into it
-  (`inner`) and its matmul FLOPs: a collective (asynchronous ones by their start); a Pallas kernel; any
-  fusion with a matmul; then by what it fuses: an in-place update (scatter, dynamic-update-slice), a gather
-  or slice, only copies and transposes, a reduction, else elementwise work; `control` is a loop's or
-  conditional's own instruction."""
-  ops = inner | {opcode}
-  if any(op.removesuffix("-start") in _COLLECTIVES for op in ops):
-    return "collective"
-  if opcode == "custom-call":
-    return "Pallas kernel" if 'custom_call_target="tpu_custom_call"' in body else "other"
-  if opcode in ("while", "conditional", "call"):
-    return "control"
-  if flops:
-    return "matmul"
-  if ops & {"scatter", "dynamic-update-slice"}:
-    return "in-place update"
-  if ops & {"gather", "dynamic-slice", "slice"}:
-    return "gather, slice"
-  if ops - {"fusion", "parameter", "bitcast", "tuple", "get-tuple-element"} <= {"copy", "copy-start", "transpose"}:
-    return "copy, transpose"
-  if ops & {"reduce", "reduce-window"}:
-    return "reduction"
-  if opcode == "fusion" or ops & {"add", "multiply", "convert", "select", "exponential", "divide"}:
-    return "elementwise"
-  return "other"
-
-
 def hbm_bytes(type_text: str) -> int:
   """Bytes of the arrays of an HLO type (a tuple's added) that live in HBM: no memory space, or `S(0)`."""
   total = 0
@@ -187,6 +156,18 @@ class _Program:
     self.loops: list[Loop] = []
     self.flops_memo: dict[str, float] = {}
     self.pick = max  # A conditional's branch: the costliest; `min` while a loop's plain iteration is walked.
+    # Each continuation fusion's called computation → its collectives (name, type, opcode, body); and how many
+    # such fusions hold a collective of each channel (the steps it is split over).
+    self.carried: dict[str, list[tuple[str, str, str, str]]] = {}
+    self.steps: dict[str, int] = {}
+    for rows in self.computations.values():
+      for _, _, opcode, body in rows:
+        if opcode == "fusion" and hlo_ops.CONTINUATION in body:
+          for callee in self._callees(body, "calls"):
+            self.carried[callee] = [r for r in self.computations[callee]
+                                    if r[2].removesuffix("-start") in hlo_ops.COLLECTIVES]
+            for channel in {hlo_ops.channel(r[3]) for r in self.carried[callee]}:
+              self.steps[channel] = self.steps.get(channel, 0) + 1
 
   def _callees(self, body: str, key: str) -> list[str]:
     return [c for c in re.findall(key + r"=%([\w.\-]+)", body) if c in self.computations]
@@ -243,7 +224,7 @@ class _Program:
       dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", body)
       contracted = math.prod(shape[int(d)] for d in dims.group(1).split(",") if d) if dims else 1
       return 2.0 * out * contracted
-    return 2.0 * _convolution_macs(body, shape, hlo.arrays(type_text)[0][1])
+    return 2.0 * hlo_ops.convolution_macs(body, shape, hlo.arrays(type_text)[0][1])
 
   def fused_flops(self, comp: str, depth: int) -> float:
     if comp not in self.flops_memo:
@@ -312,8 +293,8 @@ class _Program:
     cost.bytes += sum(sizes) + result
     cost.flops += self.matmul_flops(type_text, opcode, body)
     bound = max(cost.flops / self.ridge, cost.bytes) if self.ridge else cost.bytes
-    cost.groups[group(opcode, set(inner.split()), cost.flops, body)] = [1.0, cost.flops, cost.bytes, cost.cycles,
-                                                                        bound]
+    kind = hlo_ops.group(opcode, set(inner.split()), cost.flops, body)
+    cost.groups[kind] = [1.0, cost.flops, cost.bytes, cost.cycles, bound]
     if opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in body:
       cost.kernel_bytes += sum(sizes) + result
       cost.kernels[re.sub(r"\.\d+$", "", name)] = 1.0  # The kernel's name (splash_mha_fwd_…), not the copy's.
@@ -345,37 +326,19 @@ class _Program:
       cost.collective_s += moved / chip.ici_bandwidth
       timeline.collective(name, moved / chip.ici_bandwidth, opcode.endswith("-start"))
       return
+    carried = [r for c in self._callees(body, "calls") for r in self.carried.get(c, [])] if opcode == "fusion" else []
+    if carried:  # Its collectives' share of their steps move while its own work runs.
+      moved = sum(hlo.collective(*r, self.types).moved / self.steps.get(hlo_ops.channel(r[3]), 1) for r in carried)
+      cost.collective_s += moved / chip.ici_bandwidth
+      timeline.collective(name, moved / chip.ici_bandwidth, True)
     work = {g: f for g, f in cost.groups.items() if g != "collective"}
     bound = sum(f[4] for f in work.values()) / chip.hbm_bandwidth
     kernels = work.get("Pallas kernel", [0.0] * 5)[4] / chip.hbm_bandwidth
     cycles = cost.cycles / chip.clock_hz if chip.clock_hz else 0.0
-    timeline.compute((bound + cost.collective_s - cost.hidden_s,
-                      cycles + kernels + cost.collective_s - cost.hidden_cycles_s))
-
-
-def _convolution_macs(body: str, lhs: tuple, out: tuple) -> float:
-  """Multiply-adds of a convolution (XLA writes many matmuls as one): for every output element, the input
-  features of its group times the window taps that land inside the input (a tap on padding multiplies
-  nothing), per spatial dimension counted exactly for the window's size, padding and stride."""
-  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", body)
-  if labels is None:
-    return 0.0
-  lhs_labels, out_labels = labels.group(1), labels.group(3)
-  groups = re.search(r"feature_group_count=(\d+)", body)
-  features = lhs[lhs_labels.index("f")] // (int(groups.group(1)) if groups else 1)
-  field = lambda key: (re.search(key + r"=([\d_x-]+)", body).group(1).split("x")
-                       if re.search(key + r"=([\d_x-]+)", body) else None)
-  sizes, pads, strides = field("size"), field("pad"), field("stride")
-  spatial = sorted(c for c in lhs_labels if c.isdigit())
-  macs = math.prod(d for d, c in zip(out, out_labels) if not c.isdigit()) * features
-  for k, digit in enumerate(spatial):
-    n, o = lhs[lhs_labels.index(digit)], out[out_labels.index(digit)]
-    taps = int(sizes[k]) if sizes else 1
-    low = int(pads[k].split("_")[0]) if pads else 0
-    stride = int(strides[k]) if strides else 1
-    index = np.arange(o)[:, None] * stride - low + np.arange(taps)[None, :]
-    macs *= int(np.count_nonzero((index >= 0) & (index < n)))
-  return float(macs)
+    nested = cost.collective_s - (moved / chip.ici_bandwidth if carried else 0.0)  # A loop's or call's own.
+    timeline.compute((bound + nested - cost.hidden_s, cycles + kernels + nested - cost.hidden_cycles_s))
+    if carried:
+      timeline.done(name)
 
 
 def _result_arrays(type_text: str) -> list[str]:

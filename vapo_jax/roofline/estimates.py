@@ -21,7 +21,7 @@ class Estimate(NamedTuple):
   model_flops: float = 0.0  # Useful FLOPs of the phase on all chips.
   priced_s: float | None = None  # Priced part by part (the rollout: its decode steps one by one), else None.
   cycles_s: float = 0.0  # The compiler's estimated cycles at the chip's clock (uncalibrated; kernels count none).
-  # Walked programs (scoring, the update): their instruction groups (`hlo_walk.group`) in the step's runs, per
+  # Walked programs (scoring, the update): their instruction groups (`hlo_ops.group`) in the step's runs, per
   # chip: name → (instructions run, FLOPs, HBM bytes, bound s, the compiler's cycles s), the bound each
   # instruction at the slower of its FLOPs and its bytes.
   groups: dict[str, tuple[float, ...]] | None = None
