@@ -7,12 +7,13 @@ import re
 
 import numpy as np
 
+from vapo_jax.memory import hlo
+
 # In the backend config of libtpu's asynchronous collective fusions (`--xla_tpu_enable_async_collective_fusion`):
 # a collective fused with work that runs while it moves; one collective may be split over several such fusions
 # (`--xla_tpu_enable_async_collective_fusion_multiple_steps`), each holding it under the same channel.
 CONTINUATION = '"continuation_config"'
-COLLECTIVES = frozenset({"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-                         "ragged-all-to-all"})
+COLLECTIVES = frozenset(hlo.COLLECTIVES)
 GROUPS = ("matmul", "collective", "Pallas kernel", "in-place update", "gather, slice", "copy, transpose",
           "reduction", "elementwise", "control", "other")
 

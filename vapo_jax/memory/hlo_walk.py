@@ -327,18 +327,20 @@ class _Program:
       timeline.collective(name, moved / chip.ici_bandwidth, opcode.endswith("-start"))
       return
     carried = [r for c in self._callees(body, "calls") for r in self.carried.get(c, [])] if opcode == "fusion" else []
-    if carried:  # Its collectives' share of their steps move while its own work runs.
-      moved = sum(hlo.collective(*r, self.types).moved / self.steps.get(hlo_ops.channel(r[3]), 1) for r in carried)
-      cost.collective_s += moved / chip.ici_bandwidth
-      timeline.collective(name, moved / chip.ici_bandwidth, True)
+    # Its collectives' share of their steps, moving while its own work runs.
+    carried_s = sum(hlo.collective(*r, self.types).moved / self.steps.get(hlo_ops.channel(r[3]), 1)
+                    for r in carried) / chip.ici_bandwidth
+    if carried:
+      timeline.collective(name, carried_s, True)
     work = {g: f for g, f in cost.groups.items() if g != "collective"}
     bound = sum(f[4] for f in work.values()) / chip.hbm_bandwidth
     kernels = work.get("Pallas kernel", [0.0] * 5)[4] / chip.hbm_bandwidth
     cycles = cost.cycles / chip.clock_hz if chip.clock_hz else 0.0
-    nested = cost.collective_s - (moved / chip.ici_bandwidth if carried else 0.0)  # A loop's or call's own.
-    timeline.compute((bound + nested - cost.hidden_s, cycles + kernels + nested - cost.hidden_cycles_s))
+    timeline.compute((bound + cost.collective_s - cost.hidden_s,  # A loop's or call's collectives, as they ran.
+                      cycles + kernels + cost.collective_s - cost.hidden_cycles_s))
     if carried:
       timeline.done(name)
+      cost.collective_s += carried_s
 
 
 def _result_arrays(type_text: str) -> list[str]:
